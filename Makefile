@@ -1,0 +1,37 @@
+# orin-llm developer entry points. Everything a fresh clone needs is installed from here.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: help install lint typecheck test test-unit serve clean
+
+help:
+	@echo "make test     create $(VENV), build llama-cpp-python, install orin-llm[dev], lint, run the tests"
+	@echo "make lint     ruff and mypy"
+	@echo "make install  only set up $(VENV)"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip wheel
+
+$(STAMP): $(PY) pyproject.toml scripts/install-llama-cpp.sh
+	PYTHON=$(PY) scripts/install-llama-cpp.sh
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check orin tests bench
+	$(VENV)/bin/ruff format --check orin tests bench
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+test-unit: $(STAMP)
+	$(VENV)/bin/pytest -q tests/unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

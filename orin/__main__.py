@@ -1,0 +1,3 @@
+from orin.cli.app import main
+
+main()

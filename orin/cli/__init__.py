@@ -1,0 +1,1 @@
+"""The orin-llm command line: app.py registers one module per command group."""

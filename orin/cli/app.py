@@ -1,0 +1,42 @@
+"""The orin-llm command: registers the command groups and nothing else."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import typer
+
+from orin import __version__
+from orin.cli import model, profile
+
+app = typer.Typer(
+    name="orin-llm",
+    help="Run large language models on NVIDIA Jetson AGX Orin as a dependable local service.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(model.app, name="model")
+app.add_typer(profile.app, name="profile")
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"orin-llm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    """orin-llm: serve, tune and diagnose LLMs on Jetson AGX Orin."""
+
+
+def main() -> None:
+    level = logging.DEBUG if os.environ.get("ORIN_LLM_DEBUG") else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    app()

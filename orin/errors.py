@@ -1,0 +1,31 @@
+"""The root of every error orin-llm raises on purpose.
+
+Surfaces (CLI, server) map these types to exit codes and HTTP statuses in one
+table each; nothing matches on message text.
+"""
+
+from __future__ import annotations
+
+
+class OrinError(Exception):
+    """An expected failure with a message fit to show a user as one line."""
+
+
+class ModelFileError(OrinError):
+    """A model file is missing, unreadable, not GGUF, truncated or unsupported."""
+
+
+class ProfileError(OrinError):
+    """A profile cannot be found, parsed or validated."""
+
+
+class KVConfigError(OrinError):
+    """A KV-cache configuration that llama.cpp would refuse or run badly."""
+
+
+class DemoModelError(OrinError):
+    """A generated model cannot be made as asked."""
+
+
+class LlamaCppError(OrinError):
+    """llama.cpp is missing or failed in a way the caller cannot fix by input."""

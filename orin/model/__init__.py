@@ -1,0 +1,1 @@
+"""GGUF models: metadata, memory planning and generated demo models."""

@@ -1,0 +1,1 @@
+"""Profiles: one YAML file ties a model, its KV cache and the board's memory together."""

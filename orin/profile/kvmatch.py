@@ -1,0 +1,186 @@
+"""Quantization <-> KV-cache type policy.
+
+``auto`` picks the cache type from the weights' precision, and explicit
+choices are checked against what llama.cpp really does:
+- a quantized V cache needs flash attention (without it llama.cpp refuses to
+  create the context);
+- a CUDA build only has flash-attention kernels for the K/V pairs it was
+  compiled with (FA_QUANTS); any other pair silently runs attention on the CPU;
+- a cache of lower precision than the weights adds error on top of the
+  quantization, so it is allowed but reported with the memory it saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from orin.llamacpp import BuildInfo
+from orin.model.gguf import ModelInfo, weight_bits
+from orin.model.plan import kv_cache_bytes, kv_cells_per_seq
+from orin.profile.schema import EngineSection
+
+Severity = Literal["info", "warning", "error"]
+
+QUANTIZED_KV = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"})
+KV_BITS = {
+    "f32": 32.0,
+    "f16": 16.0,
+    "bf16": 16.0,
+    "q8_0": 8.5,
+    "q5_1": 6.0,
+    "q5_0": 5.5,
+    "q4_1": 5.0,
+    "q4_0": 4.5,
+    "iq4_nl": 4.5,
+}
+
+
+@dataclass(frozen=True)
+class KVFinding:
+    rule: str
+    severity: Severity
+    message: str
+
+
+@dataclass(frozen=True)
+class KVDecision:
+    """Concrete cache types and flash-attention mode, with the reasons."""
+
+    type_k: str
+    type_v: str
+    flash_attn: Literal["auto", "on", "off"]
+    findings: tuple[KVFinding, ...] = field(default_factory=tuple)
+
+    @property
+    def errors(self) -> list[KVFinding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+
+def auto_kv_type(
+    quantization: str | None, q8_fits: Callable[[], bool] | None = None
+) -> tuple[str, str]:
+    """The cache type for ``auto`` and why.
+
+    Full-precision weights keep an f16 cache; 8- and 6-bit weights take q8_0
+    (half the memory, error well below the weights'); 5- and 4-bit weights
+    take q8_0 too, or q4_0 when the planned context does not fit with q8_0.
+    """
+    bits = weight_bits(quantization) if quantization else None
+    if bits is None:
+        return "f16", "the weights' quantization is unknown, so the cache stays f16"
+    if bits >= 16:
+        return "f16", f"{quantization} weights are full precision: f16 cache"
+    if bits >= 6:
+        return "q8_0", f"{quantization} weights are {bits}-bit: q8_0 cache"
+    if q8_fits is not None and not q8_fits():
+        return "q4_0", f"{quantization} weights and the planned context does not fit with q8_0"
+    return "q8_0", f"{quantization} weights are {bits}-bit: q8_0 cache"
+
+
+def resolve_kv(
+    engine: EngineSection,
+    quantization: str | None,
+    info: ModelInfo | None = None,
+    build: BuildInfo | None = None,
+    available: int | None = None,
+) -> KVDecision:
+    """Turn ``auto`` into concrete types and check the result against the rules."""
+    findings: list[KVFinding] = []
+    q8_fits = _q8_fits(engine, info, available)
+    types: dict[str, str] = {"type_k": engine.type_k, "type_v": engine.type_v}
+    for which, chosen in types.items():
+        if chosen != "auto":
+            continue
+        kv, why = auto_kv_type(quantization, q8_fits)
+        if kv in QUANTIZED_KV and engine.flash_attn == "off":
+            kv, why = "f16", why + "; flash attention is off, so f16 instead"
+        types[which] = kv
+        findings.append(KVFinding("kv-auto", "info", f"{which}=auto -> {kv} ({why})"))
+    type_k, type_v = types["type_k"], types["type_v"]
+    flash: Literal["auto", "on", "off"] = engine.flash_attn
+    if flash == "auto" and type_v in QUANTIZED_KV:
+        flash = "on"
+    findings += check_kv(type_k, type_v, flash, engine, quantization, info, build)
+    return KVDecision(type_k, type_v, flash, tuple(findings))
+
+
+def _q8_fits(
+    engine: EngineSection, info: ModelInfo | None, available: int | None
+) -> Callable[[], bool] | None:
+    if info is None or available is None:
+        return None
+
+    def fits() -> bool:
+        from orin.model.plan import total_bytes
+
+        need = total_bytes(info, engine.n_ctx, engine.slots, "q8_0", "q8_0", engine.n_ubatch, True)
+        return need <= available
+
+    return fits
+
+
+def check_kv(
+    type_k: str,
+    type_v: str,
+    flash_attn: str,
+    engine: EngineSection,
+    quantization: str | None,
+    info: ModelInfo | None = None,
+    build: BuildInfo | None = None,
+) -> list[KVFinding]:
+    """Findings for concrete K/V types (no ``auto`` left)."""
+    out: list[KVFinding] = []
+    if type_v in QUANTIZED_KV and flash_attn == "off":
+        out.append(
+            KVFinding(
+                "kv-quant-v-needs-fa",
+                "error",
+                f"a quantized V cache ({type_v}) needs flash attention: llama.cpp refuses to "
+                "create the context with flash_attn off; set engine.flash_attn to on or auto, "
+                "or type_v to f16",
+            )
+        )
+    if build is not None and build.cuda and engine.gpu_layers != 0 and flash_attn != "off":
+        pairs = build.fa_quants
+        if pairs is not None and (type_k, type_v) not in pairs:
+            supported = ", ".join(f"{k}/{v}" for k, v in sorted(pairs))
+            out.append(
+                KVFinding(
+                    "kv-cuda-fa-kernels",
+                    "error",
+                    f"this CUDA build has flash-attention kernels only for {supported}; "
+                    f"K={type_k}/V={type_v} would run attention on the CPU. Use a matching "
+                    "pair or rebuild with scripts/install-llama-cpp.sh (GGML_CUDA_FA_ALL_QUANTS)",
+                )
+            )
+    out += _precision_findings(type_k, type_v, engine, quantization, info)
+    return out
+
+
+def _precision_findings(
+    type_k: str,
+    type_v: str,
+    engine: EngineSection,
+    quantization: str | None,
+    info: ModelInfo | None,
+) -> list[KVFinding]:
+    bits = weight_bits(quantization) if quantization else None
+    kv_bits = min(KV_BITS[type_k], KV_BITS[type_v])
+    if bits is None or kv_bits >= bits:
+        return []
+    saved = ""
+    if info is not None:
+        cells = kv_cells_per_seq(engine.n_ctx, engine.slots) * engine.slots
+        full = kv_cache_bytes(info, cells, "f16", "f16").total
+        this = kv_cache_bytes(info, cells, type_k, type_v).total
+        saved = f"; it saves {(full - this) / 2**20:.1f} MiB against an f16 cache"
+    return [
+        KVFinding(
+            "kv-below-weights",
+            "warning",
+            f"the KV cache (K={type_k}, V={type_v}) has lower precision than the "
+            f"{quantization} weights, adding error on top of the quantization{saved}",
+        )
+    ]

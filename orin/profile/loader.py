@@ -1,0 +1,149 @@
+"""YAML -> Profile, with errors that name the file, the line and the field."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from orin.errors import ProfileError
+from orin.profile.schema import Profile
+
+Loc = tuple[str | int, ...]
+
+
+def builtin_profile_dirs() -> list[Path]:
+    """Built-in profiles: inside an installed wheel, or the repository's profiles/."""
+    here = Path(__file__).resolve().parent.parent
+    return [d for d in (here / "_profiles", here.parent / "profiles") if d.is_dir()]
+
+
+def builtin_profiles() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for d in builtin_profile_dirs():
+        for f in sorted(d.glob("*.yaml")):
+            found.setdefault(f.stem, f)
+    return found
+
+
+def find_profile(name_or_path: str | Path) -> Path:
+    """A profile file by path, or a built-in profile by name."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise ProfileError(f"{p}: no such profile file")
+        return p
+    builtins = builtin_profiles()
+    if str(name_or_path) in builtins:
+        return builtins[str(name_or_path)]
+    close = difflib.get_close_matches(str(name_or_path), builtins, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise ProfileError(
+        f"no profile named '{name_or_path}'{hint} (built-in: {', '.join(builtins) or 'none'})"
+    )
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    path = find_profile(name_or_path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"{path}: cannot read: {exc}") from exc
+    profile = parse_profile(text, str(path))
+    profile.source = path.resolve()
+    return profile
+
+
+def parse_profile(text: str, filename: str = "<profile>") -> Profile:
+    """Parse and validate profile YAML; every problem becomes 'file:line: field: message'."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 1
+        raise ProfileError(f"{filename}:{line}: YAML syntax error: {exc.problem}") from exc
+    if not isinstance(data, dict):
+        raise ProfileError(f"{filename}:1: a profile must be a YAML mapping of sections")
+    lines = _line_index(node)
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as exc:
+        messages = [_describe(e, filename, lines) for e in exc.errors()]
+        raise ProfileError("\n".join(messages)) from exc
+
+
+def _line_index(node: yaml.Node | None, prefix: Loc = ()) -> dict[Loc, int]:
+    """Map every key path in the document to the 1-based line it starts on."""
+    index: dict[Loc, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            path = (*prefix, str(key.value))
+            index[path] = key.start_mark.line + 1
+            index.update(_line_index(value, path))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            path = (*prefix, i)
+            index[path] = item.start_mark.line + 1
+            index.update(_line_index(item, path))
+    return index
+
+
+def _describe(error: Any, filename: str, lines: dict[Loc, int]) -> str:
+    loc: Loc = tuple(error["loc"])
+    line = _line_for(loc, lines)
+    field = ".".join(str(p) for p in loc) or "profile"
+    msg = error["msg"]
+    if error["type"] == "extra_forbidden":
+        msg = "unknown field" + _suggest(loc)
+    elif error["type"] == "missing":
+        msg = "required field is missing"
+    return f"{filename}:{line}: {field}: {msg}"
+
+
+def _line_for(loc: Loc, lines: dict[Loc, int]) -> int:
+    for end in range(len(loc), 0, -1):
+        if loc[:end] in lines:
+            return lines[loc[:end]]
+    return 1
+
+
+def _suggest(loc: Loc) -> str:
+    """'did you mean ...' from the fields the section really has."""
+    model: type[BaseModel] = Profile
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        sub = _model_of(field.annotation) if field else None
+        if sub is None:
+            return ""
+        model = sub
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    candidates: Iterable[Any] = getattr(annotation, "__args__", None) or (annotation,)
+    for c in candidates:
+        if isinstance(c, type) and issubclass(c, BaseModel):
+            return c
+    return None
+
+
+def resolve_model_path(profile: Profile, override: str | Path | None = None) -> Path:
+    """The GGUF file a profile serves: --model, the profile's path, or its demo model."""
+    if override is not None:
+        return Path(override)
+    if profile.model.demo is not None:
+        from orin.model import demo
+
+        return demo.ensure(profile.model.demo.size, profile.model.demo.quant)
+    if profile.model.path:
+        p = Path(profile.model.path).expanduser()
+        if not p.is_absolute() and profile.source is not None:
+            p = profile.source.parent / p
+        return p
+    raise ProfileError(f"profile '{profile.name}' names no model; give one with --model PATH")

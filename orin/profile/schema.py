@@ -1,0 +1,232 @@
+"""The Profile tree. Every field has bounds and a description; CLI help and
+``profile show`` are generated from these descriptions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+KVType = Literal["auto", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
+FlashAttn = Literal["auto", "on", "off"]
+LoadMode = Literal["auto", "none", "mmap", "mlock", "mmap+mlock", "direct_io"]
+NumaStrategy = Literal["disabled", "distribute", "isolate", "numactl", "mirror"]
+OverflowPolicy = Literal["reject", "truncate"]
+DemoSize = Literal["tiny", "small", "medium"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DemoModel(_Section):
+    size: DemoSize = Field("small", description="Generated model size (tiny, small, medium).")
+    quant: str = Field(
+        "q4_k_m", description="Quantization of the generated model (f16, q8_0, q4_k_m, ...)."
+    )
+
+
+class ModelSection(_Section):
+    path: str | None = Field(
+        None,
+        description="Path of the GGUF file; relative paths are taken from the profile's folder.",
+    )
+    demo: DemoModel | None = Field(
+        None, description="Use a generated demo model instead of a file (for trying things out)."
+    )
+    quantization: str | None = Field(
+        None,
+        description="Quantization the profile was written for (e.g. Q4_K_M); "
+        "validate --model checks the file against it.",
+    )
+    chat_template: str | None = Field(
+        None, description="Jinja chat template overriding the one in the GGUF metadata."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if self.path is not None and self.demo is not None:
+            raise ValueError("give either model.path or model.demo, not both")
+        return self
+
+
+class EngineSection(_Section):
+    n_ctx: int = Field(
+        4096, ge=256, le=1_048_576, description="Context (KV cells) per slot, in tokens."
+    )
+    slots: int = Field(
+        4, ge=1, le=64, description="Concurrent sequences (llama.cpp n_seq_max / server -np)."
+    )
+    n_batch: int = Field(
+        512, ge=32, le=16384, description="Tokens per llama_decode call (prefill chunk budget)."
+    )
+    n_ubatch: int = Field(
+        512, ge=32, le=16384, description="Physical micro-batch size inside one decode call."
+    )
+    threads: int = Field(
+        0, ge=0, le=256, description="CPU threads for generation; 0 = one per physical core."
+    )
+    threads_batch: int = Field(
+        0, ge=0, le=256, description="CPU threads for prompt processing; 0 = same as threads."
+    )
+    gpu_layers: int = Field(
+        -1, ge=-1, le=1000, description="Layers offloaded to the GPU; -1 = all."
+    )
+    flash_attn: FlashAttn = Field(
+        "auto", description="Flash attention: auto (on when the KV cache is quantized), on, off."
+    )
+    type_k: KVType = Field(
+        "auto", description="K cache type; auto = chosen from the model's quantization."
+    )
+    type_v: KVType = Field(
+        "auto", description="V cache type; auto = chosen from the model's quantization."
+    )
+    load_mode: LoadMode = Field(
+        "auto",
+        description="How llama.cpp loads weights: auto, none (read), mmap, mlock, "
+        "mmap+mlock, direct_io.",
+    )
+    numa: NumaStrategy = Field(
+        "disabled", description="llama.cpp NUMA strategy (Orin has one node: no effect there)."
+    )
+
+    @field_validator("flash_attn", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, value: object) -> object:
+        """YAML 1.1 reads a bare on/off as a boolean; take it as meant."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
+    @model_validator(mode="after")
+    def _ubatch_le_batch(self) -> EngineSection:
+        if self.n_ubatch > self.n_batch:
+            raise ValueError(f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})")
+        return self
+
+
+class ContextSection(_Section):
+    window: int | None = Field(
+        None,
+        ge=64,
+        le=1_048_576,
+        description="Sliding-window KV limit per slot in tokens; default = engine.n_ctx.",
+    )
+    keep: int = Field(
+        0, ge=0, le=1_048_576, description="Tokens at the start of a sequence never discarded."
+    )
+    discard: int = Field(
+        0,
+        ge=0,
+        le=1_048_576,
+        description="Tokens discarded per context shift; 0 = half of those after `keep`.",
+    )
+    overflow: OverflowPolicy = Field(
+        "reject",
+        description="A prompt longer than the window: reject (context-length error) or "
+        "truncate (keep the first `keep` and the most recent tokens).",
+    )
+
+
+class SamplingSection(_Section):
+    temperature: float = Field(0.8, ge=0.0, le=5.0, description="Default sampling temperature.")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Default nucleus sampling mass.")
+    top_k: int = Field(40, ge=0, le=1000, description="Default top-k; 0 disables it.")
+    min_p: float = Field(0.05, ge=0.0, le=1.0, description="Default min-p cut-off.")
+    repeat_penalty: float = Field(1.0, ge=0.0, le=5.0, description="Default repetition penalty.")
+    max_tokens: int = Field(
+        512, ge=1, le=1_048_576, description="Default completion length when a request sets none."
+    )
+    seed: int | None = Field(None, ge=0, description="Default seed; none = random per request.")
+
+
+class SLOSection(_Section):
+    ttft_p95_ms: float | None = Field(
+        None, gt=0, le=600_000, description="Target 95th-percentile time to first token (ms)."
+    )
+    tpot_p90_ms: float | None = Field(
+        None, gt=0, le=60_000, description="Target 90th-percentile time per output token (ms)."
+    )
+    prompt_tokens: list[int] = Field(
+        default_factory=lambda: [128, 512],
+        description="Prompt lengths (tokens) at which the targets apply.",
+    )
+    concurrency: list[int] = Field(
+        default_factory=lambda: [1],
+        description="Concurrent streams at which the targets apply.",
+    )
+
+
+class SystemSection(_Section):
+    swappiness: int | None = Field(
+        10, ge=0, le=200, description="vm.swappiness to set; none = leave unchanged."
+    )
+    mmap: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="mmap policy: auto = off when every layer is on the GPU (unified memory).",
+    )
+    power_mode: int | None = Field(
+        None, ge=0, le=15, description="nvpmodel mode id to set (0 = MAXN); none = unchanged."
+    )
+    lock_clocks: bool = Field(False, description="Run jetson_clocks to pin clocks at maximum.")
+    drop_caches: bool = Field(False, description="Drop the page cache before loading the model.")
+    disable_zram: bool = Field(False, description="Disable the nvzramconfig zram swap service.")
+
+
+class ServerSection(_Section):
+    host: str = Field("127.0.0.1", description="Address to bind; loopback by default.")
+    port: int = Field(8080, ge=1, le=65535, description="TCP port.")
+    api_key_env: str | None = Field(
+        "ORIN_LLM_API_KEY",
+        description="Environment variable holding the API key; unset variable = no auth.",
+    )
+    model_name: str | None = Field(
+        None, description="Model name served on /v1/models; default = the profile's name."
+    )
+    max_queue: int = Field(
+        64, ge=0, le=100_000, description="Requests waiting for a slot before 429/503."
+    )
+
+
+class Profile(_Section):
+    name: str = Field(..., min_length=1, max_length=128, description="Profile name.")
+    description: str = Field("", description="What the profile is for.")
+    board: Literal["agx-orin-64gb", "agx-orin-32gb", "any"] = Field(
+        "any", description="Board the settings were chosen for."
+    )
+    model: ModelSection = Field(default_factory=ModelSection, description="The model to serve.")
+    engine: EngineSection = Field(default_factory=EngineSection, description="llama.cpp engine.")
+    context: ContextSection = Field(
+        default_factory=ContextSection, description="Sliding-window KV limit."
+    )
+    sampling: SamplingSection = Field(
+        default_factory=SamplingSection, description="Sampling defaults."
+    )
+    slo: SLOSection = Field(default_factory=SLOSection, description="Latency targets.")
+    system: SystemSection = Field(default_factory=SystemSection, description="Board settings.")
+    server: ServerSection = Field(default_factory=ServerSection, description="HTTP server.")
+    _source: Path | None = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> Path | None:
+        """The file this profile was loaded from (relative model paths start there)."""
+        return self._source
+
+    @source.setter
+    def source(self, value: Path | None) -> None:
+        self._source = value
+
+    @model_validator(mode="after")
+    def _window_fits_ctx(self) -> Profile:
+        window = self.context.window
+        if window is not None and window > self.engine.n_ctx:
+            raise ValueError(
+                f"context.window ({window}) exceeds engine.n_ctx ({self.engine.n_ctx})"
+            )
+        limit = window or self.engine.n_ctx
+        if self.context.keep >= limit:
+            raise ValueError(
+                f"context.keep ({self.context.keep}) must be below the window ({limit})"
+            )
+        return self

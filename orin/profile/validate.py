@@ -1,0 +1,110 @@
+"""profile validate: a profile, optionally with its model file, against every rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orin.errors import OrinError
+from orin.llamacpp import BuildInfo
+from orin.model.gguf import ModelInfo, read_model_info
+from orin.model.plan import total_bytes
+from orin.profile.kvmatch import KVFinding, resolve_kv
+from orin.profile.schema import Profile
+from orin.system.memory import read_meminfo
+from orin.system.root import SysRoot
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    profile: str
+    model: str | None
+    type_k: str
+    type_v: str
+    flash_attn: str
+    findings: tuple[KVFinding, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "profile": self.profile,
+            "model": self.model,
+            "valid": self.ok,
+            "type_k": self.type_k,
+            "type_v": self.type_v,
+            "flash_attn": self.flash_attn,
+            "findings": [vars(f) for f in self.findings],
+        }
+
+
+def validate_profile(
+    profile: Profile,
+    model: Path | None,
+    build: BuildInfo | None,
+    root: Path = Path("/"),
+) -> ValidationReport:
+    info = read_model_info(model) if model is not None else None
+    try:
+        available: int | None = read_meminfo(SysRoot(root)).available
+    except OrinError:
+        available = None
+    findings: list[KVFinding] = []
+    quant = profile.model.quantization
+    if info is not None:
+        findings += _quantization_findings(profile, info)
+        quant = info.quantization
+    elif quant is None and profile.model.demo is not None:
+        quant = profile.model.demo.quant.upper()
+    decision = resolve_kv(profile.engine, quant, info, build, available)
+    findings += decision.findings
+    if build is None:
+        findings.append(
+            KVFinding("llama-build", "info", "llama-cpp-python not importable: CUDA rules skipped")
+        )
+    if info is not None and available is not None:
+        findings += _memory_findings(profile, info, decision.type_k, decision.type_v, available)
+    return ValidationReport(
+        profile=profile.name,
+        model=str(model) if model is not None else None,
+        type_k=decision.type_k,
+        type_v=decision.type_v,
+        flash_attn=decision.flash_attn,
+        findings=tuple(findings),
+    )
+
+
+def _quantization_findings(profile: Profile, info: ModelInfo) -> list[KVFinding]:
+    expected = profile.model.quantization
+    if expected and expected.upper() != info.quantization.upper():
+        return [
+            KVFinding(
+                "model-quantization",
+                "warning",
+                f"profile was written for {expected} but the file is {info.quantization}: "
+                "its KV and memory settings may not suit this file",
+            )
+        ]
+    return []
+
+
+def _memory_findings(
+    profile: Profile, info: ModelInfo, type_k: str, type_v: str, available: int
+) -> list[KVFinding]:
+    e = profile.engine
+    flash = e.flash_attn != "off"
+    need = total_bytes(info, e.n_ctx, e.slots, type_k, type_v, e.n_ubatch, flash)
+    if need <= available:
+        return []
+    return [
+        KVFinding(
+            "memory-fit",
+            "warning",
+            f"weights + KV + compute need {need / 2**30:.2f} GiB at n_ctx={e.n_ctx} x "
+            f"{e.slots} slots, more than the {available / 2**30:.2f} GiB available here; "
+            "see `orin-llm model plan`",
+        )
+    ]

@@ -1,0 +1,1 @@
+"""The board: every /proc, /sys and /etc read goes through SysRoot."""

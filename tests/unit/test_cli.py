@@ -1,0 +1,146 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from orin.cli.app import app
+from tests.fakeboard import FakeBoard, GiB
+from tests.ggufutil import LLAMA2_7B, write_gguf
+
+runner = CliRunner()
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, list(args), env={"COLUMNS": "240"})
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_inspect_json(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    code, out, _ = invoke("model", "inspect", str(path), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["quantization"] == "Q4_K_M"
+    assert data["n_head_kv"] == 32 and data["n_layer"] == 32
+
+
+def test_inspect_table(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    code, out, _ = invoke("model", "inspect", str(path))
+    assert code == 0
+    assert "Q4_K_M (file type 15)" in out and "training context" in out
+
+
+def test_inspect_errors_are_one_line() -> None:
+    for target in ("/etc/passwd", "/nonexistent/model.gguf", "/"):
+        code, out, err = invoke("model", "inspect", target)
+        assert code == 3, (target, err)
+        assert out == ""
+        assert len(err.strip().splitlines()) == 1
+        assert "Traceback" not in err
+
+
+def test_plan_json_against_fake_board(tmp_path: Path, board: FakeBoard) -> None:
+    board.meminfo(total=64 * GiB, available=48 * GiB)
+    path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B)
+    code, out, err = invoke(
+        "model",
+        "plan",
+        str(path),
+        "--ctx",
+        "512",
+        "--slots",
+        "1",
+        "--kv-type-k",
+        "f16",
+        "--kv-type-v",
+        "f16",
+        "--json",
+        "--root",
+        str(board.base),
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["kv_bytes"] == 256 << 20
+    assert data["available_bytes"] == 48 * GiB
+    assert data["fits"] is True
+    assert data["max_ctx_by_kv_type"]["q4_0"] > data["max_ctx_by_kv_type"]["f16"]
+
+
+def test_plan_without_meminfo_says_unknown(tmp_path: Path, board: FakeBoard) -> None:
+    path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B)
+    code, out, _ = invoke("model", "plan", str(path), "--root", str(board.base))
+    assert code == 0
+    assert "unknown" in out
+
+
+def test_plan_rejects_unknown_kv_type(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B)
+    code, _, err = invoke("model", "plan", str(path), "--kv-type-k", "q3_k")
+    assert code == 2
+    assert "q3_k" in err
+
+
+def test_profile_list_and_show() -> None:
+    code, out, _ = invoke("profile", "list", "--json")
+    assert code == 0
+    names = {p["name"] for p in json.loads(out)}
+    assert {"demo", "llama3.1-8b-q4_k_m"} <= names
+    code, out, _ = invoke("profile", "show", "llama2-7b-q4_k_m")
+    assert code == 0
+    assert "engine.n_ctx" in out and "Context (KV cells) per slot" in out
+    code, out, _ = invoke("profile", "show", "llama2-7b-q4_k_m", "--json")
+    assert json.loads(out)["engine"]["flash_attn"] == "on"
+
+
+def test_validate_rejects_quantized_v_without_flash_attention(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text(
+        "name: bad\nmodel: {quantization: Q4_K_M}\n"
+        "engine: {type_k: q8_0, type_v: q8_0, flash_attn: off}\n"
+    )
+    code, out, _ = invoke("profile", "validate", str(f))
+    assert code == 1
+    assert "kv-quant-v-needs-fa" in out
+    code, out, _ = invoke("profile", "validate", str(f), "--json")
+    data = json.loads(out)
+    assert data["valid"] is False
+    assert [x["rule"] for x in data["findings"] if x["severity"] == "error"] == [
+        "kv-quant-v-needs-fa"
+    ]
+
+
+def test_validate_typo_names_line(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("name: t\nengine:\n  n_ctx: 2048\n  flash_atn: on\n")
+    code, _, err = invoke("profile", "validate", str(f))
+    assert code == 4
+    assert (
+        err.strip()
+        == f"orin-llm: {f}:4: engine.flash_atn: unknown field; did you mean 'flash_attn'?"
+    )
+
+
+def test_validate_builtin_is_valid() -> None:
+    code, out, _ = invoke("profile", "validate", "llama3.1-8b-q4_k_m", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert (data["type_k"], data["type_v"], data["flash_attn"]) == ("q8_0", "q8_0", "on")
+
+
+def test_validate_with_model_checks_quantization(tmp_path: Path) -> None:
+    model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=7)  # Q8_0
+    code, out, _ = invoke(
+        "profile", "validate", "llama2-7b-q4_k_m", "--model", str(model), "--json"
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert "model-quantization" in {x["rule"] for x in data["findings"]}
+    assert data["type_k"] == "q8_0"
+
+
+def test_version() -> None:
+    code, out, _ = invoke("--version")
+    assert code == 0 and out.startswith("orin-llm ")

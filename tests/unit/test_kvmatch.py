@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orin.llamacpp import BuildInfo, parse_fa_quants, parse_system_info
+from orin.model.gguf import read_model_info
+from orin.profile.kvmatch import auto_kv_type, resolve_kv
+from orin.profile.schema import EngineSection
+from tests.ggufutil import LLAMA2_7B, write_gguf
+
+CUDA_DEFAULT = (
+    "CUDA : ARCHS = 870 | USE_GRAPHS = 1 | PEER_MAX_BATCH_SIZE = 128 | "
+    "CPU : NEON = 1 | ARM_FMA = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
+)
+CUDA_ALL = CUDA_DEFAULT.replace("USE_GRAPHS = 1 |", "USE_GRAPHS = 1 | FA_QUANTS = all |")
+
+
+def build(system_info: str, gpu: bool = True) -> BuildInfo:
+    return BuildInfo("0.3.36", gpu, system_info, parse_system_info(system_info))
+
+
+@pytest.mark.parametrize(
+    ("quant", "expected"),
+    [
+        ("F32", "f16"),
+        ("F16", "f16"),
+        ("BF16", "f16"),
+        ("Q8_0", "q8_0"),
+        ("Q6_K", "q8_0"),
+        ("Q5_K_M", "q8_0"),
+        ("Q4_K_M", "q8_0"),
+        ("Q4_0", "q8_0"),
+        (None, "f16"),
+    ],
+)
+def test_auto_from_quantization(quant: str | None, expected: str) -> None:
+    assert auto_kv_type(quant)[0] == expected
+
+
+def test_auto_falls_back_to_q4_0_when_q8_0_does_not_fit() -> None:
+    assert auto_kv_type("Q4_K_M", lambda: False)[0] == "q4_0"
+    assert auto_kv_type("Q4_K_M", lambda: True)[0] == "q8_0"
+    # 8-bit weights never drop to a 4-bit cache
+    assert auto_kv_type("Q8_0", lambda: False)[0] == "q8_0"
+
+
+def test_auto_fit_uses_the_planner(tmp_path: Path) -> None:
+    info = read_model_info(write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15))
+    engine = EngineSection(n_ctx=32768, slots=4)
+    # q8_0 for 4 x 32768 tokens is 34 GiB; q4_0 is 18 GiB
+    roomy = resolve_kv(engine, "Q4_K_M", info, None, available=64 << 30)
+    tight = resolve_kv(engine, "Q4_K_M", info, None, available=24 << 30)
+    assert (roomy.type_k, roomy.type_v) == ("q8_0", "q8_0")
+    assert (tight.type_k, tight.type_v) == ("q4_0", "q4_0")
+    assert tight.flash_attn == "on"
+
+
+def test_auto_with_flash_attention_off_stays_f16() -> None:
+    d = resolve_kv(EngineSection(flash_attn="off"), "Q4_K_M")
+    assert (d.type_k, d.type_v, d.flash_attn) == ("f16", "f16", "off")
+    assert not d.errors
+
+
+def test_quantized_v_without_flash_attention_is_an_error() -> None:
+    d = resolve_kv(EngineSection(type_k="q8_0", type_v="q8_0", flash_attn="off"), "Q4_K_M")
+    assert [f.rule for f in d.errors] == ["kv-quant-v-needs-fa"]
+    # quantized K alone is fine without flash attention
+    ok = resolve_kv(EngineSection(type_k="q8_0", type_v="f16", flash_attn="off"), "Q4_K_M")
+    assert not ok.errors
+
+
+def test_cuda_build_without_all_fa_quants_rejects_mixed_pairs() -> None:
+    engine = EngineSection(type_k="q8_0", type_v="q4_0", flash_attn="on")
+    d = resolve_kv(engine, "Q4_K_M", build=build(CUDA_DEFAULT))
+    assert [f.rule for f in d.errors] == ["kv-cuda-fa-kernels"]
+    assert "q8_0/q8_0" in d.errors[0].message
+    assert not resolve_kv(engine, "Q4_K_M", build=build(CUDA_ALL)).errors
+    # matching pairs are compiled by default
+    same = EngineSection(type_k="q4_0", type_v="q4_0", flash_attn="on")
+    assert not resolve_kv(same, "Q4_K_M", build=build(CUDA_DEFAULT)).errors
+    # a CPU-only build or a model kept on the CPU has no such limit
+    cpu = build("CPU : AVX2 = 1 | OPENMP = 1 |", gpu=False)
+    assert not resolve_kv(engine, "Q4_K_M", build=cpu).errors
+    on_cpu = EngineSection(type_k="q8_0", type_v="q4_0", flash_attn="on", gpu_layers=0)
+    assert not resolve_kv(on_cpu, "Q4_K_M", build=build(CUDA_DEFAULT)).errors
+
+
+def test_lower_precision_than_weights_warns_with_savings(tmp_path: Path) -> None:
+    info = read_model_info(write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=7))
+    engine = EngineSection(n_ctx=512, slots=1, type_k="q4_0", type_v="q4_0", flash_attn="on")
+    d = resolve_kv(engine, "Q8_0", info)
+    warnings = [f for f in d.findings if f.severity == "warning"]
+    assert [f.rule for f in warnings] == ["kv-below-weights"]
+    # f16 256 MiB against q4_0 72 MiB at 512 tokens of Llama-2-7B
+    assert "saves 184.0 MiB" in warnings[0].message
+    same = EngineSection(type_k="q8_0", type_v="q8_0", flash_attn="on")
+    assert not [f for f in resolve_kv(same, "Q8_0").findings if f.severity == "warning"]
+
+
+def test_parse_system_info_and_fa_quants() -> None:
+    parsed = parse_system_info(CUDA_ALL)
+    assert parsed["CUDA"]["ARCHS"] == "870"
+    assert parsed["CPU"]["NEON"] == "1"
+    assert build(CUDA_ALL).fa_quants is None
+    assert build(CUDA_DEFAULT).fa_quants == parse_fa_quants(None)
+    assert parse_fa_quants("q8_0-q4_0;f16-f16") == {("q8_0", "q4_0"), ("f16", "f16")}
+    assert build("CPU : AVX2 = 1 |", gpu=False).cuda is False

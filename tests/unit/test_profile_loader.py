@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orin.errors import ProfileError
+from orin.profile.loader import (
+    builtin_profiles,
+    find_profile,
+    load_profile,
+    parse_profile,
+    resolve_model_path,
+)
+
+EXPECTED_BUILTINS = {
+    "demo",
+    "llama2-7b-q4_k_m",
+    "llama2-13b-q4_k_m",
+    "llama2-13b-q4_k_m-32gb",
+    "llama3.1-8b-q4_k_m",
+    "llama3.1-8b-q8_0",
+    "mistral-7b-q5_k_m",
+    "qwen2.5-1.5b-q8_0",
+}
+
+
+def test_builtin_profiles_all_load() -> None:
+    found = builtin_profiles()
+    assert set(found) >= EXPECTED_BUILTINS
+    for name, path in found.items():
+        p = load_profile(path)
+        assert p.name == name
+        assert p.source == path.resolve()
+        assert p.server.host == "127.0.0.1"
+
+
+def test_typo_names_file_line_and_field() -> None:
+    text = "name: x\nengine:\n  n_ctx: 2048\n  slotz: 4\n"
+    with pytest.raises(ProfileError) as exc:
+        parse_profile(text, "my.yaml")
+    assert str(exc.value) == "my.yaml:4: engine.slotz: unknown field; did you mean 'slots'?"
+
+
+def test_bad_value_names_line_and_bound() -> None:
+    text = "name: x\nengine:\n  n_ctx: 2048\n  slots: 0\n"
+    with pytest.raises(
+        ProfileError, match=r"^p.yaml:4: engine.slots: .*greater than or equal to 1"
+    ):
+        parse_profile(text, "p.yaml")
+
+
+def test_bad_enum_value() -> None:
+    text = "name: x\nengine:\n  type_k: q3_k\n"
+    with pytest.raises(ProfileError, match=r"p.yaml:3: engine.type_k: Input should be 'auto'"):
+        parse_profile(text, "p.yaml")
+
+
+def test_every_error_is_reported() -> None:
+    text = "name: x\nengine:\n  slots: -1\nserver:\n  port: 70000\n"
+    with pytest.raises(ProfileError) as exc:
+        parse_profile(text, "p.yaml")
+    lines = str(exc.value).splitlines()
+    assert [line.split(": ")[0:2] for line in lines] == [
+        ["p.yaml:3", "engine.slots"],
+        ["p.yaml:5", "server.port"],
+    ]
+
+
+def test_bare_on_off_mean_flash_attention_modes() -> None:
+    assert parse_profile("name: x\nengine: {flash_attn: on}\n").engine.flash_attn == "on"
+    assert parse_profile("name: x\nengine: {flash_attn: off}\n").engine.flash_attn == "off"
+
+
+def test_missing_name() -> None:
+    with pytest.raises(ProfileError, match=r"p.yaml:1: name: required field is missing"):
+        parse_profile("engine:\n  slots: 2\n", "p.yaml")
+
+
+def test_yaml_syntax_error_line() -> None:
+    with pytest.raises(ProfileError, match=r"^p.yaml:4: YAML syntax error: mapping values"):
+        parse_profile("name: x\nengine:\n  slots: 2\n   n_ctx: 5\n", "p.yaml")
+
+
+def test_not_a_mapping() -> None:
+    with pytest.raises(ProfileError, match="must be a YAML mapping"):
+        parse_profile("- a\n- b\n", "p.yaml")
+
+
+def test_cross_field_rules() -> None:
+    with pytest.raises(ProfileError, match=r"context\.window \(2048\) exceeds engine\.n_ctx"):
+        parse_profile("name: x\nengine: {n_ctx: 1024}\ncontext: {window: 2048}\n")
+    with pytest.raises(ProfileError, match=r"n_ubatch \(512\) must not exceed n_batch"):
+        parse_profile("name: x\nengine: {n_batch: 256, n_ubatch: 512}\n")
+    with pytest.raises(ProfileError, match=r"either model\.path or model\.demo"):
+        parse_profile("name: x\nmodel: {path: a.gguf, demo: {size: tiny}}\n")
+
+
+def test_unknown_profile_name_suggests() -> None:
+    with pytest.raises(ProfileError, match="did you mean 'llama2-7b-q4_k_m'"):
+        find_profile("llama2-7b-q4km")
+
+
+def test_missing_profile_file(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match="no such profile file"):
+        find_profile(tmp_path / "nope.yaml")
+
+
+def test_relative_model_path_from_profile_folder(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("name: p\nmodel: {path: models/m.gguf}\n")
+    p = load_profile(f)
+    assert resolve_model_path(p) == tmp_path.resolve() / "models" / "m.gguf"
+    assert resolve_model_path(p, "/other.gguf") == Path("/other.gguf")
+    empty = parse_profile("name: e\n")
+    with pytest.raises(ProfileError, match="names no model"):
+        resolve_model_path(empty)
