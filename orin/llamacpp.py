@@ -22,7 +22,8 @@ from orin.errors import LlamaCppError
 
 log = logging.getLogger("orin.llama")
 
-_LEVELS = {0: logging.CRITICAL, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR}
+# ggml_log_level: 0 none, 1 debug, 2 info, 3 warn, 4 error, 5 continuation
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _lock = threading.Lock()
 _captures: list[list[str]] = []
 _callback: Any = None  # keeps the ctypes callback alive
@@ -33,7 +34,7 @@ def _on_log(level: int, text: bytes, _user: Any) -> None:
     with _lock:
         for sink in _captures:
             sink.append(line)
-    if level != 5:  # 5 = continuation of the previous line
+    if level != 5 and line.strip():
         log.log(_LEVELS.get(level, logging.DEBUG), "%s", line.rstrip("\n"))
 
 

@@ -125,6 +125,8 @@ def _print_plan(out: Output, p: MemoryPlan) -> None:
             ("KV type", "max context"),
             ((t, c if c is not None else "does not fit") for t, c in p.max_ctx_by_kv_type.items()),
         )
+    for kv_type, reason in p.unsupported_kv_types.items():
+        out.note(f"{kv_type}: not usable with this model ({reason})")
 
 
 @app.command()

@@ -38,14 +38,19 @@ def bytes_per_element(kv_type: str) -> float:
     return size / block
 
 
-def row_bytes(kv_type: str, n: int) -> int:
+def row_bytes(kv_type: str, n_heads: int, head_dim: int) -> int:
+    """Bytes of one cell's K or V row for ``n_heads`` heads of ``head_dim`` values.
+
+    llama.cpp quantizes each head separately, so a block type must divide the
+    head dimension (it refuses the context otherwise).
+    """
     block, size = kv_type_size(kv_type)
-    if n % block:
+    if head_dim % block:
         raise KVConfigError(
-            f"KV type {kv_type} needs rows that are a multiple of {block} values; "
-            f"this model's KV rows have {n}"
+            f"KV type {kv_type} quantizes blocks of {block} values, which does not divide "
+            f"this model's head dimension {head_dim}"
         )
-    return n // block * size
+    return n_heads * head_dim // block * size
 
 
 def _pad(n: int, to: int = KV_PAD) -> int:
@@ -79,8 +84,8 @@ def kv_cache_bytes(info: ModelInfo, cells: int, type_k: str, type_v: str) -> KVB
     for n_kv in info.n_head_kv:
         if n_kv == 0:  # a layer without attention caches nothing
             continue
-        k += row_bytes(type_k, n_kv * info.head_dim_k) * cells
-        v += row_bytes(type_v, n_kv * info.head_dim_v) * cells
+        k += row_bytes(type_k, n_kv, info.head_dim_k) * cells
+        v += row_bytes(type_v, n_kv, info.head_dim_v) * cells
     return KVBytes(k=k, v=v)
 
 
@@ -90,15 +95,18 @@ def compute_bytes_estimate(
     """Estimate of llama.cpp's compute and output buffers (f32 activations).
 
     One micro-batch keeps a few n_embd-wide and two n_ff-wide activations per
-    token plus the logits; without flash attention the KQ score matrix of one
-    layer (heads x tokens x cells) is materialised too. The output buffer holds
-    one row of logits per sequence.
+    token plus the logits, and an attention mask of tokens x cells; without
+    flash attention the KQ score matrix of one layer (heads x tokens x cells)
+    is materialised too. The output buffer holds one row of logits per
+    sequence. Checked against llama.cpp's reported CPU buffers in the tests: it
+    errs on the high side.
     """
     n_ff = info.n_ff or 4 * info.n_embd
     act = 4 * n_ubatch * (4 * info.n_embd + 2 * n_ff + info.vocab_size)
+    mask = 4 * n_ubatch * cells_per_seq
     kq = 0 if flash_attn else 4 * n_ubatch * cells_per_seq * max(info.n_head)
     output = 4 * info.vocab_size * slots
-    return act + kq + output
+    return act + mask + kq + output
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,7 @@ class MemoryPlan:
     compute_bytes: int
     available_bytes: int | None
     max_ctx_by_kv_type: dict[str, int | None]
+    unsupported_kv_types: dict[str, str]
 
     @property
     def kv_bytes(self) -> int:
@@ -193,12 +202,15 @@ def plan_memory(
     per_seq = kv_cells_per_seq(ctx, slots)
     kv = kv_cache_bytes(info, per_seq * slots, type_k, type_v)
     max_ctx: dict[str, int | None] = {}
-    if available is not None:
-        for t in KV_TYPES:
-            try:
-                max_ctx[t] = max_context(info, slots, t, t, available, n_ubatch, flash_attn)
-            except KVConfigError:
-                max_ctx[t] = None  # the model's rows do not fit this type's blocks
+    unsupported: dict[str, str] = {}
+    for t in KV_TYPES:
+        try:
+            kv_cache_bytes(info, KV_PAD, t, t)
+        except KVConfigError as exc:
+            unsupported[t] = str(exc)
+            continue
+        if available is not None:
+            max_ctx[t] = max_context(info, slots, t, t, available, n_ubatch, flash_attn)
     return MemoryPlan(
         ctx=ctx,
         slots=slots,
@@ -213,4 +225,5 @@ def plan_memory(
         compute_bytes=compute_bytes_estimate(info, per_seq, slots, n_ubatch, flash_attn),
         available_bytes=available,
         max_ctx_by_kv_type=max_ctx,
+        unsupported_kv_types=unsupported,
     )

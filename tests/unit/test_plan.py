@@ -69,10 +69,13 @@ def test_unknown_and_misaligned_types(tmp_path: Path) -> None:
         LLAMA2_7B, embedding_length=48, **{"attention.head_count": 3, "attention.head_count_kv": 3}
     )
     info = read_model_info(write_gguf(tmp_path / "odd.gguf", params=params))
-    with pytest.raises(KVConfigError, match="multiple of 32"):
+    with pytest.raises(KVConfigError, match="does not divide this model's head dimension 16"):
         kv_cache_bytes(info, 256, "q8_0", "f16")
     with pytest.raises(KVConfigError, match="unknown KV cache type"):
         kv_cache_bytes(info, 256, "q3_k", "f16")
+    plan = plan_memory(info, 512, 1, available=1 << 30)
+    assert set(plan.unsupported_kv_types) == set(KV_TYPES) - {"f32", "f16", "bf16"}
+    assert set(plan.max_ctx_by_kv_type) == {"f32", "f16", "bf16"}
 
 
 @pytest.mark.parametrize(
