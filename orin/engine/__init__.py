@@ -1,0 +1,1 @@
+"""The inference engine: continuous batching over llama.cpp's low-level API."""

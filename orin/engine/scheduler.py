@@ -1,0 +1,324 @@
+"""The pure scheduler: slots, admission queue, batch composition, context shifts.
+
+No llama.cpp here. ``schedule()`` returns the next ``Batch`` (KV-cache
+operations to run first, then the tokens to decode) and ``update()`` records
+what the runner sampled. Decode tokens of running slots always go first; prompt
+chunks of prefilling slots fill the rest of the n_batch budget (chunked
+prefill), so a long prompt never stalls running streams for more than one
+chunk. The engine owns everything else (sampling, text, timings).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from orin.engine.errors import ContextLengthExceeded, InvalidRequest, QueueFull
+
+
+class SchedRequest(Protocol):
+    """What the scheduler needs from a request."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def prompt_tokens(self) -> list[int]: ...
+
+
+class SlotState(enum.Enum):
+    IDLE = "idle"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class Remove:
+    """llama_memory_seq_rm(seq, p0, p1): drop cells [p0, p1) (p1 = -1: to the end)."""
+
+    seq: int
+    p0: int
+    p1: int = -1
+
+
+@dataclass(frozen=True)
+class Shift:
+    """Discard ``n_discard`` cells after the first ``keep`` and move the rest down."""
+
+    seq: int
+    keep: int
+    n_discard: int
+    n_past: int
+
+
+KVOp = Remove | Shift
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """Consecutive tokens of one sequence, starting at position ``pos``."""
+
+    slot: int
+    tokens: tuple[int, ...]
+    pos: int
+    sample: bool  # logits wanted for the last token: a new token is sampled
+    prefill: bool
+
+
+@dataclass(frozen=True)
+class Batch:
+    ops: tuple[KVOp, ...]
+    items: tuple[BatchItem, ...]
+    length_limited: tuple[int, ...] = ()  # slots at the window with sliding off
+
+    @property
+    def n_decode(self) -> int:
+        return sum(len(i.tokens) for i in self.items if not i.prefill)
+
+    @property
+    def n_prefill(self) -> int:
+        return sum(len(i.tokens) for i in self.items if i.prefill)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_decode + self.n_prefill
+
+    def __bool__(self) -> bool:
+        return bool(self.ops or self.items)
+
+
+@dataclass
+class Slot:
+    id: int
+    state: SlotState = SlotState.IDLE
+    request: SchedRequest | None = None
+    cache: list[int] = field(default_factory=list)  # tokens in the KV cache, by position
+    pending: list[int] = field(default_factory=list)  # tokens still to feed
+    reusable: int = 0  # leading cache tokens valid as a prefix for a new prompt
+    cached_prompt: int = 0  # prompt tokens taken from the cache instead of prefilled
+    generated: int = 0
+    shifts: int = 0
+    admitted_seq: int = 0  # admission order, for fair chunking
+
+    @property
+    def busy(self) -> bool:
+        return self.state is not SlotState.IDLE
+
+
+@dataclass(frozen=True)
+class ContextPolicy:
+    """The sliding-window KV limit of one slot (see ContextSection in the profile)."""
+
+    window: int  # cells a slot may hold
+    keep: int = 0  # first tokens never discarded
+    discard: int = 0  # cells discarded per shift; 0 = half of those after keep
+    sliding: bool = True  # False: stop with finish reason "length" at the window
+    truncate_prompt: bool = False  # over-long prompt: keep head + tail instead of rejecting
+
+
+class Scheduler:
+    def __init__(
+        self, n_slots: int, n_batch: int, context: ContextPolicy, max_queue: int = 64
+    ) -> None:
+        if n_batch < n_slots:
+            raise ValueError(f"n_batch ({n_batch}) must be at least the slot count ({n_slots})")
+        if context.keep >= context.window:
+            raise ValueError("keep must be smaller than the window")
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self.n_batch = n_batch
+        self.context = context
+        self.max_queue = max_queue
+        self.queue: deque[SchedRequest] = deque()
+        self._ops: list[KVOp] = []
+        self._admissions = 0
+
+    # -- admission -----------------------------------------------------------
+
+    def check_prompt(self, prompt: Sequence[int]) -> list[int]:
+        """The prompt as it will be run: rejected or truncated when over the window."""
+        ctx = self.context
+        if not prompt:
+            raise InvalidRequest("prompt", "the prompt has no tokens")
+        if len(prompt) <= ctx.window:
+            return list(prompt)
+        if not ctx.truncate_prompt:
+            raise ContextLengthExceeded(len(prompt), ctx.window)
+        tail = ctx.window - ctx.keep
+        return list(prompt[: ctx.keep]) + list(prompt[len(prompt) - tail :])
+
+    def add(self, request: SchedRequest) -> None:
+        """Queue a request (its prompt already passed ``check_prompt``)."""
+        idle = sum(1 for s in self.slots if not s.busy)
+        if len(self.queue) - idle >= self.max_queue:  # those beyond the idle slots wait
+            raise QueueFull(self.max_queue)
+        self.queue.append(request)
+
+    def _admit(self) -> None:
+        while self.queue:
+            idle = [s for s in self.slots if not s.busy]
+            if not idle:
+                return
+            request = self.queue.popleft()
+            slot = self._pick_slot(idle, request.prompt_tokens)
+            self._start(slot, request)
+
+    def _pick_slot(self, idle: list[Slot], prompt: list[int]) -> Slot:
+        """The idle slot whose cache shares the longest prefix; ties: the emptiest."""
+        return max(
+            idle, key=lambda s: (_common_prefix(s.cache[: s.reusable], prompt), -len(s.cache))
+        )
+
+    def _start(self, slot: Slot, request: SchedRequest) -> None:
+        prompt = request.prompt_tokens
+        # at least the last prompt token is fed again: its logits start the generation
+        reuse = min(_common_prefix(slot.cache[: slot.reusable], prompt), len(prompt) - 1)
+        if reuse < len(slot.cache):
+            self._ops.append(Remove(slot.id, reuse, -1))
+        self._admissions += 1
+        slot.state = SlotState.PREFILL
+        slot.request = request
+        slot.cache = slot.cache[:reuse]
+        slot.reusable = reuse
+        slot.pending = list(prompt[reuse:])
+        slot.cached_prompt = reuse
+        slot.generated = 0
+        slot.shifts = 0
+        slot.admitted_seq = self._admissions
+
+    # -- cancellation and completion ------------------------------------------
+
+    def cancel(self, request_id: str) -> Slot | None:
+        """Drop a queued request, or free its slot and all of its KV cells now."""
+        for r in self.queue:
+            if r.id == request_id:
+                self.queue.remove(r)
+                return None
+        slot = self.slot_of(request_id)
+        if slot is not None:
+            self.release(slot, keep_cache=False)
+        return slot
+
+    def release(self, slot: Slot, keep_cache: bool) -> None:
+        """Free a slot. ``keep_cache`` keeps its cells as a prefix for the next prompt
+        (a slot's cells are reserved for it either way); otherwise they are removed."""
+        if not keep_cache and slot.cache:
+            self._ops.append(Remove(slot.id, 0, -1))
+            slot.cache = []
+        slot.state = SlotState.IDLE
+        slot.request = None
+        slot.pending = []
+        slot.reusable = min(slot.reusable, len(slot.cache))
+
+    def clear_idle_cache(self) -> None:
+        """Remove the cells that idle slots keep for prefix reuse."""
+        for slot in self.slots:
+            if not slot.busy and slot.cache:
+                self._ops.append(Remove(slot.id, 0, -1))
+                slot.cache = []
+                slot.reusable = 0
+
+    def slot_of(self, request_id: str) -> Slot | None:
+        for s in self.slots:
+            if s.request is not None and s.request.id == request_id:
+                return s
+        return None
+
+    def take_ops(self) -> list[KVOp]:
+        """KV operations decided outside ``schedule`` (cancellations), to run now."""
+        ops, self._ops = self._ops, []
+        return ops
+
+    # -- one step ---------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        self._admit()
+        items: list[BatchItem] = []
+        finished_by_length: list[Slot] = []
+        for slot in self.slots:
+            if slot.state is not SlotState.DECODE:
+                continue
+            if len(slot.cache) + 1 > self.context.window and not self._make_room(slot):
+                finished_by_length.append(slot)
+                continue
+            items.append(
+                BatchItem(slot.id, (slot.pending[0],), len(slot.cache), True, prefill=False)
+            )
+        budget = self.n_batch - len(items)
+        prefilling = sorted(
+            (s for s in self.slots if s.state is SlotState.PREFILL),
+            key=lambda s: s.admitted_seq,
+        )
+        for slot in prefilling:
+            if budget <= 0:
+                break
+            chunk = slot.pending[:budget]
+            done = len(chunk) == len(slot.pending)
+            items.append(BatchItem(slot.id, tuple(chunk), len(slot.cache), done, prefill=True))
+            budget -= len(chunk)
+        return Batch(tuple(self.take_ops()), tuple(items), tuple(s.id for s in finished_by_length))
+
+    def _make_room(self, slot: Slot) -> bool:
+        """Shift the slot's context to take one more token; False when sliding is off."""
+        ctx = self.context
+        if not ctx.sliding:
+            return False
+        n_past = len(slot.cache)
+        n_left = n_past - ctx.keep
+        n_discard = min(ctx.discard or n_left // 2, n_left)
+        n_discard = max(n_discard, 1)
+        self._ops.append(Shift(slot.id, ctx.keep, n_discard, n_past))
+        del slot.cache[ctx.keep : ctx.keep + n_discard]
+        slot.reusable = min(slot.reusable, ctx.keep)
+        slot.shifts += 1
+        return True
+
+    def update(self, batch: Batch, sampled: dict[int, int]) -> None:
+        """Record the decoded tokens and the token sampled for each ``sample`` item."""
+        for item in batch.items:
+            slot = self.slots[item.slot]
+            if not slot.busy:  # cancelled while the batch ran
+                continue
+            slot.cache.extend(item.tokens)
+            slot.reusable = len(slot.cache) if slot.shifts == 0 else slot.reusable
+            del slot.pending[: len(item.tokens)]
+            if item.sample:
+                token = sampled[item.slot]
+                slot.state = SlotState.DECODE
+                slot.pending = [token]
+                slot.generated += 1
+
+    def discard(self, batch: Batch) -> None:
+        """Forget a batch whose decode was aborted: llama.cpp may have kept the cells
+        of the micro-batches it finished, so remove them; the next step feeds the
+        same tokens again."""
+        for item in batch.items:
+            if self.slots[item.slot].busy:
+                self._ops.append(Remove(item.slot, item.pos, -1))
+
+    # -- views -------------------------------------------------------------------
+
+    @property
+    def busy_slots(self) -> int:
+        return sum(1 for s in self.slots if s.busy)
+
+    @property
+    def kv_cells_used(self) -> int:
+        return sum(len(s.cache) for s in self.slots)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    def has_work(self) -> bool:
+        return bool(self.queue or self._ops or any(s.busy for s in self.slots))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,245 @@
+"""The pure scheduler against a fake runner that keeps a fake KV cache."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from orin.engine.errors import ContextLengthExceeded, InvalidRequest, QueueFull
+from orin.engine.scheduler import (
+    Batch,
+    BatchItem,
+    ContextPolicy,
+    Remove,
+    Scheduler,
+    Shift,
+    SlotState,
+)
+
+
+@dataclass
+class Req:
+    id: str
+    prompt_tokens: list[int]
+
+
+@dataclass
+class FakeRunner:
+    """Applies KV operations and batches like llama.cpp would, per sequence."""
+
+    kv: dict[int, list[int]] = field(default_factory=dict)
+
+    def run(self, batch: Batch) -> dict[int, int]:
+        for op in batch.ops:
+            cells = self.kv.setdefault(op.seq, [])
+            if isinstance(op, Remove):
+                end = len(cells) if op.p1 < 0 else op.p1
+                del cells[op.p0 : end]
+            else:
+                assert op.n_past == len(cells)
+                del cells[op.keep : op.keep + op.n_discard]
+        sampled = {}
+        for item in batch.items:
+            cells = self.kv.setdefault(item.slot, [])
+            assert item.pos == len(cells), "tokens must continue the sequence"
+            cells.extend(item.tokens)
+            if item.sample:
+                sampled[item.slot] = (cells[-1] * 7 + 1) % 1000
+        return sampled
+
+
+def step(s: Scheduler, runner: FakeRunner) -> Batch:
+    batch = s.schedule()
+    s.update(batch, runner.run(batch))
+    for slot in s.slots:
+        assert runner.kv.get(slot.id, []) == slot.cache
+    return batch
+
+
+def make(slots: int = 2, n_batch: int = 32, window: int = 64, **ctx: int | bool) -> Scheduler:
+    return Scheduler(slots, n_batch, ContextPolicy(window=window, **ctx))  # type: ignore[arg-type]
+
+
+def test_decode_tokens_first_then_prefill_chunks_within_budget() -> None:
+    s, r = make(slots=3, n_batch=32, window=512), FakeRunner()
+    s.add(Req("a", list(range(1, 6))))
+    s.add(Req("b", list(range(10, 14))))
+    first = step(s, r)
+    assert [(i.slot, len(i.tokens), i.sample) for i in first.items] == [(0, 5, True), (1, 4, True)]
+    s.add(Req("long", list(range(100, 200))))
+    second = step(s, r)
+    assert [(i.slot, len(i.tokens), i.prefill) for i in second.items] == [
+        (0, 1, False),
+        (1, 1, False),
+        (2, 30, True),
+    ]
+    assert second.n_decode == 2 and second.n_prefill == 30
+    assert not second.items[2].sample  # no logits until the prompt is complete
+    sizes = [len(step(s, r).items[-1].tokens) for _ in range(3)]
+    assert sizes == [30, 30, 10]
+    assert s.slots[2].state is SlotState.DECODE
+
+
+def test_prefill_chunks_follow_admission_order() -> None:
+    s, r = make(slots=2, n_batch=40, window=512), FakeRunner()
+    s.add(Req("first", list(range(50))))
+    s.add(Req("second", list(range(100, 130))))
+    b = step(s, r)
+    assert [(i.slot, len(i.tokens)) for i in b.items] == [(0, 40)]
+    b = step(s, r)
+    assert [(i.slot, len(i.tokens)) for i in b.items] == [(0, 10), (1, 30)]
+
+
+def test_queue_is_bounded_and_fifo() -> None:
+    s = Scheduler(1, 32, ContextPolicy(window=64), max_queue=2)
+    for name in ("a", "b", "c"):  # one goes to the idle slot at the next step
+        s.add(Req(name, [1, 2]))
+    with pytest.raises(QueueFull):
+        s.add(Req("d", [1, 2]))
+    s.schedule()
+    assert s.slots[0].request is not None and s.slots[0].request.id == "a"
+    assert [q.id for q in s.queue] == ["b", "c"]
+
+
+def test_prefix_reuse_picks_longest_common_prefix() -> None:
+    s, r = make(slots=3, window=512), FakeRunner()
+    s.add(Req("x", [1, 2, 3, 4, 5, 6]))
+    s.add(Req("y", [9, 9, 9]))
+    step(s, r)
+    for slot in list(s.slots[:2]):
+        s.release(slot, keep_cache=True)
+    s.add(Req("z", [1, 2, 3, 4, 7, 8]))
+    b = step(s, r)
+    slot = s.slot_of("z")
+    assert slot is not None and slot.id == 0
+    assert slot.cached_prompt == 4
+    assert Remove(0, 4, -1) in b.ops
+    assert b.items == (BatchItem(0, (7, 8), 4, True, prefill=True),)
+
+
+def test_identical_prompt_refeeds_its_last_token() -> None:
+    s, r = make(slots=1, window=512), FakeRunner()
+    s.add(Req("a", [1, 2, 3]))
+    step(s, r)
+    s.release(s.slots[0], keep_cache=True)
+    s.add(Req("b", [1, 2, 3]))
+    b = step(s, r)
+    assert s.slots[0].cached_prompt == 2
+    assert b.items == (BatchItem(0, (3,), 2, True, prefill=True),)
+
+
+def test_release_without_cache_and_cancel_remove_every_cell() -> None:
+    s, r = make(slots=2, window=512), FakeRunner()
+    s.add(Req("a", [1, 2, 3]))
+    s.add(Req("b", [4, 5]))
+    step(s, r)
+    step(s, r)
+    assert s.cancel("a") is s.slots[0]
+    s.release(s.slots[1], keep_cache=False)
+    assert s.busy_slots == 0
+    b = step(s, r)
+    assert set(b.ops) == {Remove(0, 0, -1), Remove(1, 0, -1)}
+    assert r.kv[0] == [] and r.kv[1] == [] and s.kv_cells_used == 0
+
+
+def test_cancel_while_queued() -> None:
+    s = make(slots=1)
+    s.add(Req("a", [1]))
+    s.add(Req("b", [2]))
+    assert s.cancel("b") is None
+    assert [q.id for q in s.queue] == ["a"]
+
+
+def test_context_shift_keeps_head_and_discards_half() -> None:
+    s, r = make(slots=1, window=16, keep=4), FakeRunner()
+    s.add(Req("a", list(range(1, 11))))
+    for _ in range(7):  # prefill, then cache grows to 16
+        step(s, r)
+    assert len(s.slots[0].cache) == 16
+    b = step(s, r)
+    assert b.ops == (Shift(0, keep=4, n_discard=6, n_past=16),)
+    assert b.items[0].pos == 10
+    assert s.slots[0].cache[:4] == [1, 2, 3, 4]
+    assert len(s.slots[0].cache) == 11
+    for _ in range(200):  # runs far past the window, positions stay inside it
+        b = step(s, r)
+        assert all(i.pos < 16 for i in b.items)
+    assert s.slots[0].shifts > 10
+
+
+def test_fixed_discard_count() -> None:
+    s, r = make(slots=1, window=16, keep=2, discard=3), FakeRunner()
+    s.add(Req("a", list(range(1, 17))))
+    step(s, r)
+    b = step(s, r)
+    assert b.ops == (Shift(0, keep=2, n_discard=3, n_past=16),)
+
+
+def test_sliding_off_stops_at_the_window() -> None:
+    s, r = make(slots=1, window=16, sliding=False), FakeRunner()
+    s.add(Req("a", list(range(1, 16))))
+    step(s, r)
+    b = step(s, r)
+    assert b.length_limited == () and len(s.slots[0].cache) == 16
+    b = step(s, r)
+    assert b.length_limited == (0,)
+    assert b.items == ()
+
+
+def test_over_long_prompt_rejected_or_truncated() -> None:
+    strict = make(window=16, keep=4)
+    with pytest.raises(ContextLengthExceeded) as exc:
+        strict.check_prompt(list(range(20)))
+    assert (exc.value.prompt_tokens, exc.value.limit) == (20, 16)
+    lenient = make(window=16, keep=4, truncate_prompt=True)
+    assert lenient.check_prompt(list(range(20))) == [0, 1, 2, 3, *range(8, 20)]
+    assert lenient.check_prompt([1, 2]) == [1, 2]
+    with pytest.raises(InvalidRequest):
+        lenient.check_prompt([])
+
+
+def test_discard_after_abort_removes_partial_cells() -> None:
+    s, r = make(slots=2, window=512), FakeRunner()
+    s.add(Req("a", [1, 2, 3]))
+    step(s, r)
+    s.add(Req("b", list(range(10, 40))))
+    b = s.schedule()
+    r.run(Batch(b.ops, b.items[:1]))  # only the first micro-batch made it
+    s.discard(b)
+    again = s.schedule()
+    assert Remove(0, 3, -1) in again.ops and Remove(1, 0, -1) in again.ops
+    assert [(i.slot, i.pos, len(i.tokens)) for i in again.items] == [(0, 3, 1), (1, 0, 30)]
+    s.update(again, r.run(again))
+    assert r.kv[0] == s.slots[0].cache and r.kv[1] == s.slots[1].cache
+
+
+def test_n_batch_must_cover_all_slots() -> None:
+    with pytest.raises(ValueError, match="n_batch"):
+        Scheduler(8, 4, ContextPolicy(window=64))
+
+
+def test_random_traffic_keeps_runner_and_scheduler_in_step() -> None:
+    rng = random.Random(7)
+    s, r = make(slots=4, n_batch=24, window=48, keep=3), FakeRunner()
+    s.max_queue = 1000
+    live: set[str] = set()
+    for n in range(400):
+        if rng.random() < 0.3:
+            rid = f"r{n}"
+            prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 60))]
+            try:
+                s.add(Req(rid, s.check_prompt(prompt)))
+                live.add(rid)
+            except ContextLengthExceeded:
+                pass
+        if live and rng.random() < 0.1:
+            s.cancel(rng.choice(sorted(live)))
+        b = step(s, r)
+        assert b.n_tokens <= 24
+        for slot in s.slots:
+            if slot.busy and slot.generated >= rng.randrange(1, 80):
+                live.discard(slot.request.id)  # type: ignore[union-attr]
+                s.release(slot, keep_cache=rng.random() < 0.5)
+        assert all(len(c) <= 48 for c in r.kv.values())
