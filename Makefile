@@ -23,8 +23,8 @@ $(STAMP): $(PY) pyproject.toml scripts/install-llama-cpp.sh
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check orin tests bench
-	$(VENV)/bin/ruff format --check orin tests bench
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/ruff format --check
 	$(VENV)/bin/mypy
 
 test: lint

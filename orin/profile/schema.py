@@ -100,13 +100,21 @@ class EngineSection(_Section):
         return value
 
     @model_validator(mode="after")
-    def _ubatch_le_batch(self) -> EngineSection:
+    def _batch_sizes(self) -> EngineSection:
         if self.n_ubatch > self.n_batch:
             raise ValueError(f"n_ubatch ({self.n_ubatch}) must not exceed n_batch ({self.n_batch})")
+        if self.n_batch < self.slots:
+            raise ValueError(
+                f"n_batch ({self.n_batch}) must hold one token of each slot ({self.slots})"
+            )
         return self
 
 
 class ContextSection(_Section):
+    sliding: bool = Field(
+        True,
+        description="Slide the window (discard old tokens) instead of stopping at the limit.",
+    )
     window: int | None = Field(
         None,
         ge=64,

@@ -1,0 +1,172 @@
+"""llama.cpp model and context created from an EngineConfig.
+
+Every llama.cpp failure becomes a typed error carrying llama.cpp's own reason
+(taken from its log), never a crash: the model file is checked with the GGUF
+reader before llama.cpp sees it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from typing import Any
+
+from orin.engine.config import EngineConfig
+from orin.engine.errors import BackendError, ContextShiftUnsupported
+from orin.llamacpp import capture_log, llama
+from orin.model.gguf import ModelInfo, read_model_info
+
+log = logging.getLogger("orin.engine")
+
+LOAD_MODES = {
+    "auto": "LLAMA_LOAD_MODE_AUTO",
+    "none": "LLAMA_LOAD_MODE_NONE",
+    "mmap": "LLAMA_LOAD_MODE_MMAP",
+    "mlock": "LLAMA_LOAD_MODE_MLOCK",
+    "mmap+mlock": "LLAMA_LOAD_MODE_MMAP_MLOCK",
+    "direct_io": "LLAMA_LOAD_MODE_DIRECT_IO",
+}
+NUMA = {"disabled": 0, "distribute": 1, "isolate": 2, "numactl": 3, "mirror": 4}
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+_numa_lock = threading.Lock()
+_numa_done = False
+
+
+def _reason(lines: list[str]) -> str:
+    """llama.cpp's last error or warning line: the why behind a NULL."""
+    text = [ln.strip() for ln in "".join(lines).splitlines() if ln.strip()]
+    errors = [ln for ln in text if "error" in ln.lower() or "failed" in ln.lower()]
+    return (errors or text or ["no reason given"])[-1]
+
+
+def _ggml_type(name: str) -> int:
+    from gguf import GGMLQuantizationType
+
+    return int(GGMLQuantizationType[name.upper()].value)
+
+
+class Backend:
+    """Owns the llama.cpp model, context, vocabulary and memory handles."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.info: ModelInfo = read_model_info(cfg.model_path)
+        self.lib = lib = llama()
+        _init_numa(lib, cfg.numa)
+        self.model = self._load_model()
+        try:
+            self.ctx = self._create_context()
+        except BaseException:
+            lib.llama_model_free(self.model)
+            raise
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
+        self.n_ctx_seq = int(lib.llama_n_ctx_seq(self.ctx))
+        self.can_shift = bool(lib.llama_memory_can_shift(self.memory))
+        if cfg.context.sliding and not self.can_shift:
+            self.close()
+            raise ContextShiftUnsupported(
+                f"{cfg.model_path}: this model's KV memory cannot shift positions, so the "
+                "sliding window is unavailable; set context.sliding: false (or --window off)"
+            )
+        self._pieces: dict[int, bytes] = {}
+
+    def _load_model(self) -> Any:
+        lib, cfg = self.lib, self.cfg
+        mp = lib.llama_model_default_params()
+        mp.n_gpu_layers = cfg.gpu_layers if cfg.gpu_layers >= 0 else 0x7FFFFFFF
+        mp.load_mode = getattr(lib, LOAD_MODES[cfg.load_mode])
+        with capture_log() as lines:
+            model = lib.llama_model_load_from_file(str(cfg.model_path).encode(), mp)
+        if not model:
+            raise BackendError(f"{cfg.model_path}: llama.cpp could not load it: {_reason(lines)}")
+        return model
+
+    def _create_context(self) -> Any:
+        lib, cfg = self.lib, self.cfg
+        cp = lib.llama_context_default_params()
+        cp.n_ctx = cfg.n_ctx * cfg.slots
+        cp.n_seq_max = cfg.slots
+        cp.n_batch = cfg.n_batch
+        cp.n_ubatch = cfg.n_ubatch
+        cp.n_threads = cfg.threads
+        cp.n_threads_batch = cfg.threads_batch
+        cp.flash_attn_type = FLASH_ATTN[cfg.flash_attn]
+        cp.type_k = _ggml_type(cfg.type_k)
+        cp.type_v = _ggml_type(cfg.type_v)
+        cp.kv_unified = False  # one KV stream per slot: a slot never takes another's cells
+        cp.no_perf = True
+        with capture_log() as lines:
+            ctx = lib.llama_init_from_model(self.model, cp)
+        if not ctx:
+            raise BackendError(
+                f"llama.cpp could not create the context (n_ctx={cfg.n_ctx}x{cfg.slots}, "
+                f"K={cfg.type_k}, V={cfg.type_v}, flash_attn={cfg.flash_attn}): {_reason(lines)}"
+            )
+        return ctx
+
+    # -- vocabulary (immutable after load: safe from any thread) ----------------
+
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        data = text.encode("utf-8")
+        size = len(data) + 8
+        buf = (self.lib.llama_token * size)()
+        n = self.lib.llama_tokenize(
+            self.vocab, data, len(data), buf, size, add_special, parse_special
+        )
+        if n < 0:
+            size = -n
+            buf = (self.lib.llama_token * size)()
+            n = self.lib.llama_tokenize(
+                self.vocab, data, len(data), buf, size, add_special, parse_special
+            )
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """The raw bytes a token stands for (control tokens render as nothing)."""
+        cached = self._pieces.get(token)
+        if cached is None:
+            buf = ctypes.create_string_buffer(64)
+            n = self.lib.llama_token_to_piece(self.vocab, token, buf, 64, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self.lib.llama_token_to_piece(self.vocab, token, buf, -n, 0, False)
+            cached = self._pieces[token] = buf.raw[:n]
+        return cached
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
+
+    def eog_tokens(self) -> list[int]:
+        return [t for t in range(self.n_vocab) if self.is_eog(t)]
+
+    def chat_template(self) -> str | None:
+        raw = self.lib.llama_model_chat_template(self.model, None)
+        return raw.decode("utf-8") if raw else None
+
+    def close(self) -> None:
+        """Free the context and the model (idempotent)."""
+        ctx, self.ctx = getattr(self, "ctx", None), None
+        if ctx:
+            self.lib.llama_free(ctx)
+        model, self.model = getattr(self, "model", None), None
+        if model:
+            self.lib.llama_model_free(model)
+
+
+def _init_numa(lib: Any, strategy: str) -> None:
+    """llama.cpp's NUMA setting is process-wide and may be set once."""
+    global _numa_done
+    if strategy == "disabled":
+        return
+    with _numa_lock:
+        if not _numa_done:
+            lib.llama_numa_init(NUMA[strategy])
+            _numa_done = True

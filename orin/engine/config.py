@@ -1,0 +1,89 @@
+"""A Profile resolved against the model file and the build: what the engine runs with.
+
+Resolved once (``auto`` KV types, thread counts, the window) and passed
+everywhere; nothing re-reads the profile later.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import psutil
+
+from orin.engine.scheduler import ContextPolicy
+from orin.errors import KVConfigError
+from orin.llamacpp import BuildInfo
+from orin.model.gguf import ModelInfo
+from orin.model.plan import kv_cells_per_seq
+from orin.profile.kvmatch import resolve_kv
+from orin.profile.schema import Profile
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: Path
+    n_ctx: int  # per slot, as asked; llama.cpp pads it (n_ctx_seq)
+    slots: int
+    n_batch: int
+    n_ubatch: int
+    threads: int
+    threads_batch: int
+    gpu_layers: int
+    flash_attn: Literal["auto", "on", "off"]
+    type_k: str
+    type_v: str
+    load_mode: str
+    numa: str
+    context: ContextPolicy
+    max_queue: int = 64
+    prefix_cache: bool = True
+
+    def with_(self, **changes: object) -> EngineConfig:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def default_threads() -> int:
+    """One thread per physical core: llama.cpp gains nothing from SMT siblings."""
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def engine_config(
+    profile: Profile,
+    model_path: Path,
+    info: ModelInfo,
+    build: BuildInfo | None = None,
+    available: int | None = None,
+) -> EngineConfig:
+    """Resolve a profile for one model; KV rule violations raise KVConfigError."""
+    e, c = profile.engine, profile.context
+    decision = resolve_kv(e, info.quantization, info, build, available)
+    if decision.errors:
+        raise KVConfigError("; ".join(f"{f.rule}: {f.message}" for f in decision.errors))
+    window = min(c.window or e.n_ctx, kv_cells_per_seq(e.n_ctx, e.slots))
+    threads = e.threads or default_threads()
+    return EngineConfig(
+        model_path=model_path,
+        n_ctx=e.n_ctx,
+        slots=e.slots,
+        n_batch=e.n_batch,
+        n_ubatch=e.n_ubatch,
+        threads=threads,
+        threads_batch=e.threads_batch or threads,
+        gpu_layers=e.gpu_layers,
+        flash_attn=decision.flash_attn,
+        type_k=decision.type_k,
+        type_v=decision.type_v,
+        load_mode=e.load_mode,
+        numa=e.numa,
+        context=ContextPolicy(
+            window=window,
+            keep=min(c.keep, window - 1),
+            discard=c.discard,
+            sliding=c.sliding,
+            truncate_prompt=c.overflow == "truncate",
+        ),
+        max_queue=profile.server.max_queue,
+    )

@@ -1,0 +1,359 @@
+"""The engine thread: the one owner of every llama.cpp call.
+
+Requests enter through ``submit`` (any thread); the scheduler is guarded by a
+lock held only around scheduling and bookkeeping, never during a decode.
+Cancellation is a flag the loop checks before each step, and during a step
+with prompt chunks through llama.cpp's abort callback, so a client that goes
+away frees its slot and KV cells within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from orin.engine.backend import Backend
+from orin.engine.config import EngineConfig
+from orin.engine.errors import BackendError, EngineStopped
+from orin.engine.request import ActiveRequest
+from orin.engine.runner import Aborted, Runner
+from orin.engine.scheduler import Batch, Scheduler, Shift, Slot
+from orin.engine.stream import Completion, RequestStream
+from orin.engine.timings import now_ns
+from orin.engine.types import FinishReason, RequestTimings, SamplingParams, StepStats, TokenEvent
+
+log = logging.getLogger("orin.engine")
+
+StepObserver = Callable[[StepStats], None]
+FinishObserver = Callable[[str, FinishReason, RequestTimings], None]
+_ids = itertools.count(1)
+
+
+class Engine:
+    def __init__(
+        self, cfg: EngineConfig, backend_factory: Callable[[EngineConfig], Backend] = Backend
+    ) -> None:
+        self.cfg = cfg
+        self._backend_factory = backend_factory
+        self.backend: Backend | None = None
+        self.runner: Runner | None = None
+        self.scheduler = Scheduler(cfg.slots, cfg.n_batch, cfg.context, cfg.max_queue)
+        self._lock = threading.Condition()
+        self._requests: dict[str, ActiveRequest] = {}
+        self._cancels: set[str] = set()
+        self._abort_flag = False
+        self._in_batch: set[str] = set()
+        self._state = "new"  # new, loading, ready, draining, stopped, failed
+        self._load_error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.step_observers: list[StepObserver] = []
+        self.finish_observers: list[FinishObserver] = []
+        self.heartbeat_ns = now_ns()
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def start(self) -> Engine:
+        """Load the model on the engine thread and start serving; returns at once."""
+        self._state = "loading"
+        self._thread = threading.Thread(target=self._main, name="orin-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the engine did not finish loading in time")
+        if self._load_error is not None:
+            raise self._load_error
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def stop(self, drain: bool = True, timeout: float = 30.0) -> None:
+        """Stop admissions; let running requests finish (``drain``) up to ``timeout``
+        seconds, cancel the rest, and join the thread."""
+        with self._lock:
+            if self._state in ("stopped", "failed", "new"):
+                self._state = "stopped" if self._state == "new" else self._state
+                return
+            self._state = "draining"
+            self._lock.notify_all()
+        if drain:
+            deadline = now_ns() + int(timeout * 1e9)
+            with self._lock:
+                while self.scheduler.has_work() and now_ns() < deadline:
+                    self._lock.wait(0.05)
+        with self._lock:
+            for rid in list(self._requests):
+                self._cancels.add(rid)
+            self._abort_flag = bool(self._requests)
+            self._state = "stopped"
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=max(timeout, 5.0))
+
+    def __enter__(self) -> Engine:
+        self.start().wait_ready()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(drain=False)
+
+    # -- requests -------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self._loaded().tokenize(text, add_special=add_special)
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestStream:
+        """Queue a request; raises QueueFull, ContextLengthExceeded, InvalidRequest,
+        EngineStopped synchronously, so a server can answer with the right status."""
+        backend = self._loaded()
+        params = params or SamplingParams()
+        params.validate(backend.n_vocab)
+        tokens = backend.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        tokens = self.scheduler.check_prompt(tokens)
+        rid = request_id or f"req-{next(_ids)}"
+        stream = RequestStream(rid, self.cancel, loop)
+        request = ActiveRequest(rid, tokens, params, stream)
+        with self._lock:
+            if self._state != "ready":
+                raise EngineStopped(f"the engine is {self._state}; not taking requests")
+            self.scheduler.add(request)
+            self._requests[rid] = request
+            self._lock.notify_all()
+        return stream
+
+    async def submit_async(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        return self.submit(prompt, params, request_id, asyncio.get_running_loop())
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Completion:
+        """Blocking convenience for scripts and benchmarks."""
+        return self.submit(prompt, params).result()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            if request_id not in self._requests:
+                return
+            self._cancels.add(request_id)
+            if request_id in self._in_batch:
+                self._abort_flag = True  # interrupts a long prompt chunk mid-decode
+            self._lock.notify_all()
+
+    # -- views for health and metrics ------------------------------------------
+
+    @property
+    def slots_busy(self) -> int:
+        return self.scheduler.busy_slots
+
+    @property
+    def waiting(self) -> int:
+        return self.scheduler.waiting
+
+    @property
+    def kv_cells_used(self) -> int:
+        return self.scheduler.kv_cells_used
+
+    def _loaded(self) -> Backend:
+        if self.backend is None:
+            raise EngineStopped(f"the engine is {self._state}; the model is not loaded")
+        return self.backend
+
+    # -- the thread -------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self.backend = self._backend_factory(self.cfg)
+            self.runner = Runner(self.backend, self.cfg.n_batch)
+        except BaseException as exc:  # reported through wait_ready
+            self._load_error = exc
+            self._state = "failed"
+            self._ready.set()
+            return
+        with self._lock:
+            if self._state == "loading":
+                self._state = "ready"
+        self._ready.set()
+        try:
+            self._loop()
+        finally:
+            self._shutdown()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._has_work() and self._state in ("ready", "draining"):
+                    self.heartbeat_ns = now_ns()
+                    self._lock.wait(0.5)
+                if self._state == "stopped" and not self._cancels:
+                    return
+                self._apply_cancels()
+                batch = self.scheduler.schedule()
+                for slot_id in batch.length_limited:
+                    self._finish(self._request_in(slot_id), "length")
+                self._in_batch = {r.id for r in self._batch_requests(batch)}
+                self._abort_flag = False
+            self.heartbeat_ns = now_ns()
+            if batch:
+                self._step(batch)
+
+    def _has_work(self) -> bool:
+        return bool(self._cancels) or self.scheduler.has_work()
+
+    def _batch_requests(self, batch: Batch) -> list[ActiveRequest]:
+        return [self._request_in(i.slot) for i in batch.items]
+
+    def _request_in(self, slot_id: int) -> ActiveRequest:
+        request = self.scheduler.slots[slot_id].request
+        assert isinstance(request, ActiveRequest)
+        return request
+
+    def _apply_cancels(self) -> None:
+        for rid in self._cancels:
+            request = self._requests.get(rid)
+            if request is None:
+                continue
+            slot = self.scheduler.cancel(rid)  # frees the slot and removes its KV cells
+            self._emit_final(request, "cancelled", slot=slot)
+        self._cancels.clear()
+
+    def _step(self, batch: Batch) -> None:
+        assert self.runner is not None and self.backend is not None
+        start = now_ns()
+        self.runner.apply(batch.ops)
+        requests = self._batch_requests(batch)
+        for item, request in zip(batch.items, requests, strict=True):
+            request.start(self.backend)
+            if item.prefill:
+                request.timings.prefill_started(start)
+        aborted = False
+        rows: dict[int, int] = {}
+        sampled: dict[int, int] = {}
+        try:
+            rows = self.runner.decode(batch, self._abort_check if batch.n_prefill else None)
+            sampled = self._sample(rows)
+        except Aborted:
+            aborted = True
+        except BackendError as exc:
+            log.error("decode failed: %s", exc)
+            with self._lock:
+                for request in requests:
+                    self._finish(request, "error", str(exc))
+            return
+        self._record(batch, rows, sampled, aborted, start)
+
+    def _abort_check(self) -> bool:
+        return self._abort_flag
+
+    def _sample(self, rows: dict[int, int]) -> dict[int, int]:
+        assert self.runner is not None
+        sampled = {}
+        for slot_id, row in rows.items():
+            request = self._request_in(slot_id)
+            assert request.sampler is not None
+            logits = self.runner.logits(row)
+            sampled[slot_id] = request.sampler.sample(row, logits)
+        return sampled
+
+    def _record(
+        self,
+        batch: Batch,
+        rows: dict[int, int],
+        sampled: dict[int, int],
+        aborted: bool,
+        start: int,
+    ) -> None:
+        assert self.runner is not None and self.backend is not None
+        t = now_ns()
+        with self._lock:
+            if aborted:
+                self.scheduler.discard(batch)
+            else:
+                self.scheduler.update(batch, sampled)
+                for slot_id, token in sampled.items():
+                    request = self._request_in(slot_id)
+                    if request.id in self._cancels:
+                        continue
+                    logits = self.runner.logits(rows[slot_id])
+                    reason = request.on_token(self.backend, token, logits, t)
+                    if reason is not None:
+                        self._finish(request, reason)
+            stats = StepStats(
+                start_ns=start,
+                end_ns=t,
+                prefill_tokens=batch.n_prefill,
+                decode_tokens=batch.n_decode,
+                slots_busy=self.scheduler.busy_slots,
+                kv_cells_used=self.scheduler.kv_cells_used,
+                waiting=self.scheduler.waiting,
+                context_shifts=sum(1 for op in batch.ops if isinstance(op, Shift)),
+                aborted=aborted,
+            )
+            self._lock.notify_all()
+        for observer in self.step_observers:
+            _safe(observer, stats)
+
+    def _finish(
+        self, request: ActiveRequest, reason: FinishReason, error: str | None = None
+    ) -> None:
+        """Release the slot (caller holds the lock) and send the final event."""
+        slot = self.scheduler.slot_of(request.id)
+        if slot is not None:
+            keep = self.cfg.prefix_cache and reason in ("stop", "length")
+            self.scheduler.release(slot, keep_cache=keep)
+        self._emit_final(request, reason, error, slot)
+
+    def _emit_final(
+        self,
+        request: ActiveRequest,
+        reason: FinishReason,
+        error: str | None = None,
+        slot: Slot | None = None,
+    ) -> None:
+        """The last event of a request; ``slot`` is the one it held, if any."""
+        if self._requests.pop(request.id, None) is None:
+            return
+        timings = request.timings.result(
+            now_ns(),
+            len(request.prompt_tokens),
+            slot.cached_prompt if slot else 0,
+            slot.shifts if slot else 0,
+        )
+        text = request.tail_text() if reason != "cancelled" else ""
+        request.stream.put(TokenEvent(request.id, None, text, None, reason, timings, error))
+        request.close()
+        for observer in self.finish_observers:
+            _safe(observer, request.id, reason, timings)
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            for request in list(self._requests.values()):
+                self._emit_final(request, "cancelled")
+            self._state = "stopped"
+            self._lock.notify_all()
+        if self.runner is not None:
+            self.runner.close()
+        if self.backend is not None:
+            self.backend.close()
+
+
+def _safe(fn: Callable[..., None], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("observer %r failed", fn)

@@ -1,0 +1,71 @@
+"""One request inside the engine: its sampler, text state, timings and stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from orin.engine.backend import Backend
+from orin.engine.detok import Detokenizer, StopMatcher
+from orin.engine.sampling import SlotSampler
+from orin.engine.stream import RequestStream
+from orin.engine.timings import TimingRecorder
+from orin.engine.types import FinishReason, SamplingParams, TokenEvent
+
+
+@dataclass
+class ActiveRequest:
+    """Implements the scheduler's SchedRequest; everything else is engine-side."""
+
+    id: str
+    prompt_tokens: list[int]
+    params: SamplingParams
+    stream: RequestStream
+    timings: TimingRecorder = field(default_factory=TimingRecorder)
+    sampler: SlotSampler | None = None
+    detok: Detokenizer | None = None
+    stop: StopMatcher | None = None
+    generated: int = 0
+    stop_matched: bool = False
+
+    def start(self, backend: Backend) -> None:
+        """Runs on the engine thread when the request first gets a slot."""
+        if self.sampler is None:
+            self.sampler = SlotSampler(backend, self.params, self.prompt_tokens)
+            self.detok = Detokenizer(backend.piece)
+            self.stop = StopMatcher(self.params.stop)
+
+    def on_token(
+        self, backend: Backend, token: int, logits: npt.NDArray[np.float32], t_ns: int
+    ) -> FinishReason | None:
+        """Emit the token's event; return a finish reason when the request is done."""
+        assert self.detok is not None and self.stop is not None and self.sampler is not None
+        self.timings.token(t_ns)
+        self.generated += 1
+        logprob = self.sampler.logprob(token, logits) if self.params.logprobs is not None else None
+        if token in self.params.stop_token_ids or (
+            not self.params.ignore_eos and backend.is_eog(token)
+        ):  # counted and reported by id, but it ends the text rather than adding to it
+            self.stream.put(TokenEvent(self.id, token, "", logprob))
+            return "stop"
+        text, self.stop_matched = self.stop.feed(self.detok.add(token))
+        self.stream.put(TokenEvent(self.id, token, text, logprob))
+        if self.stop_matched:
+            return "stop"
+        if self.generated >= self.params.max_tokens:
+            return "length"
+        return None
+
+    def tail_text(self) -> str:
+        """Text still held back, released at the end unless a stop string ended it."""
+        if self.detok is None or self.stop is None or self.stop_matched:
+            return ""
+        text, hit = self.stop.feed(self.detok.flush())
+        return text if hit else text + self.stop.flush()
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None

@@ -1,0 +1,97 @@
+"""Executes a scheduler Batch through llama.cpp's low-level API."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from orin.engine.backend import Backend
+from orin.engine.errors import BackendError
+from orin.engine.scheduler import Batch, KVOp, Remove
+
+DECODE_ABORTED = 2  # llama_decode's return value when the abort callback fired
+
+
+class Aborted(Exception):
+    """llama_decode stopped early because the abort callback asked it to."""
+
+
+class Runner:
+    def __init__(self, backend: Backend, n_batch: int) -> None:
+        self.backend = backend
+        self.lib = backend.lib
+        self.n_batch = n_batch
+        self.batch = self.lib.llama_batch_init(n_batch, 0, 1)
+        self._abort_check: Callable[[], bool] | None = None
+        self._abort_cb: Any = self.lib.ggml_abort_callback(self._on_abort)
+        self._abort_set = False
+
+    def _on_abort(self, _data: Any) -> bool:
+        check = self._abort_check
+        return bool(check and check())
+
+    def apply(self, ops: Iterable[KVOp]) -> None:
+        lib, mem = self.lib, self.backend.memory
+        for op in ops:
+            if isinstance(op, Remove):
+                lib.llama_memory_seq_rm(mem, op.seq, op.p0, op.p1)
+            else:
+                start = op.keep + op.n_discard
+                lib.llama_memory_seq_rm(mem, op.seq, op.keep, start)
+                lib.llama_memory_seq_add(mem, op.seq, start, op.n_past, -op.n_discard)
+
+    def decode(self, batch: Batch, abort: Callable[[], bool] | None = None) -> dict[int, int]:
+        """Run the batch; return slot -> output row of the logits to sample from.
+
+        ``abort`` (checked between graph nodes) is only installed for steps that
+        carry prompt chunks: those are the long ones worth interrupting.
+        """
+        if batch.n_tokens > self.n_batch:
+            raise BackendError(f"a batch of {batch.n_tokens} tokens exceeds n_batch {self.n_batch}")
+        b = self.batch
+        n = 0
+        rows: dict[int, int] = {}
+        for item in batch.items:
+            for j, token in enumerate(item.tokens):
+                b.token[n] = token
+                b.pos[n] = item.pos + j
+                b.n_seq_id[n] = 1
+                b.seq_id[n][0] = item.slot
+                b.logits[n] = False
+                n += 1
+            if item.sample:
+                b.logits[n - 1] = True
+                rows[item.slot] = n - 1
+        b.n_tokens = n
+        self._set_abort(abort)
+        ret = self.lib.llama_decode(self.backend.ctx, b)
+        if ret == DECODE_ABORTED:
+            raise Aborted()
+        if ret != 0:
+            raise BackendError(f"llama_decode failed with status {ret} on {n} tokens")
+        return rows
+
+    def _set_abort(self, check: Callable[[], bool] | None) -> None:
+        self._abort_check = check
+        want = check is not None
+        if want != self._abort_set:  # a Python call per graph node costs: only when needed
+            cb = self._abort_cb if want else self.lib.ggml_abort_callback(0)
+            self.lib.llama_set_abort_callback(self.backend.ctx, cb, None)
+            self._abort_set = want
+
+    def logits(self, row: int) -> npt.NDArray[np.float32]:
+        """A view of one output row's logits (valid until the next decode)."""
+        ptr = self.lib.llama_get_logits_ith(self.backend.ctx, row)
+        return np.ctypeslib.as_array(ptr, shape=(self.backend.n_vocab,))
+
+    def seq_pos_max(self, seq: int) -> int:
+        return int(self.lib.llama_memory_seq_pos_max(self.backend.memory, seq))
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self._set_abort(None)
+            self.lib.llama_batch_free(self.batch)
+            self.batch = None

@@ -1,0 +1,101 @@
+"""Per-slot sampling: a greedy fast path, llama.cpp sampler chains otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from orin.engine.backend import Backend
+from orin.engine.errors import InvalidRequest
+from orin.engine.types import SamplingParams, TokenLogprob, TopLogprob
+
+DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
+
+
+class SlotSampler:
+    """Samples one request's tokens from the logits row the runner points at."""
+
+    def __init__(self, backend: Backend, params: SamplingParams, prompt: Iterable[int]) -> None:
+        self.backend = backend
+        self.lib = backend.lib
+        self.params = params
+        self.bias = dict(params.logit_bias)
+        if params.ignore_eos:
+            for t in backend.eog_tokens():
+                self.bias[t] = float("-inf")
+        self.chain: Any = None
+        self._penalties: Any = None
+        if not params.greedy or params.grammar or params.penalized:
+            self.chain = self._build_chain()
+            if self._penalties is not None:
+                for t in prompt:  # penalties count the prompt as llama.cpp's server does
+                    self.lib.llama_sampler_accept(self._penalties, t)
+
+    def _build_chain(self) -> Any:
+        lib, p = self.lib, self.params
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        add = lambda s: lib.llama_sampler_chain_add(chain, s)  # noqa: E731
+        if self.bias:
+            arr = (lib.llama_logit_bias * len(self.bias))()
+            for i, (tok, b) in enumerate(self.bias.items()):
+                arr[i].token, arr[i].bias = tok, b
+            add(lib.llama_sampler_init_logit_bias(self.backend.n_vocab, len(self.bias), arr))
+        if p.grammar:
+            grammar = lib.llama_sampler_init_grammar(
+                self.backend.vocab, p.grammar.encode("utf-8"), b"root"
+            )
+            if not grammar:
+                lib.llama_sampler_free(chain)
+                raise InvalidRequest("grammar", "the grammar does not parse")
+            add(grammar)
+        if p.penalized:
+            self._penalties = lib.llama_sampler_init_penalties(
+                self.backend.n_vocab,
+                p.penalty_last_n,
+                p.repeat_penalty,
+                p.frequency_penalty,
+                p.presence_penalty,
+            )
+            add(self._penalties)
+        if p.greedy:
+            add(lib.llama_sampler_init_greedy())
+            return chain
+        if p.top_k > 0:
+            add(lib.llama_sampler_init_top_k(p.top_k))
+        add(lib.llama_sampler_init_top_p(p.top_p, 1))
+        add(lib.llama_sampler_init_min_p(p.min_p, 1))
+        add(lib.llama_sampler_init_temp(p.temperature))
+        add(lib.llama_sampler_init_dist(DEFAULT_SEED if p.seed is None else p.seed))
+        return chain
+
+    def sample(self, row: int, logits: npt.NDArray[np.float32]) -> int:
+        if self.chain is not None:
+            return int(self.lib.llama_sampler_sample(self.chain, self.backend.ctx, row))
+        if not self.bias:
+            return int(np.argmax(logits))
+        biased = logits.copy()
+        for tok, b in self.bias.items():
+            biased[tok] += b
+        return int(np.argmax(biased))
+
+    def logprob(self, token: int, logits: npt.NDArray[np.float32]) -> TokenLogprob:
+        """The sampled token's log-probability and the top-N alternatives (raw model)."""
+        shifted = logits.astype(np.float64) - float(np.max(logits))
+        logp = shifted - np.log(np.sum(np.exp(shifted)))
+        n = self.params.logprobs or 0
+        top: tuple[TopLogprob, ...] = ()
+        if n:
+            idx = np.argpartition(-logp, n - 1)[:n]
+            idx = idx[np.argsort(-logp[idx])]
+            top = tuple(
+                TopLogprob(int(i), self.backend.detokenize([int(i)]), float(logp[i])) for i in idx
+            )
+        return TokenLogprob(token, float(logp[token]), top)
+
+    def close(self) -> None:
+        if self.chain is not None:
+            self.lib.llama_sampler_free(self.chain)
+            self.chain = None

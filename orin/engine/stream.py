@@ -1,0 +1,100 @@
+"""A request's event stream: filled by the engine thread, read blocking or with asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+
+from orin.engine.types import FinishReason, RequestTimings, TokenEvent, TokenLogprob
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request, collected from its stream."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: FinishReason
+    timings: RequestTimings | None
+    error: str | None = None
+
+
+class RequestStream:
+    """Iterate (``for`` or ``async for``) over TokenEvents until the final one."""
+
+    def __init__(
+        self,
+        request_id: str,
+        cancel: Callable[[str], None],
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self._cancel = cancel
+        self._loop = loop
+        self._sync: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        self._async: asyncio.Queue[TokenEvent] | None = asyncio.Queue() if loop else None
+        self._done = False
+
+    def put(self, event: TokenEvent) -> None:
+        """Called from the engine thread."""
+        if self._loop is None or self._async is None:
+            self._sync.put(event)
+            return
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody listens
+            self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._cancel(self.request_id)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        if self._async is not None:
+            raise TypeError("this stream was opened for asyncio; use `async for`")
+        while not self._done:
+            event = self._sync.get()
+            self._done = event.finish_reason is not None
+            yield event
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        if self._async is None:
+            raise TypeError("this stream was opened without an event loop; use `for`")
+        while not self._done:
+            event = await self._async.get()
+            self._done = event.finish_reason is not None
+            yield event
+
+    def result(self) -> Completion:
+        return collect(self.request_id, list(self))
+
+    async def aresult(self) -> Completion:
+        events = [e async for e in self]
+        return collect(self.request_id, events)
+
+
+def collect(request_id: str, events: list[TokenEvent]) -> Completion:
+    text: list[str] = []
+    ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    last: TokenEvent | None = None
+    for e in events:
+        text.append(e.text)
+        if e.token_id is not None:
+            ids.append(e.token_id)
+        if e.logprob is not None:
+            logprobs.append(e.logprob)
+        last = e
+    assert last is not None and last.finish_reason is not None
+    return Completion(
+        request_id,
+        "".join(text),
+        tuple(ids),
+        tuple(logprobs),
+        last.finish_reason,
+        last.timings,
+        last.error,
+    )

@@ -1,0 +1,294 @@
+"""The engine on real llama.cpp and generated models."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orin.engine.config import EngineConfig, engine_config
+from orin.engine.engine import Engine
+from orin.engine.errors import ContextLengthExceeded, InvalidRequest, QueueFull
+from orin.engine.runner import Aborted
+from orin.engine.scheduler import Batch, BatchItem
+from orin.engine.types import SamplingParams, StepStats
+from orin.model import demo
+from orin.model.gguf import read_model_info
+from orin.profile.loader import parse_profile
+
+pytestmark = pytest.mark.llama
+
+GREEDY = dict(temperature=0.0)
+
+
+def config(path: Path, yaml_engine: str, yaml_context: str = "{}") -> EngineConfig:
+    profile = parse_profile(f"name: t\nengine: {yaml_engine}\ncontext: {yaml_context}\n")
+    return engine_config(profile, path, read_model_info(path))
+
+
+@pytest.fixture(scope="module")
+def small() -> Path:
+    return demo.ensure("small", "f16")
+
+
+@pytest.fixture(scope="module")
+def engine(small: Path) -> Iterator[Engine]:
+    cfg = config(small, "{n_ctx: 512, slots: 8, n_batch: 64, n_ubatch: 64}", "{keep: 4}")
+    with Engine(cfg) as e:
+        yield e
+
+
+def reference(path: Path, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probabilities, one sequence alone in plain llama_cpp.Llama."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=1024, n_batch=512, logits_all=True, verbose=False)
+    llm.eval(prompt)
+    tokens, logps = [], []
+    for _ in range(n):
+        logits = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+        t = int(np.argmax(logits))
+        shifted = logits - logits.max()
+        logps.append(float(shifted[t] - np.log(np.exp(shifted).sum())))
+        tokens.append(t)
+        llm.eval([t])
+    return tokens, logps
+
+
+def random_prompts(engine: Engine, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    base = engine.tokenize("Edge inference on the board:")
+    vocab = engine.backend.n_vocab if engine.backend else 0
+    return [
+        base + [rng.randrange(263, vocab) for _ in range(rng.randrange(1, 120))] for _ in range(n)
+    ]
+
+
+def test_concurrent_greedy_equals_each_request_alone(engine: Engine, small: Path) -> None:
+    prompts = random_prompts(engine, 8, seed=1)
+    streams = []
+    for p in prompts:  # staggered arrivals land in different batch compositions
+        streams.append(engine.submit(p, SamplingParams(max_tokens=24, logprobs=0, **GREEDY)))
+        time.sleep(0.01)
+    results = [s.result() for s in streams]
+    for prompt, got in zip(prompts, results, strict=True):
+        want_tokens, want_logps = reference(small, prompt, 24)
+        assert list(got.token_ids) == want_tokens
+        assert got.finish_reason == "length"
+        # log-probabilities move by ~0.1-0.7 when the context differs: a sequence that saw
+        # another one's KV cells would show here even where the argmax survives
+        np.testing.assert_allclose([lp.logprob for lp in got.logprobs], want_logps, atol=2e-3)
+
+
+def test_timings_follow_the_definitions(engine: Engine) -> None:
+    c = engine.generate("Timing a request", SamplingParams(max_tokens=10, **GREEDY))
+    t = c.timings
+    assert t is not None and t.generated_tokens == 10 == len(c.token_ids)
+    assert t.ttft_ms == pytest.approx(t.queue_ms + t.prefill_ms)
+    assert len(t.itl_ms) == 9
+    assert t.tpot_ms == pytest.approx(sum(t.itl_ms) / 9)
+    assert t.e2e_ms == pytest.approx(t.ttft_ms + sum(t.itl_ms))
+    assert t.prompt_tokens == len(engine.tokenize("Timing a request"))
+
+
+def test_prefix_reuse_reports_cached_tokens(engine: Engine) -> None:
+    head = "A long shared system prompt about serving models on the Orin board. " * 3
+    first = engine.generate(head + "First question?", SamplingParams(max_tokens=4, **GREEDY))
+    second = engine.generate(head + "Second one?", SamplingParams(max_tokens=4, **GREEDY))
+    assert first.timings is not None and second.timings is not None
+    shared = len(engine.tokenize(head)) - 2
+    assert second.timings.cached_tokens >= shared
+    alone = engine.generate(head + "Second one?", SamplingParams(max_tokens=4, **GREEDY))
+    assert alone.token_ids == second.token_ids
+
+
+def test_sliding_window_runs_far_past_the_context(small: Path) -> None:
+    cfg = config(small, "{n_ctx: 256, slots: 2, n_batch: 64, n_ubatch: 64}", "{keep: 8}")
+    positions: list[int] = []
+    with Engine(cfg) as e:
+        assert e.runner is not None
+        runner = e.runner
+        e.step_observers.append(lambda s: positions.append(runner.seq_pos_max(0)))
+        c = e.generate("Go on and on", SamplingParams(max_tokens=4 * 256, **GREEDY))
+    assert c.finish_reason == "length"
+    assert len(c.token_ids) == 1024
+    assert c.timings is not None and c.timings.context_shifts >= 6
+    assert max(positions) < 256
+
+
+def test_without_sliding_stops_at_the_window(small: Path) -> None:
+    cfg = config(small, "{n_ctx: 256, slots: 1, n_batch: 64, n_ubatch: 64}", "{sliding: false}")
+    with Engine(cfg) as e:
+        prompt = e.tokenize("Stop at the edge")
+        c = e.generate(prompt, SamplingParams(max_tokens=1000, **GREEDY))
+    assert c.finish_reason == "length"
+    assert len(prompt) + len(c.token_ids) == 256 + 1  # the last token never enters the cache
+
+
+def test_cancellation_frees_every_cell(small: Path) -> None:
+    cfg = config(small, "{n_ctx: 512, slots: 4, n_batch: 64, n_ubatch: 64}")
+    rng = random.Random(3)
+    with Engine(cfg) as e:
+        streams = []
+        for i in range(50):
+            prompt = "x " * rng.randrange(1, 200) + f"request {i}"
+            s = e.submit(prompt, SamplingParams(max_tokens=400, **GREEDY))
+            streams.append(s)
+            if rng.random() < 0.5:
+                time.sleep(rng.random() * 0.02)  # some in prefill, some decoding, some queued
+            s.cancel()
+        reasons = {s.result().finish_reason for s in streams}
+        assert reasons <= {"cancelled", "length"}
+        assert "cancelled" in reasons
+        assert e.runner is not None
+        deadline = time.time() + 5
+        while (e.slots_busy or e.kv_cells_used) and time.time() < deadline:
+            time.sleep(0.01)
+        assert e.slots_busy == 0 and e.kv_cells_used == 0
+        runner = e.runner
+        with e._lock:  # inspect llama.cpp's memory while the engine thread is idle
+            assert [runner.seq_pos_max(s) for s in range(4)] == [-1, -1, -1, -1]
+        ok = e.generate("after the storm", SamplingParams(max_tokens=8, **GREEDY))
+        assert ok.finish_reason == "length" and len(ok.token_ids) == 8
+
+
+def test_abort_callback_interrupts_a_prompt_chunk(engine: Engine) -> None:
+    assert engine.runner is not None
+    runner = engine.runner
+    with engine._lock:  # the engine thread waits while we hold its lock
+        engine.scheduler.clear_idle_cache()
+        runner.apply(engine.scheduler.take_ops())
+        tokens = tuple(engine.tokenize("abort me " * 20)[:64])
+        batch = Batch((), (BatchItem(7, tokens, 0, True, prefill=True),))
+        with pytest.raises(Aborted):
+            runner.decode(batch, abort=lambda: True)
+        assert runner.seq_pos_max(7) == -1  # the aborted micro-batch left nothing behind
+
+
+def test_chinese_byte_fallback_streams_whole_characters(engine: Engine) -> None:
+    target = "龘靐齉 边缘推理 🚀"  # rare characters exist only as byte-fallback tokens
+    grammar = 'root ::= "' + target + '"'
+    stream = engine.submit(
+        "请用中文回答：", SamplingParams(max_tokens=64, grammar=grammar, **GREEDY)
+    )
+    events = list(stream)
+    deltas = [e.text for e in events]
+    assert all("\ufffd" not in d for d in deltas)
+    assert any(e.token_id is not None and e.text == "" for e in events)  # bytes held back
+    assert "".join(deltas) == target
+    ids = [e.token_id for e in events if e.token_id is not None]
+    assert engine.backend is not None and engine.backend.detokenize(ids) == target
+
+
+def test_stop_string_across_tokens_is_honoured_and_not_leaked(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    full = engine.generate("Stop strings", params)
+    pieces = [engine.backend.piece(t).decode("utf-8", "replace") for t in full.token_ids]  # type: ignore[union-attr]
+    i = next(k for k in range(5, 35) if len(pieces[k]) >= 2 and len(pieces[k + 1]) >= 2)
+    before = "".join(pieces[:i])
+    stop = pieces[i][-2:] + pieces[i + 1][:2]
+    straddle = len(before) + len(pieces[i]) - 2  # the stop string starts in token i, ends in i+1
+    stream = engine.submit("Stop strings", SamplingParams(max_tokens=40, stop=(stop,), **GREEDY))
+    events = list(stream)
+    text = "".join(e.text for e in events)
+    assert events[-1].finish_reason == "stop"
+    assert text == full.text[: full.text.find(stop)]
+    assert full.text.find(stop) <= straddle
+    assert stop not in text and len(text) <= straddle
+    assert len(events) <= i + 3  # generation ended at the token completing the stop string
+
+
+def test_typed_errors(engine: Engine, small: Path) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        engine.submit("x", SamplingParams(temperature=-1))
+    assert exc.value.param == "temperature"
+    with pytest.raises(InvalidRequest) as exc:
+        engine.submit("x", SamplingParams(logit_bias={10**7: 1.0}))
+    assert exc.value.param == "logit_bias"
+    with pytest.raises(ContextLengthExceeded) as too_long:
+        engine.submit([5] * 600)
+    assert too_long.value.prompt_tokens == 600 and too_long.value.limit == 512
+    cfg = config(small, "{n_ctx: 256, slots: 1, n_batch: 64, n_ubatch: 64}")
+    with Engine(cfg.with_(max_queue=1)) as e:
+        first = e.submit("busy", SamplingParams(max_tokens=200, **GREEDY))
+        second = e.submit("waits", SamplingParams(max_tokens=2, **GREEDY))
+        time.sleep(0.05)
+        with pytest.raises(QueueFull):
+            e.submit("no room", SamplingParams(max_tokens=2))
+        first.cancel()
+        assert second.result().finish_reason == "length"
+
+
+def test_sampling_with_seed_is_reproducible(engine: Engine) -> None:
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    a = engine.generate("Sample me", p)
+    b = engine.generate("Sample me", p)
+    c = engine.generate("Sample me", SamplingParams(**{**p.__dict__, "seed": 7}))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_logit_bias_and_stop_token_ids(engine: Engine) -> None:
+    forced = engine.generate(
+        "bias", SamplingParams(max_tokens=3, logit_bias={300: 100.0}, **GREEDY)
+    )
+    assert forced.token_ids == (300, 300, 300)
+    stopped = engine.generate(
+        "bias",
+        SamplingParams(max_tokens=10, logit_bias={300: 100.0}, stop_token_ids=(300,), **GREEDY),
+    )
+    assert stopped.finish_reason == "stop" and stopped.token_ids == (300,)
+    eos = engine.generate("eos", SamplingParams(max_tokens=10, logit_bias={2: 100.0}, **GREEDY))
+    assert eos.finish_reason == "stop" and eos.text == "" and eos.token_ids == (2,)
+    ignored = engine.generate(
+        "eos", SamplingParams(max_tokens=5, logit_bias={2: 100.0}, ignore_eos=True, **GREEDY)
+    )
+    assert ignored.finish_reason == "length" and 2 not in ignored.token_ids
+
+
+def test_top_logprobs(engine: Engine) -> None:
+    c = engine.generate("probabilities", SamplingParams(max_tokens=3, logprobs=5, **GREEDY))
+    for lp in c.logprobs:
+        assert len(lp.top) == 5
+        assert lp.top[0].token_id == lp.token_id  # greedy picks the most likely
+        assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
+
+
+def test_step_stats_and_async_stream(engine: Engine) -> None:
+    import asyncio
+
+    stats: list[StepStats] = []
+    engine.step_observers.append(stats.append)
+    try:
+
+        async def run() -> str:
+            stream = await engine.submit_async(
+                "async please", SamplingParams(max_tokens=5, **GREEDY)
+            )
+            return "".join([e.text async for e in stream])
+
+        text = asyncio.run(run())
+    finally:
+        engine.step_observers.remove(stats.append)
+    assert text
+    assert stats[0].prefill_tokens > 0 and stats[0].phase in ("prefill", "mixed")
+    assert any(s.phase == "decode" for s in stats)
+    assert all(s.end_ns >= s.start_ns for s in stats)
+
+
+def test_clean_shutdown_leaves_no_thread(small: Path) -> None:
+    cfg = config(small, "{n_ctx: 256, slots: 2, n_batch: 64, n_ubatch: 64}")
+    e = Engine(cfg).start()
+    e.wait_ready(60)
+    s = e.submit("long", SamplingParams(max_tokens=100000, **GREEDY))
+    e.stop(drain=False)
+    assert s.result().finish_reason == "cancelled"
+    assert not any(
+        t.name == "orin-engine" and t.is_alive() for t in threading.enumerate() if t is e._thread
+    )
+    assert e.state == "stopped"
