@@ -288,7 +288,56 @@ def test_clean_shutdown_leaves_no_thread(small: Path) -> None:
     s = e.submit("long", SamplingParams(max_tokens=100000, **GREEDY))
     e.stop(drain=False)
     assert s.result().finish_reason == "cancelled"
-    assert not any(
-        t.name == "orin-engine" and t.is_alive() for t in threading.enumerate() if t is e._thread
-    )
+    assert e._thread is not None and not e._thread.is_alive()
     assert e.state == "stopped"
+
+
+def test_backend_failures_are_typed(small: Path, tmp_path: Path) -> None:
+    from orin.engine.backend import Backend
+    from orin.engine.errors import BackendError
+    from orin.errors import KVConfigError, ModelFileError
+
+    cfg = config(small, "{n_ctx: 256, slots: 1, n_batch: 64, n_ubatch: 64}")
+    with pytest.raises(ModelFileError, match="no such file"):
+        Backend(cfg.with_(model_path=tmp_path / "missing.gguf"))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(small.read_bytes()[:50_000])
+    with pytest.raises(ModelFileError, match="truncated"):
+        Backend(cfg.with_(model_path=cut))
+    # the profile rules catch a quantized V cache without flash attention first...
+    with pytest.raises(KVConfigError, match="kv-quant-v-needs-fa"):
+        config(small, "{n_ctx: 256, slots: 1, type_k: q8_0, type_v: q8_0, flash_attn: off}")
+    # ...and llama.cpp's own refusal still comes back as a typed error with its reason
+    with pytest.raises(BackendError, match="could not create the context"):
+        Backend(cfg.with_(type_v="q8_0", flash_attn="off"))
+    huge = cfg.with_(n_ctx=1 << 20, slots=64, n_batch=64)
+    with pytest.raises(BackendError, match="could not create the context"):
+        Backend(huge)
+
+
+def test_engine_reports_load_failure(small: Path, tmp_path: Path) -> None:
+    from orin.errors import ModelFileError
+
+    cfg = config(small, "{n_ctx: 256, slots: 1, n_batch: 64, n_ubatch: 64}")
+    e = Engine(cfg.with_(model_path=tmp_path / "nope.gguf")).start()
+    with pytest.raises(ModelFileError):
+        e.wait_ready(30)
+    assert e.state == "failed"
+
+
+def test_drain_lets_running_requests_finish(small: Path) -> None:
+    from orin.engine.errors import EngineStopped
+
+    cfg = config(small, "{n_ctx: 256, slots: 2, n_batch: 64, n_ubatch: 64}")
+    e = Engine(cfg).start()
+    e.wait_ready(60)
+    s = e.submit("finish me", SamplingParams(max_tokens=50, **GREEDY))
+    stopper = threading.Thread(target=e.stop, kwargs={"drain": True, "timeout": 30})
+    stopper.start()
+    time.sleep(0.01)
+    with pytest.raises(EngineStopped):
+        e.submit("too late", SamplingParams(max_tokens=5))
+    stopper.join()
+    c = s.result()
+    assert c.finish_reason == "length" and len(c.token_ids) == 50
+    assert e.state == "stopped" and e._thread is not None and not e._thread.is_alive()
