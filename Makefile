@@ -4,9 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install lint typecheck test test-unit serve clean
+.PHONY: help install lint test test-unit serve clean
 
 help:
+	@echo "make serve    set everything up and serve the generated demo model on 127.0.0.1:8000"
 	@echo "make test     create $(VENV), build llama-cpp-python, install orin-llm[dev], lint, run the tests"
 	@echo "make lint     ruff and mypy"
 	@echo "make install  only set up $(VENV)"
@@ -29,6 +30,9 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest -q
+
+serve: $(STAMP)
+	$(VENV)/bin/orin-llm serve --host 127.0.0.1 --port 8000
 
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit

@@ -25,6 +25,7 @@ from orin.engine.scheduler import Batch, Scheduler, Shift, Slot
 from orin.engine.stream import Completion, RequestStream
 from orin.engine.timings import now_ns
 from orin.engine.types import FinishReason, RequestTimings, SamplingParams, StepStats, TokenEvent
+from orin.model.gguf import ModelInfo
 
 log = logging.getLogger("orin.engine")
 
@@ -168,6 +169,25 @@ class Engine:
     @property
     def kv_cells_used(self) -> int:
         return self.scheduler.kv_cells_used
+
+    @property
+    def kv_cells_cached(self) -> int:
+        return self.scheduler.kv_cells_cached
+
+    @property
+    def kv_cells_total(self) -> int:
+        """Cells of all slots' KV streams (llama.cpp pads each to 256)."""
+        from orin.model.plan import kv_cells_per_seq
+
+        return kv_cells_per_seq(self.cfg.n_ctx, self.cfg.slots) * self.cfg.slots
+
+    @property
+    def load_error(self) -> BaseException | None:
+        return self._load_error
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        return self.backend.info if self.backend is not None else None
 
     def _loaded(self) -> Backend:
         if self.backend is None:

@@ -306,7 +306,13 @@ class Scheduler:
 
     @property
     def kv_cells_used(self) -> int:
-        return sum(len(s.cache) for s in self.slots)
+        """Cells held by running requests."""
+        return sum(len(s.cache) for s in self.slots if s.busy)
+
+    @property
+    def kv_cells_cached(self) -> int:
+        """Cells idle slots keep as a prefix for the next prompt (inside their own stream)."""
+        return sum(len(s.cache) for s in self.slots if not s.busy)
 
     @property
     def waiting(self) -> int:

@@ -195,6 +195,15 @@ class ServerSection(_Section):
     max_queue: int = Field(
         64, ge=0, le=100_000, description="Requests waiting for a slot before 429/503."
     )
+    max_tokens_limit: int = Field(
+        4096, ge=1, le=1_048_576, description="Upper bound on any request's max_tokens."
+    )
+    max_body_bytes: int = Field(
+        2 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024, description="Largest request body (413)."
+    )
+    grace_seconds: float = Field(
+        30.0, ge=0, le=3600, description="On SIGTERM: time running requests get to finish."
+    )
 
 
 class Profile(_Section):

@@ -1,0 +1,202 @@
+"""orin-llm serve"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from orin.cli.errors import handle_errors
+from orin.cli.logs import setup_logging
+from orin.errors import OrinError
+from orin.profile.loader import load_profile, resolve_model_path
+from orin.profile.schema import Profile
+
+if TYPE_CHECKING:
+    from orin.server.lifecycle import OrinServer
+    from orin.server.state import ServerState
+
+log = logging.getLogger("orin.server")
+
+
+def _window(value: str | None) -> str | None:
+    if value is None or value == "off" or value.isdigit():
+        return value
+    raise typer.BadParameter("a number of tokens or 'off'")
+
+
+@handle_errors
+def serve(
+    profile_name: Annotated[
+        str | None,
+        typer.Option("--profile", envvar="ORIN_LLM_PROFILE", help="Built-in profile or YAML file."),
+    ] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(envvar="ORIN_LLM_MODEL", help="GGUF file (overrides the profile's)."),
+    ] = None,
+    host: Annotated[str | None, typer.Option(envvar="ORIN_LLM_HOST", help="Bind address.")] = None,
+    port: Annotated[int | None, typer.Option(envvar="ORIN_LLM_PORT", min=1, max=65535)] = None,
+    slots: Annotated[int | None, typer.Option(min=1, max=64, help="Concurrent sequences.")] = None,
+    ctx: Annotated[
+        int | None,
+        typer.Option(min=256, help="Total context shared by the slots, as llama.cpp's -c."),
+    ] = None,
+    window: Annotated[
+        str | None,
+        typer.Option(callback=_window, help="Sliding window per slot in tokens, or 'off'."),
+    ] = None,
+    log_format: Annotated[
+        str, typer.Option(help="text or json.", envvar="ORIN_LLM_LOG_FORMAT")
+    ] = "text",
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API."""
+    setup_logging(log_format)
+    profile, demo_note = _profile(profile_name, model)
+    _apply_overrides(profile, host, port, slots, ctx, window)
+    if demo_note:
+        log.info(
+            "no model given: serving the generated demo model (random weights, real tokenizer)"
+        )
+    raise typer.Exit(run_server(profile, model))
+
+
+def _profile(name: str | None, model: Path | None) -> tuple[Profile, bool]:
+    if name is not None:
+        return load_profile(name), False
+    if model is not None:
+        return Profile(name=model.stem), False
+    return load_profile("demo"), True
+
+
+def _apply_overrides(
+    p: Profile,
+    host: str | None,
+    port: int | None,
+    slots: int | None,
+    ctx: int | None,
+    window: str | None,
+) -> None:
+    if host is not None:
+        p.server.host = host
+    if port is not None:
+        p.server.port = port
+    if slots is not None:
+        p.engine.n_batch = max(p.engine.n_batch, slots)
+        p.engine.slots = slots
+    if ctx is not None:
+        p.engine.n_ctx = max(ctx // p.engine.slots, 256)
+        p.context.window = None
+    if window == "off":
+        p.context.sliding = False
+    elif window is not None:
+        p.context.window = min(int(window), p.engine.n_ctx)
+    Profile.model_validate(p.model_dump())  # the overrides obey the same bounds
+
+
+def run_server(profile: Profile, model: Path | None) -> int:
+    """Load, serve until SIGTERM/SIGINT, drain; the process exit code."""
+    server, state = build_server(profile, model)
+    state.engine.start()
+    server.announce_when_ready()
+    try:
+        server.run()
+    finally:
+        state.engine.stop(drain=False, timeout=5)
+    return 1 if server.failed else 0
+
+
+def build_server(profile: Profile, model: Path | None) -> tuple[OrinServer, ServerState]:
+    """Everything ``serve`` runs, wired but not started (tests start it themselves)."""
+    import uvicorn
+
+    from orin.engine.config import engine_config
+    from orin.engine.engine import Engine
+    from orin.llamacpp import build_info
+    from orin.model.gguf import read_model_info
+    from orin.server.app import create_app
+    from orin.server.chat import ChatTemplate
+    from orin.server.lifecycle import OrinServer
+    from orin.server.metrics import ServerMetrics
+    from orin.server.state import ServerState
+
+    path = resolve_model_path(profile, model)
+    info = read_model_info(path)
+    cfg = engine_config(profile, path, info, build_info(), _available())
+    engine = Engine(cfg)
+    name = profile.server.model_name or profile.name
+    state = ServerState(
+        engine=engine,
+        model_name=name,
+        chat=ChatTemplate(
+            profile.model.chat_template or info.chat_template,
+            info.bos_token or "",
+            info.eos_token or "",
+        ),
+        metrics=ServerMetrics(cfg.slots, engine.kv_cells_total, name),
+        sampling_defaults=profile.sampling,
+        api_key=_api_key(profile),
+        max_body_bytes=profile.server.max_body_bytes,
+        max_tokens_cap=profile.server.max_tokens_limit,
+    )
+    engine.step_observers.append(state.metrics.on_step)
+    engine.finish_observers.append(state.metrics.on_finish)
+    host, port = profile.server.host, profile.server.port
+    log.info(
+        "model %s (%s), %d slots x %d tokens, K=%s V=%s, flash_attn=%s, on http://%s:%d",
+        path,
+        info.quantization,
+        cfg.slots,
+        cfg.n_ctx,
+        cfg.type_k,
+        cfg.type_v,
+        cfg.flash_attn,
+        host,
+        port,
+    )
+    config = uvicorn.Config(
+        create_app(state),
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    return OrinServer(config, state, grace_s=profile.server.grace_seconds), state
+
+
+def _available() -> int | None:
+    from orin.system.memory import read_meminfo
+    from orin.system.root import SysRoot
+
+    try:
+        return read_meminfo(SysRoot()).available
+    except OrinError:
+        return None
+
+
+def _api_key(profile: Profile) -> str | None:
+    env = profile.server.api_key_env
+    key = os.environ.get(env) if env else None
+    host = profile.server.host
+    if not key and not _is_loopback(host):
+        log.warning(
+            "binding %s WITHOUT an API key: anyone who can reach this address can use the "
+            "model; set %s",
+            host,
+            env or "server.api_key_env",
+        )
+    return key or None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

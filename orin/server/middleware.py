@@ -1,0 +1,145 @@
+"""Plain ASGI middleware: request ids, the body size limit, draining, access log.
+
+Plain ASGI rather than BaseHTTPMiddleware, so streaming responses and the
+client-disconnect messages that cancel requests pass through untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+from orin.server.errors import ApiError, BodyTooLarge, to_response
+
+if TYPE_CHECKING:
+    from orin.server.state import ServerState
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+access_log = logging.getLogger("orin.access")
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+class Draining(ApiError):
+    status, type, code = 503, "service_unavailable", "draining"
+
+
+class RequestContext:
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = _request_id(scope)
+        scope.setdefault("state", {})["request_id"] = rid
+        started = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [
+                    *message["headers"],
+                    (b"x-request-id", rid.encode()),
+                ]
+            await send(message)
+
+        self.state.inflight += 1
+        try:
+            error = self._refusal(scope)
+            replay = None if error else await self._read_body(scope, receive)
+            if error is not None or isinstance(replay, ApiError):
+                await to_response(error or replay, rid)(scope, receive, send_with_id)  # type: ignore[arg-type]
+            else:
+                await self.app(scope, replay or receive, send_with_id)
+        finally:
+            self.state.inflight -= 1
+            self._log(scope, rid, status["code"], time.perf_counter() - started)
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        if self.state.draining and scope["path"].startswith("/v1/"):
+            return Draining("the server is shutting down; retry on another instance")
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.state.max_body_bytes:
+            return BodyTooLarge(
+                f"the request body has {length} bytes; the limit is {self.state.max_body_bytes}"
+            )
+        return None
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> Receive | ApiError | None:
+        """Read a POST body up to the limit, then replay it to the app."""
+        if scope["method"] != "POST":
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.state.max_body_bytes:
+                return BodyTooLarge(f"the request body exceeds {self.state.max_body_bytes} bytes")
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: wait for the disconnect
+
+        return replay
+
+    def _log(self, scope: Scope, rid: str, status: int, seconds: float) -> None:
+        route = scope.get("route")
+        path = getattr(route, "path", None) or "unmatched"  # bounded label values only
+        self.state.metrics.observe_http(scope["method"], path, status, seconds)
+        t = scope.get("state", {}).get("timings")
+        fields: dict[str, Any] = {
+            "request_id": rid,
+            "status": status,
+            "method": scope["method"],
+            "path": scope["path"],
+            "duration_ms": round(seconds * 1e3, 1),
+        }
+        if t is not None:
+            fields.update(
+                prompt_tokens=t.prompt_tokens,
+                cached_tokens=t.cached_tokens,
+                generated_tokens=t.generated_tokens,
+                ttft_ms=round(t.ttft_ms, 1),
+                tpot_ms=round(t.tpot_ms, 2) if t.tpot_ms is not None else None,
+            )
+        text = " ".join(f"{k}={v}" for k, v in fields.items())
+        access_log.info(text, extra={"fields": fields})
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _request_id(scope: Scope) -> str:
+    given = _header(scope, b"x-request-id")
+    if given and _SAFE_ID.match(given):
+        return given
+    return "req-" + uuid.uuid4().hex[:16]

@@ -1,0 +1,280 @@
+"""Every wire model of the OpenAI-compatible API, and their conversion to engine terms.
+
+Requests are lenient (unknown OpenAI fields are accepted and logged, never an
+error), but every known field is bounded, and each request owns its
+conversion to ``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from orin.engine.errors import InvalidRequest
+from orin.engine.stream import Completion
+from orin.engine.types import RequestTimings, SamplingParams, TokenLogprob
+from orin.profile.schema import SamplingSection
+
+log = logging.getLogger("orin.server")
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str = "schema"
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class TextPart(_Lenient):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class _Common(_Lenient):
+    """Fields shared by chat and text completions (OpenAI's bounds, plus llama.cpp's)."""
+
+    model: str | None = Field(None, description="Must name the served model when given.")
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=1000)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    grammar: str | None = Field(None, description="A GBNF grammar constraining the output.")
+    response_format: ResponseFormat | None = None
+
+    def max_new_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def top_n_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def to_sampling(self, defaults: SamplingSection, cap: int) -> SamplingParams:
+        """Engine parameters; the profile supplies what the request leaves out."""
+        requested = self.max_new_tokens()
+        return SamplingParams(
+            max_tokens=min(requested or defaults.max_tokens, cap),
+            temperature=_pick(self.temperature, defaults.temperature),
+            top_k=_pick(self.top_k, defaults.top_k),
+            top_p=_pick(self.top_p, defaults.top_p),
+            min_p=_pick(self.min_p, defaults.min_p),
+            repeat_penalty=_pick(self.repeat_penalty, defaults.repeat_penalty),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed if self.seed is not None else defaults.seed,
+            logit_bias=_logit_bias(self.logit_bias),
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            grammar=self._grammar(),
+            logprobs=self.top_n_logprobs(),
+        )
+
+    def _grammar(self) -> str | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return self.grammar
+        if self.grammar:
+            raise InvalidRequest("grammar", "give either grammar or response_format, not both")
+        from llama_cpp import llama_grammar
+
+        if fmt.type == "json_object":
+            return str(llama_grammar.JSON_GBNF)
+        if fmt.json_schema is None or not fmt.json_schema.schema_:
+            raise InvalidRequest("response_format.json_schema", "a json_schema needs a schema")
+        try:
+            return str(llama_grammar.json_schema_to_gbnf(json.dumps(fmt.json_schema.schema_)))
+        except Exception as exc:  # the converter raises plain exceptions on bad schemas
+            raise InvalidRequest(
+                "response_format.json_schema", f"cannot turn the schema into a grammar: {exc}"
+            ) from exc
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, bias in (raw or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest("logit_bias", f"key {key!r} is not a token id") from None
+        if not -100.0 <= bias <= 100.0:
+            raise InvalidRequest("logit_bias", f"bias {bias} for token {token} is outside ±100")
+        out[token] = bias
+    return out
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatCompletionRequest:
+        if self.tools:
+            raise ValueError("tool calling is not supported by this server")
+        return self
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def top_n_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, p: Any) -> Any:
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError("only one prompt per request is supported")
+            p = p[0]
+        if not p:
+            raise ValueError("the prompt is empty")
+        return p
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def top_n_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, as text or token ids (validation unwrapped a one-item list)."""
+        p = self.prompt
+        return p if isinstance(p, str) else [int(t) for t in cast(list[int], p)]
+
+
+# -- responses --------------------------------------------------------------------
+
+
+def usage(c: Completion) -> dict[str, Any]:
+    t = c.timings
+    prompt = t.prompt_tokens if t else 0
+    out = len(c.token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": out,
+        "total_tokens": prompt + out,
+        "prompt_tokens_details": {"cached_tokens": t.cached_tokens if t else 0},
+    }
+
+
+def timings(t: RequestTimings | None) -> dict[str, Any] | None:
+    """The engine's figures, plus the names llama.cpp's server uses for the same things."""
+    if t is None:
+        return None
+    decode_n = max(t.generated_tokens - 1, 0)
+    return {
+        "queue_ms": t.queue_ms,
+        "prefill_ms": t.prefill_ms,
+        "ttft_ms": t.ttft_ms,
+        "tpot_ms": t.tpot_ms,
+        "e2e_ms": t.e2e_ms,
+        "context_shifts": t.context_shifts,
+        "cache_n": t.cached_tokens,
+        "prompt_n": t.prefilled_tokens,
+        "prompt_ms": t.prefill_ms,
+        "prompt_per_token_ms": t.prefill_ms / t.prefilled_tokens if t.prefilled_tokens else None,
+        "prompt_per_second": 1e3 * t.prefilled_tokens / t.prefill_ms if t.prefill_ms else None,
+        "predicted_n": t.generated_tokens,
+        "predicted_ms": t.decode_ms,
+        "predicted_per_token_ms": t.tpot_ms,
+        "predicted_per_second": 1e3 * decode_n / t.decode_ms if t.decode_ms else None,
+    }
+
+
+def chat_logprobs(
+    items: tuple[TokenLogprob, ...] | list[TokenLogprob], piece: Any
+) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        raw: bytes = piece(token_id)
+        return {
+            "token": raw.decode("utf-8", "replace"),
+            "logprob": logprob,
+            "bytes": list(raw),
+        }
+
+    return {
+        "content": [
+            {
+                **entry(lp.token_id, lp.logprob),
+                "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top],
+            }
+            for lp in items
+        ]
+    }
+
+
+def completion_logprobs(
+    items: tuple[TokenLogprob, ...] | list[TokenLogprob], piece: Any
+) -> dict[str, Any]:
+    tokens = [piece(lp.token_id).decode("utf-8", "replace") for lp in items]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [
+            {piece(t.token_id).decode("utf-8", "replace"): t.logprob for t in lp.top}
+            for lp in items
+        ],
+        "text_offset": offsets,
+    }
+
+
+def envelope(kind: str, request_id: str, model: str) -> dict[str, Any]:
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model}

@@ -1,0 +1,96 @@
+"""`orin-llm serve` as a process: first log line, SIGTERM drain, exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from orin.model import demo
+from tests.serverutil import free_port
+
+pytestmark = pytest.mark.llama
+
+
+def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "orin", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def wait_healthy(base: str, proc: subprocess.Popen[str], timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("server never became healthy")
+
+
+def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path: Path) -> None:
+    demo.ensure("small", "q4_k_m")  # the default demo profile's model, made before timing starts
+    port = free_port()
+    proc = start("--port", str(port), "--log-format", "json")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc)
+        texts: list[str] = []
+        done = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "keep going", "max_tokens": 150, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        choice = json.loads(line[6:])["choices"][0]
+                        texts.append(choice["finish_reason"] or "")
+            done.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while len(texts) < 5:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        draining = httpx.get(f"{base}/health", timeout=5)
+        refused = httpx.post(f"{base}/v1/completions", json={"prompt": "late"}, timeout=5)
+        t.join(timeout=120)
+        assert done.is_set()
+        assert draining.status_code == 503 and draining.json()["status"] == "draining"
+        assert refused.status_code == 503
+        assert texts[-1] == "length"  # the in-flight request ran to its end
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read() if proc.stderr else ""
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert "demo model" in lines[0]["message"]  # the first line says what is served
+    access = [x for x in lines if x["logger"] == "orin.access" and x["path"] == "/v1/completions"]
+    assert any(x["status"] == 200 and x["generated_tokens"] == 150 for x in access)
+    assert all("request_id" in x for x in access)
+
+
+def test_model_that_fails_to_load_exits_nonzero(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    proc = start("--model", str(bad), "--port", str(free_port()))
+    assert proc.wait(timeout=60) != 0
+    err = proc.stderr.read() if proc.stderr else ""
+    assert "Traceback" not in err and "bad.gguf" in err

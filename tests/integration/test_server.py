@@ -1,0 +1,193 @@
+"""orin-llm serve over real sockets, with the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from orin.model import demo
+from orin.server.state import ServerState
+from tests.serverutil import live_server, wait_idle
+
+pytestmark = pytest.mark.llama
+
+PROFILE = """
+engine: {n_ctx: 512, slots: 8, n_batch: 128, n_ubatch: 128}
+context: {keep: 4}
+server: {max_queue: 4, max_body_bytes: 65536, max_tokens_limit: 600}
+"""
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, ServerState]]:
+    model = demo.ensure("small", "f16")
+    with live_server(model, PROFILE.replace("server: {", "server: {model_name: demo, ")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: tuple[str, ServerState]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models_list(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["demo"]
+
+
+def test_chat_and_streamed_chat_agree(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "Say something about Orin."}]
+    full = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=20, temperature=0
+    )
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage is not None and full.usage.completion_tokens == 20
+    text = full.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            model="demo",
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 20
+
+
+def test_completions_with_timings_and_token_ids(server: tuple[str, ServerState]) -> None:
+    body = {
+        "model": "demo",
+        "prompt": "The board boots and",
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_token_ids": True,
+        "logprobs": 2,
+    }
+    r = httpx.post(f"{server[0]}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    data = r.json()
+    choice = data["choices"][0]
+    assert len(choice["token_ids"]) == 8 == data["usage"]["completion_tokens"]
+    assert isinstance(choice["text"], str) and all(isinstance(t, int) for t in choice["token_ids"])
+    assert len(choice["logprobs"]["top_logprobs"][0]) == 2
+    t = data["timings"]
+    assert t["predicted_n"] == 8 and t["prompt_n"] + t["cache_n"] == data["usage"]["prompt_tokens"]
+    assert t["ttft_ms"] > 0 and t["tpot_ms"] > 0 and t["predicted_per_second"] > 0
+    assert r.headers["x-request-id"] == data["id"]
+
+
+def test_json_schema_response_format(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "json please"}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
+    assert json.loads(r.choices[0].message.content or "") in ({"ok": True}, {"ok": False})
+
+
+def test_eight_concurrent_streams_match_single_runs(server: tuple[str, ServerState]) -> None:
+    base = server[0]
+    prompts = [f"Stream number {i} on the edge board with prompt {i * 7}" for i in range(8)]
+
+    def run(prompt: str, stream: bool) -> str:
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": stream}
+        if not stream:
+            return str(
+                httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()["choices"][0][
+                    "text"
+                ]
+            )
+        text = []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        return "".join(text)
+
+    alone = [run(p, stream=False) for p in prompts]
+    results: dict[int, str] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, run(prompts[i], True)))
+        for i in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(8)] == alone
+
+
+def test_clients_that_leave_free_their_slots(server: tuple[str, ServerState]) -> None:
+    base = server[0]
+    port = int(base.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": "leave early " * 10, "max_tokens": 500, "stream": True}).encode()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(request)
+            got = b""
+            while got.count(b"data: ") < 3:  # mid-stream
+                got += s.recv(4096)
+        # the socket is closed here, with the stream still running on the server
+    health = wait_idle(base)
+    assert health["slots_busy"] == 0 and health["kv_cells_used"] == 0
+    metrics = httpx.get(f"{base}/metrics").text
+    assert 'orin_llm_requests_total{finish_reason="cancelled"}' in metrics
+
+
+def test_non_streaming_client_that_leaves_is_cancelled(server: tuple[str, ServerState]) -> None:
+    base = server[0]
+    port = int(base.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": "wait for me", "max_tokens": 600, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        engine = server[1].engine
+        for _ in range(200):
+            if engine.slots_busy:
+                break
+            threading.Event().wait(0.005)
+    health = wait_idle(base)
+    assert health["slots_busy"] == 0 and health["kv_cells_used"] == 0
+
+
+def test_metrics_pass_promtool(server: tuple[str, ServerState], tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    text = httpx.get(f"{server[0]}/metrics").text
+    assert "orin_llm_time_to_first_token_seconds_bucket" in text
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed")
+    r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -1,0 +1,216 @@
+"""Every row of the server's error table, as a client sees it."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from orin.model import demo
+from orin.server.state import ServerState
+from tests.serverutil import live_server
+
+pytestmark = pytest.mark.llama
+
+PROFILE = """
+engine: {n_ctx: 256, slots: 1, n_batch: 64, n_ubatch: 64}
+server:
+  {model_name: demo, max_queue: 0, max_body_bytes: 4096, max_tokens_limit: 50,
+   api_key_env: ORIN_TEST_KEY}
+"""
+KEY = {"Authorization": "Bearer s3cret"}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, ServerState]]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ORIN_TEST_KEY", "s3cret")
+    try:
+        with live_server(demo.ensure("tiny", "f16"), PROFILE) as s:
+            yield s
+    finally:
+        mp.undo()
+
+
+def post(base: str, path: str, body: Any, headers: dict[str, str] | None = None) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    h = {"content-type": "application/json", **KEY, **(headers or {})}
+    return httpx.post(base + path, content=content, headers=h, timeout=60)
+
+
+def error_of(r: httpx.Response) -> dict[str, Any]:
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert {"message", "type", "param", "code"} <= set(err)
+    assert "Traceback" not in err["message"]
+    return dict(err)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "temperature": 2.5}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "x", "stream": "yes please"}, "stream"),
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": 300}}, "logit_bias"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"max_tokens": 3}, "prompt"),
+    ],
+)
+def test_invalid_parameters_name_the_parameter(
+    server: tuple[str, ServerState], body: dict[str, Any], param: str
+) -> None:
+    r = post(server[0], "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] is not None and err["param"].startswith(param)
+
+
+def test_chat_specific_errors(server: tuple[str, ServerState]) -> None:
+    base = server[0]
+    r = post(base, "/v1/chat/completions", {"messages": "hello"})
+    assert r.status_code == 400 and error_of(r)["param"] == "messages"
+    r = post(base, "/v1/chat/completions", {"messages": []})
+    assert r.status_code == 400 and error_of(r)["param"] == "messages"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    r = post(
+        base,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": tools},
+    )
+    assert r.status_code == 400 and "tool calling" in error_of(r)["message"]
+
+
+def test_malformed_json_and_invalid_utf8(server: tuple[str, ServerState]) -> None:
+    r = post(server[0], "/v1/completions", b'{"prompt": "x",')
+    assert r.status_code == 400 and "JSON" in error_of(r)["message"]
+    r = post(server[0], "/v1/completions", b'{"prompt": "\xff\xfe"}')
+    assert r.status_code == 400
+    error_of(r)
+
+
+def test_unknown_fields_are_accepted(server: tuple[str, ServerState]) -> None:
+    r = post(server[0], "/v1/completions", {"prompt": "x", "max_tokens": 1, "frobnicate": True})
+    assert r.status_code == 200
+
+
+def test_context_length_exceeded_gives_counts(server: tuple[str, ServerState]) -> None:
+    r = post(server[0], "/v1/completions", {"prompt": list(range(5, 400)), "max_tokens": 1})
+    assert r.status_code == 400
+    err = error_of(r)
+    assert err["code"] == "context_length_exceeded"
+    assert "395" in err["message"] and "256" in err["message"]
+
+
+def test_auth(server: tuple[str, ServerState]) -> None:
+    base = server[0]
+    assert httpx.get(f"{base}/v1/models").status_code == 401
+    wrong = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and error_of(wrong)["type"] == "authentication_error"
+    assert httpx.get(f"{base}/v1/models", headers=KEY).status_code == 200
+    assert httpx.get(f"{base}/health").status_code == 200  # probes need no key
+
+
+def test_unknown_model_is_404_never_another_model(server: tuple[str, ServerState]) -> None:
+    r = post(server[0], "/v1/completions", {"model": "gpt-4", "prompt": "x"})
+    assert r.status_code == 404
+    err = error_of(r)
+    assert (err["code"], err["param"]) == ("model_not_found", "model")
+    missing = httpx.get(f"{server[0]}/v1/nothing", headers=KEY)
+    assert missing.status_code == 404
+    error_of(missing)
+
+
+def test_body_over_the_limit(server: tuple[str, ServerState]) -> None:
+    big = {"prompt": "x" * 10_000}
+    r = post(server[0], "/v1/completions", big)
+    assert r.status_code == 413 and error_of(r)["code"] == "request_too_large"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted while reading
+        yield json.dumps(big).encode()
+
+    r = httpx.post(
+        f"{server[0]}/v1/completions",
+        content=chunks(),
+        headers={**KEY, "content-type": "application/json"},
+    )
+    assert r.status_code == 413
+
+
+def test_max_tokens_is_capped_by_the_profile(server: tuple[str, ServerState]) -> None:
+    r = post(
+        server[0], "/v1/completions", {"prompt": "cap me", "max_tokens": 5000, "temperature": 0}
+    )
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 50
+
+
+def test_queue_full_is_429_with_retry_after(server: tuple[str, ServerState]) -> None:
+    from orin.engine.types import SamplingParams
+
+    base, state = server
+    # occupy the only slot from inside (no queue allowed: max_queue 0)
+    blocker = state.engine.submit("busy", SamplingParams(max_tokens=1_000_000, temperature=0))
+    try:
+        while state.engine.slots_busy == 0:
+            threading.Event().wait(0.002)
+        r = post(base, "/v1/completions", {"prompt": "no room", "max_tokens": 1})
+    finally:
+        blocker.cancel()
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"] == "1"
+    assert error_of(r)["code"] == "queue_full"
+    assert blocker.result().finish_reason == "cancelled"
+
+
+def test_draining_is_503(server: tuple[str, ServerState]) -> None:
+    base, state = server
+    state.draining = True
+    try:
+        r = post(base, "/v1/completions", {"prompt": "x"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert httpx.get(f"{base}/health").status_code == 503
+    finally:
+        state.draining = False
+
+
+def test_loading_is_503() -> None:
+    from fastapi.testclient import TestClient
+
+    from orin.cli.serve import build_server
+    from orin.profile.loader import parse_profile
+
+    profile = parse_profile("name: t\nengine: {n_ctx: 256, slots: 1, n_batch: 64, n_ubatch: 64}\n")
+    _, state = build_server(profile, demo.ensure("tiny", "f16"))  # engine not started
+    with TestClient(state_app(state)) as client:
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        r = client.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+
+
+def state_app(state: ServerState) -> Any:
+    from orin.server.app import create_app
+
+    return create_app(state)
+
+
+def test_unexpected_errors_carry_the_request_id_not_a_traceback() -> None:
+    from orin.server.errors import to_response
+
+    r = to_response(RuntimeError("secret internals"), "req-abc")
+    body = json.loads(bytes(r.body))
+    assert r.status_code == 500
+    assert body["error"]["request_id"] == "req-abc"
+    assert "secret internals" not in body["error"]["message"]
+    assert "req-abc" in body["error"]["message"]

@@ -1,0 +1,63 @@
+"""A real orin-llm server on a loopback port, in this process, for tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from orin.cli.serve import build_server
+from orin.profile.loader import parse_profile
+from orin.server.state import ServerState
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def live_server(model: Path, profile_yaml: str = "") -> Iterator[tuple[str, ServerState]]:
+    port = free_port()
+    profile = parse_profile(f"name: test\n{profile_yaml}")
+    profile.server.port = port
+    server, state = build_server(profile, model)
+    state.engine.start()
+    server.announce_when_ready()
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    else:
+        raise RuntimeError("the test server did not become healthy")
+    try:
+        yield base, state
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        state.engine.stop(drain=False, timeout=5)
+
+
+def wait_idle(base: str, timeout: float = 10.0) -> dict[str, int]:
+    """Poll /health until no slot is busy and no cell is held by a request."""
+    deadline = time.time() + timeout
+    health: dict[str, int] = {}
+    while time.time() < deadline:
+        health = httpx.get(f"{base}/health").json()
+        if health["slots_busy"] == 0 and health["kv_cells_used"] == 0 and health["queue"] == 0:
+            return health
+        time.sleep(0.02)
+    return health
