@@ -60,6 +60,8 @@ def _register(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     def metrics() -> Response:
+        e = state.engine  # gauges as of now: a cancellation on an idle engine runs no step
+        state.metrics.update_load(e.slots_busy, e.waiting, e.kv_cells_used)
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -46,10 +47,21 @@ def wait_healthy(base: str, proc: subprocess.Popen[str], timeout: float = 90) ->
 def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path: Path) -> None:
     demo.ensure("small", "q4_k_m")  # the default demo profile's model, made before timing starts
     port = free_port()
-    proc = start("--port", str(port), "--log-format", "json")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(30)
+    env = {"NOTIFY_SOCKET": str(tmp_path / "notify.sock")}
+    profile = tmp_path / "p.yaml"  # the demo profile, with room to drain on a loaded machine
+    profile.write_text(
+        "name: drain\nmodel: {demo: {size: small, quant: q4_k_m}}\n"
+        "engine: {n_ctx: 1024, slots: 2, n_batch: 256, n_ubatch: 256}\n"
+        "server: {grace_seconds: 300}\n"
+    )
+    proc = start("--profile", str(profile), "--port", str(port), "--log-format", "json", env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc)
+        assert notify.recv(4096).startswith(b"READY=1")  # systemd Type=notify readiness
         texts: list[str] = []
         done = threading.Event()
 
@@ -76,15 +88,32 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path: Path) ->
         assert refused.status_code == 503
         assert texts[-1] == "length"  # the in-flight request ran to its end
         assert proc.wait(timeout=60) == 0
+        assert notify.recv(4096).startswith(b"STOPPING=1")
     finally:
+        notify.close()
         if proc.poll() is None:
             proc.kill()
     err = proc.stderr.read() if proc.stderr else ""
     lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
-    assert "demo model" in lines[0]["message"]  # the first line says what is served
+    assert "orin-demo-small-q4_k_m" in lines[0]["message"]  # the first line names the model
     access = [x for x in lines if x["logger"] == "orin.access" and x["path"] == "/v1/completions"]
     assert any(x["status"] == 200 and x["generated_tokens"] == 150 for x in access)
     assert all("request_id" in x for x in access)
+
+
+def test_without_a_model_the_demo_is_served_and_said_first(tmp_path: Path) -> None:
+    demo.ensure("small", "q4_k_m")
+    port = free_port()
+    proc = start("--port", str(port))
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    first = (proc.stderr.read() if proc.stderr else "").splitlines()[0]
+    assert "serving the generated demo model" in first
 
 
 def test_model_that_fails_to_load_exits_nonzero(tmp_path: Path) -> None:

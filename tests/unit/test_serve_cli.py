@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import logging
+
+import pytest
+import typer
+
+from orin.cli.serve import _api_key, _apply_overrides, _is_loopback, _window
+from orin.errors import ProfileError
+from orin.profile.loader import parse_profile
+from orin.profile.schema import Profile
+
+
+def profile() -> Profile:
+    return parse_profile("name: p\nengine: {n_ctx: 4096, slots: 4, n_batch: 512}\n")
+
+
+def test_ctx_is_the_total_shared_by_the_slots() -> None:
+    p = profile()
+    _apply_overrides(p, None, None, 8, 16384, None)
+    assert (p.engine.slots, p.engine.n_ctx) == (8, 2048)
+    assert p.context.window is None and p.context.sliding is True
+
+
+def test_window_number_and_off() -> None:
+    p = profile()
+    _apply_overrides(p, "0.0.0.0", 9000, None, None, "1024")
+    assert (p.server.host, p.server.port, p.context.window) == ("0.0.0.0", 9000, 1024)
+    q = profile()
+    _apply_overrides(q, None, None, None, None, "off")
+    assert q.context.sliding is False
+    with pytest.raises(typer.BadParameter):
+        _window("wide")
+
+
+def test_overrides_obey_the_profile_bounds() -> None:
+    p = profile()
+    p.context.keep = 300
+    with pytest.raises(Exception, match="keep"):
+        _apply_overrides(p, None, None, 4, 1024, None)  # 256 per slot: keep no longer fits
+
+
+def test_loopback_detection() -> None:
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("localhost")
+    assert not _is_loopback("0.0.0.0") and not _is_loopback("192.168.1.5")
+
+
+def test_public_bind_without_key_warns_loudly(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ORIN_LLM_API_KEY", raising=False)
+    p = profile()
+    p.server.host = "0.0.0.0"
+    with caplog.at_level(logging.WARNING, logger="orin.server"):
+        assert _api_key(p) is None
+    assert "WITHOUT an API key" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("ORIN_LLM_API_KEY", "k")
+    with caplog.at_level(logging.WARNING, logger="orin.server"):
+        assert _api_key(p) == "k"
+    assert caplog.text == ""
+
+
+def test_unknown_profile_is_a_profile_error() -> None:
+    from orin.cli.serve import _profile
+
+    with pytest.raises(ProfileError):
+        _profile("no-such-profile", None)
