@@ -8,7 +8,7 @@ import os
 import typer
 
 from orin import __version__
-from orin.cli import model, profile, serve
+from orin.cli import model, monitor, profile, serve
 
 app = typer.Typer(
     name="orin-llm",
@@ -20,6 +20,7 @@ app = typer.Typer(
 app.add_typer(model.app, name="model")
 app.add_typer(profile.app, name="profile")
 app.command("serve")(serve.serve)
+app.command("monitor")(monitor.monitor)
 
 
 def _version(value: bool) -> None:

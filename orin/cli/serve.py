@@ -53,6 +53,17 @@ def serve(
     log_format: Annotated[
         str, typer.Option(help="text or json.", envvar="ORIN_LLM_LOG_FORMAT")
     ] = "text",
+    telemetry: Annotated[
+        str,
+        typer.Option(
+            envvar="ORIN_LLM_TELEMETRY",
+            help="auto, off, or a source: jetson_sysfs, nvml, jtop, tegrastats, cpu.",
+        ),
+    ] = "auto",
+    record: Annotated[
+        Path | None,
+        typer.Option(help="Write samples, steps and requests as JSON lines to this file."),
+    ] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     setup_logging(log_format)
@@ -62,7 +73,7 @@ def serve(
         log.info(
             "no model given: serving the generated demo model (random weights, real tokenizer)"
         )
-    raise typer.Exit(run_server(profile, model))
+    raise typer.Exit(run_server(profile, model, telemetry, record))
 
 
 def _profile(name: str | None, model: Path | None) -> tuple[Profile, bool]:
@@ -98,19 +109,30 @@ def _apply_overrides(
     Profile.model_validate(p.model_dump())  # the overrides obey the same bounds
 
 
-def run_server(profile: Profile, model: Path | None) -> int:
+def run_server(
+    profile: Profile, model: Path | None, telemetry: str = "auto", record: Path | None = None
+) -> int:
     """Load, serve until SIGTERM/SIGINT, drain; the process exit code."""
-    server, state = build_server(profile, model)
+    server, state = build_server(profile, model, telemetry, record)
     state.engine.start()
+    if state.telemetry is not None:
+        state.telemetry.start()
     server.announce_when_ready()
     try:
         server.run()
     finally:
         state.engine.stop(drain=False, timeout=5)
+        if state.telemetry is not None:
+            state.telemetry.stop()
     return 1 if server.failed else 0
 
 
-def build_server(profile: Profile, model: Path | None) -> tuple[OrinServer, ServerState]:
+def build_server(
+    profile: Profile,
+    model: Path | None,
+    telemetry: str = "off",
+    record: Path | None = None,
+) -> tuple[OrinServer, ServerState]:
     """Everything ``serve`` runs, wired but not started (tests start it themselves)."""
     import uvicorn
 
@@ -145,6 +167,13 @@ def build_server(profile: Profile, model: Path | None) -> tuple[OrinServer, Serv
     )
     engine.step_observers.append(state.metrics.on_step)
     engine.finish_observers.append(state.metrics.on_finish)
+    if telemetry == "off" and record is not None:
+        raise OrinError("--record needs telemetry; drop --telemetry off")
+    if telemetry != "off":
+        from orin.telemetry.service import Telemetry
+
+        source = None if telemetry == "auto" else telemetry
+        state.telemetry = Telemetry(engine, state.metrics.registry, source, record=record)
     host, port = profile.server.host, profile.server.port
     log.info(
         "model %s (%s), %d slots x %d tokens, K=%s V=%s, flash_attn=%s, on http://%s:%d",

@@ -55,6 +55,7 @@ class Engine:
         self.step_observers: list[StepObserver] = []
         self.finish_observers: list[FinishObserver] = []
         self.heartbeat_ns = now_ns()
+        self.step_started_ns: int | None = None  # set while a step runs (telemetry waits)
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -230,7 +231,10 @@ class Engine:
                 self._abort_flag = False
             self.heartbeat_ns = now_ns()
             if batch:
-                self._step(batch)
+                try:
+                    self._step(batch)
+                finally:
+                    self.step_started_ns = None
 
     def _has_work(self) -> bool:
         return bool(self._cancels) or self.scheduler.has_work()
@@ -255,6 +259,7 @@ class Engine:
     def _step(self, batch: Batch) -> None:
         assert self.runner is not None and self.backend is not None
         start = now_ns()
+        self.step_started_ns = start
         self.runner.apply(batch.ops)
         requests = self._batch_requests(batch)
         for item, request in zip(batch.items, requests, strict=True):

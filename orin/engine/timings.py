@@ -46,4 +46,8 @@ class TimingRecorder:
             cached_tokens=cached,
             generated_tokens=n,
             context_shifts=shifts,
+            arrival_ns=self.arrival_ns,
+            prefill_start_ns=start,
+            first_token_ns=first,
+            last_token_ns=last,
         )

@@ -105,6 +105,11 @@ class RequestTimings:
     cached_tokens: int
     generated_tokens: int
     context_shifts: int
+    # the same instants on time.perf_counter_ns, for lining requests up with telemetry
+    arrival_ns: int = 0
+    prefill_start_ns: int = 0
+    first_token_ns: int = 0
+    last_token_ns: int = 0
 
     @property
     def decode_ms(self) -> float:

@@ -65,6 +65,12 @@ def _register(app: FastAPI, state: ServerState) -> None:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
+    @app.get("/telemetry")
+    def telemetry() -> JSONResponse:
+        if state.telemetry is None:
+            return JSONResponse({"source": None, "phase": None}, 200)
+        return JSONResponse(state.telemetry.snapshot())
+
     @app.get("/v1/models", dependencies=[auth])
     def models() -> dict[str, Any]:
         return {
@@ -173,7 +179,7 @@ def _full_response(
     if body.return_token_ids:
         choice["token_ids"] = list(c.token_ids)
         choice["prompt_token_ids"] = prompt
-    out.update(choices=[choice], usage=protocol.usage(c), timings=protocol.timings(c.timings))
+    out.update(choices=[choice], usage=protocol.usage(c), timings=state.timings(c.timings))
     return out
 
 
@@ -265,7 +271,7 @@ def _final_chunk(
         choice["delta"] = {}
     else:
         choice["text"] = ""
-    out.update(choices=[choice], timings=protocol.timings(c.timings))
+    out.update(choices=[choice], timings=state.timings(c.timings))
     if body.stream_options is None or not body.stream_options.include_usage:
         out["usage"] = protocol.usage(c)
     return {"data": json.dumps(out)}

@@ -17,7 +17,7 @@ the Prometheus base unit.
 
 from __future__ import annotations
 
-from typing import get_args
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
@@ -313,3 +313,67 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """The body and content type for ``GET /metrics``."""
         return generate_latest(self.registry), CONTENT_TYPE
+
+
+TELEMETRY_PHASES = ("prefill", "decode", "idle")
+UTIL_EWMA = 0.2  # weight of the newest sample in the per-phase utilization gauge
+
+
+class PhaseMetrics:
+    """Telemetry attributed to engine phases (orin/telemetry/phases.py).
+
+    Counters integrate over time so PromQL can average over any window:
+    ``rate(orin_llm_gpu_busy_seconds_total{phase="prefill"}[1m])
+    / rate(orin_llm_phase_seconds_total{phase="prefill"}[1m])`` is the mean GPU
+    utilization during prefill. The gauge is a smoothed recent value for dashboards.
+    """
+
+    def __init__(self, registry: CollectorRegistry, source: str) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            c = Counter(PREFIX + name, doc, ("phase",), registry=registry)
+            for p in TELEMETRY_PHASES:
+                c.labels(p)
+            return c
+
+        self.phase_seconds = counter(
+            "phase_seconds", "Time the engine spent in each phase (mixed steps split by tokens)."
+        )
+        self.gpu_busy = counter(
+            "gpu_busy_seconds", "GPU utilization integrated over time, per engine phase."
+        )
+        self.cpu_busy = counter(
+            "process_cpu_busy_seconds",
+            "This process's CPU utilization (share of all cores) integrated over time, per phase.",
+        )
+        self.energy = counter(
+            "energy_joules", "Energy from the board's power rails, per engine phase."
+        )
+        self.samples = counter("telemetry_samples", "Telemetry samples attributed, per phase.")
+        self.gpu_util = Gauge(
+            PREFIX + "gpu_utilization_ratio",
+            "Recent GPU utilization (0-1) while the engine was in this phase (smoothed).",
+            ("phase",),
+            registry=registry,
+        )
+        Info(PREFIX + "telemetry_source", "The telemetry source in use.", registry=registry).info(
+            {"source": source}
+        )
+        self._ewma: dict[str, float] = {}
+
+    def observe(self, sample: Any, shares: Any, dt: float) -> None:
+        """A PhaseTracker observer: one attributed sample."""
+        power = sum(sample.power_mw.values()) if sample.power_mw else None
+        for share in shares:
+            w = share.weight * dt
+            phase = share.phase
+            self.phase_seconds.labels(phase).inc(w)
+            self.samples.labels(phase).inc(share.weight)
+            if sample.gpu_util is not None:
+                self.gpu_busy.labels(phase).inc(sample.gpu_util * w)
+                prev = self._ewma.get(phase, sample.gpu_util)
+                self._ewma[phase] = prev * (1 - UTIL_EWMA) + sample.gpu_util * UTIL_EWMA
+                self.gpu_util.labels(phase).set(self._ewma[phase])
+            if sample.proc_cpu_util is not None:
+                self.cpu_busy.labels(phase).inc(sample.proc_cpu_util * w)
+            if power is not None:
+                self.energy.labels(phase).inc(power * 1e-3 * w)

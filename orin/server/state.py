@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orin import __version__
 from orin.engine.engine import Engine
+from orin.engine.types import RequestTimings
 from orin.profile.schema import SamplingSection
+from orin.server import protocol
 from orin.server.chat import ChatTemplate
 from orin.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from orin.telemetry.service import Telemetry
 
 
 @dataclass
@@ -31,6 +36,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     inflight: int = 0
+    telemetry: Telemetry | None = None
 
     def health(self) -> tuple[dict[str, Any], int]:
         """(body, status): 503 while loading, draining or failed; 200 with slot figures."""
@@ -74,3 +80,10 @@ class ServerState:
     def detokenize(self, tokens: list[int]) -> str:
         backend = self.engine.backend
         return backend.detokenize(tokens) if backend is not None else ""
+
+    def timings(self, t: RequestTimings | None) -> dict[str, Any] | None:
+        """The response's timings object, with the request's telemetry when sampled."""
+        out = protocol.timings(t)
+        if out is not None and self.telemetry is not None:
+            out.update(self.telemetry.request_block(t))
+        return out

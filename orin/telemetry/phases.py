@@ -1,0 +1,214 @@
+"""Attribute telemetry samples to the phase the engine was in when they were taken.
+
+Samples and engine steps share one clock (time.perf_counter_ns). A sample
+inside a prefill-only step counts for prefill, inside a decode-only step for
+decode, and outside any step for idle. A sample inside a mixed step (decode
+tokens and prompt chunks in one batch) is split between prefill and decode by
+the step's token shares, and the share of such samples is reported, so a
+reader knows how much of a figure is apportioned rather than observed.
+Boundaries: a step covers [start, end); a sample exactly at an end belongs to
+whatever comes next.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+Phase = Literal["prefill", "decode", "idle"]
+PHASES: tuple[Phase, ...] = ("prefill", "decode", "idle")
+METRICS = ("gpu_util", "emc_util", "cpu_util", "proc_cpu_util")
+
+
+class SampleLike(Protocol):
+    @property
+    def t_ns(self) -> int: ...
+
+    @property
+    def gpu_util(self) -> float | None: ...
+
+    @property
+    def emc_util(self) -> float | None: ...
+
+    @property
+    def cpu_util(self) -> float | None: ...
+
+    @property
+    def proc_cpu_util(self) -> float | None: ...
+
+    @property
+    def power_mw(self) -> dict[str, float]: ...
+
+
+class StepLike(Protocol):
+    @property
+    def start_ns(self) -> int: ...
+
+    @property
+    def end_ns(self) -> int: ...
+
+    @property
+    def prefill_tokens(self) -> int: ...
+
+    @property
+    def decode_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Share:
+    phase: Phase
+    weight: float
+    mixed: bool = False
+
+
+def phase_shares(step: StepLike | None) -> tuple[Share, ...]:
+    """How one sample taken during ``step`` (None: between steps) divides among phases."""
+    if step is None:
+        return (Share("idle", 1.0),)
+    p, d = step.prefill_tokens, step.decode_tokens
+    if p and d:
+        w = p / (p + d)
+        return (Share("prefill", w, True), Share("decode", 1.0 - w, True))
+    if p:
+        return (Share("prefill", 1.0),)
+    if d:
+        return (Share("decode", 1.0),)
+    return (Share("idle", 1.0),)
+
+
+class StepIndex:
+    """Steps sorted by start, for finding the one covering an instant."""
+
+    def __init__(self, steps: Sequence[StepLike]) -> None:
+        self.steps = sorted(steps, key=lambda s: s.start_ns)
+        self.starts = [s.start_ns for s in self.steps]
+
+    def at(self, t_ns: int) -> StepLike | None:
+        i = bisect.bisect_right(self.starts, t_ns) - 1
+        if i >= 0 and t_ns < self.steps[i].end_ns:
+            return self.steps[i]
+        return None
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Weighted summary of one metric in one phase."""
+
+    samples: float  # weighted sample count
+    mean: float
+    p95: float
+    max: float
+
+
+def weighted_stats(values: Sequence[float], weights: Sequence[float]) -> Stats | None:
+    pairs = sorted((v, w) for v, w in zip(values, weights, strict=True) if w > 0)
+    total = sum(w for _, w in pairs)
+    if not pairs or total <= 0:
+        return None
+    mean = sum(v * w for v, w in pairs) / total
+    target, acc, p95 = 0.95 * total, 0.0, pairs[-1][0]
+    for v, w in pairs:
+        acc += w
+        if acc >= target - 1e-12:
+            p95 = v
+            break
+    return Stats(samples=total, mean=mean, p95=p95, max=pairs[-1][0])
+
+
+@dataclass
+class PhaseSummary:
+    phase: Phase
+    seconds: float = 0.0
+    tokens: int = 0
+    mixed_share: float = 0.0  # of this phase's sample weight, the part from mixed steps
+    energy_j: float | None = None
+    stats: dict[str, Stats] = field(default_factory=dict)
+
+    @property
+    def energy_per_token_j(self) -> float | None:
+        if self.energy_j is None or not self.tokens:
+            return None
+        return self.energy_j / self.tokens
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "seconds": self.seconds,
+            "tokens": self.tokens,
+            "mixed_share": self.mixed_share,
+            "energy_j": self.energy_j,
+            "energy_per_token_j": self.energy_per_token_j,
+            **{k: vars(v) for k, v in self.stats.items()},
+        }
+
+
+def _durations(samples: Sequence[SampleLike]) -> list[float]:
+    """Seconds each sample stands for: half the gap to each neighbour (the end samples
+    mirror their one neighbour's gap)."""
+    ts = [s.t_ns for s in samples]
+    if len(ts) < 2:
+        return [0.0] * len(ts)
+    out = []
+    for i, t in enumerate(ts):
+        lo = ts[i - 1] if i > 0 else t - (ts[1] - ts[0])
+        hi = ts[i + 1] if i < len(ts) - 1 else t + (ts[-1] - ts[-2])
+        out.append((hi - lo) / 2 * 1e-9)
+    return out
+
+
+def summarize(
+    samples: Sequence[SampleLike], steps: Sequence[StepLike]
+) -> dict[Phase, PhaseSummary]:
+    """Per phase: time, tokens, mixed share, energy and weighted stats of every metric."""
+    ordered = sorted(samples, key=lambda s: s.t_ns)
+    index = StepIndex(steps)
+    dts = _durations(ordered)
+    out = {p: PhaseSummary(p) for p in PHASES}
+    values: dict[tuple[Phase, str], tuple[list[float], list[float]]] = {}
+    weight_total: dict[Phase, float] = dict.fromkeys(PHASES, 0.0)
+    weight_mixed: dict[Phase, float] = dict.fromkeys(PHASES, 0.0)
+    for sample, dt in zip(ordered, dts, strict=True):
+        power = sum(sample.power_mw.values()) if sample.power_mw else None
+        for share in phase_shares(index.at(sample.t_ns)):
+            summary = out[share.phase]
+            summary.seconds += dt * share.weight
+            weight_total[share.phase] += share.weight
+            weight_mixed[share.phase] += share.weight if share.mixed else 0.0
+            if power is not None:
+                summary.energy_j = (summary.energy_j or 0.0) + power * 1e-3 * dt * share.weight
+            for metric in METRICS:
+                v = getattr(sample, metric)
+                if v is not None:
+                    vs, ws = values.setdefault((share.phase, metric), ([], []))
+                    vs.append(v)
+                    ws.append(share.weight)
+    for (phase, metric), (vs, ws) in values.items():
+        st = weighted_stats(vs, ws)
+        if st is not None:
+            out[phase].stats[metric] = st
+    for phase in PHASES:
+        if weight_total[phase]:
+            out[phase].mixed_share = weight_mixed[phase] / weight_total[phase]
+    out["prefill"].tokens = sum(s.prefill_tokens for s in index.steps)
+    out["decode"].tokens = sum(s.decode_tokens for s in index.steps)
+    return out
+
+
+def window_stats(
+    samples: Sequence[SampleLike],
+    start_ns: int,
+    end_ns: int,
+    metric: str = "gpu_util",
+    select: Callable[[SampleLike], bool] | None = None,
+) -> Stats | None:
+    """Unweighted stats of one metric over the samples in [start_ns, end_ns]: what one
+    request saw during its own prefill or decode window."""
+    vals = [
+        v
+        for s in samples
+        if start_ns <= s.t_ns <= end_ns and (select is None or select(s))
+        for v in [getattr(s, metric)]
+        if v is not None
+    ]
+    return weighted_stats(vals, [1.0] * len(vals))

@@ -1,0 +1,108 @@
+"""Telemetry wired into a serving engine: source -> sampler -> phase tracker ->
+metrics, per-request blocks, an optional recording, and a live snapshot."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from orin.engine.engine import Engine
+from orin.engine.types import FinishReason, RequestTimings
+from orin.server.metrics import PhaseMetrics
+from orin.system.commands import CommandRunner, SubprocessRunner
+from orin.system.root import SysRoot
+from orin.telemetry.live import PhaseTracker
+from orin.telemetry.phases import summarize
+from orin.telemetry.record import Recorder
+from orin.telemetry.sampler import Sampler
+from orin.telemetry.sources import select_source
+
+log = logging.getLogger("orin.telemetry")
+
+SNAPSHOT_WINDOW_S = 10.0
+
+
+class Telemetry:
+    def __init__(
+        self,
+        engine: Engine,
+        registry: CollectorRegistry,
+        source_name: str | None = None,
+        hz: float | None = None,
+        record: Path | None = None,
+        root: SysRoot | None = None,
+        runner: CommandRunner | None = None,
+    ) -> None:
+        source, why = select_source(source_name, root or SysRoot(), runner or SubprocessRunner())
+        log.info("telemetry: %s", why)
+        self.source_name = source.name
+        self.engine = engine
+        self.sampler = Sampler(source, hz)
+        self.tracker = PhaseTracker(self.sampler, lambda: engine.step_started_ns)
+        self.metrics = PhaseMetrics(registry, source.name)
+        self.tracker.observers.append(self.metrics.observe)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=20)
+        engine.step_observers.append(self.tracker.on_step)
+        engine.finish_observers.append(self._on_finish)
+        self.recorder: Recorder | None = None
+        if record is not None:
+            meta = {
+                "source": source.name,
+                "hz": self.sampler.hz,
+                "model": str(engine.cfg.model_path),
+            }
+            self.recorder = Recorder(record, meta)
+            self.sampler.observers.append(self.recorder.on_sample)
+            engine.step_observers.append(self.recorder.on_step)
+            engine.finish_observers.append(self.recorder.on_finish)
+
+    def start(self) -> Telemetry:
+        self.sampler.start()
+        return self
+
+    def stop(self) -> None:
+        self.sampler.stop()
+        if self.recorder is not None:
+            self.recorder.close()
+
+    def _on_finish(self, request_id: str, reason: FinishReason, t: RequestTimings) -> None:
+        self.recent.append(
+            {
+                "id": request_id,
+                "finish_reason": reason,
+                "ttft_ms": t.ttft_ms,
+                "tpot_ms": t.tpot_ms,
+                "prompt_tokens": t.prompt_tokens,
+                "generated_tokens": t.generated_tokens,
+            }
+        )
+
+    def request_block(self, t: RequestTimings | None) -> dict[str, Any]:
+        return self.tracker.request_block(t) if t is not None else {}
+
+    def snapshot(self) -> dict[str, Any]:
+        """What ``orin-llm monitor`` shows: the latest sample, the phase, recent per-phase
+        utilization and the latest requests."""
+        latest = self.sampler.latest()
+        samples = []
+        if latest is not None:
+            samples = self.sampler.samples(since_ns=latest.t_ns - int(SNAPSHOT_WINDOW_S * 1e9))
+        steps = self.tracker.steps()
+        phases = summarize(samples, steps) if samples else {}
+        return {
+            "source": self.source_name,
+            "hz": self.sampler.hz,
+            "phase": self.tracker.phase,
+            "latest": asdict(latest) if latest is not None else None,
+            "window_s": SNAPSHOT_WINDOW_S,
+            "phases": {p: s.to_dict() for p, s in phases.items()},
+            "slots_busy": self.engine.slots_busy,
+            "slots_total": self.engine.cfg.slots,
+            "waiting": self.engine.waiting,
+            "recent_requests": list(self.recent),
+        }
