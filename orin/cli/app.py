@@ -8,7 +8,7 @@ import os
 import typer
 
 from orin import __version__
-from orin.cli import model, monitor, profile, serve
+from orin.cli import doctor, model, monitor, profile, serve, tune
 
 app = typer.Typer(
     name="orin-llm",
@@ -21,6 +21,8 @@ app.add_typer(model.app, name="model")
 app.add_typer(profile.app, name="profile")
 app.command("serve")(serve.serve)
 app.command("monitor")(monitor.monitor)
+app.command("doctor")(doctor.doctor)
+app.add_typer(tune.app, name="tune")
 
 
 def _version(value: bool) -> None:

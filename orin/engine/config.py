@@ -20,6 +20,9 @@ from orin.model.gguf import ModelInfo
 from orin.model.plan import kv_cells_per_seq
 from orin.profile.kvmatch import resolve_kv
 from orin.profile.schema import Profile
+from orin.system.loadmode import mmap_policy
+from orin.system.platform import is_jetson
+from orin.system.root import SysRoot
 
 
 @dataclass(frozen=True)
@@ -56,14 +59,21 @@ def engine_config(
     info: ModelInfo,
     build: BuildInfo | None = None,
     available: int | None = None,
+    root: SysRoot | None = None,
 ) -> EngineConfig:
-    """Resolve a profile for one model; KV rule violations raise KVConfigError."""
+    """Resolve a profile for one model; KV rule violations raise KVConfigError.
+
+    ``load_mode: auto`` follows the mmap policy: no mmap for a fully offloaded
+    model on a Jetson's unified memory (the page cache would hold a second copy).
+    """
     e, c = profile.engine, profile.context
     decision = resolve_kv(e, info.quantization, info, build, available)
     if decision.errors:
         raise KVConfigError("; ".join(f"{f.rule}: {f.message}" for f in decision.errors))
     window = min(c.window or e.n_ctx, kv_cells_per_seq(e.n_ctx, e.slots))
     threads = e.threads or default_threads()
+    gpu = build.gpu_offload if build is not None else None
+    load = mmap_policy(profile, is_jetson(root or SysRoot()), info.n_layer, gpu)
     return EngineConfig(
         model_path=model_path,
         n_ctx=e.n_ctx,
@@ -76,7 +86,7 @@ def engine_config(
         flash_attn=decision.flash_attn,
         type_k=decision.type_k,
         type_v=decision.type_v,
-        load_mode=e.load_mode,
+        load_mode=load.load_mode,
         numa=e.numa,
         context=ContextPolicy(
             window=window,

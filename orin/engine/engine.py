@@ -261,6 +261,8 @@ class Engine:
         start = now_ns()
         self.step_started_ns = start
         self.runner.apply(batch.ops)
+        if not batch.items:  # only cells to remove (a cancellation): nothing to decode
+            return
         requests = self._batch_requests(batch)
         for item, request in zip(batch.items, requests, strict=True):
             request.start(self.backend)

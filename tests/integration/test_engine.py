@@ -341,3 +341,21 @@ def test_drain_lets_running_requests_finish(small: Path) -> None:
     c = s.result()
     assert c.finish_reason == "length" and len(c.token_ids) == 50
     assert e.state == "stopped" and e._thread is not None and not e._thread.is_alive()
+
+
+def test_cancel_on_an_otherwise_idle_engine_decodes_nothing(
+    small: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = config(small, "{n_ctx: 256, slots: 1, n_batch: 64, n_ubatch: 64}")
+    steps: list[StepStats] = []
+    with Engine(cfg) as e:
+        e.step_observers.append(steps.append)
+        s = e.submit("cancel me", SamplingParams(max_tokens=100_000, **GREEDY))
+        while not steps:
+            time.sleep(0.001)
+        s.cancel()
+        assert s.result().finish_reason == "cancelled"
+        ok = e.generate("next", SamplingParams(max_tokens=3, **GREEDY))
+    assert ok.finish_reason == "length"
+    assert "failed to decode" not in caplog.text and "decode failed" not in caplog.text
+    assert all(st.prefill_tokens + st.decode_tokens > 0 for st in steps)

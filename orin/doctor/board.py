@@ -1,0 +1,252 @@
+"""Doctor checks of the board: one function each, context -> Finding.
+
+Every value comes from the context's Platform (read once through the SysRoot
+and the command runner) or from the injected probes, so each check is tested
+on fake board trees.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orin.doctor.context import DoctorContext
+from orin.doctor.findings import Finding
+from orin.profile.loader import builtin_profiles
+from orin.system.services import unit_active_state
+from orin.system.settings import STATE_DIR, SWAPPINESS_FILE
+
+SWAPPINESS_MAX = 10
+THERMAL_MARGIN_C = 10.0
+DISK_FAIL = 256 * 2**20
+DISK_WARN = 2 * 2**30
+LOG_DIR = "/var/log"
+JTOP_UNITS = (
+    "/etc/systemd/system/jtop.service",
+    "/lib/systemd/system/jtop.service",
+    "/usr/lib/systemd/system/jtop.service",
+)
+
+
+def tune_fix(ctx: DoctorContext, setting: str, asked: bool, direct: str) -> str:
+    """The fix through tune system (with the profile field when it does not ask yet)."""
+    p = ctx.profile
+    ref = p.name if p.source is None or builtin_profiles().get(p.name) == p.source else p.source
+    apply = f"sudo orin-llm tune system --profile {ref} --apply"
+    step = apply if asked else f"{setting} in the profile, then {apply}"
+    return f"{step} (or at once: {direct})"
+
+
+def not_jetson(check_id: str, what: str) -> Finding:
+    return Finding(check_id, "info", f"not a Jetson: {what}")
+
+
+def check_swappiness(ctx: DoctorContext) -> Finding:
+    text = (ctx.root.read_text(SWAPPINESS_FILE) or "").strip()
+    if not text.isdigit():
+        return Finding("swappiness", "info", f"cannot read {SWAPPINESS_FILE}")
+    value = int(text)
+    if not ctx.platform.unified_memory:
+        return Finding("swappiness", "ok", f"vm.swappiness = {value} (no unified memory here)")
+    if value <= SWAPPINESS_MAX:
+        return Finding("swappiness", "ok", f"vm.swappiness = {value}")
+    asked = ctx.profile.system.swappiness
+    target = asked if asked is not None and asked <= SWAPPINESS_MAX else SWAPPINESS_MAX
+    return Finding(
+        "swappiness",
+        "warn",
+        f"vm.swappiness = {value} on unified memory",
+        why="the model's pages compete with everything else for the one DRAM; at this value "
+        "the kernel swaps them out under pressure and the GPU stalls or cudaMalloc fails",
+        fix=tune_fix(
+            ctx,
+            f"system.swappiness: {target}",
+            asked == target,
+            f"sudo sysctl -w vm.swappiness={target}",
+        ),
+    )
+
+
+def check_zram(ctx: DoctorContext) -> Finding:
+    devices = ctx.platform.zram_devices
+    if not devices:
+        swaps = ", ".join(f"{s.path} ({s.kind})" for s in ctx.platform.swaps) or "no swap"
+        return Finding("zram", "ok", f"no zram swap; {swaps}")
+    size = sum(d.size_bytes for d in devices) / 2**30
+    found = f"{len(devices)} zram swap device(s), {size:.1f} GiB of compressed swap in RAM"
+    if not ctx.platform.unified_memory:
+        return Finding("zram", "info", found)
+    return Finding(
+        "zram",
+        "warn",
+        found,
+        why="zram keeps swapped pages in the same DRAM the model and its KV cache need, and "
+        "compressing them costs CPU time exactly when memory is short",
+        fix=tune_fix(
+            ctx,
+            "system.disable_zram: true",
+            ctx.profile.system.disable_zram,
+            "sudo systemctl disable --now nvzramconfig",
+        )
+        + "; use an NVMe swap file if you want swap",
+    )
+
+
+def check_numa(ctx: DoctorContext) -> Finding:
+    nodes, strategy = ctx.platform.numa_nodes, ctx.profile.engine.numa
+    found = f"{nodes} NUMA node(s), engine.numa={strategy}"
+    if nodes == 1 and strategy != "disabled":
+        return Finding(
+            "numa",
+            "info",
+            found,
+            why="llama.cpp's NUMA strategies place threads and memory across nodes; "
+            "with one node they change nothing",
+            fix="engine.numa: disabled",
+        )
+    return Finding("numa", "ok", found)
+
+
+def check_power_mode(ctx: DoctorContext) -> Finding:
+    p = ctx.platform
+    if not p.is_jetson:
+        return not_jetson("power-mode", "no nvpmodel power modes")
+    mode = p.power_mode
+    if mode is None:
+        return Finding(
+            "power-mode",
+            "warn",
+            "nvpmodel -q gave no answer",
+            why="the power mode caps the GPU, CPU and memory clocks",
+            fix="check that JetPack's nvpmodel is installed: nvpmodel -q",
+        )
+    if mode.is_maxn:
+        return Finding("power-mode", "ok", f"power mode {mode.name} ({mode.id})")
+    return Finding(
+        "power-mode",
+        "warn",
+        f"power mode {mode.name} ({mode.id}), not MAXN",
+        why="below MAXN the GPU and memory clocks are capped; decode is bound by memory "
+        "bandwidth, so TPOT rises with the cap",
+        fix=tune_fix(
+            ctx, "system.power_mode: 0", ctx.profile.system.power_mode == 0, "sudo nvpmodel -m 0"
+        ),
+    )
+
+
+def check_clocks(ctx: DoctorContext) -> Finding:
+    p = ctx.platform
+    if not p.is_jetson:
+        return not_jetson("clocks", "no jetson_clocks")
+    state = p.clocks
+    if state is None or state.locked is None:
+        return Finding(
+            "clocks",
+            "info",
+            "unknown: jetson_clocks --show needs root and no GPU devfreq was found",
+            fix="run sudo orin-llm doctor to check",
+        )
+    if state.locked:
+        return Finding("clocks", "ok", f"clocks locked ({state.source})")
+    return Finding(
+        "clocks",
+        "warn",
+        f"clocks not locked: {', '.join(state.unlocked)} ({state.source})",
+        why="frequency scaling ramps the clocks up at each request and down between them: "
+        "slower first tokens and TPOT that swings under varying load",
+        fix=tune_fix(
+            ctx, "system.lock_clocks: true", ctx.profile.system.lock_clocks, "sudo jetson_clocks"
+        ),
+    )
+
+
+def check_thermal(ctx: DoctorContext) -> Finding:
+    """The zone closest to a throttling (or critical) trip point."""
+    trips = [
+        (z.name, z.temp_c, t)
+        for z in ctx.platform.thermal
+        if z.temp_c is not None
+        for t in z.throttle_trips
+    ]
+    if not trips:
+        return Finding("thermal", "info", "no thermal zone with a trip point")
+    critical = [r for r in trips if r[2].type == "critical" and r[1] >= r[2].temp_c]
+    name, temp, trip = critical[0] if critical else min(trips, key=lambda r: r[2].temp_c - r[1])
+    found = f"{name} at {temp:.1f} C, {trip.type} trip at {trip.temp_c:.1f} C"
+    if trip.type == "critical" and temp >= trip.temp_c:
+        return Finding(
+            "thermal",
+            "fail",
+            found,
+            why="at its critical trip point the board shuts down",
+            fix="cool the board (fan, airflow) before serving",
+        )
+    if trip.temp_c - temp <= THERMAL_MARGIN_C:
+        return Finding(
+            "thermal",
+            "warn",
+            found,
+            why="near its trip point the kernel throttles the clocks: TTFT and TPOT grow",
+            fix="improve cooling (fan at full speed: sudo jetson_clocks --fan) or lower the load",
+        )
+    return Finding("thermal", "ok", f"closest to a trip point: {found}")
+
+
+def check_jtop(ctx: DoctorContext) -> Finding:
+    installed = any(ctx.root.exists(u) for u in JTOP_UNITS)
+    if not installed:
+        what = "jetson-stats is not installed" if ctx.platform.is_jetson else "not a Jetson"
+        return Finding(
+            "jtop",
+            "info",
+            f"{what}: telemetry reads the GPU load from sysfs",
+            fix="optional: sudo pip3 install -U jetson-stats" if ctx.platform.is_jetson else "",
+        )
+    state = unit_active_state(ctx.runner, "jtop.service") or "unknown"
+    if state == "active":
+        return Finding("jtop", "ok", "jtop.service is active")
+    return Finding(
+        "jtop",
+        "warn",
+        f"jetson-stats is installed but jtop.service is {state}",
+        why="jtop and the telemetry's jtop source need the service",
+        fix="sudo systemctl restart jtop.service",
+    )
+
+
+def _existing(path: Path) -> Path:
+    """The nearest existing folder: free space is a property of its filesystem."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_disk(ctx: DoctorContext) -> Finding:
+    places = {"state": ctx.root.path(STATE_DIR), "logs": ctx.root.path(LOG_DIR)}
+    if ctx.model_path is not None:
+        places = {"models": ctx.model_path.parent, **places}
+    free = {name: ctx.disk_free(_existing(p)) for name, p in places.items()}
+    found = "; ".join(f"{n}: {free[n] / 2**30:.1f} GiB free ({places[n]})" for n in free)
+    low = min(free.values())
+    if low >= DISK_WARN:
+        return Finding("disk", "ok", found)
+    return Finding(
+        "disk",
+        "fail" if low < DISK_FAIL else "warn",
+        found,
+        why="a full disk stops the logs, the state file and model downloads",
+        fix="free space on the filesystem named above (old models, journalctl --vacuum-size)",
+    )
+
+
+def check_port(ctx: DoctorContext) -> Finding:
+    host, port = ctx.profile.server.host, ctx.profile.server.port
+    problem = ctx.port_probe(host, port)
+    if problem is None:
+        return Finding("port", "ok", f"{host}:{port} is free")
+    return Finding(
+        "port",
+        "warn",
+        f"{host}:{port}: {problem}",
+        why="serve cannot bind this address (expected if orin-llm is already serving there)",
+        fix=f"stop what listens there (sudo ss -ltnp 'sport = :{port}') or set server.port",
+    )

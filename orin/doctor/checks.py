@@ -1,0 +1,265 @@
+"""Doctor checks of the build, the profile and the model: one function each, context -> Finding.
+
+The board's checks (swappiness, zram, power mode, ...) are in
+``orin.doctor.board``; ``CHECKS`` at the end lists every check in the order
+the report shows them. The KV rules and the memory planner are reused from
+the profile and model packages, never restated here.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from orin.doctor import board
+from orin.doctor.context import DoctorContext
+from orin.doctor.findings import Finding, Severity, worst
+from orin.errors import KVConfigError
+from orin.model.plan import max_context, plan_memory
+from orin.system.loadmode import mmap_policy
+
+INSTALL = "scripts/install-llama-cpp.sh"
+HEADROOM = 0.10  # below this share of available memory left over, memory-fit warns
+KV_SEVERITY: dict[str, Severity] = {"error": "fail", "warning": "warn", "info": "ok"}
+KV_FIXES = {
+    "kv-quant-v-needs-fa": "engine.flash_attn: on (or auto), or engine.type_v: f16",
+    "kv-cuda-fa-kernels": "engine.type_k and engine.type_v: one pair the build has kernels for "
+    f"(q8_0/q8_0, f16/f16), or rebuild with {INSTALL} (GGML_CUDA_FA_ALL_QUANTS=ON)",
+    "kv-below-weights": "engine.type_k: auto and engine.type_v: auto (matched to the weights)",
+}
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def skipped(check_id: str, ctx: DoctorContext) -> Finding:
+    return Finding(
+        check_id,
+        "info",
+        f"skipped: no readable model ({ctx.model_problem})",
+        why="this check needs the model's metadata",
+        fix="see model-file",
+    )
+
+
+def check_model_file(ctx: DoctorContext) -> Finding:
+    """The file exists, is readable, is GGUF and its tensor data is all there."""
+    path, info = ctx.model_path, ctx.model
+    if path is None:
+        return Finding(
+            "model-file",
+            "info",
+            f"no model to check: {ctx.model_source}",
+            why="kv-type, memory-fit and context need the file's metadata",
+            fix="give one with --model PATH or model.path in the profile",
+        )
+    if ctx.model_source == "demo" and not path.exists():
+        demo = ctx.profile.model.demo
+        assert demo is not None
+        return Finding(
+            "model-file",
+            "info",
+            f"the demo model {path.name} is not generated yet",
+            why="serve generates it on first start; the model checks are skipped until then",
+            fix=f"orin-llm model demo --size {demo.size} --quant {demo.quant}",
+        )
+    if info is None:
+        return Finding(
+            "model-file",
+            "fail",
+            str(ctx.model_problem),
+            why="llama.cpp cannot load a missing, unreadable, non-GGUF or truncated file",
+            fix="copy or download the file again; check it with `orin-llm model inspect PATH`",
+        )
+    return Finding(
+        "model-file",
+        "ok",
+        f"{path}: {info.architecture} {info.quantization}, {gib(info.file_size)}, "
+        f"GGUF v{info.gguf_version}, {info.n_layer} layers",
+    )
+
+
+def check_llama_build(ctx: DoctorContext) -> Finding:
+    """llama-cpp-python imports and, where there is an NVIDIA GPU, can offload to it."""
+    build, p = ctx.build, ctx.platform
+    mode = "jetson" if p.is_jetson else "cuda" if p.nvidia_gpu else "cpu"
+    reinstall = f"{INSTALL} --mode {mode} --python {sys.executable}"
+    if build is None:
+        return Finding(
+            "llama-build",
+            "fail",
+            f"llama-cpp-python is not usable: {ctx.build_problem}",
+            why="the engine runs every model through llama-cpp-python",
+            fix=reinstall,
+        )
+    if p.nvidia_gpu and not build.gpu_offload:
+        where = "a Jetson" if p.is_jetson else "a machine with an NVIDIA GPU"
+        return Finding(
+            "llama-build",
+            "fail",
+            f"llama-cpp-python {build.version} is a CPU-only build on {where}",
+            why="every layer runs on the CPU while the GPU idles: prefill many times slower "
+            "(a CUDA build without CUDACXX silently comes out CPU-only)",
+            fix=reinstall,
+        )
+    if not build.gpu_offload:
+        return Finding(
+            "llama-build", "ok", f"llama-cpp-python {build.version}, CPU build (no NVIDIA GPU)"
+        )
+    pairs = build.fa_quants
+    fa = "all K/V types" if pairs is None else ", ".join(f"{k}/{v}" for k, v in sorted(pairs))
+    backends = ", ".join(b for b in build.backends if b != "CPU") or "GPU"
+    return Finding(
+        "llama-build",
+        "ok",
+        f"llama-cpp-python {build.version} with GPU offload ({backends}); "
+        f"flash-attention kernels: {fa}",
+    )
+
+
+def check_kv_type(ctx: DoctorContext) -> Finding:
+    """The profile's KV types against the weights and the build (kvmatch's rules)."""
+    d = ctx.kv
+    rules = [f for f in d.findings if f.rule != "kv-auto"]
+    severity = worst([KV_SEVERITY[f.severity] for f in rules])
+    found = f"K={d.type_k} V={d.type_v} flash_attn={d.flash_attn}"
+    notes = [f.message for f in d.findings]
+    if ctx.build is None:
+        severity = worst([severity, "info"])
+        notes.append("the CUDA kernel rules were not checked (see llama-build)")
+    if notes:
+        found += ": " + "; ".join(notes)
+    fixes = [KV_FIXES[f.rule] for f in rules if f.rule in KV_FIXES]
+    return Finding(
+        "kv-type",
+        severity,
+        found,
+        why="a quantized V cache without flash attention fails at context creation; a K/V "
+        "pair without CUDA flash-attention kernels runs attention on the CPU"
+        if severity != "ok"
+        else "",
+        fix="; ".join(dict.fromkeys(fixes)),
+    )
+
+
+def check_memory_fit(ctx: DoctorContext) -> Finding:
+    """Weights + KV at full context and slots + compute, against MemAvailable."""
+    info, avail = ctx.model, ctx.available
+    if info is None:
+        return skipped("memory-fit", ctx)
+    if avail is None:
+        return Finding("memory-fit", "warn", "cannot read /proc/meminfo", fix="check /proc")
+    e, d = ctx.profile.engine, ctx.kv
+    flash = d.flash_attn != "off"
+    try:
+        plan = plan_memory(info, e.n_ctx, e.slots, d.type_k, d.type_v, avail, e.n_ubatch, flash)
+    except KVConfigError as exc:
+        return Finding("memory-fit", "fail", str(exc), fix="engine.type_k/type_v: f16 or q8_0")
+    best = max_context(info, e.slots, d.type_k, d.type_v, avail, e.n_ubatch, flash)
+    found = (
+        f"weights {gib(plan.weights_bytes)} + KV {gib(plan.kv_bytes)} + compute "
+        f"~{gib(plan.compute_bytes)} = {gib(plan.total_bytes)} at n_ctx={e.n_ctx} x "
+        f"{e.slots} slots (K={d.type_k}, V={d.type_v}); available {gib(avail)}; "
+        f"largest per-slot context that fits: {best if best is not None else 'none'}"
+    )
+    why = (
+        "the KV cache for every slot is allocated at load: a model that fits at load but "
+        "not at full context fails with cudaMalloc errors or pushes the board into swap"
+    )
+    if best is None:
+        fix = "a smaller quantization or model, or fewer slots"
+    else:
+        fix = f"engine.n_ctx: {best} (or fewer slots, or a smaller KV type)"
+    if plan.total_bytes > avail:
+        return Finding("memory-fit", "fail", found, why=why, fix=fix)
+    if plan.total_bytes > avail * (1 - HEADROOM):
+        why = f"less than {HEADROOM:.0%} of available memory is left for the CUDA runtime"
+        return Finding("memory-fit", "warn", found, why=why, fix=fix)
+    return Finding("memory-fit", "ok", found)
+
+
+def check_context(ctx: DoctorContext) -> Finding:
+    """Context and window against the training context; RoPE base against the metadata."""
+    info = ctx.model
+    if info is None:
+        return skipped("context", ctx)
+    e, c = ctx.profile.engine, ctx.profile.context
+    window, train, base = c.window or e.n_ctx, info.n_ctx_train, info.rope.freq_base
+    override = getattr(e, "rope_freq_base", None)  # a profile field, where the schema has one
+    rope = f"RoPE freq base {base:g} from the model's metadata"
+    if override and abs(float(override) - base) > 1e-6 * base:
+        return Finding(
+            "context",
+            "fail",
+            f"the profile sets RoPE freq base {override:g}; the model was trained with {base:g}",
+            why="positions are rotated at the wrong frequencies: garbage or inf logits, "
+            "worst at long context",
+            fix="remove the override (llama.cpp then takes the base from the metadata)",
+        )
+    if window > train:
+        return Finding(
+            "context",
+            "fail",
+            f"the window ({window} tokens per slot) exceeds the training context ({train})",
+            why="positions beyond the training context were never seen: output degrades "
+            "into garbage or inf logits past it",
+            fix=f"context.window: {train} (or engine.n_ctx: {train})",
+        )
+    found = f"window {window} and n_ctx {e.n_ctx} against training context {train}; {rope}"
+    if info.rope.scaling_type and info.rope.scaling_type != "none":
+        found += f" (scaling {info.rope.scaling_type} x{info.rope.scaling_factor})"
+    if e.n_ctx > train:
+        return Finding(
+            "context",
+            "warn",
+            found,
+            why="the window keeps positions within the training context, so the KV cells "
+            "beyond it are allocated but never used",
+            fix=f"engine.n_ctx: {train}",
+        )
+    return Finding("context", "ok", found)
+
+
+def check_mmap(ctx: DoctorContext) -> Finding:
+    """mmap while every layer is on the GPU of a unified-memory board."""
+    p, info, build = ctx.platform, ctx.model, ctx.build
+    d = mmap_policy(
+        ctx.profile,
+        p.unified_memory,
+        info.n_layer if info else None,
+        build.gpu_offload if build else None,
+    )
+    found = f"the engine loads with load_mode={d.load_mode} ({d.reason})"
+    if d.uses_mmap and d.full_offload and p.unified_memory:
+        return Finding(
+            "mmap",
+            "warn",
+            found,
+            why="the mapped file stays in the page cache while the GPU holds a copy in the "
+            "same DRAM: up to twice the weights' memory",
+            fix="system.mmap: auto (or off) with engine.load_mode: auto",
+        )
+    return Finding("mmap", "ok", found)
+
+
+Check = Callable[[DoctorContext], Finding]
+
+CHECKS: tuple[tuple[str, Check], ...] = (
+    ("model-file", check_model_file),
+    ("llama-build", check_llama_build),
+    ("kv-type", check_kv_type),
+    ("memory-fit", check_memory_fit),
+    ("context", check_context),
+    ("mmap", check_mmap),
+    ("swappiness", board.check_swappiness),
+    ("zram", board.check_zram),
+    ("numa", board.check_numa),
+    ("power-mode", board.check_power_mode),
+    ("clocks", board.check_clocks),
+    ("thermal", board.check_thermal),
+    ("jtop", board.check_jtop),
+    ("disk", board.check_disk),
+    ("port", board.check_port),
+)
+CHECK_IDS = tuple(i for i, _ in CHECKS)

@@ -1,0 +1,370 @@
+"""Board settings for serving on unified memory, each with plan / apply / revert.
+
+A setting's ``plan`` reads the board and returns a Change: the current value,
+the target, the exact steps (file writes, command lines) and what revert
+needs to restore the current value. ``apply`` runs the steps; ``revert``
+restores the saved values. Plans only read, so they can be printed before
+anything changes, and a setting already at its target plans no steps, which
+is what makes applying twice a no-op. Orchestration (root check, state file,
+rollback on failure) lives in ``orin.system.tuner``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from orin.errors import OrinError
+from orin.profile.schema import Profile
+from orin.system.actions import Action, StepError, execute_all
+from orin.system.commands import CommandRunner
+from orin.system.loadmode import mmap_policy
+from orin.system.platform import Platform, query_power_mode
+from orin.system.root import SysRoot
+from orin.system.services import unit_file_state
+
+SWAPPINESS_FILE = "/proc/sys/vm/swappiness"
+SYSCTL_FILE = "/etc/sysctl.d/99-orin-llm.conf"
+DROP_CACHES_FILE = "/proc/sys/vm/drop_caches"
+STATE_DIR = "/var/lib/orin-llm"
+CLOCKS_STORE = f"{STATE_DIR}/jetson_clocks.conf"
+ZRAM_SERVICE = "nvzramconfig"
+NVPMODEL_ANSWER = "no\n"  # nvpmodel may ask to reboot; never reboot from here
+
+
+class SettingError(OrinError):
+    """A setting cannot be planned as the profile asks (e.g. a power mode the board lacks)."""
+
+
+@dataclass(frozen=True)
+class Change:
+    setting: str
+    current: str
+    target: str
+    actions: tuple[Action, ...] = ()
+    saved: dict[str, Any] = field(default_factory=dict)  # what revert restores
+    note: str = ""
+    revertible: bool = True
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.actions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "setting": self.setting,
+            "current": self.current,
+            "target": self.target,
+            "needed": self.needed,
+            "revertible": self.revertible,
+            "note": self.note,
+            "actions": [a.to_dict() for a in self.actions],
+        }
+
+
+@dataclass(frozen=True)
+class TuneContext:
+    """What every setting plans against; ``recorded`` is the state file's saved values."""
+
+    root: SysRoot
+    runner: CommandRunner
+    platform: Platform
+    profile: Profile
+    n_layer: int | None = None
+    gpu_offload: bool | None = None
+    recorded: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+class Setting(ABC):
+    id: ClassVar[str]
+
+    @abstractmethod
+    def plan(self, ctx: TuneContext) -> Change: ...
+
+    def apply(self, ctx: TuneContext, change: Change) -> None:
+        execute_all(change.actions, ctx.root, ctx.runner)
+
+    def revert_actions(self, ctx: TuneContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
+        """The steps that put back what ``saved`` recorded; none for report-only settings."""
+        return ()
+
+    def revert(self, ctx: TuneContext, saved: Mapping[str, Any]) -> None:
+        execute_all(self.revert_actions(ctx, saved), ctx.root, ctx.runner)
+
+    def describe_saved(self, saved: Mapping[str, Any]) -> str:
+        """The value revert restores, for the revert plan."""
+        return "as before"
+
+    def report(self, current: str, target: str, note: str) -> Change:
+        return Change(self.id, current, target, note=note)
+
+
+def sysctl_text(swappiness: int) -> str:
+    return f"# written by orin-llm tune system; removed by --revert\nvm.swappiness = {swappiness}\n"
+
+
+class Swappiness(Setting):
+    """vm.swappiness now (/proc) and at boot (/etc/sysctl.d)."""
+
+    id = "swappiness"
+
+    def plan(self, ctx: TuneContext) -> Change:
+        current = (ctx.root.read_text(SWAPPINESS_FILE) or "").strip()
+        target = ctx.profile.system.swappiness
+        if not current:
+            return self.report("unknown", "-", f"cannot read {SWAPPINESS_FILE}")
+        if target is None:
+            return self.report(current, current, "the profile leaves vm.swappiness unchanged")
+        persisted = ctx.root.read_text(SYSCTL_FILE)
+        actions = []
+        if current != str(target):
+            actions.append(Action.write(SWAPPINESS_FILE, f"{target}\n"))
+        if persisted != sysctl_text(target):
+            actions.append(Action.write(SYSCTL_FILE, sysctl_text(target)))
+        return Change(
+            self.id,
+            current,
+            str(target),
+            tuple(actions),
+            saved={"value": current, "sysctl_file": persisted},
+            note=f"set now and persisted in {SYSCTL_FILE}: a high value pushes the model's "
+            "pages to swap under memory pressure",
+        )
+
+    def revert_actions(self, ctx: TuneContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
+        previous_file = saved.get("sysctl_file")
+        persist = (
+            Action.remove(SYSCTL_FILE)
+            if previous_file is None
+            else Action.write(SYSCTL_FILE, str(previous_file))
+        )
+        return (Action.write(SWAPPINESS_FILE, f"{saved['value']}\n"), persist)
+
+    def describe_saved(self, saved: Mapping[str, Any]) -> str:
+        persisted = "no sysctl.d file" if saved.get("sysctl_file") is None else "old sysctl.d file"
+        return f"{saved['value']} ({persisted})"
+
+
+class Zram(Setting):
+    """Compressed swap in RAM (JetPack's nvzramconfig): report, optionally disable."""
+
+    id = "zram"
+
+    def plan(self, ctx: TuneContext) -> Change:
+        devices = ctx.platform.zram_devices
+        size = sum(d.size_bytes for d in devices) / 2**30
+        service = unit_file_state(ctx.runner, ZRAM_SERVICE) if ctx.platform.is_jetson else None
+        current = f"{len(devices)} zram swap device(s), {size:.1f} GiB; {ZRAM_SERVICE} " + (
+            service or "not installed"
+        )
+        if not ctx.profile.system.disable_zram:
+            return self.report(current, "unchanged", "set system.disable_zram: true to disable")
+        actions = []
+        if service == "enabled":
+            actions.append(Action.run("systemctl", "disable", "--now", ZRAM_SERVICE))
+        actions += [Action.run("swapoff", d.path) for d in devices]
+        return Change(
+            self.id,
+            current,
+            f"no zram swap; {ZRAM_SERVICE} disabled",
+            tuple(actions),
+            saved={
+                "service": service,
+                "devices": [{"path": d.path, "priority": d.priority} for d in devices],
+            },
+            note="zram takes its compressed pages from the same DRAM the model needs",
+        )
+
+    def revert_actions(self, ctx: TuneContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
+        actions = []
+        if saved.get("service") == "enabled":
+            actions.append(Action.run("systemctl", "enable", ZRAM_SERVICE))
+        for dev in saved.get("devices", []):
+            actions.append(Action.run("swapon", "-p", str(dev["priority"]), dev["path"]))
+        return tuple(actions)
+
+    def describe_saved(self, saved: Mapping[str, Any]) -> str:
+        service = saved.get("service") or "not installed"
+        return f"{len(saved.get('devices', []))} zram swap device(s); {ZRAM_SERVICE} {service}"
+
+
+class PowerModeSetting(Setting):
+    """nvpmodel mode (0 = MAXN); verified after the switch, which may need a reboot."""
+
+    id = "power-mode"
+
+    def plan(self, ctx: TuneContext) -> Change:
+        p, target = ctx.platform, ctx.profile.system.power_mode
+        mode = p.power_mode
+        current = f"{mode.name} ({mode.id})" if mode else "unknown"
+        if not p.is_jetson:
+            return self.report("not a Jetson", "-", "no nvpmodel on this machine")
+        if target is None:
+            return self.report(current, current, "the profile leaves the power mode unchanged")
+        if mode is None:
+            return self.report(current, str(target), "nvpmodel -q gave no answer: skipped")
+        if p.power_modes and target not in p.power_modes:
+            modes = ", ".join(f"{i} {n}" for i, n in sorted(p.power_modes.items()))
+            raise SettingError(f"power-mode: this board has no mode {target} (modes: {modes})")
+        name = p.power_modes.get(target, f"mode {target}")
+        actions = () if mode.id == target else (power_mode_action(target),)
+        locked = p.clocks.locked if p.clocks else None
+        return Change(
+            self.id,
+            current,
+            f"{name} ({target})",
+            actions,
+            saved={"mode_id": mode.id, "name": mode.name, "clocks_locked": locked},
+            note="the default 30 W mode caps GPU and memory clocks",
+        )
+
+    def apply(self, ctx: TuneContext, change: Change) -> None:
+        super().apply(ctx, change)
+        target = ctx.profile.system.power_mode
+        now = query_power_mode(ctx.runner)
+        if change.actions and (now is None or now.id != target):
+            seen = f"{now.name} ({now.id})" if now else "no answer from nvpmodel -q"
+            raise StepError(
+                change.actions[0], f"the mode did not change ({seen}); it may need a reboot"
+            )
+
+    def revert_actions(self, ctx: TuneContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
+        actions = [power_mode_action(int(saved["mode_id"]))]
+        if saved.get("clocks_locked"):
+            actions.append(Action.run("jetson_clocks"))  # a mode switch resets the clocks
+        return tuple(actions)
+
+    def describe_saved(self, saved: Mapping[str, Any]) -> str:
+        return f"{saved['name']} ({saved['mode_id']})"
+
+
+def power_mode_action(mode_id: int) -> Action:
+    return Action.run("nvpmodel", "-m", str(mode_id), input=NVPMODEL_ANSWER)
+
+
+class Clocks(Setting):
+    """jetson_clocks: CPU, GPU and EMC pinned at the mode's maximum."""
+
+    id = "clocks"
+
+    def plan(self, ctx: TuneContext) -> Change:
+        p = ctx.platform
+        if not p.is_jetson:
+            return self.report("not a Jetson", "-", "no jetson_clocks on this machine")
+        state = p.clocks
+        locked = state.locked if state else None
+        current = {True: "locked", False: "not locked", None: "unknown"}[locked]
+        if state is not None and state.unlocked:
+            current += f" ({', '.join(state.unlocked)})"
+        if not ctx.profile.system.lock_clocks:
+            return self.report(current, "unchanged", "set system.lock_clocks: true to lock")
+        if locked and not _power_mode_changes(ctx):
+            return Change(self.id, current, "locked", note="already locked")
+        actions = [Action.run("jetson_clocks")]
+        stored_before = "clocks" in ctx.recorded  # keep what was stored before the first lock
+        if not stored_before:
+            actions[:0] = [
+                Action.mkdir(STATE_DIR),
+                Action.run("jetson_clocks", "--store", _store(ctx.root)),
+            ]
+        return Change(
+            self.id,
+            current,
+            "locked",
+            tuple(actions),
+            saved={"store": CLOCKS_STORE, "stored_before": stored_before},
+            note="no frequency ramp at each request: steadier TTFT and TPOT",
+        )
+
+    def revert_actions(self, ctx: TuneContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
+        restore = Action.run("jetson_clocks", "--restore", _store(ctx.root))
+        if saved.get("stored_before"):  # a rolled-back re-apply: the first apply's file stays
+            return (restore,)
+        return (restore, Action.remove(CLOCKS_STORE))
+
+    def describe_saved(self, saved: Mapping[str, Any]) -> str:
+        return f"as stored in {saved['store']}"
+
+
+def _store(root: SysRoot) -> str:
+    return str(root.path(CLOCKS_STORE))
+
+
+def _power_mode_changes(ctx: TuneContext) -> bool:
+    """A mode switch resets the clocks, so a lock taken before it does not last."""
+    target, mode = ctx.profile.system.power_mode, ctx.platform.power_mode
+    return target is not None and mode is not None and mode.id != target
+
+
+class Numa(Setting):
+    """llama.cpp's NUMA strategy against the nodes the kernel really has."""
+
+    id = "numa"
+
+    def plan(self, ctx: TuneContext) -> Change:
+        nodes, strategy = ctx.platform.numa_nodes, ctx.profile.engine.numa
+        if nodes == 1 and strategy != "disabled":
+            note = (
+                f"one NUMA node: numa={strategy} changes nothing here; "
+                "set engine.numa: disabled to say so"
+            )
+        elif nodes == 1:
+            note = "one NUMA node: nothing to do"
+        else:
+            note = f"the engine passes numa={strategy} to llama_numa_init at model load"
+        return self.report(f"{nodes} node(s)", f"engine.numa={strategy}", note)
+
+
+class Mmap(Setting):
+    """Report of the load mode the engine will use (the engine applies it at load)."""
+
+    id = "mmap"
+
+    def plan(self, ctx: TuneContext) -> Change:
+        p = ctx.profile
+        d = mmap_policy(p, ctx.platform.unified_memory, ctx.n_layer, ctx.gpu_offload)
+        current = f"engine.load_mode={p.engine.load_mode}, system.mmap={p.system.mmap}"
+        return self.report(current, f"load_mode={d.load_mode}", d.reason)
+
+
+class DropCaches(Setting):
+    """Drop the clean page cache before a model load (one-shot, nothing to revert)."""
+
+    id = "drop-caches"
+
+    def plan(self, ctx: TuneContext) -> Change:
+        if not ctx.profile.system.drop_caches:
+            return self.report("-", "unchanged", "set system.drop_caches: true to drop")
+        return Change(
+            self.id,
+            "page cache in use",
+            "page cache dropped",
+            drop_cache_actions(),
+            note="one-shot on every apply; not revertible (nothing to restore)",
+            revertible=False,
+        )
+
+
+def drop_cache_actions() -> tuple[Action, ...]:
+    return (Action.run("sync"), Action.write(DROP_CACHES_FILE, "3\n"))
+
+
+def drop_page_cache(root: SysRoot, runner: CommandRunner) -> None:
+    """For a model load: flush dirty pages, then free the clean page cache (root only)."""
+    execute_all(drop_cache_actions(), root, runner)
+
+
+# Apply order: the power mode before the clocks (a mode switch resets them),
+# the page cache last (just before a load). Revert runs in reverse.
+SETTINGS: tuple[Setting, ...] = (
+    Swappiness(),
+    Zram(),
+    PowerModeSetting(),
+    Clocks(),
+    Numa(),
+    Mmap(),
+    DropCaches(),
+)
+SETTINGS_BY_ID = {s.id: s for s in SETTINGS}

@@ -1,0 +1,269 @@
+"""Fake boards for the system and doctor tests: file trees plus a stateful Jetson.
+
+``FakeJetson`` answers nvpmodel, jetson_clocks, systemctl, swapon/swapoff and
+sync the way a board does, and changes its own state (and the /proc files
+under the fake root) when a command would, so apply and revert can be
+checked end to end: the commands recorded, then the board re-read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orin.llamacpp import BuildInfo
+from orin.system.commands import CommandResult
+from orin.system.settings import sysctl_text
+from tests.fakeboard import FakeBoard, GiB
+from tests.fakerunner import FakeRunner
+
+R36_LINE = (
+    "# R36 (release), REVISION: 4.0, GCID: 37537400, BOARD: generic, EABI: aarch64, "
+    "DATE: Fri Sep 13 04:36:44 UTC 2024\n"
+)
+R35_LINE = (
+    "# R35 (release), REVISION: 4.1, GCID: 33958178, BOARD: t186ref, EABI: aarch64, "
+    "DATE: Tue Aug  1 19:57:35 UTC 2023\n"
+)
+SWAPS_HEADER = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n"
+ZRAM_KIB = 4 * 1024 * 1024
+NVPM_WARN = "NVPM WARN: Fan mode is not set!\n"
+QUERIES = {
+    ("nvpmodel", "-q"),
+    ("jetson_clocks", "--show"),
+    ("systemctl", "is-enabled"),
+    ("systemctl", "is-active"),
+}
+GPU_HZ = (306000000, 1300500000)
+EMC_HZ = (204000000, 3199000000)
+CPU_HZ = (729600, 2201600)
+
+CUDA_BUILD = BuildInfo(
+    version="0.3.36",
+    gpu_offload=True,
+    system_info="CUDA : ARCHS = 870 | FA_ALL_QUANTS = 1 |",
+    backends={"CUDA": {"ARCHS": "870", "FA_QUANTS": "all"}, "CPU": {"NEON": "1"}},
+)
+CUDA_BUILD_DEFAULT_FA = BuildInfo(
+    version="0.3.36",
+    gpu_offload=True,
+    system_info="CUDA : ARCHS = 870 |",
+    backends={"CUDA": {"ARCHS": "870"}, "CPU": {"NEON": "1"}},
+)
+CPU_BUILD = BuildInfo(
+    version="0.3.36", gpu_offload=False, system_info="CPU : NEON = 1 |", backends={"CPU": {}}
+)
+
+
+def nvpmodel_conf(modes: dict[int, str]) -> str:
+    lines = ["< PARAM TYPE=FILE NAME=CPU_ONLINE >", "CORE_0 /sys/devices/system/cpu/cpu0/online"]
+    for i, name in modes.items():
+        lines += [f"< POWER_MODEL ID={i} NAME={name} >", "CPU_ONLINE CORE_0 1"]
+    lines.append("< PM_CONFIG DEFAULT=2 >")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class FakeJetson:
+    """A Jetson's mutable state behind a FakeRunner."""
+
+    board: FakeBoard
+    modes: dict[int, str]
+    mode: int = 2
+    locked: bool = False
+    zram_service: str = "enabled"
+    jtop: str | None = "inactive"  # None: jetson-stats not installed
+    zram: dict[str, tuple[int, int]] = field(default_factory=dict)  # path -> (KiB, priority)
+    other_swaps: list[str] = field(default_factory=list)
+    fail: dict[tuple[str, ...], str] = field(default_factory=dict)  # argv -> stderr
+    mode_needs_reboot: bool = False
+    runner: FakeRunner = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.runner = FakeRunner(
+            answers={
+                (p,): self._answer(h)
+                for p, h in {
+                    "nvpmodel": self._nvpmodel,
+                    "jetson_clocks": self._jetson_clocks,
+                    "systemctl": self._systemctl,
+                    "swapoff": self._swapoff,
+                    "swapon": self._swapon,
+                    "sync": lambda a: ok(a),
+                }.items()
+            }
+        )
+        self.write_swaps()
+
+    def _answer(
+        self, handler: Callable[[tuple[str, ...]], CommandResult]
+    ) -> Callable[[tuple[str, ...]], CommandResult]:
+        def answer(args: tuple[str, ...]) -> CommandResult:
+            if args in self.fail:
+                return CommandResult(args, 1, "", self.fail[args])
+            return handler(args)
+
+        return answer
+
+    @property
+    def calls(self) -> list[tuple[str, ...]]:
+        return self.runner.calls
+
+    def changes(self) -> list[tuple[str, ...]]:
+        """The recorded commands that change something (queries left out)."""
+        return [c for c in self.calls if c[:2] not in QUERIES]
+
+    def write_swaps(self) -> None:
+        rows = [f"{p}\tpartition\t{kib}\t0\t{prio}\n" for p, (kib, prio) in self.zram.items()]
+        self.board.write("/proc/swaps", SWAPS_HEADER + "".join(rows + self.other_swaps))
+
+    def _nvpmodel(self, args: tuple[str, ...]) -> CommandResult:
+        if args[1:2] == ("-q",):
+            return ok(args, f"{NVPM_WARN}NV Power Mode: {self.modes[self.mode]}\n{self.mode}\n")
+        if args[1:2] == ("-m",) and int(args[2]) in self.modes:
+            if self.mode_needs_reboot:
+                return ok(args, "NVPM WARN: Reboot required for changing to this power mode\n")
+            self.mode, self.locked = int(args[2]), False  # a mode switch resets the clocks
+            return ok(args)
+        return CommandResult(args, 1, "", "NVPM ERROR: invalid mode")
+
+    def _jetson_clocks(self, args: tuple[str, ...]) -> CommandResult:
+        if args[1:] == ("--show",):
+            return ok(args, clocks_show(self.locked, self.modes[self.mode]))
+        if args[1:2] == ("--store",):
+            Path(args[2]).write_text(f"locked={int(self.locked)}\n")
+            return ok(args)
+        if args[1:2] == ("--restore",):
+            stored = Path(args[2])
+            if not stored.exists():
+                return CommandResult(args, 1, "", f"{stored}: file not found")
+            self.locked = stored.read_text().strip() == "locked=1"
+            return ok(args)
+        self.locked = True
+        return ok(args)
+
+    def _systemctl(self, args: tuple[str, ...]) -> CommandResult:
+        verb, unit = args[1], args[-1]
+        if unit.startswith("jtop"):
+            state = self.jtop or "inactive"
+            return CommandResult(args, 0 if state == "active" else 3, state + "\n")
+        if verb == "is-enabled":
+            code = 0 if self.zram_service == "enabled" else 1
+            return CommandResult(args, code, self.zram_service + "\n")
+        self.zram_service = "disabled" if verb == "disable" else "enabled"
+        return ok(args)
+
+    def _swapoff(self, args: tuple[str, ...]) -> CommandResult:
+        if self.zram.pop(args[1], None) is None:
+            return CommandResult(args, 255, "", f"swapoff: {args[1]}: swapoff failed")
+        self.write_swaps()
+        return ok(args)
+
+    def _swapon(self, args: tuple[str, ...]) -> CommandResult:
+        self.zram[args[-1]] = (ZRAM_KIB, int(args[2]))
+        self.write_swaps()
+        return ok(args)
+
+
+def ok(args: tuple[str, ...], stdout: str = "") -> CommandResult:
+    return CommandResult(args, 0, stdout)
+
+
+def clocks_show(locked: bool, mode: str) -> str:
+    def line(name: str, lo: int, hi: int) -> str:
+        return (
+            f"{name} MinFreq={hi if locked else lo} MaxFreq={hi} CurrentFreq={hi if locked else lo}"
+        )
+
+    cpu_lo, cpu_hi = CPU_HZ
+    cpus = [
+        f"cpu{i}: Online=1 Governor=schedutil "
+        f"MinFreq={cpu_hi if locked else cpu_lo} MaxFreq={cpu_hi} "
+        f"CurrentFreq={cpu_hi if locked else cpu_lo} IdleStates: WFI=1 c7=1"
+        for i in range(2)
+    ]
+    cpus.append("cpu11: Online=0 Governor=schedutil MinFreq=0 MaxFreq=0 CurrentFreq=0")
+    return "\n".join(
+        [
+            "SOC family:tegra234  Machine:NVIDIA Jetson AGX Orin Developer Kit",
+            "Online CPUs: 0-1",
+            *cpus,
+            line("GPU", *GPU_HZ),
+            line("EMC", *EMC_HZ) + " FreqOverride=0",
+            "FAN Dynamic Speed control=active hwmon4_pwm1=68",
+            f"NV Power Mode: {mode}",
+        ]
+    )
+
+
+AGX_64GB_MODES = {0: "MAXN", 1: "MODE_15W", 2: "MODE_30W", 3: "MODE_50W"}
+AGX_32GB_MODES = {0: "MAXN", 1: "MODE_15W", 2: "MODE_30W", 3: "MODE_40W"}
+
+
+def _jetson_tree(board: FakeBoard, module: str, release: str, gpu_devfreq: str) -> None:
+    board.write("/proc/device-tree/model", "NVIDIA Jetson AGX Orin Developer Kit\0")
+    board.write(
+        "/proc/device-tree/compatible",
+        f"nvidia,p3737-0000+{module}\0nvidia,p3737-0000\0nvidia,{module}\0nvidia,tegra234\0",
+    )
+    board.write("/etc/nv_tegra_release", release)
+    board.write("/sys/devices/system/node/node0/cpulist", "0-11\n")
+    base = f"/sys/class/devfreq/{gpu_devfreq}"
+    for name, value in (("min_freq", GPU_HZ[0]), ("max_freq", GPU_HZ[1]), ("cur_freq", GPU_HZ[0])):
+        board.write(f"{base}/{name}", f"{value}\n")
+    board.write("/proc/sys/vm/drop_caches", "0\n")
+    thermal_zone(board, 0, "cpu-thermal", 47.5, [("passive", 99.0), ("critical", 103.0)])
+    thermal_zone(board, 1, "gpu-thermal", 45.2, [("passive", 99.0), ("critical", 103.0)])
+    thermal_zone(board, 2, "cv0-thermal", -256.0, [("critical", 103.0)])
+
+
+def thermal_zone(
+    board: FakeBoard, n: int, name: str, temp_c: float, trips: list[tuple[str, float]]
+) -> None:
+    base = f"/sys/class/thermal/thermal_zone{n}"
+    board.write(f"{base}/type", name + "\n")
+    board.write(f"{base}/temp", f"{int(temp_c * 1000)}\n")
+    for i, (kind, trip_c) in enumerate(trips):
+        board.write(f"{base}/trip_point_{i}_type", kind + "\n")
+        board.write(f"{base}/trip_point_{i}_temp", f"{int(trip_c * 1000)}\n")
+
+
+def agx_orin_64gb_jp6(base: Path) -> FakeJetson:
+    """Stock JetPack 6: swappiness 60, zram on, MODE_30W, clocks unlocked, jtop inactive."""
+    board = FakeBoard(base).meminfo(total=62 * GiB, available=54 * GiB)
+    _jetson_tree(board, "p3701-0005", R36_LINE, "17000000.gpu")
+    board.write("/etc/nvpmodel.conf", nvpmodel_conf(AGX_64GB_MODES))
+    board.write("/proc/sys/vm/swappiness", "60\n")
+    board.write("/lib/systemd/system/jtop.service", "[Service]\n")
+    zram = {"/dev/zram0": (ZRAM_KIB, 5), "/dev/zram1": (ZRAM_KIB, 5)}
+    return FakeJetson(board, AGX_64GB_MODES, mode=2, locked=False, zram=zram)
+
+
+def agx_orin_32gb_jp5_tuned(base: Path) -> FakeJetson:
+    """JetPack 5 tuned right: MAXN, clocks locked, swappiness 10 (persisted), swap file, no zram."""
+    board = FakeBoard(base).meminfo(total=30 * GiB, available=26 * GiB)
+    _jetson_tree(board, "p3701-0004", R35_LINE, "17000000.ga10b")
+    board.write("/proc/sys/vm/swappiness", "10\n")
+    board.write("/etc/sysctl.d/99-orin-llm.conf", sysctl_text(10))
+    board.write("/etc/systemd/system/jtop.service", "[Service]\n")
+    return FakeJetson(
+        board,
+        AGX_32GB_MODES,
+        mode=0,
+        locked=True,
+        zram_service="disabled",
+        jtop="active",
+        other_swaps=["/swapfile\tfile\t16777212\t0\t-2\n"],
+    )
+
+
+def x86_machine(base: Path) -> tuple[FakeBoard, FakeRunner]:
+    """A plain x86 machine: no device tree, no NVIDIA driver, one NUMA node, a swap partition."""
+    board = FakeBoard(base).meminfo(total=32 * GiB, available=20 * GiB)
+    board.write("/proc/sys/vm/swappiness", "60\n")
+    board.write("/proc/swaps", SWAPS_HEADER + "/dev/sda3\tpartition\t2097148\t0\t-2\n")
+    board.write("/sys/devices/system/node/node0/cpulist", "0-7\n")
+    board.write("/proc/sys/vm/drop_caches", "0\n")
+    thermal_zone(board, 0, "x86_pkg_temp", 41.0, [("passive", 100.0), ("critical", 105.0)])
+    return board, FakeRunner()

@@ -1,0 +1,137 @@
+"""Telemetry end to end on this machine: the CPU source, a generated model, real steps."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from orin.cli.app import app
+from orin.engine.config import engine_config
+from orin.engine.engine import Engine
+from orin.engine.types import SamplingParams, StepStats
+from orin.model import demo
+from orin.model.gguf import read_model_info
+from orin.profile.loader import parse_profile
+from orin.server.state import ServerState
+from orin.telemetry.phases import summarize
+from orin.telemetry.record import read_recording
+from orin.telemetry.sampler import Sampler
+from orin.telemetry.sources.cpu import CpuSource
+from tests.serverutil import free_port
+
+pytestmark = pytest.mark.llama
+
+
+def test_long_prompt_then_decode_attributes_both_phases() -> None:
+    model = demo.ensure("small", "f16")
+    profile = parse_profile(
+        "name: t\nengine: {n_ctx: 4096, slots: 1, n_batch: 512, n_ubatch: 512}\n"
+    )
+    steps: list[StepStats] = []
+    with Engine(engine_config(profile, model, read_model_info(model))) as engine:
+        engine.step_observers.append(steps.append)
+        sampler = Sampler(CpuSource(), hz=200).start()
+        time.sleep(0.1)
+        prompt = [300 + (i * 7) % 500 for i in range(3500)]
+        c = engine.generate(prompt, SamplingParams(max_tokens=400, temperature=0))
+        time.sleep(0.1)
+        sampler.stop()
+    out = summarize(sampler.samples(), steps)
+    assert c.finish_reason == "length"
+    pre, dec = out["prefill"], out["decode"]
+    assert pre.stats["proc_cpu_util"].samples > 0 and dec.stats["proc_cpu_util"].samples > 0
+    assert out["idle"].seconds > 0
+    assert pre.tokens == 3500 and dec.tokens == 399
+    # prefill keeps every core on matrix multiplies; decode steps are short, with the
+    # engine's single-threaded Python between them
+    assert pre.stats["proc_cpu_util"].mean > dec.stats["proc_cpu_util"].mean
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ServerState, Path]]:
+    import threading
+
+    from orin.cli.serve import build_server
+
+    record = tmp_path_factory.mktemp("rec") / "run.jsonl"
+    profile = parse_profile(
+        "name: tele\nengine: {n_ctx: 512, slots: 2, n_batch: 128, n_ubatch: 128}\n"
+    )
+    profile.server.port = free_port()
+    server, state = build_server(profile, demo.ensure("tiny", "f16"), "cpu", record)
+    assert state.telemetry is not None
+    state.engine.start()
+    state.telemetry.start()
+    server.announce_when_ready()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{profile.server.port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    try:
+        yield base, state, record
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        state.engine.stop(drain=False)
+        state.telemetry.stop()
+
+
+def test_server_reports_phases_everywhere(served: tuple[str, ServerState, Path]) -> None:
+    base = served[0]
+    body = {"prompt": "telemetry " * 50, "max_tokens": 64, "temperature": 0}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+    t = r["timings"]
+    assert 0.0 <= t["decode_cpu_util"] <= 1.0
+    time.sleep(0.2)  # the sampler attributes the last samples after the step ends
+    metrics = httpx.get(f"{base}/metrics").text
+    assert 'orin_llm_telemetry_source_info{source="cpu"} 1.0' in metrics
+    decode = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith('orin_llm_phase_seconds_total{phase="decode"}')
+    )
+    assert decode > 0
+    snap = httpx.get(f"{base}/telemetry").json()
+    assert snap["source"] == "cpu" and snap["latest"]["cpu_util"] is not None
+    assert snap["recent_requests"][-1]["generated_tokens"] == 64
+
+
+def test_monitor_once_and_json(served: tuple[str, ServerState, Path]) -> None:
+    base = served[0]
+    runner = CliRunner()
+    frame = runner.invoke(app, ["monitor", "--url", base, "--once"], env={"COLUMNS": "160"})
+    assert frame.exit_code == 0, frame.output
+    assert "source cpu" in frame.stdout and "CPU (server)" in frame.stdout
+    data = runner.invoke(app, ["monitor", "--url", base, "--json"])
+    assert json.loads(data.stdout)["health"]["status"] == "ok"
+    gone = runner.invoke(app, ["monitor", "--url", "http://127.0.0.1:9", "--once"])
+    assert gone.exit_code == 1 and "cannot read" in gone.stderr
+
+
+def test_recording_and_its_summary(served: tuple[str, ServerState, Path]) -> None:
+    base, state, record = served
+    httpx.post(f"{base}/v1/completions", json={"prompt": "record me", "max_tokens": 16}, timeout=60)
+    time.sleep(0.2)
+    assert state.telemetry is not None and state.telemetry.recorder is not None
+    state.telemetry.recorder._fh.flush()
+    rec = read_recording(record)
+    assert rec["meta"][0]["source"] == "cpu"
+    assert rec["sample"] and rec["step"] and rec["request"]
+    assert {"t_ns", "cpu_util"} <= set(rec["sample"][0])
+    result = CliRunner().invoke(app, ["monitor", "--recording", str(record), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["phases"]["decode"]["tokens"] > 0
+    assert summary["recent_requests"]

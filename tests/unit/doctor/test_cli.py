@@ -1,0 +1,139 @@
+"""tune system and doctor through typer's CliRunner on fake boards (--root)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from orin.cli import doctor as doctor_cli
+from orin.cli import tune as tune_cli
+from tests.fakeboards_system import CPU_BUILD, CUDA_BUILD, FakeJetson, agx_orin_64gb_jp6
+
+# Registered the way orin/cli/app.py registers them.
+cli = typer.Typer()
+cli.add_typer(tune_cli.app, name="tune")
+cli.command("doctor")(doctor_cli.doctor)
+
+PROFILE = """\
+name: board-test
+model:
+  quantization: Q4_K_M
+system:
+  swappiness: 10
+  power_mode: 0
+  lock_clocks: true
+  disable_zram: true
+"""
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeJetson:
+    board = agx_orin_64gb_jp6(tmp_path / "board")
+    monkeypatch.setattr(tune_cli, "make_runner", lambda: board.runner)
+    monkeypatch.setattr(tune_cli, "effective_uid", lambda: 0)
+    monkeypatch.setattr(doctor_cli, "make_runner", lambda: board.runner)
+    monkeypatch.setattr(doctor_cli, "get_build_info", lambda: CUDA_BUILD)
+    monkeypatch.setattr(doctor_cli, "port_probe", lambda host, port: None)
+    monkeypatch.setattr(doctor_cli, "disk_free", lambda path: 100 * 2**30)
+    return board
+
+
+@pytest.fixture
+def profile_file(tmp_path: Path) -> Path:
+    path = tmp_path / "board-test.yaml"
+    path.write_text(PROFILE)
+    return path
+
+
+def invoke(fake: FakeJetson, *args: str) -> tuple[int, str, str]:
+    root = str(fake.board.base)
+    result = CliRunner().invoke(cli, [*args, "--root", root], env={"COLUMNS": "200"})
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_tune_system_prints_the_plan_and_changes_nothing(
+    fake: FakeJetson, profile_file: Path
+) -> None:
+    code, out, err = invoke(fake, "tune", "system", "--profile", str(profile_file))
+    assert code == 0, err
+    assert "Jetson AGX Orin 64GB, L4T 36.4.0 (JetPack 6.1), MODE_30W" in out
+    assert "nvpmodel -m 0" in out and "swapoff /dev/zram0" in out
+    assert "4 change(s) planned (swappiness, zram, power-mode, clocks)" in out
+    assert fake.changes() == []
+
+
+def test_tune_system_apply_needs_root(
+    fake: FakeJetson, profile_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tune_cli, "effective_uid", lambda: 1000)
+    code, _, err = invoke(fake, "tune", "system", "--profile", str(profile_file), "--apply")
+    assert code == 1
+    assert "needs root for: swappiness (echo 10 > /proc/sys/vm/swappiness)" in err
+    assert fake.changes() == []
+
+
+def test_tune_system_apply_then_revert_json(fake: FakeJetson, profile_file: Path) -> None:
+    code, out, err = invoke(
+        fake, "tune", "system", "--profile", str(profile_file), "--apply", "--json"
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["done"] == ["swappiness", "zram", "power-mode", "clocks"]
+    assert data["platform"]["module"] == "p3701-0005"
+    assert (fake.mode, fake.locked, fake.zram) == (0, True, {})
+    code, out, _ = invoke(fake, "tune", "system", "--profile", str(profile_file), "--apply")
+    assert code == 0 and "nothing to change" in out
+    code, out, err = invoke(fake, "tune", "system", "--revert")
+    assert code == 0, err
+    assert "restored: clocks, power-mode, zram, swappiness" in out
+    assert (fake.mode, fake.locked, sorted(fake.zram)) == (2, False, ["/dev/zram0", "/dev/zram1"])
+
+
+def test_tune_system_reports_the_failed_step(fake: FakeJetson, profile_file: Path) -> None:
+    fake.fail[("nvpmodel", "-m", "0")] = "NVPM ERROR: failed to set power mode"
+    code, _, err = invoke(fake, "tune", "system", "--profile", str(profile_file), "--apply")
+    assert code == 1
+    assert "power-mode failed at `nvpmodel -m 0`" in err
+    assert "rolled back: zram, swappiness" in err
+    assert fake.board.root.read_text("/proc/sys/vm/swappiness") == "60\n"
+
+
+def test_apply_and_revert_together_is_a_usage_error(fake: FakeJetson) -> None:
+    code, _, err = invoke(fake, "tune", "system", "--apply", "--revert")
+    assert code == 2 and "not both" in err
+
+
+def test_doctor_json_on_the_stock_board(
+    fake: FakeJetson, profile_file: Path, tmp_path: Path
+) -> None:
+    from tests.ggufutil import LLAMA2_7B, write_gguf
+
+    model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    args = ("doctor", "--profile", str(profile_file), "--model", str(model), "--json")
+    code, out, err = invoke(fake, *args)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["exit_code"] == 0 and data["profile"] == "board-test"
+    warned = [f["id"] for f in data["findings"] if f["severity"] == "warn"]
+    assert warned == ["swappiness", "zram", "power-mode", "clocks", "jtop"]
+    assert data["platform"]["jetpack"] == "6.1"
+
+
+def test_doctor_table_and_exit_1_on_a_cpu_build(
+    fake: FakeJetson, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(doctor_cli, "get_build_info", lambda: CPU_BUILD)
+    code, out, _ = invoke(fake, "doctor", "--model", "/nonexistent/m.gguf")
+    assert code == 1
+    assert "FAIL" in out and "CPU-only build on a Jetson" in out
+    assert "no such file" in out
+
+
+def test_doctor_exit_2_when_it_cannot_run(fake: FakeJetson) -> None:
+    code, out, err = invoke(fake, "doctor", "--profile", "no-such-profile")
+    assert code == 2 and out == ""
+    assert err.startswith("orin-llm: doctor could not run: no profile named 'no-such-profile'")

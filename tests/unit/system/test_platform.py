@@ -1,0 +1,194 @@
+"""Platform detection: the parsers on captured text, detect() on the three fake boards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orin.system.jetson import (
+    L4TRelease,
+    device_tree_strings,
+    parse_jetson_clocks_show,
+    parse_module,
+    parse_nvpmodel_conf,
+    parse_nvpmodel_query,
+    parse_soc,
+    parse_tegra_release,
+)
+from orin.system.platform import detect, is_jetson, numa_node_count, parse_swaps
+from tests.fakeboard import FakeBoard, GiB
+from tests.fakeboards_system import (
+    R35_LINE,
+    R36_LINE,
+    agx_orin_32gb_jp5_tuned,
+    agx_orin_64gb_jp6,
+    clocks_show,
+    x86_machine,
+)
+
+
+@pytest.mark.parametrize(
+    ("line", "version", "jetpack"),
+    [
+        (
+            "# R35 (release), REVISION: 3.1, GCID: 32790763, BOARD: t186ref, EABI: aarch64, "
+            "DATE: Wed Mar 15 07:54:12 UTC 2023",
+            "35.3.1",
+            "5.1.1",
+        ),
+        (
+            "# R36 (release), REVISION: 3.0, GCID: 36923193, BOARD: generic, EABI: aarch64, "
+            "DATE: Fri Jul 19 23:24:25 UTC 2024",
+            "36.3.0",
+            "6.0",
+        ),
+        (R35_LINE, "35.4.1", "5.1.2"),
+        (R36_LINE, "36.4.0", "6.1"),
+    ],
+)
+def test_tegra_release(line: str, version: str, jetpack: str) -> None:
+    release = parse_tegra_release(line)
+    assert release is not None
+    assert release.version == version and release.jetpack == jetpack
+
+
+def test_jetpack_of_an_unlisted_release_is_its_series() -> None:
+    assert L4TRelease(36, "9.9").jetpack == "6.x"
+    assert L4TRelease(35, "6.0").jetpack == "5.1.4"
+    assert L4TRelease(36, "4.4").jetpack == "6.2.1"
+    assert parse_tegra_release("garbage") is None
+
+
+def test_module_and_soc_from_the_compatible_list() -> None:
+    compat = device_tree_strings(
+        "nvidia,p3737-0000+p3701-0005\0nvidia,p3737-0000\0nvidia,p3701-0005\0nvidia,tegra234\0"
+    )
+    assert parse_module(compat) == "p3701-0005"
+    assert parse_soc(compat) == "tegra234"
+    assert parse_module(["nvidia,p3701-0004", "nvidia,tegra234"]) == "p3701-0004"
+    assert parse_module(["acme,board"]) is None
+
+
+def test_nvpmodel_query_after_a_warning_line() -> None:
+    mode = parse_nvpmodel_query("NVPM WARN: Fan mode is not set!\nNV Power Mode: MODE_30W\n2\n")
+    assert mode is not None
+    assert (mode.name, mode.id, mode.is_maxn) == ("MODE_30W", 2, False)
+    maxn = parse_nvpmodel_query("NV Power Mode: MAXN\n0\n")
+    assert maxn is not None and maxn.is_maxn
+    assert parse_nvpmodel_query("nvpmodel: command not found") is None
+
+
+def test_nvpmodel_conf_modes() -> None:
+    text = (
+        "< POWER_MODEL ID=0 NAME=MAXN >\nCPU_ONLINE CORE_0 1\n< POWER_MODEL ID=3 NAME=MODE_50W >\n"
+    )
+    assert parse_nvpmodel_conf(text) == {0: "MAXN", 3: "MODE_50W"}
+
+
+def test_jetson_clocks_show_locked_and_unlocked() -> None:
+    unlocked = parse_jetson_clocks_show(clocks_show(False, "MODE_30W"))
+    assert unlocked.locked is False
+    assert unlocked.unlocked == ("CPU", "GPU", "EMC")
+    locked = parse_jetson_clocks_show(clocks_show(True, "MAXN"))
+    assert locked.locked is True and locked.unlocked == ()
+    assert len([d for d in locked.domains if d.name == "CPU"]) == 2  # the offline core is skipped
+    assert parse_jetson_clocks_show("").locked is None
+
+
+def test_swaps_tell_zram_from_disk() -> None:
+    text = (
+        "Filename\tType\tSize\tUsed\tPriority\n"
+        "/dev/zram0                              partition\t2521760\t1024\t5\n"
+        "/swapfile                               file\t16777212\t0\t-2\n"
+        "/dev/nvme0n1p3                          partition\t1000\t0\t-3\n"
+    )
+    kinds = [(s.path, s.kind, s.priority) for s in parse_swaps(text)]
+    assert kinds == [
+        ("/dev/zram0", "zram", 5),
+        ("/swapfile", "file", -2),
+        ("/dev/nvme0n1p3", "partition", -3),
+    ]
+    assert parse_swaps(text)[0].used_bytes == 1024 * 1024
+
+
+def test_detect_agx_orin_64gb_jetpack6(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    p = detect(fake.board.root, fake.runner)
+    assert p.is_jetson and p.unified_memory and p.nvidia_gpu
+    assert (p.module, p.module_name, p.soc, p.cuda_arch) == (
+        "p3701-0005",
+        "Jetson AGX Orin 64GB",
+        "tegra234",
+        "8.7",
+    )
+    assert p.model == "NVIDIA Jetson AGX Orin Developer Kit"
+    assert p.l4t is not None and p.l4t.version == "36.4.0" and p.jetpack == "6.1"
+    assert p.memory is not None and p.memory.total == 62 * GiB
+    assert p.numa_nodes == 1
+    assert [d.path for d in p.zram_devices] == ["/dev/zram0", "/dev/zram1"]
+    assert p.power_mode is not None and p.power_mode.name == "MODE_30W"
+    assert p.power_modes[3] == "MODE_50W"
+    assert p.clocks is not None and p.clocks.locked is False
+    temps = {z.name: z.temp_c for z in p.thermal}
+    assert temps == {"cpu-thermal": 47.5, "gpu-thermal": 45.2, "cv0-thermal": None}
+    assert fake.calls == [("nvpmodel", "-q"), ("jetson_clocks", "--show")]
+    assert is_jetson(fake.board.root)
+    assert p.describe() == "Jetson AGX Orin 64GB, L4T 36.4.0 (JetPack 6.1), MODE_30W"
+
+
+def test_detect_agx_orin_32gb_jetpack5_tuned(tmp_path: Path) -> None:
+    fake = agx_orin_32gb_jp5_tuned(tmp_path)
+    p = detect(fake.board.root, fake.runner)
+    assert p.module_name == "Jetson AGX Orin 32GB" and p.jetpack == "5.1.2"
+    assert p.power_mode is not None and p.power_mode.is_maxn
+    assert p.power_modes[3] == "MODE_40W"  # no nvpmodel.conf: the module's table
+    assert p.clocks is not None and p.clocks.locked is True
+    assert p.zram_devices == () and [s.kind for s in p.swaps] == ["file"]
+
+
+def test_detect_x86_runs_no_jetson_tool(tmp_path: Path) -> None:
+    board, runner = x86_machine(tmp_path)
+    p = detect(board.root, runner)
+    assert not p.is_jetson and not p.unified_memory and not p.nvidia_gpu
+    assert (p.module, p.l4t, p.power_mode, p.clocks, p.cuda_arch) == (None,) * 5
+    assert p.numa_nodes == 1 and p.zram_devices == ()
+    assert runner.calls == []
+    assert p.describe() == "not a Jetson"
+    assert not is_jetson(board.root)
+
+
+def test_discrete_gpu_asks_nvidia_smi(tmp_path: Path) -> None:
+    board, runner = x86_machine(tmp_path)
+    board.write("/proc/driver/nvidia/version", "NVRM version: 550.54\n")
+    from orin.system.commands import CommandResult
+
+    query = ("nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader")
+    runner.answers[query] = CommandResult(query, 0, "8.9\n")
+    p = detect(board.root, runner)
+    assert p.nvidia_gpu and p.cuda_arch == "8.9" and not p.unified_memory
+
+
+def test_clocks_without_root_fall_back_to_gpu_devfreq(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    fake.fail[("jetson_clocks", "--show")] = "jetson_clocks: must be run as root"
+    p = detect(fake.board.root, fake.runner)
+    assert p.clocks is not None
+    assert p.clocks.source.startswith("sysfs") and p.clocks.unlocked == ("GPU",)
+
+
+def test_numa_nodes_counted(board: FakeBoard) -> None:
+    assert numa_node_count(board.root) == 1  # no node folder: a kernel without NUMA
+    board.write("/sys/devices/system/node/node0/cpulist", "0-7")
+    board.write("/sys/devices/system/node/node1/cpulist", "8-15")
+    board.write("/sys/devices/system/node/online", "0-1")
+    assert numa_node_count(board.root) == 2
+
+
+def test_missing_sources_are_none_not_errors(board: FakeBoard) -> None:
+    from tests.fakerunner import FakeRunner
+
+    board.write("/etc/nv_tegra_release", R36_LINE)
+    p = detect(board.root, FakeRunner())
+    assert p.is_jetson and p.memory is None and p.power_mode is None and p.clocks is None
+    assert p.thermal == () and p.swaps == ()

@@ -1,0 +1,173 @@
+"""Each setting's plan: current value, target and the exact steps, on the fake boards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orin.profile.schema import Profile
+from orin.system.actions import Action
+from orin.system.loadmode import mmap_policy
+from orin.system.settings import (
+    SYSCTL_FILE,
+    Change,
+    SettingError,
+    sysctl_text,
+)
+from orin.system.state import StateFile
+from orin.system.tuner import plan_apply, tune_context
+from tests.fakeboards_system import (
+    FakeJetson,
+    agx_orin_32gb_jp5_tuned,
+    agx_orin_64gb_jp6,
+    x86_machine,
+)
+
+TUNED = {"swappiness": 10, "power_mode": 0, "lock_clocks": True, "disable_zram": True}
+
+
+def profile(**system: Any) -> Profile:
+    return Profile(name="t", system=system)
+
+
+def plan(fake: FakeJetson, p: Profile) -> dict[str, Change]:
+    state = StateFile(fake.board.root)
+    ctx = tune_context(fake.board.root, fake.runner, p, state)
+    return {c.setting: c for c in plan_apply(ctx, state).changes}
+
+
+def describe(change: Change) -> list[str]:
+    return [a.describe() for a in change.actions]
+
+
+def test_plan_on_stock_jetpack6(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    changes = plan(fake, profile(**TUNED))
+    store = str(fake.board.root.path("/var/lib/orin-llm/jetson_clocks.conf"))
+    assert describe(changes["swappiness"]) == [
+        "echo 10 > /proc/sys/vm/swappiness",
+        f"write {SYSCTL_FILE} (2 lines)",
+    ]
+    assert changes["swappiness"].actions[1] == Action.write(SYSCTL_FILE, sysctl_text(10))
+    assert describe(changes["zram"]) == [
+        "systemctl disable --now nvzramconfig",
+        "swapoff /dev/zram0",
+        "swapoff /dev/zram1",
+    ]
+    assert describe(changes["power-mode"]) == ["nvpmodel -m 0"]
+    assert (changes["power-mode"].current, changes["power-mode"].target) == (
+        "MODE_30W (2)",
+        "MAXN (0)",
+    )
+    assert describe(changes["clocks"]) == [
+        "mkdir -p /var/lib/orin-llm",
+        f"jetson_clocks --store {store}",
+        "jetson_clocks",
+    ]
+    for report_only in ("numa", "mmap", "drop-caches"):
+        assert not changes[report_only].needed
+    assert fake.changes() == []  # planning only reads
+
+
+def test_plan_on_a_tuned_board_changes_nothing(tmp_path: Path) -> None:
+    fake = agx_orin_32gb_jp5_tuned(tmp_path)
+    changes = plan(fake, profile(**TUNED))
+    assert [c.setting for c in changes.values() if c.needed] == []
+    assert changes["clocks"].current == "locked"
+    assert changes["zram"].current.startswith("0 zram swap device(s)")
+
+
+def test_plan_on_x86_reports_jetson_settings_as_absent(tmp_path: Path) -> None:
+    board, runner = x86_machine(tmp_path)
+    state = StateFile(board.root)
+    ctx = tune_context(board.root, runner, profile(**TUNED), state)
+    changes = {c.setting: c for c in plan_apply(ctx, state).changes}
+    assert [c.setting for c in changes.values() if c.needed] == ["swappiness"]
+    assert changes["power-mode"].current == "not a Jetson"
+    assert changes["clocks"].current == "not a Jetson"
+    assert changes["mmap"].target == "load_mode=mmap"
+    assert runner.calls == []
+
+
+def test_profile_without_system_targets_plans_nothing(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    changes = plan(fake, profile(swappiness=None))
+    assert [c.setting for c in changes.values() if c.needed] == []
+    assert changes["swappiness"].note == "the profile leaves vm.swappiness unchanged"
+    assert "system.lock_clocks" in changes["clocks"].note
+
+
+def test_swappiness_already_set_but_not_persisted(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    fake.board.write("/proc/sys/vm/swappiness", "10\n")
+    change = plan(fake, profile(swappiness=10))["swappiness"]
+    assert describe(change) == [f"write {SYSCTL_FILE} (2 lines)"]
+    assert change.saved == {"value": "10", "sysctl_file": None}
+
+
+def test_power_mode_the_board_lacks_is_refused(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    with pytest.raises(SettingError, match=r"no mode 7 .*0 MAXN, 1 MODE_15W"):
+        plan(fake, profile(power_mode=7))
+
+
+def test_clocks_relocked_when_the_mode_changes(tmp_path: Path) -> None:
+    """A mode switch resets the clocks, so a lock from before must be taken again."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    fake.locked = True
+    changes = plan(fake, profile(power_mode=0, lock_clocks=True))
+    assert changes["clocks"].needed
+    assert changes["power-mode"].saved["clocks_locked"] is True
+    assert not plan(fake, profile(lock_clocks=True))["clocks"].needed
+
+
+def test_numa_report_against_the_node_count(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    p = Profile(name="t", engine={"numa": "distribute"})
+    numa = plan(fake, p)["numa"]
+    assert not numa.needed
+    assert numa.current == "1 node(s)" and "changes nothing" in numa.note
+    fake.board.write("/sys/devices/system/node/node1/cpulist", "6-11")
+    assert "llama_numa_init" in plan(fake, p)["numa"].note
+
+
+def test_drop_caches_is_one_shot(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    change = plan(fake, profile(drop_caches=True))["drop-caches"]
+    assert describe(change) == ["sync", "echo 3 > /proc/sys/vm/drop_caches"]
+    assert not change.revertible
+
+
+@pytest.mark.parametrize(
+    ("engine", "system", "unified", "n_layer", "offload", "mode"),
+    [
+        ({}, {}, True, None, None, "none"),  # all layers on the iGPU: no mmap
+        ({}, {}, False, None, None, "mmap"),  # discrete GPU or CPU: mapping costs nothing
+        ({"gpu_layers": 10}, {}, True, 32, None, "mmap"),  # CPU layers read the mapping
+        ({"gpu_layers": 33}, {}, True, 32, None, "none"),  # 32 layers + output: all offloaded
+        ({}, {}, True, None, False, "mmap"),  # CPU-only build: nothing offloads
+        ({}, {"mmap": "on"}, True, None, None, "mmap"),
+        ({"gpu_layers": 0}, {"mmap": "off"}, False, None, None, "none"),
+        ({"load_mode": "direct_io"}, {}, True, None, None, "direct_io"),
+    ],
+)
+def test_mmap_policy(
+    engine: dict[str, Any],
+    system: dict[str, Any],
+    unified: bool,
+    n_layer: int | None,
+    offload: bool | None,
+    mode: str,
+) -> None:
+    p = Profile(name="t", engine=engine, system=system)
+    assert mmap_policy(p, unified, n_layer, offload).load_mode == mode
+
+
+def test_zram_not_installed_plans_only_swapoff(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    fake.zram_service = "not-found"
+    change = plan(fake, profile(disable_zram=True))["zram"]
+    assert describe(change) == ["swapoff /dev/zram0", "swapoff /dev/zram1"]
+    assert change.saved["service"] is None

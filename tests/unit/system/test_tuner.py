@@ -1,0 +1,268 @@
+"""apply / revert as a transaction: exact commands, the state file, rollback, root, idempotence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orin.profile.schema import Profile
+from orin.system.platform import detect
+from orin.system.settings import SYSCTL_FILE, sysctl_text
+from orin.system.state import StateEntry, StateError, StateFile
+from orin.system.tuner import (
+    ApplyError,
+    RevertError,
+    RootRequiredError,
+    apply_plan,
+    plan_apply,
+    plan_revert,
+    revert_plan,
+    tune_context,
+)
+from tests.fakeboards_system import FakeJetson, agx_orin_64gb_jp6, x86_machine
+
+TUNED = Profile(
+    name="t",
+    system={"swappiness": 10, "power_mode": 0, "lock_clocks": True, "disable_zram": True},
+)
+
+
+def root_uid() -> int:
+    return 0
+
+
+def user_uid() -> int:
+    return 1000
+
+
+def apply(fake: FakeJetson, profile: Profile = TUNED, uid: Any = root_uid) -> tuple[str, ...]:
+    state = StateFile(fake.board.root)
+    ctx = tune_context(fake.board.root, fake.runner, profile, state)
+    return apply_plan(ctx, plan_apply(ctx, state), state, uid)
+
+
+def revert(fake: FakeJetson, uid: Any = root_uid) -> tuple[str, ...]:
+    state = StateFile(fake.board.root)
+    ctx = tune_context(fake.board.root, fake.runner, TUNED, state)
+    return revert_plan(ctx, plan_revert(ctx, state), state, uid)
+
+
+def board_values(fake: FakeJetson) -> dict[str, Any]:
+    root = fake.board.root
+    return {
+        "swappiness": (root.read_text("/proc/sys/vm/swappiness") or "").strip(),
+        "sysctl_file": root.read_text(SYSCTL_FILE),
+        "mode": fake.mode,
+        "locked": fake.locked,
+        "zram_service": fake.zram_service,
+        "zram": sorted(fake.zram),
+    }
+
+
+def test_apply_runs_the_exact_commands_and_records_the_state(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    store = str(fake.board.root.path("/var/lib/orin-llm/jetson_clocks.conf"))
+    assert apply(fake) == ("swappiness", "zram", "power-mode", "clocks")
+    assert fake.changes() == [
+        ("systemctl", "disable", "--now", "nvzramconfig"),
+        ("swapoff", "/dev/zram0"),
+        ("swapoff", "/dev/zram1"),
+        ("nvpmodel", "-m", "0"),
+        ("jetson_clocks", "--store", store),
+        ("jetson_clocks",),
+    ]
+    assert board_values(fake) == {
+        "swappiness": "10",
+        "sysctl_file": sysctl_text(10),
+        "mode": 0,
+        "locked": True,
+        "zram_service": "disabled",
+        "zram": [],
+    }
+    doc = json.loads(fake.board.root.path("/var/lib/orin-llm/state.json").read_text())
+    saved = {e["setting"]: e["saved"] for e in doc["settings"]}
+    assert saved["swappiness"] == {"value": "60", "sysctl_file": None}
+    assert saved["power-mode"] == {"mode_id": 2, "name": "MODE_30W", "clocks_locked": False}
+    assert saved["zram"]["service"] == "enabled"
+    assert detect(fake.board.root, fake.runner).describe().endswith("MAXN")
+
+
+def test_applying_twice_is_a_no_op(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    apply(fake)
+    state_before = fake.board.root.path("/var/lib/orin-llm/state.json").read_text()
+    fake.runner.calls.clear()
+    assert apply(fake, uid=user_uid) == ()  # nothing to do: not even root is needed
+    assert fake.changes() == []
+    assert fake.board.root.path("/var/lib/orin-llm/state.json").read_text() == state_before
+
+
+def test_revert_restores_exactly_what_was_there(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    before = board_values(fake)
+    apply(fake)
+    fake.runner.calls.clear()
+    store = str(fake.board.root.path("/var/lib/orin-llm/jetson_clocks.conf"))
+    assert revert(fake) == ("clocks", "power-mode", "zram", "swappiness")
+    assert fake.changes() == [
+        ("jetson_clocks", "--restore", store),
+        ("nvpmodel", "-m", "2"),
+        ("systemctl", "enable", "nvzramconfig"),
+        ("swapon", "-p", "5", "/dev/zram0"),
+        ("swapon", "-p", "5", "/dev/zram1"),
+    ]
+    assert board_values(fake) == before
+    assert not fake.board.root.exists("/var/lib/orin-llm/state.json")
+    assert not fake.board.root.exists("/var/lib/orin-llm/jetson_clocks.conf")
+    assert revert(fake) == ()  # nothing left to revert
+
+
+def test_revert_restores_an_existing_sysctl_file(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    fake.board.write(SYSCTL_FILE, "vm.swappiness = 30\n")
+    apply(fake, Profile(name="t", system={"swappiness": 10}))
+    assert fake.board.root.read_text(SYSCTL_FILE) == sysctl_text(10)
+    revert(fake)
+    assert fake.board.root.read_text(SYSCTL_FILE) == "vm.swappiness = 30\n"
+
+
+def test_reverting_a_locked_board_relocks_after_the_mode_switch(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    fake.locked = True  # someone ran jetson_clocks in MODE_30W
+    apply(fake)
+    assert (fake.mode, fake.locked) == (0, True)
+    revert(fake)
+    assert (fake.mode, fake.locked) == (2, True)
+
+
+def test_failure_half_way_reverts_what_was_applied(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    before = board_values(fake)
+    fake.fail[("jetson_clocks",)] = "jetson_clocks: cannot write /sys/kernel/nvpmodel_emc_cap"
+    with pytest.raises(ApplyError) as err:
+        apply(fake)
+    assert err.value.setting == "clocks"
+    assert str(err.value) == (
+        "clocks failed at `jetson_clocks`: exit status 1: jetson_clocks: cannot write "
+        "/sys/kernel/nvpmodel_emc_cap; rolled back: clocks, power-mode, zram, swappiness"
+    )
+    store = str(fake.board.root.path("/var/lib/orin-llm/jetson_clocks.conf"))
+    assert fake.changes() == [
+        ("systemctl", "disable", "--now", "nvzramconfig"),
+        ("swapoff", "/dev/zram0"),
+        ("swapoff", "/dev/zram1"),
+        ("nvpmodel", "-m", "0"),
+        ("jetson_clocks", "--store", store),
+        ("jetson_clocks",),  # fails: from here on, the rollback
+        ("jetson_clocks", "--restore", store),
+        ("nvpmodel", "-m", "2"),
+        ("systemctl", "enable", "nvzramconfig"),
+        ("swapon", "-p", "5", "/dev/zram0"),
+        ("swapon", "-p", "5", "/dev/zram1"),
+    ]
+    assert board_values(fake) == before
+    assert not fake.board.root.exists("/var/lib/orin-llm/state.json")
+    assert not fake.board.root.exists("/var/lib/orin-llm/jetson_clocks.conf")
+
+
+def test_failure_in_the_middle_of_a_setting_undoes_its_own_steps(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    before = board_values(fake)
+    fake.fail[("swapoff", "/dev/zram1")] = "swapoff: /dev/zram1: Cannot allocate memory"
+    with pytest.raises(ApplyError, match=r"zram failed at `swapoff /dev/zram1`: .*memory"):
+        apply(fake)
+    assert board_values(fake) == before  # zram0 is back on, the service enabled again
+    assert ("swapon", "-p", "5", "/dev/zram0") in fake.calls
+
+
+def test_a_mode_switch_that_needs_a_reboot_is_a_failure(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    fake.mode_needs_reboot = True
+    with pytest.raises(ApplyError, match=r"power-mode failed at `nvpmodel -m 0`: .*reboot"):
+        apply(fake)
+    assert fake.mode == 2 and fake.zram_service == "enabled"
+
+
+def test_refused_without_root_naming_the_settings(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    with pytest.raises(RootRequiredError) as err:
+        apply(fake, uid=user_uid)
+    message = str(err.value)
+    assert "needs root for: swappiness (echo 10 > /proc/sys/vm/swappiness)" in message
+    assert "power-mode (nvpmodel -m 0)" in message and "sudo" in message
+    assert fake.changes() == []
+    assert board_values(fake)["swappiness"] == "60"
+
+
+def test_revert_without_root_is_refused(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    apply(fake)
+    with pytest.raises(RootRequiredError, match="--revert needs root for: clocks"):
+        revert(fake, uid=user_uid)
+    assert fake.mode == 0
+
+
+def test_reapply_with_another_target_keeps_the_first_saved_value(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    apply(fake, Profile(name="t", system={"swappiness": 10}))
+    apply(fake, Profile(name="t", system={"swappiness": 5}))
+    entries = StateFile(fake.board.root).entries()
+    assert entries["swappiness"].saved["value"] == "60"
+    assert entries["swappiness"].target == "5"
+    revert(fake)
+    assert board_values(fake)["swappiness"] == "60"
+
+
+def test_drop_caches_runs_every_time_and_is_not_recorded(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    p = Profile(name="t", system={"swappiness": None, "drop_caches": True})
+    assert apply(fake, p) == ("drop-caches",)
+    assert fake.changes() == [("sync",)]
+    assert fake.board.root.read_text("/proc/sys/vm/drop_caches") == "3\n"
+    assert not fake.board.root.exists("/var/lib/orin-llm/state.json")
+
+
+def test_a_failed_revert_step_keeps_its_entry(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    apply(fake)
+    fake.fail[("nvpmodel", "-m", "2")] = "NVPM ERROR: failed"
+    with pytest.raises(RevertError, match="could not restore power-mode"):
+        revert(fake)
+    assert list(StateFile(fake.board.root).entries()) == ["power-mode"]
+
+
+def test_x86_apply_sets_swappiness_only(tmp_path: Path) -> None:
+    board, runner = x86_machine(tmp_path)
+    state = StateFile(board.root)
+    ctx = tune_context(board.root, runner, TUNED, state)
+    assert apply_plan(ctx, plan_apply(ctx, state), state, root_uid) == ("swappiness",)
+    assert runner.calls == []
+    assert board.root.read_text("/proc/sys/vm/swappiness") == "10\n"
+
+
+def test_state_file_round_trip_and_corruption(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    state = StateFile(fake.board.root)
+    assert state.load() == []
+    state.record(StateEntry("swappiness", "10", {"value": "60", "sysctl_file": None}))
+    assert state.load()[0].saved["value"] == "60"
+    state.location.write_text("{not json")
+    with pytest.raises(StateError, match="not an orin-llm state file"):
+        state.load()
+
+
+def test_rolled_back_reapply_keeps_the_first_stored_clocks(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    apply(fake)
+    fake.locked = False  # someone changed the clocks since
+    fake.fail[("sync",)] = "sync: I/O error"
+    with_drop = Profile(name="t", system={**TUNED.system.model_dump(), "drop_caches": True})
+    with pytest.raises(ApplyError, match=r"rolled back: clocks$"):
+        apply(fake, with_drop)
+    assert fake.board.root.exists("/var/lib/orin-llm/jetson_clocks.conf")
+    assert StateFile(fake.board.root).entries()["clocks"].saved["stored_before"] is False
+    revert(fake)
+    assert (fake.mode, fake.locked, fake.zram_service) == (2, False, "enabled")

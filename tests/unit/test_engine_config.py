@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orin.engine.config import engine_config
+from orin.errors import KVConfigError
+from orin.model.gguf import ModelInfo, read_model_info
+from orin.profile.loader import parse_profile
+from tests.fakeboard import FakeBoard
+from tests.ggufutil import LLAMA2_7B, write_gguf
+
+
+def model(tmp_path: Path) -> tuple[Path, ModelInfo]:
+    path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    return path, read_model_info(path)
+
+
+def test_fully_offloaded_model_on_a_jetson_is_not_mmapped(tmp_path: Path, board: FakeBoard) -> None:
+    path, info = model(tmp_path)
+    board.write(
+        "/etc/nv_tegra_release", "# R36 (release), REVISION: 4.3, GCID: 1, BOARD: generic\n"
+    )
+    cfg = engine_config(parse_profile("name: p\n"), path, info, root=board.root)
+    assert cfg.load_mode == "none"
+    plain = engine_config(
+        parse_profile("name: p\n"), path, info, root=FakeBoard(tmp_path / "x86").root
+    )
+    assert plain.load_mode != "none"
+    explicit = parse_profile("name: p\nengine: {load_mode: mmap}\n")
+    assert engine_config(explicit, path, info, root=board.root).load_mode == "mmap"
+
+
+def test_resolution_of_kv_threads_and_window(tmp_path: Path) -> None:
+    path, info = model(tmp_path)
+    p = parse_profile(
+        "name: p\nengine: {n_ctx: 1000, slots: 2}\ncontext: {window: 900, keep: 10}\n"
+    )
+    cfg = engine_config(p, path, info)
+    assert (cfg.type_k, cfg.type_v, cfg.flash_attn) == ("q8_0", "q8_0", "on")
+    assert cfg.context.window == 900 and cfg.context.keep == 10
+    assert cfg.threads >= 1 and cfg.threads_batch == cfg.threads
+
+
+def test_kv_rule_violation_is_a_typed_error(tmp_path: Path) -> None:
+    path, info = model(tmp_path)
+    bad = parse_profile("name: p\nengine: {type_k: q8_0, type_v: q8_0, flash_attn: off}\n")
+    with pytest.raises(KVConfigError, match="kv-quant-v-needs-fa"):
+        engine_config(bad, path, info)
