@@ -15,6 +15,7 @@ from orin.cli.logs import setup_logging
 from orin.errors import OrinError
 from orin.profile.loader import load_profile, resolve_model_path
 from orin.profile.schema import Profile
+from orin.system.commands import SubprocessRunner
 
 if TYPE_CHECKING:
     from orin.server.lifecycle import OrinServer
@@ -114,6 +115,8 @@ def run_server(
 ) -> int:
     """Load, serve until SIGTERM/SIGINT, drain; the process exit code."""
     server, state = build_server(profile, model, telemetry, record)
+    if profile.system.drop_caches:
+        _drop_page_cache()
     state.engine.start()
     if state.telemetry is not None:
         state.telemetry.start()
@@ -196,6 +199,18 @@ def build_server(
         timeout_graceful_shutdown=5,
     )
     return OrinServer(config, state, grace_s=profile.server.grace_seconds), state
+
+
+def _drop_page_cache() -> None:
+    """system.drop_caches: free the page cache before the load (needs root)."""
+    from orin.system.root import SysRoot
+    from orin.system.settings import drop_page_cache
+
+    try:
+        drop_page_cache(SysRoot(), SubprocessRunner())
+        log.info("dropped the page cache before loading the model")
+    except (OrinError, OSError) as exc:
+        log.warning("could not drop the page cache (%s); loading anyway", exc)
 
 
 def _available() -> int | None:

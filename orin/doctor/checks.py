@@ -186,7 +186,7 @@ def check_context(ctx: DoctorContext) -> Finding:
         return skipped("context", ctx)
     e, c = ctx.profile.engine, ctx.profile.context
     window, train, base = c.window or e.n_ctx, info.n_ctx_train, info.rope.freq_base
-    override = getattr(e, "rope_freq_base", None)  # a profile field, where the schema has one
+    override = e.rope_freq_base
     rope = f"RoPE freq base {base:g} from the model's metadata"
     if override and abs(float(override) - base) > 1e-6 * base:
         return Finding(

@@ -98,6 +98,8 @@ class Backend:
         cp.type_v = _ggml_type(cfg.type_v)
         cp.kv_unified = False  # one KV stream per slot: a slot never takes another's cells
         cp.no_perf = True
+        if cfg.rope_freq_base is not None:
+            cp.rope_freq_base = cfg.rope_freq_base
         with capture_log() as lines:
             ctx = lib.llama_init_from_model(self.model, cp)
         if not ctx:

@@ -43,6 +43,7 @@ class EngineConfig:
     context: ContextPolicy
     max_queue: int = 64
     prefix_cache: bool = True
+    rope_freq_base: float | None = None  # None: llama.cpp takes it from the metadata
 
     def with_(self, **changes: object) -> EngineConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -96,4 +97,5 @@ def engine_config(
             truncate_prompt=c.overflow == "truncate",
         ),
         max_queue=profile.server.max_queue,
+        rope_freq_base=e.rope_freq_base,
     )

@@ -90,6 +90,13 @@ class EngineSection(_Section):
     numa: NumaStrategy = Field(
         "disabled", description="llama.cpp NUMA strategy (Orin has one node: no effect there)."
     )
+    rope_freq_base: float | None = Field(
+        None,
+        gt=0,
+        le=1e9,
+        description="Override of the model's RoPE frequency base; none = from the GGUF metadata "
+        "(an override that differs from training gives garbage at long context).",
+    )
 
     @field_validator("flash_attn", mode="before")
     @classmethod

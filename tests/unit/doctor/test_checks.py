@@ -105,11 +105,11 @@ def test_n_ctx_beyond_training_with_a_window_inside_warns(tmp_path: Path) -> Non
 
 
 def test_rope_base_override_against_the_metadata(tmp_path: Path) -> None:
-    """The schema has no RoPE field yet; a profile object that carries one is still checked."""
+    """engine.rope_freq_base overrides the metadata; a different base is a failure."""
     fake = agx_orin_64gb_jp6(tmp_path / "board")
     model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
     p = Profile(name="t")
-    object.__setattr__(p.engine, "rope_freq_base", 500000.0)
+    p.engine.rope_freq_base = 500000.0
     f = checks.check_context(DoctorContext(fake.board.root, fake.runner, p, model))
     assert f.severity == "fail"
     assert "RoPE freq base 500000; the model was trained with 10000" in f.found
