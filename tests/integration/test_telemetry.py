@@ -6,50 +6,70 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
 from orin.cli.app import app
-from orin.engine.config import engine_config
-from orin.engine.engine import Engine
-from orin.engine.types import SamplingParams, StepStats
 from orin.model import demo
-from orin.model.gguf import read_model_info
 from orin.profile.loader import parse_profile
 from orin.server.state import ServerState
 from orin.telemetry.phases import summarize
 from orin.telemetry.record import read_recording
-from orin.telemetry.sampler import Sampler
-from orin.telemetry.sources.cpu import CpuSource
 from tests.serverutil import free_port
 
 pytestmark = pytest.mark.llama
 
 
-def test_long_prompt_then_decode_attributes_both_phases() -> None:
+def test_long_prompt_then_decode_attributes_both_phases(tmp_path: Path) -> None:
+    """`serve --telemetry cpu --record`, a long prompt, then decode: both phases sampled.
+
+    OpenMP worker threads spin while they wait, which reads as a busy core in
+    every phase; with OMP_WAIT_POLICY=PASSIVE they sleep between steps, and the
+    CPU figures show the phases as they are: prefill keeps every core on matrix
+    multiplies, decode steps are short with the engine's Python between them.
+    """
+    import os
+    import signal
+    import subprocess
+    import sys
+
     model = demo.ensure("small", "f16")
-    profile = parse_profile(
-        "name: t\nengine: {n_ctx: 4096, slots: 1, n_batch: 512, n_ubatch: 512}\n"
-    )
-    steps: list[StepStats] = []
-    with Engine(engine_config(profile, model, read_model_info(model))) as engine:
-        engine.step_observers.append(steps.append)
-        sampler = Sampler(CpuSource(), hz=200).start()
-        time.sleep(0.1)
+    record, port = tmp_path / "run.jsonl", free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orin", "serve", "--model", str(model), "--port", str(port),
+         "--slots", "1", "--ctx", "4096", "--telemetry", "cpu", "--record", str(record)],
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        time.sleep(0.3)  # some idle samples first
         prompt = [300 + (i * 7) % 500 for i in range(3500)]
-        c = engine.generate(prompt, SamplingParams(max_tokens=400, temperature=0))
-        time.sleep(0.1)
-        sampler.stop()
-    out = summarize(sampler.samples(), steps)
-    assert c.finish_reason == "length"
+        body = {"prompt": prompt, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=300).json()
+        time.sleep(0.3)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+    assert r["usage"]["completion_tokens"] == 400
+    rec = read_recording(record)
+    samples = [SimpleNamespace(**x) for x in rec["sample"]]
+    steps = [SimpleNamespace(**x) for x in rec["step"]]
+    out = summarize(samples, steps)  # type: ignore[arg-type]
     pre, dec = out["prefill"], out["decode"]
-    assert pre.stats["proc_cpu_util"].samples > 0 and dec.stats["proc_cpu_util"].samples > 0
+    assert pre.stats["proc_cpu_util"].samples > 5 and dec.stats["proc_cpu_util"].samples > 5
     assert out["idle"].seconds > 0
     assert pre.tokens == 3500 and dec.tokens == 399
-    # prefill keeps every core on matrix multiplies; decode steps are short, with the
-    # engine's single-threaded Python between them
     assert pre.stats["proc_cpu_util"].mean > dec.stats["proc_cpu_util"].mean
 
 
