@@ -166,10 +166,13 @@ class Scheduler:
             self._start(slot, request)
 
     def _pick_slot(self, idle: list[Slot], prompt: list[int]) -> Slot:
-        """The idle slot whose cache shares the longest prefix; ties: the emptiest."""
-        return max(
-            idle, key=lambda s: (_common_prefix(s.cache[: s.reusable], prompt), -len(s.cache))
-        )
+        """The idle slot whose cache shares the longest prefix; ties: the lowest id.
+
+        With one KV stream per slot, llama.cpp splits a batch into one pass per run
+        of consecutive sequence ids, and every pass reads all the weights again:
+        keeping busy slots packed at the low ids keeps a step to one pass.
+        """
+        return max(idle, key=lambda s: (_common_prefix(s.cache[: s.reusable], prompt), -s.id))
 
     def _start(self, slot: Slot, request: SchedRequest) -> None:
         prompt = request.prompt_tokens

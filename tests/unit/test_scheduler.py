@@ -243,3 +243,16 @@ def test_random_traffic_keeps_runner_and_scheduler_in_step() -> None:
                 live.discard(slot.request.id)  # type: ignore[union-attr]
                 s.release(slot, keep_cache=rng.random() < 0.5)
         assert all(len(c) <= 48 for c in r.kv.values())
+
+
+def test_without_a_shared_prefix_the_lowest_idle_slot_is_taken() -> None:
+    s, r = make(slots=4, window=512), FakeRunner()
+    for name in "abcd":
+        s.add(Req(name, [ord(name)]))
+    step(s, r)
+    s.release(s.slots[0], keep_cache=True)
+    s.release(s.slots[2], keep_cache=True)
+    s.add(Req("e", [5, 6]))  # shares nothing: packed at the lowest free id
+    step(s, r)
+    slot = s.slot_of("e")
+    assert slot is not None and slot.id == 0

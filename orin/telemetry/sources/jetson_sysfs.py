@@ -258,15 +258,21 @@ def read(root: SysRoot) -> JetsonSysfsReading:
 # -- the source ---------------------------------------------------------------------
 
 
+SLOW_EVERY = 5  # EMC and rails at a fifth of the sampling rate (10 Hz at 50 Hz)
+
+
 class JetsonSysfsSource:
     """50 Hz GPU load/clock, EMC and rail power from files found once at construction."""
 
     name = "jetson_sysfs"
     default_hz = 50.0
 
-    def __init__(self, root: SysRoot) -> None:
+    def __init__(self, root: SysRoot, slow_every: int = SLOW_EVERY) -> None:
         self.root = root
+        self.slow_every = slow_every
         self.layout = discover(root)
+        self._tick = 0
+        self._slow: tuple[float | None, dict[str, float]] = (None, {})
         g = self.layout.gpu
         # Resolved host paths, so sample() does no path arithmetic per call.
         self._load = str(root.path(g.load)) if g else None
@@ -290,16 +296,27 @@ class JetsonSysfsSource:
         )
 
     def sample(self) -> Sample:
+        """GPU load and clock at every sample; EMC and power rails (each an I2C read on
+        a board) at every ``slow_every``-th, carried in between."""
         t_ns = time.perf_counter_ns()
         load = parse_load(read_file(self._load)) if self._load else None
         freq = parse_int(read_file(self._cur_freq)) if self._cur_freq else None
+        self._tick += 1
+        if (self._tick - 1) % self.slow_every == 0:
+            self._slow = self._read_slow()
+        emc, power = self._slow
+        return Sample(
+            t_ns=t_ns, gpu_util=load, gpu_freq_hz=freq, emc_util=emc, power_mw=dict(power)
+        )
+
+    def _read_slow(self) -> tuple[float | None, dict[str, float]]:
         emc = emc_util(read_file(self._emc[0]), read_file(self._emc[1])) if self._emc else None
         power: dict[str, float] = {}
         for label, voltage, current in self._rails:
             mw = rail_power_mw(read_file(voltage), read_file(current))
             if mw is not None:
                 power[label] = mw
-        return Sample(t_ns=t_ns, gpu_util=load, gpu_freq_hz=freq, emc_util=emc, power_mw=power)
+        return emc, power
 
     def close(self) -> None:
         """Nothing to release: every read opens and closes its file."""

@@ -264,7 +264,7 @@ def test_cpu_source_values_are_fractions() -> None:
 
 
 def test_busy_loop_raises_proc_cpu_util() -> None:
-    source = cpu.CpuSource()
+    source = cpu.CpuSource(machine_every=1)
     time.sleep(0.2)
     idle = source.sample().proc_cpu_util
     end = time.perf_counter() + 0.3
@@ -276,3 +276,16 @@ def test_busy_loop_raises_proc_cpu_util() -> None:
     assert busy.proc_cpu_util > idle
     assert busy.proc_cpu_util > 0.5 / source.n_cpus  # most of one core
     assert busy.cpu_util is not None and busy.cpu_util > 0.0
+
+
+def test_machine_figure_is_read_at_a_fifth_of_the_rate() -> None:
+    source = cpu.CpuSource()
+    time.sleep(0.05)
+    first = source.sample().cpu_util
+    end = time.perf_counter() + 0.05
+    while time.perf_counter() < end:
+        pass
+    carried = [source.sample().cpu_util for _ in range(cpu.MACHINE_EVERY - 1)]
+    assert carried == [first] * (cpu.MACHINE_EVERY - 1)  # /proc/stat not read in between
+    time.sleep(0.05)
+    assert source.sample().proc_cpu_util is not None  # the process share is fresh every time
