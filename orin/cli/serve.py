@@ -61,6 +61,10 @@ def serve(
             help="auto, off, or a source: jetson_sysfs, nvml, jtop, tegrastats, cpu.",
         ),
     ] = "auto",
+    telemetry_hz: Annotated[
+        float | None,
+        typer.Option(min=0.1, max=1000, help="Sampling rate; default: the source's (50 Hz)."),
+    ] = None,
     record: Annotated[
         Path | None,
         typer.Option(help="Write samples, steps and requests as JSON lines to this file."),
@@ -74,7 +78,7 @@ def serve(
         log.info(
             "no model given: serving the generated demo model (random weights, real tokenizer)"
         )
-    raise typer.Exit(run_server(profile, model, telemetry, record))
+    raise typer.Exit(run_server(profile, model, telemetry, record, telemetry_hz))
 
 
 def _profile(name: str | None, model: Path | None) -> tuple[Profile, bool]:
@@ -111,10 +115,14 @@ def _apply_overrides(
 
 
 def run_server(
-    profile: Profile, model: Path | None, telemetry: str = "auto", record: Path | None = None
+    profile: Profile,
+    model: Path | None,
+    telemetry: str = "auto",
+    record: Path | None = None,
+    telemetry_hz: float | None = None,
 ) -> int:
     """Load, serve until SIGTERM/SIGINT, drain; the process exit code."""
-    server, state = build_server(profile, model, telemetry, record)
+    server, state = build_server(profile, model, telemetry, record, telemetry_hz)
     if profile.system.drop_caches:
         _drop_page_cache()
     state.engine.start()
@@ -135,6 +143,7 @@ def build_server(
     model: Path | None,
     telemetry: str = "off",
     record: Path | None = None,
+    telemetry_hz: float | None = None,
 ) -> tuple[OrinServer, ServerState]:
     """Everything ``serve`` runs, wired but not started (tests start it themselves)."""
     import uvicorn
@@ -176,7 +185,9 @@ def build_server(
         from orin.telemetry.service import Telemetry
 
         source = None if telemetry == "auto" else telemetry
-        state.telemetry = Telemetry(engine, state.metrics.registry, source, record=record)
+        state.telemetry = Telemetry(
+            engine, state.metrics.registry, source, hz=telemetry_hz, record=record
+        )
     host, port = profile.server.host, profile.server.port
     log.info(
         "model %s (%s), %d slots x %d tokens, K=%s V=%s, flash_attn=%s, on http://%s:%d",
