@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install lint test test-unit serve clean
+.PHONY: help install install-bench lint test test-unit serve clean
 
 help:
 	@echo "make serve    set everything up and serve the generated demo model on 127.0.0.1:8000"
@@ -18,10 +18,13 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml scripts/install-llama-cpp.sh
 	PYTHON=$(PY) scripts/install-llama-cpp.sh
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,report]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+install-bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,report,bench]'
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check
