@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install install-bench lint test test-unit serve clean
+.PHONY: help install install-bench lint test test-unit test-reliability serve clean
 
 help:
 	@echo "make serve    set everything up and serve the generated demo model on 127.0.0.1:8000"
@@ -36,6 +36,9 @@ test: lint
 
 serve: $(STAMP)
 	$(VENV)/bin/orin-llm serve --host 127.0.0.1 --port 8000
+
+test-reliability: $(STAMP)
+	$(VENV)/bin/pytest -q -m reliability tests/reliability
 
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit

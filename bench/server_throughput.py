@@ -1,0 +1,199 @@
+"""orin-llm serve over HTTP: its overhead against the engine, and its throughput
+against llama-cpp-python's own server on the same model.
+
+1. Single-stream TPOT seen by an HTTP streaming client of `orin-llm serve`
+   against the engine's TPOT when called directly in-process (same model,
+   threads, batch sizes, KV types): the HTTP layer's overhead.
+2. Aggregate generated tokens/s with 8 concurrent streaming clients against
+   `orin-llm serve` and against `python -m llama_cpp.server` (interrupt_requests
+   off, so a new request does not end the running one), runs interleaved.
+
+    make install-bench
+    .venv/bin/python -m bench.server_throughput [--size medium] [--quant f16] [--reps 3]
+
+Both servers get the same GGUF file, context, threads and batch size; requests
+are greedy (temperature 0) with a fixed output length: the generated demo
+models never emit EOS under greedy decoding, so max_tokens is what every
+request produces. Token counts come from each server's `usage`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from orin.engine.config import default_threads
+from orin.model import demo
+from tests.serverutil import free_port
+
+N_CTX_PER_SLOT = 512
+
+
+@dataclass
+class Stream:
+    tokens: int
+    tpot_ms: float | None
+
+
+def start_orin(model: Path, port: int, slots: int) -> subprocess.Popen[bytes]:
+    """orin-llm's default threads: one per physical core (default_threads())."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "orin", "serve", "--model", str(model), "--port", str(port),
+         "--slots", str(slots), "--ctx", str(N_CTX_PER_SLOT * slots), "--telemetry", "off"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def start_llama_cpp_python(model: Path, port: int, threads: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
+         "--n_ctx", str(N_CTX_PER_SLOT * 8), "--n_threads", str(threads),
+         "--n_batch", "512", "--interrupt_requests", "False", "--verbose", "False"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, prompt: str, n: int) -> Stream:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    times: list[float] = []
+    tokens = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                tokens = data["usage"]["completion_tokens"]
+            if data.get("choices") and data["choices"][0].get("text"):
+                times.append(time.perf_counter())
+    count = tokens if tokens is not None else len(times)
+    tpot = (times[-1] - times[0]) * 1e3 / (count - 1) if len(times) > 1 and count > 1 else None
+    return Stream(count, tpot)
+
+
+async def concurrent(url: str, prompts: list[str], n: int) -> tuple[float, list[Stream]]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        t0 = time.perf_counter()
+        streams = await asyncio.gather(*(one_stream(client, url, p, n) for p in prompts))
+        wall = time.perf_counter() - t0
+    return sum(s.tokens for s in streams) / wall, list(streams)
+
+
+def engine_tpot(model: Path, prompt: str, n: int, reps: int) -> list[float]:
+    from orin.engine.config import engine_config
+    from orin.engine.engine import Engine
+    from orin.engine.types import SamplingParams
+    from orin.model.gguf import read_model_info
+    from orin.profile.schema import Profile
+
+    p = Profile(name="bench")
+    p.engine.slots, p.engine.n_ctx = 8, N_CTX_PER_SLOT
+    cfg = engine_config(p, model, read_model_info(model))
+    out = []
+    with Engine(cfg) as e:
+        e.generate(prompt, SamplingParams(max_tokens=8, temperature=0))  # warm-up
+        for _ in range(reps):
+            t = e.generate(prompt, SamplingParams(max_tokens=n, temperature=0)).timings
+            assert t is not None and t.tpot_ms is not None
+            out.append(t.tpot_ms)
+    return out
+
+
+def prompts(k: int) -> list[str]:
+    return [f"Request {i}: the edge board serves a model to robot number {i}." for i in range(k)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="medium")
+    ap.add_argument("--quant", default="f16")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    model = demo.ensure(args.size, args.quant)
+    threads = default_threads()
+    results: dict[str, object] = {"model": model.name, "tokens": args.tokens, "threads": threads}
+
+    direct = engine_tpot(model, prompts(1)[0], args.tokens, args.reps * 3)
+    port = free_port()
+    proc = start_orin(model, port, 8)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_up(url, proc)
+        asyncio.run(concurrent(url, prompts(1), 8))  # warm-up
+        http = [
+            asyncio.run(concurrent(url, prompts(1), args.tokens))[1][0].tpot_ms
+            for _ in range(args.reps * 3)
+        ]
+    finally:
+        stop(proc)
+    http_tpot = [t for t in http if t is not None]
+    overhead = statistics.median(http_tpot) / statistics.median(direct)
+    results["tpot"] = {"engine_ms": direct, "http_ms": http_tpot, "http_over_engine": overhead}
+    e_ms, h_ms = statistics.median(direct), statistics.median(http_tpot)
+    print(f"single-stream TPOT: engine {e_ms:.2f} ms, HTTP {h_ms:.2f} ms, ratio {overhead:.3f}")
+
+    rates: dict[str, list[float]] = {"orin-llm": [], "llama-cpp-python": []}
+    for rep in range(args.reps):
+        order = (
+            ["orin-llm", "llama-cpp-python"] if rep % 2 == 0 else ["llama-cpp-python", "orin-llm"]
+        )
+        for name in order:
+            port = free_port()
+            proc = (start_orin(model, port, 8) if name == "orin-llm"
+                    else start_llama_cpp_python(model, port, threads))  # fmt: skip
+            url = f"http://127.0.0.1:{port}"
+            try:
+                wait_up(url, proc)
+                asyncio.run(concurrent(url, prompts(2), 4))  # warm-up
+                rate, streams = asyncio.run(concurrent(url, prompts(8), args.tokens))
+                assert all(s.tokens == args.tokens for s in streams), [s.tokens for s in streams]
+                rates[name].append(rate)
+                print(f"rep {rep} {name}: {rate:.1f} tok/s")
+            finally:
+                stop(proc)
+    ratio = statistics.median(rates["orin-llm"]) / statistics.median(rates["llama-cpp-python"])
+    results["throughput_8_streams"] = {**rates, "ratio": ratio}
+    print(f"8 streams: orin-llm {statistics.median(rates['orin-llm']):.1f} tok/s, "
+          f"llama-cpp-python {statistics.median(rates['llama-cpp-python']):.1f} tok/s, "
+          f"ratio {ratio:.2f}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
