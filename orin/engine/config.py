@@ -44,6 +44,7 @@ class EngineConfig:
     max_queue: int = 64
     prefix_cache: bool = True
     rope_freq_base: float | None = None  # None: llama.cpp takes it from the metadata
+    max_backlog: int = 4096  # unread events before a slow client's request is cut off
 
     def with_(self, **changes: object) -> EngineConfig:
         return replace(self, **changes)  # type: ignore[arg-type]

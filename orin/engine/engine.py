@@ -320,6 +320,13 @@ class Engine:
                     reason = request.on_token(self.backend, token, logits, t)
                     if reason is not None:
                         self._finish(request, reason)
+                    elif request.stream.backlog > self.cfg.max_backlog:
+                        log.warning(
+                            "request %s: the client has not read %d tokens; cutting it off",
+                            request.id,
+                            request.stream.backlog,
+                        )
+                        self._cancels.add(request.id)
             stats = StepStats(
                 start_ns=start,
                 end_ns=t,

@@ -39,9 +39,18 @@ class RequestStream:
         self._sync: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         self._async: asyncio.Queue[TokenEvent] | None = asyncio.Queue() if loop else None
         self._done = False
+        # events put (engine thread only) and taken (consumer only): no lock needed
+        self._put = 0
+        self._taken = 0
+
+    @property
+    def backlog(self) -> int:
+        """Events the consumer has not taken yet (a slow client's unread tokens)."""
+        return self._put - self._taken
 
     def put(self, event: TokenEvent) -> None:
         """Called from the engine thread."""
+        self._put += 1
         if self._loop is None or self._async is None:
             self._sync.put(event)
             return
@@ -57,6 +66,7 @@ class RequestStream:
             raise TypeError("this stream was opened for asyncio; use `async for`")
         while not self._done:
             event = self._sync.get()
+            self._taken += 1
             self._done = event.finish_reason is not None
             yield event
 
@@ -65,6 +75,7 @@ class RequestStream:
             raise TypeError("this stream was opened without an event loop; use `for`")
         while not self._done:
             event = await self._async.get()
+            self._taken += 1
             self._done = event.finish_reason is not None
             yield event
 

@@ -359,3 +359,21 @@ def test_cancel_on_an_otherwise_idle_engine_decodes_nothing(
     assert ok.finish_reason == "length"
     assert "failed to decode" not in caplog.text and "decode failed" not in caplog.text
     assert all(st.prefill_tokens + st.decode_tokens > 0 for st in steps)
+
+
+def test_a_client_that_does_not_read_is_cut_off_and_others_go_on(
+    small: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = config(small, "{n_ctx: 256, slots: 2, n_batch: 64, n_ubatch: 64}").with_(max_backlog=32)
+    with Engine(cfg) as e:
+        stalled = e.submit("nobody reads me", SamplingParams(max_tokens=100_000, **GREEDY))
+        other = e.submit("read me", SamplingParams(max_tokens=20, **GREEDY))
+        for event in other:  # read as it comes: never over the bound
+            assert event.finish_reason in (None, "length")
+        deadline = time.time() + 30
+        while e.slots_busy and time.time() < deadline:
+            time.sleep(0.01)
+        events = list(stalled)
+    assert events[-1].finish_reason == "cancelled"
+    assert 32 < len(events) - 1 < 200  # buffered up to the bound, then cut off
+    assert "has not read" in caplog.text
