@@ -18,7 +18,7 @@ from typing import Any
 
 from orin.engine.backend import Backend
 from orin.engine.config import EngineConfig
-from orin.engine.errors import BackendError, EngineStopped
+from orin.engine.errors import BackendError, EngineError, EngineStopped, InvalidRequest
 from orin.engine.request import ActiveRequest
 from orin.engine.runner import Aborted, Runner
 from orin.engine.scheduler import Batch, Scheduler, Shift, Slot
@@ -124,14 +124,22 @@ class Engine:
         params = params or SamplingParams()
         params.validate(backend.n_vocab)
         tokens = backend.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        bad = next((t for t in tokens if not 0 <= t < backend.n_vocab), None)
+        if bad is not None:
+            raise InvalidRequest("prompt", f"token id {bad} is not in the vocabulary")
         tokens = self.scheduler.check_prompt(tokens)
         rid = request_id or f"req-{next(_ids)}"
         stream = RequestStream(rid, self.cancel, loop)
         request = ActiveRequest(rid, tokens, params, stream)
+        request.start(backend)  # builds the sampler: a bad grammar is an InvalidRequest here
         with self._lock:
-            if self._state != "ready":
-                raise EngineStopped(f"the engine is {self._state}; not taking requests")
-            self.scheduler.add(request)
+            try:
+                if self._state != "ready":
+                    raise EngineStopped(f"the engine is {self._state}; not taking requests")
+                self.scheduler.add(request)
+            except EngineError:
+                request.close()
+                raise
             self._requests[rid] = request
             self._lock.notify_all()
         return stream
@@ -233,6 +241,9 @@ class Engine:
             if batch:
                 try:
                     self._step(batch)
+                except Exception as exc:  # a bug in one step must not take the engine down
+                    log.exception("engine step failed; failing its requests")
+                    self._fail_batch(batch, exc)
                 finally:
                     self.step_started_ns = None
 
@@ -283,6 +294,13 @@ class Engine:
                     self._finish(request, "error", str(exc))
             return
         self._record(batch, rows, sampled, aborted, start)
+
+    def _fail_batch(self, batch: Batch, exc: Exception) -> None:
+        with self._lock:
+            for item in batch.items:
+                request = self.scheduler.slots[item.slot].request
+                if isinstance(request, ActiveRequest):
+                    self._finish(request, "error", f"internal error: {type(exc).__name__}")
 
     def _abort_check(self) -> bool:
         return self._abort_flag
@@ -380,10 +398,12 @@ class Engine:
                 self._emit_final(request, "cancelled")
             self._state = "stopped"
             self._lock.notify_all()
-        if self.runner is not None:
-            self.runner.close()
-        if self.backend is not None:
-            self.backend.close()
+        runner, self.runner = self.runner, None
+        backend, self.backend = self.backend, None  # submit and tokenize now see "stopped"
+        if runner is not None:
+            runner.close()
+        if backend is not None:
+            backend.close()
 
 
 def _safe(fn: Callable[..., None], *args: Any) -> None:

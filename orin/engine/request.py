@@ -31,7 +31,8 @@ class ActiveRequest:
     stop_matched: bool = False
 
     def start(self, backend: Backend) -> None:
-        """Runs on the engine thread when the request first gets a slot."""
+        """Builds the sampler and text state; runs at submit, so a grammar that does not
+        parse is the client's error (400), not a failure inside the engine loop."""
         if self.sampler is None:
             self.sampler = SlotSampler(backend, self.params, self.prompt_tokens)
             self.detok = Detokenizer(backend.piece)

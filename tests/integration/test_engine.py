@@ -210,6 +210,15 @@ def test_typed_errors(engine: Engine, small: Path) -> None:
     with pytest.raises(InvalidRequest) as exc:
         engine.submit("x", SamplingParams(logit_bias={10**7: 1.0}))
     assert exc.value.param == "logit_bias"
+    with pytest.raises(InvalidRequest) as exc:
+        engine.submit("x", SamplingParams(grammar="root ::= ["))
+    assert exc.value.param == "grammar"
+    assert engine.generate("still serving", SamplingParams(max_tokens=2)).finish_reason == "length"
+    with pytest.raises(InvalidRequest) as exc:
+        engine.submit([1, -5, 300])
+    assert exc.value.param == "prompt"
+    with pytest.raises(InvalidRequest):
+        engine.submit([1, 10**6])
     with pytest.raises(ContextLengthExceeded) as too_long:
         engine.submit([5] * 600)
     assert too_long.value.prompt_tokens == 600 and too_long.value.limit == 512
