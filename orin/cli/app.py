@@ -8,7 +8,7 @@ import os
 import typer
 
 from orin import __version__
-from orin.cli import doctor, model, monitor, profile, serve, tune
+from orin.cli import doctor, install, model, monitor, profile, serve, tune
 
 app = typer.Typer(
     name="orin-llm",
@@ -23,6 +23,9 @@ app.command("serve")(serve.serve)
 app.command("monitor")(monitor.monitor)
 app.command("doctor")(doctor.doctor)
 app.add_typer(tune.app, name="tune")
+app.command("install")(install.install)
+app.command("uninstall")(install.uninstall)
+app.command("status")(install.status)
 
 
 def _version(value: bool) -> None:

@@ -1,10 +1,16 @@
-"""orin-llm tune system: show, apply or revert the board settings a profile asks for."""
+"""orin-llm tune: measure engine settings against a profile's SLOs and write a tuned
+profile; orin-llm tune system: show, apply or revert the board settings a profile asks for.
+
+The measured tune is the group's callback (``invoke_without_command``): a bare
+``orin-llm tune [options]`` runs it, and ``orin-llm tune system ...`` still reaches
+the subcommand, whose arguments the callback leaves alone.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -22,9 +28,15 @@ from orin.system.root import SysRoot
 from orin.system.state import DEFAULT_STATE_PATH, StateFile
 from orin.system.tuner import Plan, apply_plan, plan_apply, plan_revert, revert_plan, tune_context
 
+if TYPE_CHECKING:
+    from orin.tune.run import TuneResult, TuneSettings
+
 EXIT_USAGE = 2  # as click reports a usage error
 
-app = typer.Typer(help="Tune the board for serving.", no_args_is_help=True)
+app = typer.Typer(
+    help="Measure and choose engine settings for a profile's SLOs; `tune system` tunes the board.",
+    no_args_is_help=False,
+)
 
 ProfileOpt = Annotated[
     str | None,
@@ -34,6 +46,50 @@ ProfileOpt = Annotated[
         help="Built-in profile or YAML file (default: the built-in system defaults).",
     ),
 ]
+
+
+@app.callback(invoke_without_command=True)
+def measured(
+    ctx: typer.Context,
+    profile_name: Annotated[
+        str | None,
+        typer.Option(
+            "--profile",
+            envvar="ORIN_LLM_PROFILE",
+            help="Built-in profile or YAML file whose slo section is tuned for (default: demo).",
+        ),
+    ] = None,
+    model: Annotated[
+        Path | None, typer.Option("--model", help="GGUF file (overrides the profile's).")
+    ] = None,
+    budget: Annotated[
+        float, typer.Option(min=0.1, help="Minutes for the whole run, report included.")
+    ] = 10.0,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Tuned profile YAML (default: NAME-tuned.yaml).")
+    ] = None,
+    report: Annotated[
+        Path | None,
+        typer.Option("--report", help="Report folder (default: NAME-tune-report/)."),
+    ] = None,
+    output_len: Annotated[
+        int, typer.Option(min=2, help="Generated tokens per measured request.")
+    ] = 32,
+    seed: Annotated[int, typer.Option(help="Seed of prompts and of the search order.")] = 0,
+    telemetry: Annotated[
+        str, typer.Option(help="auto, off, or a source: jetson_sysfs, nvml, jtop, tegrastats, cpu.")
+    ] = "auto",
+    as_json: JsonOpt = False,
+) -> None:
+    """Search engine settings (batch sizes, flash attention, KV types, threads, slots, gpu
+    layers) on the profile's SLO prompt lengths and concurrency within --budget minutes;
+    write the best as a tuned profile and a report."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from orin.tune.run import TuneSettings  # the engine stack loads only when tuning
+
+    settings = TuneSettings(budget * 60, output_len, seed, telemetry)
+    _run_measured(profile_name, model, settings, out, report, as_json)
 
 
 def make_runner() -> CommandRunner:
@@ -125,3 +181,67 @@ def _summary(plan: Plan, done: tuple[str, ...] | None) -> str:
     if plan.mode == "revert":
         return f"restored: {', '.join(done)}"
     return f"applied: {', '.join(done)}; previous values saved in {plan.state_file}"
+
+
+# -- the measured tune -----------------------------------------------------------------
+
+
+@handle_errors
+def _run_measured(
+    profile_name: str | None,
+    model: Path | None,
+    settings: TuneSettings,
+    out_path: Path | None,
+    report_dir: Path | None,
+    as_json: bool,
+) -> None:
+    if profile_name is not None:
+        profile = load_profile(profile_name)
+    else:
+        profile = Profile(name=model.stem) if model is not None else load_profile("demo")
+    from orin.tune import report as tune_report
+    from orin.tune import tuned
+    from orin.tune.run import tune
+
+    out = Output(as_json)
+    result = tune(profile, model, settings, progress=out.note)
+    written = tuned.write(result, out_path or Path(f"{profile.name}-tuned.yaml"))
+    folder = tune_report.write(result, report_dir or Path(f"{profile.name}-tune-report"))
+    if as_json:
+        out.json({**result.to_dict(), "profile_written": str(written), "report": folder})
+        return
+    _show_tuned(out, result)
+    out.line(f"tuned profile: {written}")
+    plots = "plots skipped: matplotlib is not installed" if folder["plots"] is None else "plots"
+    out.line(f"report: {folder['folder']}/report.md ({plots})")
+
+
+def _show_tuned(out: Output, r: TuneResult) -> None:
+    before = r.baseline_m
+    rows = []
+    for key, p in r.chosen_m.points.items():
+        b = before.points.get(key) if before is not None else None
+        rows.append(
+            (
+                p.prompt_tokens,
+                p.concurrency,
+                _fmt(b.ttft_p95 if b else None),
+                _fmt(p.ttft_p95),
+                _fmt(b.tpot_p90 if b else None, 1),
+                _fmt(p.tpot_p90, 1),
+                f"{p.throughput:.1f}",
+            )
+        )
+    out.table(
+        f"tune: {r.chosen.label} (before: the profile's {r.space.baseline.label})",
+        ("prompt", "streams", "TTFT_p95 before", "after", "TPOT_p90 before", "after", "tok/s"),
+        rows,
+    )
+    verdict = "SLO met" if r.meets_slo else "SLO NOT met: the closest configuration"
+    out.line(f"{verdict}; measured {r.search.spent_s:.0f} s of {r.settings.budget_s:.0f} s")
+    for line in r.explanation:
+        out.line(f"  {line}")
+
+
+def _fmt(v: float | None, digits: int = 0) -> str:
+    return "-" if v is None else f"{v:.{digits}f} ms"

@@ -99,4 +99,5 @@ def engine_config(
         ),
         max_queue=profile.server.max_queue,
         rope_freq_base=e.rope_freq_base,
+        max_backlog=profile.server.max_stream_backlog,
     )

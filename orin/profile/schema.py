@@ -208,6 +208,12 @@ class ServerSection(_Section):
     max_body_bytes: int = Field(
         2 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024, description="Largest request body (413)."
     )
+    max_stream_backlog: int = Field(
+        4096,
+        ge=16,
+        le=1_048_576,
+        description="Tokens a streaming client may leave unread before it is cut off.",
+    )
     grace_seconds: float = Field(
         30.0, ge=0, le=3600, description="On SIGTERM: time running requests get to finish."
     )

@@ -1,0 +1,235 @@
+"""The load generator: closed loop (N streams in flight) or open loop (Poisson arrivals).
+
+Every request is planned before the run (its input length and prompt, from
+the seed), so two runs with the same seed send the same prompts in the same
+order. ``t0`` of a request is when it is sent, after any client-side
+concurrency limit; server-side queueing is then part of TTFT, as
+docs/metrics.md defines it. The run's duration is from the first send to the
+last response. Warm-up requests run first and are not measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from orin.bench.client import Target, send
+from orin.bench.server import ServerInfo, phase_delta, probe, scrape
+from orin.bench.stats import SLO, RequestResult, by_bucket, summarize
+
+ResultCallback = Callable[[RequestResult], None]
+UTIL_KEYS = ("prefill_gpu_util", "decode_gpu_util", "prefill_cpu_util", "decode_cpu_util")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What to send and how fast."""
+
+    url: str
+    num_requests: int
+    input_lens: tuple[int, ...]
+    output_len: int
+    concurrency: int | None = None  # closed loop; with request_rate, a cap
+    request_rate: float | None = None  # requests/s, Poisson; None = all at once
+    burstiness: float = 1.0  # gamma shape: 1 = Poisson, < 1 burstier, > 1 steadier
+    warmup: int = 1
+    seed: int = 0
+    model: str | None = None
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    slo: SLO = field(default_factory=SLO)
+
+    def check(self) -> None:
+        """Reject impossible settings before anything is sent."""
+        if self.num_requests < 1 or self.output_len < 1 or self.warmup < 0:
+            raise ValueError("num-requests and output-len must be >= 1, warmup >= 0")
+        if not self.input_lens or min(self.input_lens) < 1:
+            raise ValueError("input lengths must be >= 1 token")
+        if self.concurrency is None and self.request_rate is None:
+            raise ValueError("give --concurrency N (closed loop) or --request-rate R (open loop)")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if self.request_rate is not None and self.request_rate <= 0:
+            raise ValueError("the request rate must be positive (inf: all at once)")
+        if self.burstiness <= 0:
+            raise ValueError("burstiness must be positive")
+
+    @property
+    def base_url(self) -> str:
+        base = self.url.rstrip("/")
+        return base[: -len("/v1")] if base.endswith("/v1") else base
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+@dataclass
+class BenchRun:
+    spec: LoadSpec
+    server: ServerInfo
+    results: list[RequestResult]
+    duration_s: float
+    started_at: str
+    telemetry: dict[str, Any] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(self.results, self.duration_s, self.spec.slo)
+
+    def to_json(self) -> dict[str, Any]:
+        """vLLM-style top-level keys, then the per-bucket figures, telemetry and requests."""
+        s = self.spec
+        return {
+            "date": self.started_at,
+            "backend": self.server.kind,
+            "base_url": s.base_url,
+            "model_id": self.server.model,
+            "num_prompts": s.num_requests,
+            "input_lens_requested": list(s.input_lens),
+            "output_len": s.output_len,
+            "max_concurrency": s.concurrency,
+            "request_rate": s.request_rate if s.request_rate is not None else "inf",
+            "burstiness": s.burstiness,
+            "warmup": s.warmup,
+            "seed": s.seed,
+            "ignore_eos": self.server.ignore_eos,
+            "prompt_method": "token_ids" if self.server.pool is not None else "text",
+            "notes": self.server.notes,
+            **self.summary(),
+            "buckets": {str(k): v for k, v in by_bucket(self.results).items()},
+            "server_telemetry": self.telemetry,
+            "requests": [_request_json(r) for r in self.results],
+        }
+
+
+def _request_json(r: RequestResult) -> dict[str, Any]:
+    return {
+        "index": r.index,
+        "input_len": r.input_len,
+        "ok": r.ok,
+        "error": r.error,
+        "prompt_tokens": r.prompt_tokens,
+        "output_tokens": r.output_tokens,
+        "count_source": r.count_source,
+        "start_s": r.start_s,
+        "ttft_ms": r.ttft_ms,
+        "tpot_ms": r.tpot_ms,
+        "e2el_ms": r.e2el_ms,
+        "itl_ms": list(r.itl_ms),
+        "server_timings": r.server,
+    }
+
+
+def arrival_offsets(n: int, rate: float | None, burstiness: float, seed: int) -> list[float]:
+    """Send times in seconds from the start: gamma-distributed gaps with mean 1/rate
+    (shape = burstiness; 1 is a Poisson process), as vLLM's benchmark draws them."""
+    if rate is None or math.isinf(rate):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=max(n - 1, 0))
+    return [0.0, *np.cumsum(gaps).tolist()][:n]
+
+
+def plan(spec: LoadSpec) -> list[int]:
+    """The input length of each request: every bucket equally often, in seeded order."""
+    lens = [spec.input_lens[i % len(spec.input_lens)] for i in range(spec.num_requests)]
+    random.Random(f"order:{spec.seed}").shuffle(lens)
+    return lens
+
+
+async def _fire(
+    client: httpx.AsyncClient,
+    target: Target,
+    jobs: list[tuple[int, int, str | list[int], float]],
+    output_len: int,
+    concurrency: int | None,
+    on_result: ResultCallback | None,
+) -> tuple[list[RequestResult], float]:
+    """Send (index, input_len, prompt, offset_s) jobs; returns results and duration."""
+    limit = asyncio.Semaphore(concurrency) if concurrency else None
+    start = time.perf_counter()
+
+    async def one(index: int, length: int, prompt: str | list[int], at: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        async with limit if limit is not None else contextlib.nullcontext():
+            result = await send(client, target, prompt, output_len, index, length, start)
+        if on_result is not None:
+            on_result(result)
+        return result
+
+    results = await asyncio.gather(*(one(*job) for job in jobs))
+    return sorted(results, key=lambda r: r.index), time.perf_counter() - start
+
+
+async def run_bench(
+    spec: LoadSpec,
+    transport: httpx.AsyncBaseTransport | None = None,
+    on_result: ResultCallback | None = None,
+) -> BenchRun:
+    """Probe the server, warm it up, run the load and collect everything."""
+    spec.check()
+    limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=None)
+    timeout = httpx.Timeout(spec.timeout_s, connect=10.0)
+    async with httpx.AsyncClient(transport=transport, limits=limits, timeout=timeout) as client:
+        base, headers = spec.base_url, spec.headers
+        server = await probe(client, base, spec.model, headers, spec.input_lens, spec.seed)
+        target = server.target(base, headers)
+        if spec.warmup:
+            rng = random.Random(f"warmup:{spec.seed}")
+            length = spec.input_lens[0]
+            warm = [(-1 - i, length, server.prompt(rng, length), 0.0) for i in range(spec.warmup)]
+            await _fire(client, target, warm, spec.output_len, spec.concurrency, None)
+        rng = random.Random(f"prompts:{spec.seed}")
+        offsets = arrival_offsets(spec.num_requests, spec.request_rate, spec.burstiness, spec.seed)
+        jobs = [
+            (i, length, server.prompt(rng, length), offsets[i])
+            for i, length in enumerate(plan(spec))
+        ]
+        before = await scrape(client, base) if server.kind == "orin-llm" else None
+        started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        results, duration = await _fire(
+            client, target, jobs, spec.output_len, spec.concurrency, on_result
+        )
+        after = await scrape(client, base) if before is not None else None
+    telemetry = _telemetry(before, after, results, server)
+    return BenchRun(spec, server, results, duration, started, telemetry)
+
+
+def _telemetry(
+    before: dict[Any, float] | None,
+    after: dict[Any, float] | None,
+    results: list[RequestResult],
+    server: ServerInfo,
+) -> dict[str, Any] | None:
+    """orin-llm only: per-phase figures from /metrics deltas, and the means of the
+    per-request utilization fields of its timings."""
+    if server.kind != "orin-llm":
+        return None
+    phases = phase_delta(before, after) if before is not None and after is not None else None
+    per_request: dict[str, float] = {}
+    for key in UTIL_KEYS:
+        values = [r.server[key] for r in results if r.ok and r.server.get(key) is not None]
+        if values:
+            per_request[key] = float(np.mean(values))
+    if phases is None and not per_request:
+        return {"source": None, "note": "the server runs without telemetry (--telemetry off)"}
+    return {**(phases or {}), "per_request_mean": per_request}
+
+
+def run(
+    spec: LoadSpec,
+    transport: httpx.AsyncBaseTransport | None = None,
+    on_result: ResultCallback | None = None,
+) -> BenchRun:
+    """Blocking wrapper for the CLI and tests."""
+    return asyncio.run(run_bench(spec, transport, on_result))

@@ -1,0 +1,215 @@
+"""orin-llm bench: load an OpenAI-compatible server and report TTFT, TPOT, ITL and E2EL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from orin.bench.loadgen import BenchRun, LoadSpec, run
+from orin.bench.stats import SLO, RequestResult, by_bucket
+from orin.cli.errors import fail, handle_errors
+from orin.cli.output import Output
+
+EXIT_USAGE = 2
+EXIT_ALL_FAILED = 1
+
+
+def _lens(text: str) -> tuple[int, ...]:
+    try:
+        lens = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter("comma-separated token counts, e.g. 10,200,512") from None
+    if not lens or min(lens) < 1:
+        raise typer.BadParameter("token counts must be >= 1")
+    return lens
+
+
+def _slo(text: str | None) -> SLO:
+    try:
+        return SLO.parse(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+@handle_errors
+def bench(
+    url: Annotated[str, typer.Option(help="Server base URL, e.g. http://127.0.0.1:8080.")],
+    model: Annotated[
+        str | None, typer.Option(help="Model name to send (default: the server's first).")
+    ] = None,
+    num_requests: Annotated[int, typer.Option(min=1, help="Measured requests.")] = 64,
+    input_len: Annotated[
+        str, typer.Option(help="Prompt tokens; several buckets comma-separated (10,200,512).")
+    ] = "128",
+    output_len: Annotated[int, typer.Option(min=1, help="Generated tokens per request.")] = 64,
+    concurrency: Annotated[
+        int | None, typer.Option(min=1, help="Closed loop: requests in flight (a cap with a rate).")
+    ] = None,
+    request_rate: Annotated[
+        float | None, typer.Option(help="Open loop: requests/s, Poisson arrivals (inf: at once).")
+    ] = None,
+    burstiness: Annotated[
+        float, typer.Option(help="Gamma shape of the arrival gaps: 1 Poisson, <1 burstier.")
+    ] = 1.0,
+    warmup: Annotated[int, typer.Option(min=0, help="Unmeasured requests first.")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of prompts, order and arrivals.")] = 0,
+    slo: Annotated[
+        str | None, typer.Option(help="Targets for goodput: ttft_p95_ms=200,tpot_p90_ms=50.")
+    ] = None,
+    json_file: Annotated[
+        Path | None, typer.Option("--json", help="Write every figure (vLLM-style keys) here.")
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="ORIN_LLM_API_KEY", help="Bearer token, if needed.")
+    ] = None,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds per request.")] = 600.0,
+) -> None:
+    """Measure a server under load: fixed input and output lengths, streaming, greedy."""
+    spec = LoadSpec(
+        url=url,
+        num_requests=num_requests,
+        input_lens=_lens(input_len),
+        output_len=output_len,
+        concurrency=concurrency,
+        request_rate=request_rate,
+        burstiness=burstiness,
+        warmup=warmup,
+        seed=seed,
+        model=model,
+        api_key=api_key,
+        timeout_s=timeout,
+        slo=_slo(slo),
+    )
+    try:
+        spec.check()
+    except ValueError as exc:
+        raise fail(str(exc), EXIT_USAGE) from None
+    out = Output()
+    result = _run_with_progress(spec, out)
+    show(out, result)
+    if json_file is not None:
+        json_file.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+        out.note(f"wrote {json_file}")
+    if not any(r.ok for r in result.results):
+        raise typer.Exit(EXIT_ALL_FAILED)
+
+
+def _run_with_progress(spec: LoadSpec, out: Output) -> BenchRun:
+    columns = (
+        TextColumn("[bold]bench[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[failed]} failed"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=out.err, transient=True) as progress:
+        task = progress.add_task("bench", total=spec.num_requests, failed=0)
+        failed = 0
+
+        def on_result(r: RequestResult) -> None:
+            nonlocal failed
+            failed += not r.ok
+            progress.update(task, advance=1, failed=failed)
+
+        return run(spec, on_result=on_result)
+
+
+def _ms(v: Any) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def show(out: Output, r: BenchRun) -> None:
+    """The summary tables: totals, latency distributions, buckets, SLOs, telemetry."""
+    s = r.summary()
+    for note in r.server.notes:
+        out.note(note)
+    rate = "inf" if r.spec.request_rate is None else f"{r.spec.request_rate:g}/s"
+    out.pairs(
+        f"bench: {r.server.kind} {r.server.model or ''} at {r.spec.base_url}",
+        [
+            ("requests completed / failed", f"{s['completed']} / {s['failed']}"),
+            ("load", f"concurrency {r.spec.concurrency or '-'}, rate {rate}"),
+            ("duration s", f"{s['duration']:.2f}"),
+            ("input / output tokens", f"{s['total_input_tokens']} / {s['total_output_tokens']}"),
+            ("request throughput req/s", f"{s['request_throughput']:.3f}"),
+            ("output throughput tok/s", f"{s['output_throughput']:.2f}"),
+            ("total token throughput tok/s", f"{s['total_token_throughput']:.2f}"),
+            ("goodput req/s", _ms(s["request_goodput"])),
+            ("token counts from", ", ".join(f"{k} {v}" for k, v in s["count_sources"].items())),
+        ],
+    )
+    stats = ("mean", "median", "p50", "p90", "p95", "p99")
+    out.table(
+        "latency (ms)",
+        ("metric", *stats),
+        (
+            (m.upper(), *(_ms(s[f"{st}_{m}_ms"]) for st in stats))
+            for m in ("ttft", "tpot", "itl", "e2el")
+        ),
+    )
+    _show_buckets(out, r)
+    if s["errors"]:
+        out.table("errors", ("error", "requests"), s["errors"].items())
+    if s["slo"]:
+        out.table(
+            "SLO",
+            ("target", "goal ms", "measured ms", "met"),
+            (
+                (k, v["target"], _ms(v["measured"]), "yes" if v["met"] else "NO")
+                for k, v in s["slo"].items()
+            ),
+        )
+    _show_telemetry(out, r.telemetry)
+
+
+def _show_buckets(out: Output, r: BenchRun) -> None:
+    buckets = by_bucket(r.results)
+    if len(buckets) < 2:
+        return
+    out.table(
+        "by input length",
+        ("input", "ok", "failed", "mean prompt tok", "TTFT p95", "TPOT p90", "E2EL p50"),
+        (
+            (
+                k,
+                b["completed"],
+                b["failed"],
+                _ms(b["mean_input_tokens"]),
+                _ms(b["p95_ttft_ms"]),
+                _ms(b["p90_tpot_ms"]),
+                _ms(b["p50_e2el_ms"]),
+            )
+            for k, b in buckets.items()
+        ),
+    )
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _show_telemetry(out: Output, t: dict[str, Any] | None) -> None:
+    if t is None:
+        return
+    if t.get("source") is None and not t.get("per_request_mean"):
+        out.note(t.get("note", "no server telemetry"))
+        return
+    rows = [
+        (name, f"{p['seconds']:.2f}", p["tokens"], _pct(p["gpu_util"]), _pct(p["cpu_util"]))
+        for name, p in (t.get("phases") or {}).items()
+    ]
+    out.table(
+        f"server phases during the run (telemetry: {t.get('source')})",
+        ("phase", "seconds", "tokens", "GPU util", "server CPU util"),
+        rows,
+    )
+    for key, value in (t.get("per_request_mean") or {}).items():
+        out.note(f"mean per-request {key}: {_pct(value)}")
+
+
+app = typer.Typer(help="Benchmark a running server.", add_completion=False)
+app.command("bench")(bench)

@@ -1,0 +1,293 @@
+"""orin-llm install, uninstall and status: orin-llm as a hardened systemd service.
+
+Every side effect comes in through a module function that tests replace
+(``make_runner``, ``effective_uid``, ``http_get``, ``run_doctor``,
+``orin_executable``), as in ``tune`` and ``doctor``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from orin.cli.errors import handle_errors
+from orin.cli.options import JsonOpt, RootOpt
+from orin.cli.output import Output, human_bytes
+from orin.doctor.runner import Report
+from orin.install import probe
+from orin.install.apply import apply_install, apply_uninstall
+from orin.install.host import HostFacts, gather
+from orin.install.layout import DEFAULT_USER, SERVICE, UNIT_DIR
+from orin.install.plan import (
+    InstallPlan,
+    doctor_blockers,
+    installed_user,
+    plan_install,
+    plan_uninstall,
+    service_model,
+)
+from orin.install.status import ServiceStatus, read_status
+from orin.install.steps import InstallError
+from orin.install.units import find_gpu_devices, service_plan, unit_config
+from orin.profile.loader import load_profile
+from orin.profile.schema import Profile
+from orin.system.commands import CommandRunner, SubprocessRunner
+from orin.system.root import SysRoot
+
+EXIT_UNHEALTHY = 1
+
+UnitDirOpt = Annotated[
+    str,
+    typer.Option("--unit-dir", help="Folder for the unit files (a path systemd loads units from)."),
+]
+DryRunOpt = Annotated[
+    bool, typer.Option("--dry-run", help="Print every step and diff; change nothing.")
+]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--profile",
+        envvar="ORIN_LLM_PROFILE",
+        help="Built-in profile or YAML file (default: the demo profile).",
+    ),
+]
+UserOpt = Annotated[str, typer.Option("--user", help="System user the server runs as.")]
+PortOpt = Annotated[
+    int | None, typer.Option("--port", min=1, max=65535, help="Override server.port.")
+]
+NoStartOpt = Annotated[
+    bool, typer.Option("--no-start", help="Install and enable, but do not start.")
+]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Install despite doctor fails.")]
+
+
+def make_runner() -> CommandRunner:
+    """The runner for external programs (tests replace this function)."""
+    return SubprocessRunner()
+
+
+def effective_uid() -> int:
+    """The effective uid (tests replace this function to play root or not)."""
+    return os.geteuid()
+
+
+def http_get(url: str, timeout: float) -> probe.HttpResult:
+    """One HTTP GET (tests replace this function)."""
+    return probe.http_get(url, timeout)
+
+
+def orin_executable() -> str:
+    """The orin-llm program the units run: the one next to this Python (its venv)."""
+    beside = Path(sys.executable).parent / "orin-llm"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("orin-llm")
+    if found is None:
+        raise InstallError("cannot find the orin-llm program; install the package into a venv")
+    return str(Path(found).absolute())
+
+
+def run_doctor(profile: Profile, root: SysRoot, runner: CommandRunner) -> Report:
+    """doctor's checks for this profile (tests replace this function)."""
+    from orin.cli import doctor as doctor_cli
+    from orin.doctor.context import DoctorContext, model_path_for
+    from orin.doctor.runner import run_checks
+
+    path, source = model_path_for(profile, None)
+    ctx = DoctorContext(
+        root,
+        runner,
+        profile,
+        path,
+        source,
+        build_info=doctor_cli.get_build_info,
+        port_probe=doctor_cli.port_probe,
+        disk_free=doctor_cli.disk_free,
+    )
+    return run_checks(ctx)
+
+
+@handle_errors
+def install(
+    profile_name: ProfileOpt = None,
+    user: UserOpt = DEFAULT_USER,
+    port: PortOpt = None,
+    dry_run: DryRunOpt = False,
+    unit_dir: UnitDirOpt = UNIT_DIR,
+    no_start: NoStartOpt = False,
+    force: ForceOpt = False,
+    root: RootOpt = Path("/"),
+) -> None:
+    """Install orin-llm as a systemd service: doctor first, then a hardened unit for the
+    profile, a boot-time tuning unit, the user and folders; start it and wait for /health."""
+    out = Output()
+    sysroot, runner = SysRoot(root), make_runner()
+    profile = load_profile(profile_name or "demo")
+    facts = gather(runner, user)
+    _check_doctor(out, run_doctor(profile, sysroot, runner), facts, force, dry_run)
+    model_path, info = service_model(profile, sysroot)
+    config = unit_config(
+        profile,
+        service_plan(profile, info),
+        orin_executable(),
+        user,
+        facts.groups_present,
+        find_gpu_devices(sysroot),
+        port,
+        model_path,
+    )
+    plan = plan_install(profile, config, model_path, facts, sysroot, unit_dir, not no_start)
+    _show_plan(out, plan)
+    if dry_run:
+        out.line("dry run: nothing was changed")
+        return
+    if plan.noop:
+        out.line("already installed and up to date: nothing to change")
+    else:
+        apply_install(plan, facts, sysroot, runner, effective_uid())
+        out.line(f"installed {SERVICE} (profile {profile.name})")
+    if not no_start:
+        _wait(out, plan, runner)
+
+
+def _check_doctor(
+    out: Output, report: Report, facts: HostFacts, force: bool, dry_run: bool
+) -> None:
+    counts = ", ".join(f"{n} {s}" for s, n in report.counts().items() if n)
+    out.line(f"doctor: {counts}")
+    blockers = doctor_blockers(report.findings, facts.service_active)
+    blockers += [f"{c}: the check itself failed" for c in report.crashed]
+    if not blockers:
+        return
+    listed = "\n".join(f"  {b}" for b in blockers)
+    if force or dry_run:
+        verb = "ignoring (--force)" if force else "install would refuse"
+        _raw(out, f"doctor found problems, {verb}:\n{listed}", err=True)
+        return
+    raise InstallError(
+        f"doctor found problems; fix them (orin-llm doctor explains each) or use --force:\n{listed}"
+    )
+
+
+def _show_plan(out: Output, plan: InstallPlan) -> None:
+    cfg = plan.config
+    out.line(f"profile {cfg.profile_name}; model {plan.model_path}")
+    out.line(
+        f"memory plan {human_bytes(cfg.plan.total_bytes)}: MemoryHigh="
+        f"{human_bytes(cfg.memory_high)}, MemoryMax={human_bytes(cfg.memory_max)}"
+    )
+    for change in plan.files:
+        _raw(out, change.diff().rstrip() if change.changed else f"unchanged: {change.path}")
+    for note in plan.notes:
+        _raw(out, f"note: {note}", err=True)
+    for i, step in enumerate(plan.steps, 1):
+        _raw(out, f"step {i}: {step.describe()}")
+
+
+def _raw(out: Output, text: str, err: bool = False) -> None:
+    """Unit files and command lines as they are: no markup, no wrapping at the width."""
+    console = out.err if err else out.out
+    console.print(text, markup=False, highlight=False, soft_wrap=True, emoji=False)
+
+
+def _wait(out: Output, plan: InstallPlan, runner: CommandRunner) -> None:
+    out.line(f"waiting for {plan.url}/health (up to {plan.config.timeout_start_s} s)")
+    outcome = probe.wait_healthy(http_get, plan.url, runner, plan.config.timeout_start_s)
+    if outcome.ok:
+        out.line(f"healthy after {outcome.seconds:.0f} s: {outcome.detail}")
+        return
+    _raw(out, f"the service is installed but not healthy: {outcome.detail}", err=True)
+    if outcome.journal:
+        _raw(out, f"journalctl --unit {SERVICE}:\n{outcome.journal}", err=True)
+    raise typer.Exit(EXIT_UNHEALTHY)
+
+
+@handle_errors
+def uninstall(
+    purge: Annotated[
+        bool,
+        typer.Option(
+            "--purge", help="Also remove /etc/orin-llm, models, state, cache and the user."
+        ),
+    ] = False,
+    dry_run: DryRunOpt = False,
+    unit_dir: UnitDirOpt = UNIT_DIR,
+    root: RootOpt = Path("/"),
+) -> None:
+    """Stop, disable and remove the units; models, state and the user stay unless --purge."""
+    out = Output()
+    sysroot, runner = SysRoot(root), make_runner()
+    user = installed_user(sysroot, unit_dir, DEFAULT_USER)
+    facts = gather(runner, user)
+    executable = orin_executable() if purge else "orin-llm"
+    plan = plan_uninstall(facts, sysroot, unit_dir, purge, executable)
+    for i, step in enumerate(plan.steps, 1):
+        _raw(out, f"step {i}: {step.describe()}")
+    if dry_run:
+        out.line("dry run: nothing was changed")
+        return
+    if not plan.steps:
+        out.line("not installed: nothing to remove")
+        return
+    apply_uninstall(plan, sysroot, runner, effective_uid())
+    kept = f"; kept {', '.join(plan.kept)} (--purge removes them)" if plan.kept else ""
+    out.line(f"uninstalled{kept}")
+
+
+@handle_errors
+def status(
+    as_json: JsonOpt = False,
+    unit_dir: UnitDirOpt = UNIT_DIR,
+    root: RootOpt = Path("/"),
+) -> None:
+    """The units' state, /health, and TTFT/TPOT since the server started (from /metrics)."""
+    st = read_status(SysRoot(root), make_runner(), http_get, unit_dir)
+    out = Output(as_json)
+    if as_json:
+        out.json(st.to_dict())
+    else:
+        _show_status(out, st)
+    if not st.healthy:
+        raise typer.Exit(EXIT_UNHEALTHY)
+
+
+def _show_status(out: Output, st: ServiceStatus) -> None:
+    out.table(
+        None,
+        ("unit", "installed", "state", "result", "restarts", "memory"),
+        (
+            (
+                u.unit,
+                "yes" if u.installed else "no",
+                f"{u.active}/{u.properties.get('SubState', '?')}",
+                u.properties.get("Result"),
+                u.properties.get("NRestarts"),
+                _memory(u.properties.get("MemoryCurrent")),
+            )
+            for u in st.units
+        ),
+    )
+    if st.url is None or st.health_status is None:
+        out.line(f"health: {st.error}")
+        return
+    body = json.dumps(st.health) if st.health is not None else ""
+    out.line(f"health: {st.url}/health -> {st.health_status} {body}")
+    rows = [
+        (name.upper(), lat.count, _ms(lat.p50_s), _ms(lat.p95_s), _ms(lat.mean_s))
+        for name, lat in st.latency.items()
+    ]
+    out.table("latency since the server started", ("", "requests", "p50", "p95", "mean"), rows)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def _memory(value: str | None) -> str:
+    return human_bytes(int(value)) if value and value.isdigit() else "-"

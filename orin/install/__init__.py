@@ -1,0 +1,1 @@
+"""orin-llm as a systemd service: unit rendering, install/uninstall plans, status."""

@@ -1,0 +1,69 @@
+"""What install and uninstall need to know about the machine, asked through the runner.
+
+The user and groups come from ``getent`` and ``id`` (so NSS sources count,
+not only /etc/passwd), the units' states from ``systemctl``. Gathered once,
+read-only, before anything is planned: a plan is a pure function of these
+facts, so running install twice with nothing changed plans nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from orin.install.layout import GPU_GROUPS, SERVICE, UNITS
+from orin.system.commands import CommandRunner
+from orin.system.services import unit_active_state, unit_file_state
+
+TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    user: str
+    user_exists: bool
+    primary_group: str | None = None
+    user_groups: frozenset[str] = frozenset()
+    groups_present: tuple[str, ...] = ()  # those of GPU_GROUPS that exist here
+    enabled: dict[str, str | None] = field(default_factory=dict)  # systemctl is-enabled
+    active: dict[str, str | None] = field(default_factory=dict)  # systemctl is-active
+
+    @property
+    def service_active(self) -> bool:
+        return self.active.get(SERVICE) == "active"
+
+    def is_enabled(self, unit: str) -> bool:
+        return self.enabled.get(unit) == "enabled"
+
+    def is_active(self, unit: str) -> bool:
+        return self.active.get(unit) == "active"
+
+    @property
+    def missing_groups(self) -> tuple[str, ...]:
+        """GPU groups that exist but the user is not in."""
+        return tuple(g for g in self.groups_present if g not in self.user_groups)
+
+
+def gather(runner: CommandRunner, user: str, units: Iterable[str] = UNITS) -> HostFacts:
+    exists = _getent(runner, "passwd", user)
+    groups: frozenset[str] = frozenset()
+    primary = None
+    if exists:
+        res = runner.run(("id", "-nG", user), timeout=TIMEOUT)
+        words = res.stdout.split() if res.ok else []
+        groups = frozenset(words)
+        primary = words[0] if words else None
+    unit_list = tuple(units)
+    return HostFacts(
+        user=user,
+        user_exists=exists,
+        primary_group=primary,
+        user_groups=groups,
+        groups_present=tuple(g for g in GPU_GROUPS if _getent(runner, "group", g)),
+        enabled={u: unit_file_state(runner, u) for u in unit_list},
+        active={u: unit_active_state(runner, u) for u in unit_list},
+    )
+
+
+def _getent(runner: CommandRunner, database: str, key: str) -> bool:
+    return runner.run(("getent", database, key), timeout=TIMEOUT).ok

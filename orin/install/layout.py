@@ -1,0 +1,32 @@
+"""Where the installed service lives: unit names, directories and files.
+
+One place for the paths the units, the install plan, uninstall and status
+share, so that a rendered unit and the code that reads it back never disagree.
+All are system paths, reached through SysRoot.
+"""
+
+from __future__ import annotations
+
+SERVICE = "orin-llm.service"
+TUNE_SERVICE = "orin-llm-tune.service"
+UNITS = (TUNE_SERVICE, SERVICE)  # the order they start in
+
+UNIT_DIR = "/etc/systemd/system"
+CONF_DIR = "/etc/orin-llm"
+ENV_FILE = "/etc/orin-llm/orin-llm.env"
+PROFILE_FILE = "/etc/orin-llm/profile.yaml"
+STATE_DIR = "/var/lib/orin-llm"
+MODELS_DIR = "/var/lib/orin-llm/models"
+CACHE_DIR = "/var/cache/orin-llm"
+TUNE_STATE_FILE = "/var/lib/orin-llm/state.json"
+
+DEFAULT_USER = "orin-llm"
+GPU_GROUPS = ("video", "render")  # the Jetson GPU nodes belong to these groups
+
+# Homes are hidden from the service (ProtectHome=yes) unless something it must
+# read lives under one of these.
+HOME_PREFIXES = ("/home/", "/root/", "/run/user/")
+
+
+def unit_path(unit_dir: str, unit: str) -> str:
+    return f"{unit_dir.rstrip('/')}/{unit}"

@@ -1,0 +1,184 @@
+"""orin-llm status: the units' state, /health, and TTFT/TPOT from /metrics.
+
+Latency comes from the server's own histograms, which are cumulative since
+the server started: p50 and p95 are estimated from the buckets the way
+PromQL's histogram_quantile does (linear inside the bucket the rank falls
+in, so accurate to that bucket's width), and the mean is sum / count.
+Prometheus with rate() over a window gives recent figures; status shows the
+whole life of the current process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import shlex
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from orin.errors import OrinError
+from orin.install.layout import ENV_FILE, PROFILE_FILE, SERVICE, UNITS, unit_path
+from orin.install.plan import probe_url
+from orin.install.probe import HttpGet
+from orin.install.steps import read_file
+from orin.profile.loader import parse_profile
+from orin.system.commands import CommandRunner
+from orin.system.root import SysRoot
+
+LATENCY_METRICS = {
+    "ttft": "orin_llm_time_to_first_token_seconds",
+    "tpot": "orin_llm_time_per_output_token_seconds",
+}
+SHOW_PROPERTIES = ("ActiveState", "SubState", "Result", "NRestarts", "MemoryCurrent")
+HTTP_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class Latency:
+    count: int
+    mean_s: float | None
+    p50_s: float | None
+    p95_s: float | None
+
+
+@dataclass(frozen=True)
+class UnitStatus:
+    unit: str
+    installed: bool
+    properties: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def active(self) -> str:
+        return self.properties.get("ActiveState", "unknown")
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    units: tuple[UnitStatus, ...]
+    url: str | None
+    health_status: int | None = None
+    health: dict[str, Any] | None = None
+    error: str | None = None
+    latency: dict[str, Latency] = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        return self.health_status == 200
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "units": [
+                {"unit": u.unit, "installed": u.installed, **u.properties} for u in self.units
+            ],
+            "url": self.url,
+            "health_status": self.health_status,
+            "health": self.health,
+            "error": self.error,
+            "latency": {k: asdict(v) for k, v in self.latency.items()},
+            "healthy": self.healthy,
+        }
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile of cumulative ``(upper bound, count)`` buckets, as PromQL computes it."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):  # in the overflow bucket: the highest finite bound
+                return lower
+            if count == below:
+                return bound
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower
+
+
+def parse_latency(metrics_text: str) -> dict[str, Latency]:
+    """TTFT and TPOT summaries from a /metrics body; a histogram not exported is left out."""
+    wanted = {name: key for key, name in LATENCY_METRICS.items()}
+    out: dict[str, Latency] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        key = wanted.get(family.name)
+        if key is None or family.type != "histogram":
+            continue
+        buckets: list[tuple[float, float]] = []
+        total = count = 0.0
+        for s in family.samples:
+            if s.name.endswith("_bucket"):
+                buckets.append((float(s.labels["le"]), float(s.value)))
+            elif s.name.endswith("_count"):
+                count = float(s.value)
+            elif s.name.endswith("_sum"):
+                total = float(s.value)
+        out[key] = Latency(
+            count=int(count),
+            mean_s=total / count if count else None,
+            p50_s=histogram_quantile(0.5, buckets),
+            p95_s=histogram_quantile(0.95, buckets),
+        )
+    return out
+
+
+def service_url(root: SysRoot, unit_dir: str) -> str | None:
+    """The address the installed service listens on, with serve's precedence.
+
+    ``--port``/``--host`` in ExecStart beat ORIN_LLM_PORT/ORIN_LLM_HOST in the
+    environment file, which beat the installed profile.
+    """
+    profile_text = read_file(root, PROFILE_FILE)
+    if profile_text is None:
+        return None
+    try:
+        profile = parse_profile(profile_text, PROFILE_FILE)
+    except OrinError:
+        return None
+    host, port = profile.server.host, str(profile.server.port)
+    env = _env_values(root.read_text(ENV_FILE) or "")  # root-only: unreadable for users
+    host, port = env.get("ORIN_LLM_HOST", host), env.get("ORIN_LLM_PORT", port)
+    flags = _exec_flags(read_file(root, unit_path(unit_dir, SERVICE)) or "")
+    host, port = flags.get("--host", host), flags.get("--port", port)
+    return probe_url(host, int(port)) if port.isdigit() else None
+
+
+def _env_values(text: str) -> dict[str, str]:
+    values = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip().strip("\"'")
+    return values
+
+
+def _exec_flags(unit_text: str) -> dict[str, str]:
+    for line in unit_text.splitlines():
+        if line.startswith("ExecStart="):
+            words = shlex.split(line.partition("=")[2])
+            return {w: v for w, v in itertools.pairwise(words) if w.startswith("--")}
+    return {}
+
+
+def read_status(root: SysRoot, runner: CommandRunner, get: HttpGet, unit_dir: str) -> ServiceStatus:
+    units = tuple(_unit_status(root, runner, unit_dir, u) for u in UNITS)
+    url = service_url(root, unit_dir)
+    if url is None:
+        return ServiceStatus(units, None, error=f"not installed ({PROFILE_FILE} is missing)")
+    health = get(f"{url}/health", HTTP_TIMEOUT_S)
+    if health.status is None:
+        return ServiceStatus(units, url, error=health.error)
+    metrics = get(f"{url}/metrics", HTTP_TIMEOUT_S)
+    latency = parse_latency(metrics.body) if metrics.status == 200 else {}
+    return ServiceStatus(units, url, health.status, health.json(), None, latency)
+
+
+def _unit_status(root: SysRoot, runner: CommandRunner, unit_dir: str, unit: str) -> UnitStatus:
+    props = ",".join(SHOW_PROPERTIES)
+    res = runner.run(("systemctl", "show", unit, f"--property={props}"), timeout=10.0)
+    values = dict(line.partition("=")[::2] for line in res.stdout.splitlines() if "=" in line)
+    return UnitStatus(unit, root.exists(unit_path(unit_dir, unit)), values)

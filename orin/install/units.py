@@ -1,0 +1,273 @@
+"""Render the unit templates in systemd/ with values from the profile and its memory plan.
+
+The templates hold everything that is the same on every board (the hardening,
+the restart policy); this module computes what depends on the profile, the
+model and the board: the memory limits from the memory plan, the start and
+stop timeouts, the GPU device nodes, the user and groups. Rendering is pure,
+so golden tests pin the exact unit text and the install plan can diff it
+against what is installed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from orin.errors import KVConfigError, OrinError
+from orin.install.layout import HOME_PREFIXES, PROFILE_FILE, SERVICE, TUNE_SERVICE
+from orin.model.gguf import ModelInfo
+from orin.model.plan import MemoryPlan, plan_memory
+from orin.profile.kvmatch import resolve_kv
+from orin.profile.schema import Profile
+from orin.system.root import SysRoot
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# Python, the CUDA context and libraries, the HTTP server: what the process
+# holds besides the weights, the KV cache and the compute buffers of the plan.
+PROCESS_OVERHEAD = 1 * GiB
+# MemoryMax sits a quarter above MemoryHigh: past MemoryHigh the kernel
+# reclaims and throttles, past MemoryMax it kills, so a short excursion above
+# the plan slows the server down instead of killing it.
+MAX_OVER_HIGH = 0.25
+
+# Longer than any single engine step (a full n_batch prompt chunk takes
+# seconds even for a 70B model, tens of seconds on a CPU-only build), since
+# the heartbeat only advances between steps.
+WATCHDOG_SEC = 60
+# The watchdog starts at READY=1, so loading is bounded by TimeoutStartSec
+# alone: a cold read of the weights at 100 MiB/s (an SD card) plus two
+# minutes for CUDA and the KV cache, and never under five minutes.
+LOAD_READ_BYTES_PER_S = 100 * MiB
+LOAD_BASE_S = 120
+LOAD_FLOOR_S = 300
+# Drain gets server.grace_seconds; this covers writing the last responses and
+# the engine thread's join after it, so systemd never kills a drain.
+STOP_MARGIN_S = 30
+
+MLOCK_MODES = frozenset({"mlock", "mmap+mlock"})
+
+# The nodes CUDA opens on a Jetson (nvgpu, host1x syncpoints, nvmap); used
+# when none are found on the machine install runs on, so the unit still
+# renders (and verifies) elsewhere.
+DEFAULT_GPU_DEVICES = (
+    "/dev/nvhost-as-gpu",
+    "/dev/nvhost-ctrl",
+    "/dev/nvhost-ctrl-gpu",
+    "/dev/nvhost-ctxsw-gpu",
+    "/dev/nvhost-dbg-gpu",
+    "/dev/nvhost-gpu",
+    "/dev/nvhost-power-gpu",
+    "/dev/nvhost-prof-gpu",
+    "/dev/nvhost-sched-gpu",
+    "/dev/nvhost-tsg-gpu",
+    "/dev/nvmap",
+)
+# Searched on the board: JetPack 5 and 6 nodes, and a discrete GPU's for a
+# CUDA workstation.
+GPU_DEVICE_GLOBS = ("dev/nvmap", "dev/nvhost-*", "dev/nvgpu/*/*", "dev/nvidia*")
+
+_PLACEHOLDER = re.compile(r"\{\{([a-z_]+)\}\}")
+
+
+class TemplateError(OrinError):
+    """A unit template is missing or names a value the renderer does not have."""
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    """Everything that varies between installs; the rest is in the templates."""
+
+    profile_name: str
+    executable: str
+    user: str
+    groups: tuple[str, ...]
+    plan: MemoryPlan
+    grace_seconds: float
+    memlock: bool
+    devices: tuple[str, ...]
+    protect_home: Literal["yes", "read-only"] = "yes"
+    port: int | None = None
+
+    @property
+    def memory_high(self) -> int:
+        return _round_up(self.plan.total_bytes + PROCESS_OVERHEAD, MiB)
+
+    @property
+    def memory_max(self) -> int:
+        return _round_up(int(self.memory_high * (1 + MAX_OVER_HIGH)), MiB)
+
+    @property
+    def timeout_start_s(self) -> int:
+        read_s = math.ceil(self.plan.weights_bytes / LOAD_READ_BYTES_PER_S)
+        return max(LOAD_FLOOR_S, LOAD_BASE_S + read_s)
+
+    @property
+    def timeout_stop_s(self) -> int:
+        return math.ceil(self.grace_seconds) + STOP_MARGIN_S
+
+
+def service_plan(profile: Profile, info: ModelInfo) -> MemoryPlan:
+    """The most the server will allocate for this profile and model.
+
+    ``auto`` cache types are resolved without the free memory, which picks
+    q8_0 over q4_0 for 4- and 5-bit weights: the larger of the two, so the
+    limits hold whichever the server picks when it starts.
+    """
+    e = profile.engine
+    decision = resolve_kv(e, info.quantization, info, None, None)
+    if decision.errors:
+        raise KVConfigError("; ".join(f"{f.rule}: {f.message}" for f in decision.errors))
+    flash = decision.flash_attn != "off"
+    return plan_memory(
+        info, e.n_ctx, e.slots, decision.type_k, decision.type_v, None, e.n_ubatch, flash
+    )
+
+
+def unit_config(
+    profile: Profile,
+    plan: MemoryPlan,
+    executable: str,
+    user: str,
+    groups: Iterable[str],
+    devices: Iterable[str],
+    port: int | None = None,
+    model_path: str | None = None,
+) -> UnitConfig:
+    return UnitConfig(
+        profile_name=profile.name,
+        executable=executable,
+        user=user,
+        groups=tuple(groups),
+        plan=plan,
+        grace_seconds=profile.server.grace_seconds,
+        memlock=profile.engine.load_mode in MLOCK_MODES,
+        devices=tuple(devices),
+        protect_home=protect_home_for((executable, model_path)),
+        port=port,
+    )
+
+
+def protect_home_for(paths: Iterable[str | None]) -> Literal["yes", "read-only"]:
+    """``read-only`` when the service must read something under a home directory."""
+    for p in paths:
+        if p and any(p.startswith(prefix) for prefix in HOME_PREFIXES):
+            return "read-only"
+    return "yes"
+
+
+def find_gpu_devices(root: SysRoot) -> tuple[str, ...]:
+    """The GPU device nodes on this board, or the Jetson defaults when there are none."""
+    found: set[str] = set()
+    for pattern in GPU_DEVICE_GLOBS:
+        for p in root.base.glob(pattern):
+            if not p.is_dir():
+                found.add("/" + p.relative_to(root.base).as_posix())
+    return tuple(sorted(found)) if found else DEFAULT_GPU_DEVICES
+
+
+def render_units(cfg: UnitConfig) -> dict[str, str]:
+    """Unit name -> unit file text."""
+    values = _values(cfg)
+    return {name: render_template(template_text(name), values) for name in (SERVICE, TUNE_SERVICE)}
+
+
+def _values(cfg: UnitConfig) -> dict[str, str]:
+    serve = [cfg.executable, "serve", "--profile", PROFILE_FILE]
+    if cfg.port is not None:
+        serve += ["--port", str(cfg.port)]
+    tune = [cfg.executable, "tune", "system", "--apply", "--profile", PROFILE_FILE]
+    return {
+        "profile_name": _escape(cfg.profile_name),
+        "memory_plan": _escape(describe_plan(cfg)),
+        "exec_start": command_line(serve),
+        "exec_tune": command_line(tune),
+        "user": cfg.user,
+        "groups": " ".join(cfg.groups),
+        "watchdog_sec": str(WATCHDOG_SEC),
+        "timeout_start_sec": str(cfg.timeout_start_s),
+        "timeout_stop_sec": str(cfg.timeout_stop_s),
+        "limit_memlock": "LimitMEMLOCK=infinity" if cfg.memlock else "",
+        "memory_high": f"{cfg.memory_high // MiB}M",
+        "memory_max": f"{cfg.memory_max // MiB}M",
+        "protect_home": cfg.protect_home,
+        "device_allow": "\n".join(f"DeviceAllow={_escape(d)} rw" for d in cfg.devices),
+    }
+
+
+def describe_plan(cfg: UnitConfig) -> str:
+    p = cfg.plan
+    return (
+        f"weights {_gib(p.weights_bytes)} + KV {_gib(p.kv_bytes)} "
+        f"({p.slots} slots x {p.ctx} tokens, K={p.type_k}, V={p.type_v}) + compute "
+        f"~{_gib(p.compute_bytes)} = {_gib(p.total_bytes)}; MemoryHigh adds "
+        f"{_gib(PROCESS_OVERHEAD)} for the process, MemoryMax a quarter more"
+    )
+
+
+def render_template(text: str, values: Mapping[str, str]) -> str:
+    """Fill ``{{name}}`` placeholders; a line that renders empty is left out.
+
+    An unknown placeholder is an error, so a template and this module cannot
+    drift apart silently.
+    """
+    out: list[str] = []
+    for line in text.splitlines():
+        names = _PLACEHOLDER.findall(line)
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise TemplateError(f"unit template names unknown value(s): {', '.join(missing)}")
+        rendered = _PLACEHOLDER.sub(lambda m: values[m.group(1)], line)
+        if names and not rendered.strip():
+            continue
+        if names and rendered.rstrip().endswith("="):  # e.g. no supplementary groups
+            continue
+        out.append(rendered)
+    return "\n".join(out) + "\n"
+
+
+def template_dir() -> Path:
+    """systemd/ in the repository, or orin/_systemd inside an installed wheel."""
+    here = Path(__file__).resolve().parent.parent
+    for d in (here / "_systemd", here.parent / "systemd"):
+        if d.is_dir():
+            return d
+    raise TemplateError(f"unit templates not found (looked in {here / '_systemd'})")
+
+
+def template_text(name: str) -> str:
+    path = template_dir() / name
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TemplateError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+
+
+def command_line(argv: Iterable[str]) -> str:
+    """A command line for ExecStart=, each word quoted the way systemd parses it."""
+    return " ".join(_quote(a) for a in argv)
+
+
+def _quote(arg: str) -> str:
+    arg = _escape(arg).replace("$", "$$")
+    if arg and not re.search(r"[\s\"'\\;]", arg):
+        return arg
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _escape(text: str) -> str:
+    """``%`` starts a specifier in unit files."""
+    return text.replace("%", "%%")
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"

@@ -1,0 +1,171 @@
+"""What a measurement holds: per grid point the engine's RequestTimings figures, per
+phase the time, tokens and utilization, and the Score the search ranks by.
+
+Pure data with merge operations: repetitions measured at different times
+(successive halving's rounds) add up to one measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from orin.bench.stats import percentile
+from orin.profile.schema import SLOSection
+from orin.tune.search import Score
+from orin.tune.space import Candidate
+
+
+@dataclass(frozen=True)
+class Grid:
+    prompt_tokens: tuple[int, ...]
+    concurrency: tuple[int, ...]
+    output_tokens: int
+
+    @property
+    def points(self) -> list[tuple[int, int]]:
+        return [(p, c) for p in self.prompt_tokens for c in self.concurrency]
+
+
+@dataclass
+class Point:
+    """One (prompt length, concurrency) cell, accumulated over repetitions."""
+
+    prompt_tokens: int
+    concurrency: int
+    ttft_ms: list[float] = field(default_factory=list)
+    tpot_ms: list[float] = field(default_factory=list)
+    queue_ms: list[float] = field(default_factory=list)
+    prefill_ms: list[float] = field(default_factory=list)
+    e2e_ms: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    wall_s: float = 0.0
+    errors: int = 0
+
+    @property
+    def ttft_p95(self) -> float | None:
+        return percentile(self.ttft_ms, 95)
+
+    @property
+    def tpot_p90(self) -> float | None:
+        return percentile(self.tpot_ms, 90)
+
+    @property
+    def throughput(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def merge(self, other: Point) -> Point:
+        return Point(
+            self.prompt_tokens,
+            self.concurrency,
+            self.ttft_ms + other.ttft_ms,
+            self.tpot_ms + other.tpot_ms,
+            self.queue_ms + other.queue_ms,
+            self.prefill_ms + other.prefill_ms,
+            self.e2e_ms + other.e2e_ms,
+            self.output_tokens + other.output_tokens,
+            self.wall_s + other.wall_s,
+            self.errors + other.errors,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "concurrency": self.concurrency,
+            "requests": len(self.ttft_ms),
+            "errors": self.errors,
+            "ttft_p95_ms": self.ttft_p95,
+            "tpot_p90_ms": self.tpot_p90,
+            "ttft_p50_ms": percentile(self.ttft_ms, 50),
+            "tpot_p50_ms": percentile(self.tpot_ms, 50),
+            "queue_mean_ms": _mean(self.queue_ms),
+            "prefill_mean_ms": _mean(self.prefill_ms),
+            "output_throughput": self.throughput,
+        }
+
+
+@dataclass(frozen=True)
+class PhaseFigures:
+    """Engine time, tokens and mean utilization in one phase (None: not measured)."""
+
+    seconds: float
+    tokens: int
+    gpu_util: float | None
+    cpu_util: float | None
+    mixed_share: float = 0.0
+
+    def merge(self, o: PhaseFigures) -> PhaseFigures:
+        total = self.seconds + o.seconds
+
+        def avg(a: float | None, b: float | None) -> float | None:
+            if a is None or b is None or total <= 0:
+                return a if b is None else b
+            return (a * self.seconds + b * o.seconds) / total
+
+        mixed = avg(self.mixed_share, o.mixed_share) or 0.0
+        return PhaseFigures(
+            total, self.tokens + o.tokens, avg(self.gpu_util, o.gpu_util),
+            avg(self.cpu_util, o.cpu_util), mixed,
+        )  # fmt: skip
+
+
+@dataclass
+class Measurement:
+    candidate: Candidate
+    reps: int = 0
+    points: dict[tuple[int, int], Point] = field(default_factory=dict)
+    phases: dict[str, PhaseFigures] = field(default_factory=dict)
+    cost_s: float = 0.0  # wall time of all its measuring, model loads included
+    error: str | None = None
+
+    def merge(self, o: Measurement) -> Measurement:
+        points = dict(self.points)
+        for key, p in o.points.items():
+            points[key] = points[key].merge(p) if key in points else p
+        phases = dict(self.phases)
+        for name, f in o.phases.items():
+            phases[name] = phases[name].merge(f) if name in phases else f
+        return Measurement(
+            self.candidate, self.reps + o.reps, points, phases,
+            self.cost_s + o.cost_s, o.error or self.error,
+        )  # fmt: skip
+
+    def throughput(self) -> float:
+        """Generated tokens/s at the highest concurrency the SLOs name, over all lengths."""
+        if not self.points:
+            return 0.0
+        top = max(c for _, c in self.points)
+        pts = [p for (_, c), p in self.points.items() if c == top]
+        wall = sum(p.wall_s for p in pts)
+        return sum(p.output_tokens for p in pts) / wall if wall > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "candidate": self.candidate.to_dict(),
+            "label": self.candidate.label,
+            "reps": self.reps,
+            "cost_s": self.cost_s,
+            "error": self.error,
+            "throughput": self.throughput(),
+            "points": [p.to_dict() for p in self.points.values()],
+            "phases": {k: vars(v) for k, v in self.phases.items()},
+        }
+
+
+def score(m: Measurement, slo: SLOSection) -> Score:
+    """SLOs hold at every point: p95 TTFT and p90 TPOT within their targets."""
+    if m.error is not None or not m.points or any(not p.ttft_ms for p in m.points.values()):
+        return Score(False, 0.0, float("inf"), failed=True)
+    ratios = [0.0]
+    for p in m.points.values():
+        if slo.ttft_p95_ms is not None:
+            ratios.append((p.ttft_p95 or 0.0) / slo.ttft_p95_ms)
+        if slo.tpot_p90_ms is not None and p.tpot_p90 is not None:
+            ratios.append(p.tpot_p90 / slo.tpot_p90_ms)
+    excess = max(ratios) - 1.0
+    errors = sum(p.errors for p in m.points.values())
+    return Score(excess <= 0 and errors == 0, m.throughput(), excess)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None

@@ -1,0 +1,226 @@
+"""orin-llm tune end to end: space -> successive halving over in-process measurements
+-> the chosen configuration, the profile's own for comparison, and why targets miss.
+
+The budget covers everything: measuring gets what is left after loading and a
+reserve for writing the profile and the report (plots take a few seconds).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orin.errors import OrinError, ProfileError
+from orin.llamacpp import BuildInfo
+from orin.model.gguf import ModelInfo, read_model_info
+from orin.profile.loader import resolve_model_path
+from orin.profile.schema import Profile
+from orin.system.commands import SubprocessRunner
+from orin.system.root import SysRoot
+from orin.telemetry.sampler import Sampler
+from orin.telemetry.sources import select_source
+from orin.tune.explain import explain
+from orin.tune.figures import Grid, Measurement
+from orin.tune.measure import EngineMeasurer
+from orin.tune.search import SearchResult, Trial, successive_halving
+from orin.tune.space import Candidate, Space, build_space
+
+Progress = Callable[[str], None]
+
+
+class TuneError(OrinError):
+    """Nothing could be measured (every candidate failed, or no time to measure)."""
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    budget_s: float = 600.0
+    output_tokens: int = 32
+    seed: int = 0
+    telemetry: str = "auto"  # auto, off, or a source name
+    min_fidelity: int = 1
+    max_fidelity: int = 9
+    eta: int = 3
+
+
+@dataclass
+class TuneResult:
+    profile: Profile
+    model_path: Path
+    info: ModelInfo
+    grid: Grid
+    space: Space
+    search: SearchResult[Candidate]
+    measurements: dict[Candidate, Measurement]
+    chosen: Candidate
+    explanation: list[str]
+    settings: TuneSettings
+    started_at: str
+    elapsed_s: float = 0.0
+    telemetry_source: str | None = None
+    model_given: bool = False  # --model overrode the profile's model
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def chosen_m(self) -> Measurement:
+        return self.measurements[self.chosen]
+
+    @property
+    def baseline_m(self) -> Measurement | None:
+        return self.measurements.get(self.space.baseline)
+
+    @property
+    def meets_slo(self) -> bool:
+        return bool(self.search.best_score and self.search.best_score.meets_slo)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "date": self.started_at,
+            "profile": self.profile.name,
+            "model": str(self.model_path),
+            "quantization": self.info.quantization,
+            "budget_s": self.settings.budget_s,
+            "elapsed_s": self.elapsed_s,
+            "measuring_s": self.search.spent_s,
+            "telemetry_source": self.telemetry_source,
+            "slo": self.profile.slo.model_dump(),
+            "grid": vars(self.grid),
+            "space": {"size": len(self.space), "axes": self.space.axes},
+            "fidelities": self.search.fidelities,
+            "first_round": self.search.first_round,
+            "stopped": self.search.stopped,
+            "chosen": self.chosen.to_dict(),
+            "baseline": self.space.baseline.to_dict(),
+            "meets_slo": self.meets_slo,
+            "explanation": self.explanation,
+            "notes": self.notes + list(self.space.notes),
+            "trials": [_trial(t) for t in self.search.trials],
+            "measurements": [m.to_dict() for m in self.measurements.values()],
+        }
+
+
+def _trial(t: Trial[Candidate]) -> dict[str, Any]:
+    return {"label": t.candidate.label, "round": t.round, "fidelity": t.fidelity,
+            "cost_s": t.cost_s, **vars(t.score)}  # fmt: skip
+
+
+def grid_for(profile: Profile, output_tokens: int) -> Grid:
+    """The SLO's prompt lengths and concurrency levels; each must fit one slot."""
+    slo = profile.slo
+    prompts = tuple(sorted(set(slo.prompt_tokens)))
+    if not prompts or not slo.concurrency or min(prompts) < 1 or min(slo.concurrency) < 1:
+        raise ProfileError("slo.prompt_tokens and slo.concurrency need positive values")
+    need = max(prompts) + output_tokens + 1
+    if need > profile.engine.n_ctx:
+        raise ProfileError(
+            f"engine.n_ctx ({profile.engine.n_ctx} per slot) cannot hold the SLO's "
+            f"{max(prompts)}-token prompts plus {output_tokens} generated tokens"
+        )
+    return Grid(prompts, tuple(sorted(set(slo.concurrency))), output_tokens)
+
+
+def report_reserve(budget_s: float) -> float:
+    """Seconds kept for writing the profile and the report (plots)."""
+    return min(max(0.1 * budget_s, 5.0), 30.0)
+
+
+def _system() -> tuple[BuildInfo | None, int | None]:
+    """The llama.cpp build (which rules apply) and the memory available now."""
+    from orin.llamacpp import build_info
+    from orin.system.memory import read_meminfo
+
+    try:
+        available: int | None = read_meminfo(SysRoot()).available
+    except OrinError:
+        available = None
+    return build_info(), available
+
+
+def _sampler(name: str, budget_s: float) -> tuple[Sampler | None, str | None]:
+    if name == "off":
+        return None, None
+    source, _ = select_source(None if name == "auto" else name, SysRoot(), SubprocessRunner())
+    return Sampler(source, seconds=budget_s + 300).start(), source.name
+
+
+def tune(
+    profile: Profile,
+    model: Path | None = None,
+    settings: TuneSettings | None = None,
+    progress: Progress | None = None,
+) -> TuneResult:
+    """Measure, search and choose; writes nothing (see tuned.write and report.write)."""
+    s = settings or TuneSettings()
+    start = time.perf_counter()
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    path = resolve_model_path(profile, model)
+    info = read_model_info(path)
+    grid = grid_for(profile, s.output_tokens)
+    build, available = _system()
+    space = build_space(profile, info, build, available)
+    say = progress or (lambda _: None)
+    say(f"{len(space)} configurations; grid {grid.points}; budget {s.budget_s:.0f} s")
+    sampler, source = _sampler(s.telemetry, s.budget_s)
+    measurer = EngineMeasurer(profile, path, info, grid, build, available, sampler, s.seed)
+    try:
+        budget = s.budget_s - report_reserve(s.budget_s) - (time.perf_counter() - start)
+        measurer.deadline = time.perf_counter() + budget
+        result = successive_halving(
+            space.candidates, measurer.evaluate, budget, s.min_fidelity, s.max_fidelity,
+            s.eta, s.seed, first=space.baseline, on_trial=lambda t: say(_describe(t)),
+        )  # fmt: skip
+        _top_up_baseline(measurer, space.baseline, result, budget)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    chosen = _chosen(result, measurer)
+    m = measurer.results[chosen]
+    out = TuneResult(
+        profile, path, info, grid, space, result, measurer.results, chosen,
+        explain(m, profile.slo) if not (result.best_score and result.best_score.meets_slo)
+        else [], s, started, telemetry_source=source,
+    )  # fmt: skip
+    if result.first_round < len(space) + (space.baseline not in space.candidates):
+        out.notes.append(
+            f"the budget allowed {result.first_round} of the configurations in the first "
+            "round (a seeded random subset, the profile's own always included)"
+        )
+    out.model_given = model is not None
+    out.elapsed_s = time.perf_counter() - start
+    return out
+
+
+def _chosen(result: SearchResult[Candidate], measurer: EngineMeasurer) -> Candidate:
+    if result.best is None or result.best_score is None:
+        raise TuneError("the budget did not allow a single measurement; give a larger --budget")
+    if result.best_score.failed:
+        errors = {m.error for m in measurer.results.values() if m.error}
+        raise TuneError("every configuration failed: " + "; ".join(sorted(errors)))
+    return result.best
+
+
+def _top_up_baseline(
+    measurer: EngineMeasurer, baseline: Candidate, result: SearchResult[Candidate], budget: float
+) -> None:
+    """Measure the profile's own settings as often as the chosen ones when time allows,
+    so the before/after figures compare like with like."""
+    have = measurer.results.get(baseline)
+    if have is None or have.error or have.reps >= result.best_fidelity or have.reps == 0:
+        return
+    predicted = have.cost_s / have.reps * (result.best_fidelity - have.reps)
+    if result.spent_s + predicted <= budget:
+        ev = measurer.evaluate(baseline, result.best_fidelity)
+        result.spent_s += ev.cost_s
+
+
+def _describe(t: Trial[Candidate]) -> str:
+    s = t.score
+    state = "failed" if s.failed else ("meets SLO" if s.meets_slo else f"{s.excess:+.0%} over")
+    return (
+        f"round {t.round} x{t.fidelity}: {t.candidate.label}: {s.throughput:.1f} tok/s, "
+        f"{state} ({t.cost_s:.1f} s)"
+    )

@@ -1,0 +1,179 @@
+"""The settings tune may change, derived from the profile, the model and the build.
+
+Each axis is kept only where it can matter here, so the space stays small
+enough to measure:
+
+- n_batch / n_ubatch: a few prompt-chunk sizes (with the profile's own);
+- flash attention on and off;
+- K/V cache types: only pairs the matching rules (orin/profile/kvmatch.py)
+  allow without error *and* without lowering precision below the weights', so
+  tune never trades accuracy for speed behind the user's back;
+- threads: one per physical core and half that (on a shared or busy CPU the
+  smaller pool often wins: llama.cpp's threads spin while waiting);
+- slots: the largest SLO concurrency and the profile's own count (more slots
+  than streams changes slot placement, see docs/performance.md finding 1);
+- gpu layers and load mode (mmap or read): only when the build can offload and
+  the whole model does not fit, where partial offload and mmap matter.
+
+Candidates whose weights + KV + compute would not fit in available memory are
+dropped with a note.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from orin.engine.config import default_threads
+from orin.llamacpp import BuildInfo
+from orin.model.gguf import ModelInfo
+from orin.model.plan import total_bytes
+from orin.profile.kvmatch import check_kv, resolve_kv
+from orin.profile.schema import EngineSection, Profile
+
+BATCH_SIZES = (128, 256, 512)
+KV_PAIRS = (("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"))
+FLASH = ("on", "off")
+PARTIAL_OFFLOAD = (1.0, 0.75, 0.5)
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One engine configuration; every field is an EngineSection field."""
+
+    n_batch: int
+    n_ubatch: int
+    flash_attn: str
+    type_k: str
+    type_v: str
+    threads: int
+    slots: int
+    gpu_layers: int = -1
+    load_mode: str = "auto"
+
+    @property
+    def label(self) -> str:
+        layers = "" if self.gpu_layers < 0 else f" ngl={self.gpu_layers} {self.load_mode}"
+        return (
+            f"b{self.n_batch}/u{self.n_ubatch} fa={self.flash_attn} "
+            f"kv={self.type_k}/{self.type_v} t{self.threads} s{self.slots}{layers}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def engine(self, base: EngineSection) -> EngineSection:
+        """The profile's engine section with this candidate's settings."""
+        data = base.model_dump()
+        data.update(asdict(self), threads_batch=0)
+        return EngineSection.model_validate(data)
+
+    def apply(self, profile: Profile) -> Profile:
+        """A copy of ``profile`` that runs this candidate (validated like a loaded file)."""
+        data = profile.model_dump()
+        data["engine"] = self.engine(profile.engine).model_dump()
+        out = Profile.model_validate(data)
+        out.source = profile.source
+        return out
+
+
+@dataclass(frozen=True)
+class Space:
+    candidates: tuple[Candidate, ...]
+    baseline: Candidate  # what the profile runs today (measured for the before/after)
+    axes: dict[str, tuple[Any, ...]]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+
+def baseline_of(profile: Profile, info: ModelInfo, build: BuildInfo | None) -> Candidate:
+    """The profile's own settings, with ``auto`` KV types resolved as the engine would."""
+    e = profile.engine
+    kv = resolve_kv(e, info.quantization, info, build)
+    return Candidate(
+        n_batch=e.n_batch,
+        n_ubatch=e.n_ubatch,
+        flash_attn=kv.flash_attn,
+        type_k=kv.type_k,
+        type_v=kv.type_v,
+        threads=e.threads or default_threads(),
+        slots=e.slots,
+        gpu_layers=e.gpu_layers,
+        load_mode=e.load_mode,
+    )
+
+
+def _allowed_kv(
+    profile: Profile, info: ModelInfo, build: BuildInfo | None, flash: str
+) -> list[tuple[str, str]]:
+    """K/V pairs with neither an error nor a precision warning under this flash mode."""
+    out = []
+    for k, v in KV_PAIRS:
+        findings = check_kv(k, v, flash, profile.engine, info.quantization, info, build)
+        if not any(f.severity == "error" or f.rule == "kv-below-weights" for f in findings):
+            out.append((k, v))
+    return out
+
+
+def _layer_options(
+    profile: Profile, info: ModelInfo, build: BuildInfo | None, available: int | None
+) -> tuple[list[int], list[str], str | None]:
+    e = profile.engine
+    if build is None or not build.gpu_offload or available is None:
+        return [e.gpu_layers], [e.load_mode], None
+    full = total_bytes(info, e.n_ctx, e.slots, "f16", "f16", e.n_ubatch, True)
+    if full <= available:
+        return [e.gpu_layers], [e.load_mode], None
+    layers = sorted({max(1, round(info.n_layer * f)) for f in PARTIAL_OFFLOAD}, reverse=True)
+    note = "the whole model does not fit: partial offload and mmap are searched"
+    return layers, ["mmap", "none"], note
+
+
+def _axes(profile: Profile, cores: int, max_streams: int) -> dict[str, tuple[Any, ...]]:
+    e = profile.engine
+    threads = {cores, max(1, cores // 2)} | ({e.threads} if e.threads else set())
+    slots = {s for s in (max_streams, e.slots) if s >= max_streams}
+    batches = {(b, b) for b in BATCH_SIZES} | {(e.n_batch, e.n_ubatch)}
+    return {
+        "batch": tuple(sorted(p for p in batches if p[0] >= max(slots))),
+        "flash_attn": FLASH,
+        "threads": tuple(sorted(threads)),
+        "slots": tuple(sorted(slots)),
+    }
+
+
+def build_space(
+    profile: Profile,
+    info: ModelInfo,
+    build: BuildInfo | None = None,
+    available: int | None = None,
+    cores: int | None = None,
+) -> Space:
+    """Every combination of the axes that the rules allow and memory holds."""
+    max_streams = max(profile.slo.concurrency)
+    axes = _axes(profile, cores or default_threads(), max_streams)
+    layers, loads, note = _layer_options(profile, info, build, available)
+    notes = [note] if note else []
+    kv = {f: _allowed_kv(profile, info, build, f) for f in FLASH}
+    axes.update(kv=tuple(sorted(set(kv["on"]) | set(kv["off"]))), gpu_layers=tuple(layers))
+    out, dropped = [], 0
+    for (b, ub), fa, th, sl, ngl, load in itertools.product(
+        axes["batch"], FLASH, axes["threads"], axes["slots"], layers, loads
+    ):
+        for k, v in kv[fa]:
+            c = Candidate(b, ub, fa, k, v, th, sl, ngl, load)
+            if available is not None and _bytes(profile, info, c) > available:
+                dropped += 1
+                continue
+            out.append(c)
+    if dropped:
+        notes.append(f"{dropped} configurations would not fit in available memory: skipped")
+    return Space(tuple(out), baseline_of(profile, info, build), axes, tuple(notes))
+
+
+def _bytes(profile: Profile, info: ModelInfo, c: Candidate) -> int:
+    n_ctx = profile.engine.n_ctx
+    return total_bytes(info, n_ctx, c.slots, c.type_k, c.type_v, c.n_ubatch, c.flash_attn != "off")

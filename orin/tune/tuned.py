@@ -1,0 +1,100 @@
+"""The tuned profile: the input profile with the chosen engine settings, as YAML whose
+comments record what was measured, on what, and when.
+
+Figures are stated as the project states them (pitfalls.md): "TTFT_p95 from
+420 ms to 180 ms at 512 tokens x 4 streams", never "faster". The "from" is
+the profile's own configuration measured in the same run; when the budget
+measured it less often than the chosen one, the comment says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orin.profile.loader import parse_profile
+from orin.tune.figures import Measurement, Point
+from orin.tune.run import TuneResult
+from orin.tune.space import Candidate
+
+
+def _ms(v: float | None, digits: int = 0) -> str:
+    return "-" if v is None else f"{v:.{digits}f} ms"
+
+
+def point_lines(chosen: Measurement, before: Measurement | None) -> list[str]:
+    """One line per grid point: TTFT_p95, TPOT_p90 and throughput, with the before."""
+    lines = []
+    for key, p in chosen.points.items():
+        old: Point | None = before.points.get(key) if before is not None else None
+        ttft = f"TTFT_p95 {_ms(p.ttft_p95)}"
+        tpot = f"TPOT_p90 {_ms(p.tpot_p90, 1)}"
+        if old is not None:
+            ttft = f"TTFT_p95 from {_ms(old.ttft_p95)} to {_ms(p.ttft_p95)}"
+            tpot = f"TPOT_p90 from {_ms(old.tpot_p90, 1)} to {_ms(p.tpot_p90, 1)}"
+        lines.append(
+            f"{p.prompt_tokens} prompt tokens x {p.concurrency} streams: {ttft}, {tpot}, "
+            f"{p.throughput:.1f} tokens/s"
+        )
+    return lines
+
+
+def _changes(before: Candidate, after: Candidate) -> dict[str, tuple[Any, Any]]:
+    a, b = before.to_dict(), after.to_dict()
+    return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+def header(r: TuneResult) -> list[str]:
+    chosen, before = r.chosen_m, r.baseline_m
+    lines = [
+        f"Tuned by `orin-llm tune` on {r.started_at} from profile '{r.profile.name}'.",
+        f"Model {r.model_path.name} ({r.info.quantization}); engine in-process, greedy, "
+        f"{r.grid.output_tokens} generated tokens per request, telemetry "
+        f"{r.telemetry_source or 'off'}.",
+        f"Search: {len(r.search.trials)} measurements of {len(r.space)} configurations "
+        f"(successive halving, repetitions {list(r.search.fidelities)}), "
+        f"{r.search.spent_s:.0f} s of a {r.settings.budget_s:.0f} s budget.",
+        f"Measured ({chosen.reps} repetitions per point; before = the profile's own "
+        f"settings, {before.reps if before else 0} repetitions):",
+        *(f"  {line}" for line in point_lines(chosen, before)),
+    ]
+    slo = r.profile.slo
+    goals = (("ttft_p95_ms", slo.ttft_p95_ms), ("tpot_p90_ms", slo.tpot_p90_ms))
+    targets = [f"{k} {v:g}" for k, v in goals if v is not None]
+    if targets:
+        verdict = "met at every point" if r.meets_slo else "NOT met; closest configuration"
+        lines.append(f"SLO {', '.join(targets)}: {verdict}.")
+    lines += [f"  {e}" for e in r.explanation]
+    changed = _changes(r.space.baseline, r.chosen)
+    if changed:
+        lines.append("Changed: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
+    return lines
+
+
+def profile_data(r: TuneResult) -> dict[str, Any]:
+    """The tuned profile as plain data: the input profile, the chosen engine settings
+    (KV types and flash attention explicit) and an absolute model path."""
+    p = r.chosen.apply(r.profile)
+    data = p.model_dump(mode="json")
+    data["name"] = f"{r.profile.name}-tuned"[:128]
+    data["description"] = f"{r.profile.name} tuned by orin-llm tune on {r.started_at}"
+    if r.profile.model.demo is None or r.model_given:
+        data["model"]["path"] = str(r.model_path.resolve())
+        data["model"]["demo"] = None
+    return data
+
+
+def render(r: TuneResult) -> str:
+    """The YAML text; parsed back through the profile loader before it is returned."""
+    body = yaml.safe_dump(profile_data(r), sort_keys=False, allow_unicode=True)
+    text = "".join(f"# {line}\n" for line in header(r)) + body
+    parse_profile(text, "tuned profile")  # the same validation `profile validate` runs first
+    return text
+
+
+def write(r: TuneResult, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(r), encoding="utf-8")
+    return path

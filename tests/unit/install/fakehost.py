@@ -1,0 +1,120 @@
+"""A fake host for install tests: users, groups and systemd units that commands change.
+
+Its FakeRunner answers getent, id, useradd/usermod/userdel, chown/chmod,
+journalctl and systemctl from this state, and records every command line,
+so tests assert the exact sequence and that a second install plans nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orin.system.commands import CommandResult
+from tests.fakerunner import FakeRunner
+
+NOT_FOUND = 2  # getent's exit status for a missing key
+QUERIES = {"getent", "id", "journalctl"}
+SYSTEMCTL_QUERIES = {"is-enabled", "is-active", "show"}
+
+
+@dataclass
+class FakeHost:
+    users: dict[str, set[str]] = field(default_factory=dict)  # user -> groups
+    groups: set[str] = field(default_factory=lambda: {"video", "render"})
+    enabled: set[str] = field(default_factory=set)
+    active: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    fail_on: dict[tuple[str, ...], CommandResult] = field(default_factory=dict)
+    journal: str = "orin-llm[42]: model loaded\n"
+    runner: FakeRunner = field(init=False)
+
+    def __post_init__(self) -> None:
+        programs = ("getent", "id", "useradd", "usermod", "userdel", "chown", "chmod")
+        programs += ("journalctl", "systemctl")
+        self.runner = FakeRunner(answers={(name,): self._answer for name in programs})
+
+    @property
+    def calls(self) -> list[tuple[str, ...]]:
+        return self.runner.calls
+
+    def changes(self) -> list[tuple[str, ...]]:
+        """The command lines that change something (queries left out)."""
+        return [c for c in self.calls if not _is_query(c)]
+
+    def installed(self, unit: str) -> None:
+        self.enabled.add(unit)
+        self.active.add(unit)
+
+    def _answer(self, argv: tuple[str, ...]) -> CommandResult:
+        for prefix, result in self.fail_on.items():
+            if argv[: len(prefix)] == prefix:
+                return CommandResult(argv, result.returncode, result.stdout, result.stderr)
+        handler = getattr(self, "_" + argv[0])
+        result: CommandResult = handler(argv)
+        return result
+
+    def _getent(self, argv: tuple[str, ...]) -> CommandResult:
+        db, key = argv[1], argv[2]
+        found = key in self.users if db == "passwd" else key in self.groups
+        return CommandResult(argv, 0 if found else NOT_FOUND, f"{key}:x:999:\n" if found else "")
+
+    def _id(self, argv: tuple[str, ...]) -> CommandResult:
+        user = argv[-1]
+        if user not in self.users:
+            return CommandResult(argv, 1, "", f"id: '{user}': no such user")
+        return CommandResult(argv, 0, " ".join([user, *sorted(self.users[user])]) + "\n")
+
+    def _useradd(self, argv: tuple[str, ...]) -> CommandResult:
+        groups = argv[argv.index("--groups") + 1].split(",") if "--groups" in argv else []
+        self.users[argv[-1]] = set(groups)
+        return CommandResult(argv, 0)
+
+    def _usermod(self, argv: tuple[str, ...]) -> CommandResult:
+        self.users[argv[-1]] |= set(argv[argv.index("--groups") + 1].split(","))
+        return CommandResult(argv, 0)
+
+    def _userdel(self, argv: tuple[str, ...]) -> CommandResult:
+        self.users.pop(argv[-1], None)
+        return CommandResult(argv, 0)
+
+    def _chown(self, argv: tuple[str, ...]) -> CommandResult:
+        return CommandResult(argv, 0)
+
+    _chmod = _chown
+
+    def _journalctl(self, argv: tuple[str, ...]) -> CommandResult:
+        return CommandResult(argv, 0, self.journal)
+
+    def _systemctl(self, argv: tuple[str, ...]) -> CommandResult:
+        verb, rest = argv[1], [a for a in argv[2:] if not a.startswith("--")]
+        if verb == "is-enabled":
+            state = "enabled" if rest[0] in self.enabled else ""
+            return CommandResult(argv, 0 if state else 1, state + "\n")
+        if verb == "is-active":
+            unit = rest[0]
+            state = "active" if unit in self.active else "inactive"
+            state = "failed" if unit in self.failed else state
+            return CommandResult(argv, 0 if state == "active" else 3, state + "\n")
+        if verb == "show":
+            state = "active" if rest[0] in self.active else "inactive"
+            return CommandResult(argv, 0, f"ActiveState={state}\nSubState=running\nNRestarts=0\n")
+        self._systemctl_change(verb, rest, "--now" in argv)
+        return CommandResult(argv, 0)
+
+    def _systemctl_change(self, verb: str, units: list[str], now: bool) -> None:
+        if verb == "enable":
+            self.enabled |= set(units)
+            if now:
+                self.active |= set(units)
+        elif verb == "disable":
+            self.enabled -= set(units)
+            if now:
+                self.active -= set(units)
+        elif verb in ("start", "restart"):
+            self.active |= set(units)
+
+
+def _is_query(argv: tuple[str, ...]) -> bool:
+    if argv[0] in QUERIES:
+        return True
+    return argv[0] == "systemctl" and argv[1] in SYSTEMCTL_QUERIES

@@ -1,0 +1,96 @@
+"""Generated and machine-read docs stay true: the profile reference and the Grafana dashboard."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from orin.install.docgen import describe_type, profiles_reference
+from orin.profile.schema import Profile
+from orin.server.metrics import PhaseMetrics, ServerMetrics
+
+DOCS = Path(__file__).resolve().parents[3] / "docs"
+METRIC = re.compile(r"\borin_llm_[a-zA-Z0-9_]+")
+PANELS = (
+    "TTFT p95",
+    "TPOT p90",
+    "ITL p99",
+    "Tokens/s",
+    "Requests by finish reason",
+    "KV cache usage",
+    "Queue and slots",
+    "GPU utilization by phase",
+)
+
+
+def test_profiles_reference_matches_the_schema() -> None:
+    committed = (DOCS / "profiles-reference.md").read_text(encoding="utf-8")
+    assert committed == profiles_reference(), (
+        "docs/profiles-reference.md is stale: python -m orin.install.docgen "
+        "docs/profiles-reference.md"
+    )
+
+
+def test_profiles_reference_lists_every_field() -> None:
+    text = profiles_reference()
+    for section, info in Profile.model_fields.items():
+        sub = getattr(info.annotation, "model_fields", None)
+        for name in sub or {section: None}:
+            field = f"`{section}.{name}`" if sub else f"`{section}`"
+            assert field in text, field
+    assert "| `engine.n_ctx` | integer | `4096` | ≥ 256, ≤ 1048576 |" in text
+
+
+@pytest.mark.parametrize(
+    ("annotation", "expected"),
+    [(int | None, "integer or null"), (list[int], "list of integers"), (bool, "boolean")],
+)
+def test_type_names(annotation: Any, expected: str) -> None:
+    assert describe_type(annotation) == expected
+
+
+def exported_names() -> set[str]:
+    """Every name the server exposes on /metrics, telemetry included: the samples, and the
+    declared families (a labelled gauge has no sample before its first observation)."""
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(4, 4096, "m", registry)
+    PhaseMetrics(registry, "jetson_sysfs")
+    names = set()
+    for line in metrics.render()[0].decode().splitlines():
+        if line.startswith("# TYPE "):
+            names.add(line.split()[2])
+        elif m := METRIC.match(line):
+            names.add(m.group(0))
+    return names
+
+
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    return data
+
+
+def test_dashboard_queries_name_only_exported_metrics() -> None:
+    names = exported_names()
+    exprs = [t["expr"] for p in dashboard()["panels"] for t in p["targets"]]
+    assert exprs
+    used = {m for e in exprs for m in METRIC.findall(e)}
+    assert used, exprs
+    assert used <= names, f"not exported: {sorted(used - names)}"
+
+
+def test_dashboard_has_the_panels() -> None:
+    panels = dashboard()["panels"]
+    assert [p["title"] for p in panels] == list(PANELS)
+    assert len({p["id"] for p in panels}) == len(panels)
+    for p in panels:
+        assert p["targets"] and all(t["expr"].strip() for t in p["targets"])
+
+
+def test_install_doc_records_the_measured_exposure() -> None:
+    text = (DOCS / "install.md").read_text(encoding="utf-8")
+    assert re.search(r"exposure level for orin-llm\.service: \d\.\d OK", text)

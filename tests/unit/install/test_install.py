@@ -1,0 +1,259 @@
+"""orin-llm install through typer's CliRunner, on a fake root with a recording fake host."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from orin.cli import install as install_cli
+from orin.doctor.findings import Finding
+from orin.doctor.runner import Report
+from orin.install.layout import ENV_FILE, PROFILE_FILE, SERVICE, TUNE_SERVICE
+from orin.install.probe import HttpResult
+from orin.system.commands import CommandResult
+from tests.unit.install.conftest import doctor_report
+from tests.unit.install.fakehost import FakeHost
+
+# Registered the way orin/cli/app.py registers them.
+cli = typer.Typer()
+cli.command("install")(install_cli.install)
+cli.command("uninstall")(install_cli.uninstall)
+cli.command("status")(install_cli.status)
+
+PROFILE = "llama3.1-8b-q4_k_m"
+UNIT_DIR = "/etc/systemd/system"
+FRESH_INSTALL = [
+    (
+        "useradd",
+        "--system",
+        "--user-group",
+        "--home-dir",
+        "/var/lib/orin-llm",
+        "--no-create-home",
+        "--shell",
+        "/usr/sbin/nologin",
+        "--groups",
+        "video,render",
+        "orin-llm",
+    ),
+    ("chown", "root:orin-llm", ENV_FILE),
+    ("chmod", "0640", ENV_FILE),
+    ("systemctl", "daemon-reload"),
+    ("systemctl", "enable", "--now", "--no-block", TUNE_SERVICE, SERVICE),
+]
+
+
+def invoke(root: Path, *args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(cli, [*args, "--root", str(root)], env={"COLUMNS": "200"})
+    return result.exit_code, result.stdout, result.stderr
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def test_fresh_install_runs_the_exact_steps(root: Path, host: FakeHost, patched: object) -> None:
+    code, out, err = invoke(root, "install", "--profile", PROFILE)
+    assert code == 0, err
+    assert host.changes() == FRESH_INSTALL
+    for path in (PROFILE_FILE, ENV_FILE, f"{UNIT_DIR}/{SERVICE}", f"{UNIT_DIR}/{TUNE_SERVICE}"):
+        assert (root / path.lstrip("/")).is_file(), path
+    assert (root / "var/lib/orin-llm/models").is_dir()
+    profile_copy = (root / PROFILE_FILE.lstrip("/")).read_text()
+    assert "name: llama3.1-8b-q4_k_m" in profile_copy
+    assert f"+++ {UNIT_DIR}/{SERVICE}" in out  # the diff against nothing installed
+    assert "healthy after" in out
+
+
+def test_dry_run_changes_nothing(root: Path, host: FakeHost, patched: object) -> None:
+    before = snapshot(root)
+    code, out, err = invoke(root, "install", "--profile", PROFILE, "--dry-run")
+    assert code == 0, err
+    assert snapshot(root) == before
+    assert host.changes() == []
+    assert "dry run: nothing was changed" in out
+    assert "step 1: useradd --system" in out
+    assert "systemctl enable --now --no-block orin-llm-tune.service orin-llm.service" in out
+    assert "ExecStart=/opt/orin-llm/venv/bin/orin-llm serve" in out  # the diff is shown
+
+
+def test_second_install_is_a_noop(root: Path, host: FakeHost, patched: object) -> None:
+    assert invoke(root, "install", "--profile", PROFILE)[0] == 0
+    host.calls.clear()
+    before = snapshot(root)
+    code, out, err = invoke(root, "install", "--profile", PROFILE)
+    assert code == 0, err
+    assert host.changes() == []
+    assert snapshot(root) == before
+    assert "already installed and up to date" in out
+
+
+def test_a_changed_port_rewrites_the_unit_and_restarts_both(
+    root: Path, host: FakeHost, patched: object
+) -> None:
+    assert invoke(root, "install", "--profile", PROFILE)[0] == 0
+    host.calls.clear()
+    code, out, err = invoke(root, "install", "--profile", PROFILE, "--port", "9000")
+    assert code == 0, err
+    assert host.changes() == [
+        ("systemctl", "daemon-reload"),
+        ("systemctl", "restart", "--no-block", SERVICE),
+    ]
+    assert "+ExecStart=/opt/orin-llm/venv/bin/orin-llm serve --profile" in out
+    assert "http://127.0.0.1:9000/health" in out
+
+
+def test_failing_systemctl_is_reported_and_rolled_back(
+    root: Path, host: FakeHost, patched: object
+) -> None:
+    host.fail_on[("systemctl", "enable")] = CommandResult(
+        (), 1, "", "Failed to enable unit: Unit file orin-llm.service is masked.\nsecond line"
+    )
+    before = {p: v for p, v in snapshot(root).items() if "etc/" in p}
+    code, _, err = invoke(root, "install", "--profile", PROFILE)
+    assert code == 1
+    assert "install failed at `systemctl enable --now --no-block" in err
+    assert "Unit file orin-llm.service is masked." in err and "second line" in err
+    for unit in (SERVICE, TUNE_SERVICE):
+        assert not (root / UNIT_DIR.lstrip("/") / unit).exists()
+    assert not (root / PROFILE_FILE.lstrip("/")).exists()
+    assert {p: v for p, v in snapshot(root).items() if "etc/" in p and v is not None} == {
+        p: v for p, v in before.items() if v is not None
+    }
+    assert host.changes()[-3:] == [
+        ("systemctl", "enable", "--now", "--no-block", TUNE_SERVICE, SERVICE),
+        ("systemctl", "disable", TUNE_SERVICE, SERVICE),
+        ("systemctl", "daemon-reload"),
+    ]
+    assert "rolled back:" in err
+
+
+def test_failure_before_enable_does_not_disable(
+    root: Path, host: FakeHost, patched: object
+) -> None:
+    host.fail_on[("chown",)] = CommandResult((), 1, "", "chown: invalid group: 'root:orin-llm'")
+    code, _, err = invoke(root, "install", "--profile", PROFILE)
+    assert code == 1 and "invalid group" in err
+    assert not any(c[:2] == ("systemctl", "disable") for c in host.changes())
+    assert not any(c[:2] == ("systemctl", "enable") for c in host.changes())
+    assert not (root / UNIT_DIR.lstrip("/") / SERVICE).exists()
+
+
+def test_failed_upgrade_restores_the_previous_units(
+    root: Path, host: FakeHost, patched: object
+) -> None:
+    assert invoke(root, "install", "--profile", PROFILE)[0] == 0
+    unit = root / UNIT_DIR.lstrip("/") / SERVICE
+    old = unit.read_text()
+    host.fail_on[("systemctl", "restart")] = CommandResult((), 1, "", "Job failed.")
+    code, _, err = invoke(root, "install", "--profile", PROFILE, "--port", "9001")
+    assert code == 1
+    assert "Job failed." in err
+    assert unit.read_text() == old
+    assert ("systemctl", "disable", TUNE_SERVICE, SERVICE) not in host.changes()  # was enabled
+
+
+def test_not_root_names_the_steps(
+    root: Path, host: FakeHost, patched: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(install_cli, "effective_uid", lambda: 1000)
+    before = snapshot(root)
+    code, _, err = invoke(root, "install", "--profile", PROFILE)
+    assert code == 1
+    assert "install needs root for these steps:" in err
+    assert "useradd --system" in err and "systemctl daemon-reload" in err
+    assert f"write {UNIT_DIR}/{SERVICE}" in err
+    assert "run it with sudo" in err
+    assert host.changes() == [] and snapshot(root) == before
+
+
+def test_doctor_fail_refuses_unless_forced(
+    root: Path, host: FakeHost, patched: Callable[[Report], None]
+) -> None:
+    patched(doctor_report(Finding("llama-build", "fail", "CPU-only build", fix="rebuild")))
+    code, _, err = invoke(root, "install", "--profile", PROFILE)
+    assert code == 1
+    assert "doctor found problems" in err and "llama-build: CPU-only build" in err
+    assert host.changes() == []
+    code, _, err = invoke(root, "install", "--profile", PROFILE, "--force")
+    assert code == 0, err
+    assert "ignoring (--force)" in err
+
+
+def test_running_service_excuses_memory_fit_and_port(
+    root: Path, host: FakeHost, patched: Callable[[Report], None]
+) -> None:
+    assert invoke(root, "install", "--profile", PROFILE)[0] == 0
+    patched(
+        doctor_report(
+            Finding("memory-fit", "fail", "the running server holds the memory"),
+            Finding("port", "warn", "127.0.0.1:8080: already in use"),
+        )
+    )
+    assert invoke(root, "install", "--profile", PROFILE)[0] == 0
+
+
+def test_no_start_enables_without_starting_or_waiting(
+    root: Path, host: FakeHost, patched: object
+) -> None:
+    code, out, err = invoke(root, "install", "--profile", PROFILE, "--no-start")
+    assert code == 0, err
+    assert host.changes()[-1] == ("systemctl", "enable", TUNE_SERVICE, SERVICE)
+    assert "waiting for" not in out
+
+
+def test_unit_dir_and_user_options(root: Path, host: FakeHost, patched: object) -> None:
+    code, _, err = invoke(
+        root, "install", "--profile", PROFILE, "--unit-dir", "/run/systemd/system", "--user", "llm"
+    )
+    assert code == 0, err
+    unit = (root / "run/systemd/system" / SERVICE).read_text()
+    assert "User=llm" in unit
+    assert host.changes()[0][-1] == "llm"
+
+
+def test_existing_user_missing_a_group_is_added(
+    root: Path, host: FakeHost, patched: object
+) -> None:
+    host.users["orin-llm"] = {"video"}
+    assert invoke(root, "install", "--profile", PROFILE)[0] == 0
+    assert host.changes()[0] == ("usermod", "--append", "--groups", "render", "orin-llm")
+
+
+def test_unhealthy_service_reports_the_journal(
+    root: Path, host: FakeHost, patched: object, health: list[HttpResult]
+) -> None:
+    health[:] = [HttpResult(None, error="connection refused")]
+    host.failed.add(SERVICE)
+    host.journal = "orin-llm[7]: model file not found\n"
+    code, _, err = invoke(root, "install", "--profile", PROFILE)
+    assert code == 1
+    assert "installed but not healthy" in err
+    assert "model file not found" in err
+    assert (root / UNIT_DIR.lstrip("/") / SERVICE).exists()  # the units stay: the service failed
+
+
+def test_waits_while_the_model_loads(
+    root: Path, host: FakeHost, patched: object, health: list[HttpResult]
+) -> None:
+    health[:] = [
+        HttpResult(None, error="connection refused"),
+        HttpResult(503, '{"status": "loading"}'),
+        HttpResult(200, '{"status": "ok"}'),
+    ]
+    code, out, err = invoke(root, "install", "--profile", PROFILE)
+    assert code == 0, err
+    assert 'healthy after 0 s: {"status": "ok"}' in out
+
+
+def test_missing_model_is_a_clear_error(tmp_path: Path, host: FakeHost, patched: object) -> None:
+    code, _, err = invoke(tmp_path, "install", "--profile", PROFILE)
+    assert code == 3  # ModelFileError
+    assert "Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf: no such file" in err

@@ -1,0 +1,162 @@
+"""orin-llm uninstall and status, and reading TTFT/TPOT back from a real /metrics body."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from orin.cli import install as install_cli
+from orin.engine.types import RequestTimings
+from orin.install.layout import SERVICE, TUNE_SERVICE
+from orin.install.probe import HttpResult
+from orin.install.status import histogram_quantile, parse_latency
+from orin.server.metrics import ServerMetrics
+from tests.unit.install.conftest import EXECUTABLE
+from tests.unit.install.fakehost import FakeHost
+from tests.unit.install.test_install import PROFILE, UNIT_DIR, invoke
+
+
+def installed(root: Path, host: FakeHost) -> None:
+    code, _, err = invoke(root, "install", "--profile", PROFILE)
+    assert code == 0, err
+    host.calls.clear()
+
+
+def test_uninstall_keeps_models_and_state(root: Path, host: FakeHost, patched: object) -> None:
+    installed(root, host)
+    code, out, err = invoke(root, "uninstall")
+    assert code == 0, err
+    assert host.changes() == [
+        ("systemctl", "disable", "--now", TUNE_SERVICE, SERVICE),
+        ("systemctl", "daemon-reload"),
+    ]
+    assert not (root / UNIT_DIR.lstrip("/") / SERVICE).exists()
+    assert (root / "var/lib/orin-llm/models/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf").is_file()
+    assert (root / "etc/orin-llm/profile.yaml").is_file()
+    assert "kept /etc/orin-llm, /var/lib/orin-llm" in out
+    assert "orin-llm" in host.users
+
+
+def test_uninstall_purge_reverts_tuning_and_removes_everything(
+    root: Path, host: FakeHost, patched: object
+) -> None:
+    installed(root, host)
+    (root / "var/lib/orin-llm/state.json").write_text("{}")
+    (root / "var/cache/orin-llm").mkdir(parents=True)
+    code, _, err = invoke(root, "uninstall", "--purge")
+    assert code == 0, err
+    assert host.changes() == [
+        ("systemctl", "disable", "--now", TUNE_SERVICE, SERVICE),
+        ("systemctl", "daemon-reload"),
+        (EXECUTABLE, "tune", "system", "--revert"),
+        ("userdel", "orin-llm"),
+    ]
+    for gone in ("etc/orin-llm", "var/lib/orin-llm", "var/cache/orin-llm"):
+        assert not (root / gone).exists(), gone
+    assert "orin-llm" not in host.users
+
+
+def test_uninstall_dry_run_and_nothing_installed(
+    root: Path, host: FakeHost, patched: object
+) -> None:
+    installed(root, host)
+    code, out, _ = invoke(root, "uninstall", "--purge", "--dry-run")
+    assert code == 0 and host.changes() == []
+    assert "rm -rf /var/lib/orin-llm" in out and (root / "var/lib/orin-llm").is_dir()
+    assert invoke(root, "uninstall")[0] == 0
+    code, out, _ = invoke(root, "uninstall")
+    assert code == 0 and "not installed: nothing to remove" in out
+
+
+def metrics_body() -> str:
+    m = ServerMetrics(4, 4096, "m", CollectorRegistry())
+    for ttft_ms, tpot_ms in ((100.0, 40.0), (200.0, 45.0), (300.0, 50.0), (4000.0, 60.0)):
+        m.on_finish(
+            "r",
+            "stop",
+            RequestTimings(
+                prompt_tokens=10,
+                cached_tokens=0,
+                generated_tokens=5,
+                context_shifts=0,
+                queue_ms=1.0,
+                prefill_ms=ttft_ms - 1.0,
+                ttft_ms=ttft_ms,
+                tpot_ms=tpot_ms,
+                e2e_ms=ttft_ms + 4 * tpot_ms,
+                itl_ms=(tpot_ms,) * 4,
+            ),
+        )
+    return m.render()[0].decode()
+
+
+def test_latency_from_a_real_metrics_body() -> None:
+    lat = parse_latency(metrics_body())
+    assert lat["ttft"].count == 4
+    assert math.isclose(lat["ttft"].mean_s or 0, 1.15)
+    # ranks 2 of 4 falls in (0.15, 0.2]: histogram_quantile interpolates to the bound
+    assert math.isclose(lat["ttft"].p50_s or 0, 0.2)
+    assert 3.0 < (lat["ttft"].p95_s or 0) <= 5.0
+    assert math.isclose(lat["tpot"].mean_s or 0, 0.04875)
+    assert 0.045 < (lat["tpot"].p95_s or 0) <= 0.06
+
+
+def test_histogram_quantile_edges() -> None:
+    assert histogram_quantile(0.5, []) is None
+    assert histogram_quantile(0.5, [(1.0, 0.0), (math.inf, 0.0)]) is None
+    assert histogram_quantile(0.5, [(1.0, 2.0), (2.0, 4.0), (math.inf, 4.0)]) == 1.0
+    assert histogram_quantile(0.99, [(1.0, 0.0), (math.inf, 5.0)]) == 1.0  # overflow bucket
+
+
+def test_status_shows_units_health_and_latency(
+    root: Path,
+    host: FakeHost,
+    patched: object,
+    monkeypatch: pytest.MonkeyPatch,
+    health: list[HttpResult],
+) -> None:
+    installed(root, host)
+    body = metrics_body()
+
+    def get(url: str, timeout: float) -> HttpResult:
+        assert url.startswith("http://127.0.0.1:8080/")
+        return HttpResult(200, body if url.endswith("/metrics") else '{"status": "ok"}')
+
+    monkeypatch.setattr(install_cli, "http_get", get)
+    code, out, err = invoke(root, "status")
+    assert code == 0, err
+    assert "orin-llm.service" in out and "active/running" in out
+    assert "TTFT" in out and "TPOT" in out and "200.0 ms" in out
+    code, out, _ = invoke(root, "status", "--json")
+    data = json.loads(out)
+    assert data["healthy"] and data["latency"]["ttft"]["count"] == 4
+    assert host.changes() == []
+
+
+def test_status_reads_the_port_with_serves_precedence(
+    root: Path, host: FakeHost, patched: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    installed(root, host)
+    env = root / "etc/orin-llm/orin-llm.env"
+    env.write_text(env.read_text() + "ORIN_LLM_PORT=8181\nORIN_LLM_HOST=0.0.0.0\n")
+    seen: list[str] = []
+
+    def get(url: str, timeout: float) -> HttpResult:
+        seen.append(url)
+        return HttpResult(None, error="connection refused")
+
+    monkeypatch.setattr(install_cli, "http_get", get)
+    code, out, _ = invoke(root, "status")
+    assert code == 1
+    assert seen == ["http://127.0.0.1:8181/health"]
+    assert "connection refused" in out
+
+
+def test_status_when_not_installed(tmp_path: Path, host: FakeHost, patched: object) -> None:
+    code, out, _ = invoke(tmp_path, "status")
+    assert code == 1
+    assert "not installed" in out
