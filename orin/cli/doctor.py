@@ -13,13 +13,13 @@ from typing import Annotated
 import typer
 
 from orin.cli.errors import fail
-from orin.cli.options import JsonOpt, RootOpt
+from orin.cli.options import JsonOpt, ProfileOpt, RootOpt
 from orin.cli.output import Output
+from orin.cli.serve import serve_profile
 from orin.doctor.context import DoctorContext, free_bytes, model_path_for, probe_port
 from orin.doctor.runner import EXIT_DOCTOR_FAILED, Report, run_checks
 from orin.errors import OrinError
 from orin.llamacpp import BuildInfo
-from orin.profile.loader import load_profile
 from orin.profile.schema import Profile
 from orin.system.commands import CommandRunner, SubprocessRunner
 from orin.system.platform import Platform
@@ -53,10 +53,7 @@ def disk_free(path: Path) -> int:
 
 
 def doctor(
-    profile_name: Annotated[
-        str | None,
-        typer.Option("--profile", envvar="ORIN_LLM_PROFILE", help="Built-in profile or YAML file."),
-    ] = None,
+    profile_name: ProfileOpt = None,
     model: Annotated[
         Path | None,
         typer.Option(
@@ -94,11 +91,7 @@ def doctor(
 
 def _profile(name: str | None, model: Path | None) -> Profile:
     """The profile serve would run with the same options."""
-    if name is not None:
-        return load_profile(name)
-    if model is not None:
-        return Profile(name=model.stem)
-    return load_profile("demo")
+    return serve_profile(name, model)[0]
 
 
 def _render(out: Output, profile: Profile, platform: Platform, report: Report) -> None:

@@ -17,3 +17,7 @@ RootOpt = Annotated[
         hidden=True,
     ),
 ]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option("--profile", envvar="ORIN_LLM_PROFILE", help="Built-in profile or YAML file."),
+]

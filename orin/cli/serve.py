@@ -12,6 +12,7 @@ import typer
 
 from orin.cli.errors import handle_errors
 from orin.cli.logs import setup_logging
+from orin.cli.options import ProfileOpt
 from orin.errors import OrinError
 from orin.profile.loader import load_profile, resolve_model_path
 from orin.profile.schema import Profile
@@ -32,10 +33,7 @@ def _window(value: str | None) -> str | None:
 
 @handle_errors
 def serve(
-    profile_name: Annotated[
-        str | None,
-        typer.Option("--profile", envvar="ORIN_LLM_PROFILE", help="Built-in profile or YAML file."),
-    ] = None,
+    profile_name: ProfileOpt = None,
     model: Annotated[
         Path | None,
         typer.Option(envvar="ORIN_LLM_MODEL", help="GGUF file (overrides the profile's)."),
@@ -72,7 +70,7 @@ def serve(
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     setup_logging(log_format)
-    profile, demo_note = _profile(profile_name, model)
+    profile, demo_note = serve_profile(profile_name, model)
     _apply_overrides(profile, host, port, slots, ctx, window)
     if demo_note:
         log.info(
@@ -81,7 +79,9 @@ def serve(
     raise typer.Exit(run_server(profile, model, telemetry, record, telemetry_hz))
 
 
-def _profile(name: str | None, model: Path | None) -> tuple[Profile, bool]:
+def serve_profile(name: str | None, model: Path | None) -> tuple[Profile, bool]:
+    """The profile serve runs: --profile, else defaults for --model, else the demo
+    (the flag says the demo was chosen)."""
     if name is not None:
         return load_profile(name), False
     if model is not None:

@@ -62,7 +62,7 @@ def test_public_bind_without_key_warns_loudly(
 
 
 def test_unknown_profile_is_a_profile_error() -> None:
-    from orin.cli.serve import _profile
+    from orin.cli.serve import serve_profile
 
     with pytest.raises(ProfileError):
-        _profile("no-such-profile", None)
+        serve_profile("no-such-profile", None)
