@@ -1,0 +1,281 @@
+"""orin-llm against the servers people would otherwise wire up by hand.
+
+    make install-bench
+    .venv/bin/python -m bench.peers [--quant f16,q4_k_m] [--reps 3] [--json FILE]
+
+1. Builds llama.cpp's own `llama-server` from the llama.cpp sources vendored in
+   the llama-cpp-python source distribution the project pins (so all three
+   servers run the same llama.cpp), once, into the user cache.
+2. Runs the same load against `orin-llm serve`, `llama-server` and
+   `python -m llama_cpp.server` (interrupt_requests off: by default a new
+   request ends the running stream), interleaved rep by rep so the machine's
+   drift hits all alike, on the generated medium model:
+   - single stream: TTFT and TPOT;
+   - 4 and 8 concurrent streams: throughput, TTFT p95, TPOT p90;
+   - a long prompt arriving while 4 streams decode: ITL p99 of those streams;
+   - one request that generates past the context size: who survives.
+   Identical settings: context per slot, slots / parallel sequences, batch,
+   threads, KV types; greedy decoding with a fixed output length.
+3. Prints ratios (orin-llm / peer) with medians and spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from orin.engine.config import default_threads
+from orin.model import demo
+from orin.paths import cache_dir
+from tests.serverutil import free_port
+
+LLAMA_CPP_PYTHON = "0.3.36"
+SLOTS, CTX_PER_SLOT, N_BATCH = 8, 512, 512
+
+
+def build_llama_server() -> Path:
+    """llama-server from the pinned llama-cpp-python sdist's vendored llama.cpp (cached)."""
+    out = cache_dir() / "peers" / f"llama-server-{LLAMA_CPP_PYTHON}"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             "-d", str(t), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        sdist = next(t.glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            tar.extractall(t, filter="data")
+        src = next(t.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        build = t / "build"
+        subprocess.run(
+            ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+             "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+             "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF"],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        jobs = str(os.cpu_count() or 2)
+        subprocess.run(
+            ["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        binary = next(build.rglob("llama-server"))
+        out.write_bytes(binary.read_bytes())
+        out.chmod(0o755)
+    return out
+
+
+@dataclass
+class Peer:
+    name: str
+    argv: list[str]
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} did not come up")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def peers(model: Path, server_bin: Path) -> list[Peer]:
+    threads = str(default_threads())
+    ctx_total = str(SLOTS * CTX_PER_SLOT)
+    return [
+        Peer("orin-llm", [sys.executable, "-m", "orin", "serve", "--model", str(model),
+             "--slots", str(SLOTS), "--ctx", ctx_total, "--telemetry", "off",
+             "--port", "{port}"], 0),
+        Peer("llama-server", [str(server_bin), "-m", str(model), "-c", ctx_total,
+             "-np", str(SLOTS), "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t", threads,
+             "-fa", "on", "--port", "{port}", "--host", "127.0.0.1"], 0),
+        Peer("llama-cpp-python", [sys.executable, "-m", "llama_cpp.server", "--model", str(model),
+             "--n_ctx", ctx_total, "--n_batch", str(N_BATCH), "--n_threads", threads,
+             "--flash_attn", "True", "--interrupt_requests", "False", "--port", "{port}"], 0),
+    ]  # fmt: skip
+
+
+@dataclass
+class Result:
+    tokens: int = 0
+    ttft_ms: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tpot_ms(self) -> float | None:
+        return statistics.mean(self.itl_ms) if self.itl_ms else None
+
+
+async def stream(client: httpx.AsyncClient, url: str, prompt: str, n: int) -> Result:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+    res, t0, last = Result(), time.perf_counter(), None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices") or []
+                if not choices or not choices[0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft_ms = (now - t0) * 1e3
+                else:
+                    res.itl_ms.append((now - last) * 1e3)
+                last = now
+                res.tokens += 1
+    except httpx.HTTPError as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+async def concurrent(url: str, k: int, n: int) -> dict[str, float | None]:
+    prompts = [f"Stream {i} of the benchmark on the edge board." for i in range(k)]
+    async with httpx.AsyncClient(timeout=900) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(stream(client, url, p, n) for p in prompts))
+        wall = time.perf_counter() - t0
+    ttfts = [r.ttft_ms for r in results if r.ttft_ms is not None]
+    tpots = [r.tpot_ms for r in results if r.tpot_ms is not None]
+    return {
+        "throughput": sum(r.tokens for r in results) / wall,
+        "ttft_p95_ms": pct(ttfts, 0.95),
+        "tpot_p90_ms": pct(tpots, 0.90),
+        "errors": float(sum(1 for r in results if r.error)),
+    }
+
+
+async def long_prompt_during_decode(url: str, n: int) -> dict[str, float | None]:
+    """ITL p99 of 4 decoding streams while a ~1,500-token prompt arrives."""
+    async with httpx.AsyncClient(timeout=900) as client:
+        running = [asyncio.create_task(stream(client, url, f"Decode {i}.", n)) for i in range(4)]
+        await asyncio.sleep(1.0)
+        intruder = asyncio.create_task(stream(client, url, "long context " * 500, 4))
+        results = await asyncio.gather(*running)
+        await intruder
+    itl = [x for r in results for x in r.itl_ms]
+    return {"itl_p99_ms": pct(itl, 0.99), "itl_max_ms": max(itl) if itl else None}
+
+
+async def past_the_context(url: str) -> dict[str, float | None]:
+    """One request for twice the per-slot context: completes, or how far it got."""
+    async with httpx.AsyncClient(timeout=900) as client:
+        r = await stream(client, url, "Keep going.", 2 * CTX_PER_SLOT)
+    return {"tokens": float(r.tokens), "failed": float(r.error is not None)}
+
+
+def run_scenarios(peer: Peer, tokens: int) -> dict[str, dict[str, float | None]]:
+    asyncio.run(concurrent(peer.url, 2, 8))  # warm-up
+    return {
+        "single": asyncio.run(concurrent(peer.url, 1, tokens)),
+        "streams_4": asyncio.run(concurrent(peer.url, 4, tokens)),
+        "streams_8": asyncio.run(concurrent(peer.url, 8, tokens)),
+        "long_prompt": asyncio.run(long_prompt_during_decode(peer.url, tokens * 2)),
+        "past_context": asyncio.run(past_the_context(peer.url)),
+    }
+
+
+def summarize(runs: dict[str, list[dict[str, dict[str, float | None]]]]) -> list[str]:
+    """Markdown rows: the median (min–max) per server and orin-llm / peer ratios."""
+    rows = ["| scenario | metric | " + " | ".join(runs) + " | orin-llm / peer |",
+            "|---|---|" + "---:|" * (len(runs) + 1)]  # fmt: skip
+    first = next(iter(runs.values()))[0]
+    for scenario, metrics in first.items():
+        for metric in metrics:
+            meds: dict[str, float | None] = {}
+            cells = []
+            for name, reps in runs.items():
+                vals = [v for r in reps if (v := r[scenario][metric]) is not None]
+                meds[name] = statistics.median(vals) if vals else None
+                cells.append(f"{meds[name]:.1f} ({min(vals):.1f}–{max(vals):.1f})" if vals else "-")
+            ours = meds.get("orin-llm")
+            ratios = [
+                f"{n}: {ours / m:.2f}" for n, m in meds.items() if n != "orin-llm" and m and ours
+            ]
+            rows.append(
+                f"| {scenario} | {metric} | " + " | ".join(cells) + f" | {', '.join(ratios)} |"
+            )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quant", default="f16,q4_k_m")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    server_bin = build_llama_server()
+    report: dict[str, object] = {}
+    for quant in args.quant.split(","):
+        model = demo.ensure("medium", quant)
+        runs: dict[str, list[dict[str, dict[str, float | None]]]] = {}
+        for rep in range(args.reps):
+            order = peers(model, server_bin)
+            order = order[rep % 3 :] + order[: rep % 3]  # rotate who goes first
+            for peer in order:
+                peer.port = free_port()
+                peer.argv = [a.replace("{port}", str(peer.port)) for a in peer.argv]
+                peer.start()
+                try:
+                    runs.setdefault(peer.name, []).append(run_scenarios(peer, args.tokens))
+                finally:
+                    peer.stop()
+                print(f"[{quant}] rep {rep} {peer.name}: {json.dumps(runs[peer.name][-1])}")
+        report[quant] = runs
+        print(f"\n### {quant}\n")
+        print("\n".join(summarize(runs)))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
