@@ -132,6 +132,16 @@ def engine_tpot(model: Path, prompt: str, n: int, reps: int) -> list[float]:
     return out
 
 
+def engine_tpot_subprocess(model: Path, n: int, reps: int) -> list[float]:
+    """engine_tpot in a process of its own, like the server it is compared with."""
+    code = (
+        "import json, sys; from pathlib import Path; from bench.server_throughput import *; "
+        f"print(json.dumps(engine_tpot(Path({str(model)!r}), prompts(1)[0], {n}, {reps})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return list(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def prompts(k: int) -> list[str]:
     return [f"Request {i}: the edge board serves a model to robot number {i}." for i in range(k)]
 
@@ -143,30 +153,38 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--tpot-only", action="store_true", help="Skip the llama-cpp-python part.")
     args = ap.parse_args()
     model = demo.ensure(args.size, args.quant)
     threads = default_threads()
     results: dict[str, object] = {"model": model.name, "tokens": args.tokens, "threads": threads}
 
-    direct = engine_tpot(model, prompts(1)[0], args.tokens, args.reps * 3)
-    port = free_port()
-    proc = start_orin(model, port, 8)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_up(url, proc)
-        asyncio.run(concurrent(url, prompts(1), 8))  # warm-up
-        http = [
-            asyncio.run(concurrent(url, prompts(1), args.tokens))[1][0].tpot_ms
-            for _ in range(args.reps * 3)
-        ]
-    finally:
-        stop(proc)
+    direct: list[float] = []
+    http: list[float | None] = []
+    for _ in range(args.reps):  # interleaved, each in a fresh process, so drift hits both
+        direct += engine_tpot_subprocess(model, args.tokens, 3)
+        port = free_port()
+        proc = start_orin(model, port, 8)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_up(url, proc)
+            asyncio.run(concurrent(url, prompts(1), 8))  # warm-up
+            http += [
+                asyncio.run(concurrent(url, prompts(1), args.tokens))[1][0].tpot_ms
+                for _ in range(3)
+            ]
+        finally:
+            stop(proc)
     http_tpot = [t for t in http if t is not None]
     overhead = statistics.median(http_tpot) / statistics.median(direct)
     results["tpot"] = {"engine_ms": direct, "http_ms": http_tpot, "http_over_engine": overhead}
     e_ms, h_ms = statistics.median(direct), statistics.median(http_tpot)
     print(f"single-stream TPOT: engine {e_ms:.2f} ms, HTTP {h_ms:.2f} ms, ratio {overhead:.3f}")
 
+    if args.tpot_only:
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return
     rates: dict[str, list[float]] = {"orin-llm": [], "llama-cpp-python": []}
     for rep in range(args.reps):
         order = (
