@@ -103,6 +103,9 @@ class BenchRun:
             "warmup": s.warmup,
             "seed": s.seed,
             "ignore_eos": self.server.ignore_eos,
+            "short_outputs": sum(
+                1 for r in self.results if r.ok and r.output_tokens < s.output_len
+            ),
             "prompt_method": "token_ids" if self.server.pool is not None else "text",
             "notes": self.server.notes,
             **self.summary(),
@@ -202,7 +205,29 @@ async def run_bench(
         )
         after = await scrape(client, base) if before is not None else None
     telemetry = _telemetry(before, after, results, server)
+    server.notes += run_notes(results, spec.output_len)
     return BenchRun(spec, server, results, duration, started, telemetry)
+
+
+def run_notes(results: list[RequestResult], output_len: int) -> list[str]:
+    """What a reader must know about the counts: requests that ended early (a server
+    that ignores ignore_eos, or cuts a stream when another request arrives) and
+    streams that reported no token counts."""
+    ok = [r for r in results if r.ok]
+    notes = []
+    short = [r for r in ok if r.output_tokens < output_len]
+    if short:
+        notes.append(
+            f"{len(short)} of {len(ok)} completed requests produced fewer than {output_len} "
+            f"tokens (as few as {min(r.output_tokens for r in short)})"
+        )
+    chunks = sum(1 for r in ok if r.count_source == "chunks")
+    if chunks:
+        notes.append(
+            f"{chunks} streams reported no token counts: their output tokens are counted "
+            "from stream chunks (low if a chunk carried several tokens)"
+        )
+    return notes
 
 
 def _telemetry(

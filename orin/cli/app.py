@@ -8,7 +8,7 @@ import os
 import typer
 
 from orin import __version__
-from orin.cli import doctor, install, model, monitor, profile, serve, tune
+from orin.cli import bench, doctor, install, model, monitor, profile, serve, tune
 
 app = typer.Typer(
     name="orin-llm",
@@ -21,6 +21,7 @@ app.add_typer(model.app, name="model")
 app.add_typer(profile.app, name="profile")
 app.command("serve")(serve.serve)
 app.command("monitor")(monitor.monitor)
+app.command("bench")(bench.bench)
 app.command("doctor")(doctor.doctor)
 app.add_typer(tune.app, name="tune")
 app.command("install")(install.install)

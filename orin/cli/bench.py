@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orin.bench.loadgen import BenchRun, LoadSpec, run
 from orin.bench.stats import SLO, RequestResult, by_bucket
 from orin.cli.errors import fail, handle_errors
 from orin.cli.output import Output
+
+if TYPE_CHECKING:  # the HTTP client stack loads only when a benchmark runs
+    from orin.bench.loadgen import BenchRun, LoadSpec
 
 EXIT_USAGE = 2
 EXIT_ALL_FAILED = 1
@@ -69,6 +71,8 @@ def bench(
     timeout: Annotated[float, typer.Option(min=1, help="Seconds per request.")] = 600.0,
 ) -> None:
     """Measure a server under load: fixed input and output lengths, streaming, greedy."""
+    from orin.bench.loadgen import LoadSpec
+
     spec = LoadSpec(
         url=url,
         num_requests=num_requests,
@@ -99,6 +103,8 @@ def bench(
 
 
 def _run_with_progress(spec: LoadSpec, out: Output) -> BenchRun:
+    from orin.bench.loadgen import run
+
     columns = (
         TextColumn("[bold]bench[/bold]"),
         BarColumn(),

@@ -179,15 +179,6 @@ def build_server(
     )
     engine.step_observers.append(state.metrics.on_step)
     engine.finish_observers.append(state.metrics.on_finish)
-    if telemetry == "off" and record is not None:
-        raise OrinError("--record needs telemetry; drop --telemetry off")
-    if telemetry != "off":
-        from orin.telemetry.service import Telemetry
-
-        source = None if telemetry == "auto" else telemetry
-        state.telemetry = Telemetry(
-            engine, state.metrics.registry, source, hz=telemetry_hz, record=record
-        )
     host, port = profile.server.host, profile.server.port
     log.info(
         "model %s (%s), %d slots x %d tokens, K=%s V=%s, flash_attn=%s, on http://%s:%d",
@@ -201,6 +192,15 @@ def build_server(
         host,
         port,
     )
+    if telemetry == "off" and record is not None:
+        raise OrinError("--record needs telemetry; drop --telemetry off")
+    if telemetry != "off":
+        from orin.telemetry.service import Telemetry
+
+        source = None if telemetry == "auto" else telemetry
+        state.telemetry = Telemetry(
+            engine, state.metrics.registry, source, hz=telemetry_hz, record=record
+        )
     config = uvicorn.Config(
         create_app(state),
         host=host,

@@ -195,10 +195,9 @@ def _run_measured(
     report_dir: Path | None,
     as_json: bool,
 ) -> None:
-    if profile_name is not None:
-        profile = load_profile(profile_name)
-    else:
-        profile = Profile(name=model.stem) if model is not None else load_profile("demo")
+    from orin.cli.serve import serve_profile
+
+    profile = serve_profile(profile_name, model)[0]  # the profile serve would run
     from orin.tune import report as tune_report
     from orin.tune import tuned
     from orin.tune.run import tune

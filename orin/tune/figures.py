@@ -7,6 +7,7 @@ Pure data with merge operations: repetitions measured at different times
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,9 @@ class Grid:
 
 @dataclass
 class Point:
-    """One (prompt length, concurrency) cell, accumulated over repetitions."""
+    """One (prompt length, concurrency) cell, accumulated over repetitions. Latencies
+    pool the requests of all repetitions; tokens and wall time are kept per
+    repetition, so throughput is a median that a disturbed repetition cannot drag."""
 
     prompt_tokens: int
     concurrency: int
@@ -38,9 +41,17 @@ class Point:
     queue_ms: list[float] = field(default_factory=list)
     prefill_ms: list[float] = field(default_factory=list)
     e2e_ms: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    wall_s: float = 0.0
+    rep_tokens: list[int] = field(default_factory=list)  # generated tokens per repetition
+    rep_wall_s: list[float] = field(default_factory=list)  # wall time per repetition
     errors: int = 0
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.rep_tokens)
+
+    @property
+    def wall_s(self) -> float:
+        return sum(self.rep_wall_s)
 
     @property
     def ttft_p95(self) -> float | None:
@@ -52,7 +63,8 @@ class Point:
 
     @property
     def throughput(self) -> float:
-        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+        """Median over repetitions of generated tokens/s."""
+        return median_rate([self])
 
     def merge(self, other: Point) -> Point:
         return Point(
@@ -63,8 +75,8 @@ class Point:
             self.queue_ms + other.queue_ms,
             self.prefill_ms + other.prefill_ms,
             self.e2e_ms + other.e2e_ms,
-            self.output_tokens + other.output_tokens,
-            self.wall_s + other.wall_s,
+            self.rep_tokens + other.rep_tokens,
+            self.rep_wall_s + other.rep_wall_s,
             self.errors + other.errors,
         )
 
@@ -131,13 +143,12 @@ class Measurement:
         )  # fmt: skip
 
     def throughput(self) -> float:
-        """Generated tokens/s at the highest concurrency the SLOs name, over all lengths."""
+        """Generated tokens/s at the highest concurrency the SLOs name, over all prompt
+        lengths: per repetition, then the median over repetitions."""
         if not self.points:
             return 0.0
         top = max(c for _, c in self.points)
-        pts = [p for (_, c), p in self.points.items() if c == top]
-        wall = sum(p.wall_s for p in pts)
-        return sum(p.output_tokens for p in pts) / wall if wall > 0 else 0.0
+        return median_rate([p for (_, c), p in self.points.items() if c == top])
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -165,6 +176,18 @@ def score(m: Measurement, slo: SLOSection) -> Score:
     excess = max(ratios) - 1.0
     errors = sum(p.errors for p in m.points.values())
     return Score(excess <= 0 and errors == 0, m.throughput(), excess)
+
+
+def median_rate(points: list[Point]) -> float:
+    """Median over repetitions of (tokens of these points) / (their wall time); every
+    repetition runs every point once, so the i-th entries belong together."""
+    n = min((len(p.rep_wall_s) for p in points), default=0)
+    rates = []
+    for i in range(n):
+        wall = sum(p.rep_wall_s[i] for p in points)
+        if wall > 0:
+            rates.append(sum(p.rep_tokens[i] for p in points) / wall)
+    return statistics.median(rates) if rates else 0.0
 
 
 def _mean(values: list[float]) -> float | None:

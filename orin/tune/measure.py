@@ -82,10 +82,14 @@ class EngineMeasurer:
         sampler: Sampler | None = None,
         seed: int = 0,
         engine_factory: EngineFactory = Engine,
+        rate_clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.profile, self.model_path, self.info, self.grid = profile, model_path, info, grid
         self.build, self.available, self.sampler = build, available, sampler
         self.engine_factory = engine_factory
+        # what a repetition's duration is read from for throughput: wall time, or (for
+        # benchmarks of the search on a shared CPU) the process's CPU time
+        self.rate_clock = rate_clock
         self.rng = random.Random(f"tune:{seed}")
         self.seed = seed
         self.pool: TokenPool | None = None
@@ -184,9 +188,9 @@ class EngineMeasurer:
     def _point(self, engine: Engine, length: int, streams: int, cutoff: Cutoff) -> Point:
         assert self.pool is not None
         prompts = [self.pool.prompt(self.rng, length) for _ in range(streams)]
-        t = time.perf_counter()
+        t = self.rate_clock()
         done = self._request(engine, prompts, self.grid.output_tokens, cutoff)
-        point = Point(length, streams, wall_s=time.perf_counter() - t)
+        point = Point(length, streams, rep_tokens=[0], rep_wall_s=[self.rate_clock() - t])
         for c in done:
             tm = c.timings
             if c.finish_reason not in ("stop", "length") or tm is None:
@@ -196,7 +200,7 @@ class EngineMeasurer:
             point.queue_ms.append(tm.queue_ms)
             point.prefill_ms.append(tm.prefill_ms)
             point.e2e_ms.append(tm.e2e_ms)
-            point.output_tokens += tm.generated_tokens
+            point.rep_tokens[0] += tm.generated_tokens
             if tm.tpot_ms is not None:
                 point.tpot_ms.append(tm.tpot_ms)
         return point

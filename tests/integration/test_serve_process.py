@@ -66,7 +66,7 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path: Path) ->
         done = threading.Event()
 
         def stream() -> None:
-            body = {"prompt": "keep going", "max_tokens": 150, "ignore_eos": True, "stream": True}
+            body = {"prompt": "keep going", "max_tokens": 2000, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
@@ -97,7 +97,7 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path: Path) ->
     lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     assert "orin-demo-small-q4_k_m" in lines[0]["message"]  # the first line names the model
     access = [x for x in lines if x["logger"] == "orin.access" and x["path"] == "/v1/completions"]
-    assert any(x["status"] == 200 and x["generated_tokens"] == 150 for x in access)
+    assert any(x["status"] == 200 and x["generated_tokens"] == 2000 for x in access)
     assert all("request_id" in x for x in access)
 
 

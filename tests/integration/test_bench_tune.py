@@ -1,0 +1,164 @@
+"""orin-llm bench against a live server and orin-llm tune on the tiny demo model.
+
+Timings are never asserted against thresholds (they are for benchmarks); what is
+checked is that every figure exists, is computed as docs/metrics.md defines it,
+and that counts are exact.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from orin.bench.loadgen import LoadSpec, run
+from orin.cli import bench as bench_cli
+from orin.cli import profile as profile_cli
+from orin.cli import tune as tune_cli
+from orin.model import demo
+from orin.telemetry.service import Telemetry
+from tests.serverutil import live_server
+
+pytestmark = pytest.mark.llama
+
+ENGINE = "engine: {n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128}\n"
+STATS = ("mean", "median", "std", "p50", "p90", "p95", "p99")
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with live_server(demo.ensure("tiny", "f16"), ENGINE) as (base, state):
+        telemetry = Telemetry(state.engine, state.metrics.registry, "cpu").start()
+        state.telemetry = telemetry  # what `serve --telemetry cpu` wires at start
+        try:
+            yield base
+        finally:
+            telemetry.stop()
+
+
+def by_hand(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks, written out."""
+    xs = sorted(values)
+    rank = q / 100 * (len(xs) - 1)
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (rank - lo) * (xs[hi] - xs[lo])
+
+
+def bench_json(server: str, tmp_path: Path) -> dict[str, Any]:
+    out = tmp_path / "bench.json"
+    args = [
+        "--url", server, "--num-requests", "12", "--input-len", "16,64,600",
+        "--output-len", "8", "--concurrency", "4", "--seed", "3",
+        "--slo", "ttft_p95_ms=60000,tpot_p90_ms=60000", "--json", str(out),
+    ]  # fmt: skip
+    result = CliRunner().invoke(bench_cli.app, args)
+    assert result.exit_code == 0, result.output
+    assert "latency (ms)" in result.output and "TTFT" in result.output
+    return json.loads(out.read_text())
+
+
+def test_bench_against_orin_llm(server: str, tmp_path: Path) -> None:
+    d = bench_json(server, tmp_path)
+    # 600-token prompts exceed the 512-token slots: counted as errors, not a crash
+    assert (d["completed"], d["failed"]) == (8, 4)
+    assert d["errors"] == {"http 400 context_length_exceeded": 4}
+    assert d["backend"] == "orin-llm" and d["prompt_method"] == "token_ids"
+    for stat in STATS:
+        for metric in METRICS:
+            assert d[f"{stat}_{metric}_ms"] is not None, f"{stat}_{metric}_ms"
+    for key in ("output_throughput", "request_throughput", "request_goodput", "duration"):
+        assert d[key] > 0
+    ok = [r for r in d["requests"] if r["ok"]]
+    assert len(ok) == 8 and {r["input_len"] for r in ok} == {16, 64}
+    for r in ok:
+        assert r["prompt_tokens"] == r["input_len"]  # token-id prompts: exact lengths
+        assert r["output_tokens"] == 8 and r["count_source"] == "usage"
+        # TPOT excludes the first token: 7 decode gaps after it
+        assert len(r["itl_ms"]) == 7
+        assert r["tpot_ms"] == pytest.approx((r["e2el_ms"] - r["ttft_ms"]) / 7)
+        assert sum(r["itl_ms"]) == pytest.approx(r["e2el_ms"] - r["ttft_ms"])
+        assert r["server_timings"]["predicted_n"] == 8
+    ttfts = [r["ttft_ms"] for r in ok]
+    itls = [g for r in ok for g in r["itl_ms"]]
+    assert d["p95_ttft_ms"] == pytest.approx(by_hand(ttfts, 95))
+    assert d["p90_itl_ms"] == pytest.approx(by_hand(itls, 90))
+    assert d["median_tpot_ms"] == pytest.approx(by_hand([r["tpot_ms"] for r in ok], 50))
+    assert d["total_output_tokens"] == 64 and d["total_input_tokens"] == 4 * 16 + 4 * 64
+    assert d["request_goodput"] == pytest.approx(8 / d["duration"])
+    assert d["buckets"]["600"]["failed"] == 4 and d["buckets"]["64"]["completed"] == 4
+    t = d["server_telemetry"]
+    assert t["source"] == "cpu" and t["phases"]["prefill"]["tokens"] > 0
+    assert t["phases"]["decode"]["gpu_util"] is None  # the CPU source measures no GPU
+    assert "decode_cpu_util" in t["per_request_mean"]
+
+
+def test_bench_open_loop_sends_every_request(server: str) -> None:
+    spec = LoadSpec(server, 6, (32,), 4, request_rate=100.0, burstiness=0.5, warmup=0)
+    r = run(spec)
+    assert [x.index for x in r.results] == list(range(6)) and all(x.ok for x in r.results)
+    assert r.summary()["total_output_tokens"] == 24
+
+
+def test_tune_tiny_within_a_one_minute_budget(tmp_path: Path) -> None:
+    profile = tmp_path / "tiny.yaml"
+    profile.write_text(
+        "name: tiny\nmodel: {demo: {size: tiny, quant: f16}}\n"
+        "engine: {n_ctx: 256, slots: 4, n_batch: 128, n_ubatch: 128, threads: 1}\n"
+        "slo: {ttft_p95_ms: 5000, tpot_p90_ms: 1000, prompt_tokens: [16, 64], "
+        "concurrency: [1, 2]}\nsystem: {swappiness: null}\n"
+    )
+    out, folder = tmp_path / "tuned.yaml", tmp_path / "report"
+    args = ["--profile", str(profile), "--budget", "1", "--out", str(out),
+            "--report", str(folder), "--output-len", "8", "--telemetry", "cpu"]  # fmt: skip
+    start = time.perf_counter()
+    result = CliRunner().invoke(tune_cli.app, args)
+    elapsed = time.perf_counter() - start
+    assert result.exit_code == 0, result.output
+    assert elapsed <= 60.0 + 3.0  # the budget covers measuring, the profile and the report
+    text = out.read_text()
+    assert text.startswith("# Tuned by `orin-llm tune` on ")
+    assert "TTFT_p95" in text and "TPOT_p90" in text
+    assert yaml.safe_load(text)["engine"]["threads"] >= 1
+    check = CliRunner().invoke(profile_cli.app, ["validate", str(out)])
+    assert check.exit_code == 0, check.output
+    data = json.loads((folder / "report.json").read_text())
+    assert data["measuring_s"] <= 60 and data["trials"] and data["chosen"]
+    md = (folder / "report.md").read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        for png in ("ttft_vs_prompt", "tpot_vs_concurrency", "phase_utilization",
+                    "chosen_latency"):  # fmt: skip
+            assert (folder / f"{png}.png").stat().st_size > 0
+            assert f"({png}.png)" in md
+    else:
+        assert "Plots were skipped" in md
+
+
+def test_tune_stops_at_a_short_budget(tmp_path: Path) -> None:
+    profile = tmp_path / "tiny.yaml"
+    profile.write_text(
+        "name: tiny\nmodel: {demo: {size: tiny, quant: f16}}\n"
+        "engine: {n_ctx: 256, slots: 2, n_batch: 128, n_ubatch: 128, threads: 1}\n"
+        "slo: {prompt_tokens: [16, 64], concurrency: [1, 2]}\nsystem: {swappiness: null}\n"
+    )
+    out, folder = tmp_path / "tuned.yaml", tmp_path / "report"
+    args = ["--profile", str(profile), "--budget", "0.1", "--out", str(out),
+            "--report", str(folder), "--output-len", "8", "--telemetry", "off"]  # fmt: skip
+    start = time.perf_counter()
+    result = CliRunner().invoke(tune_cli.app, args)
+    elapsed = time.perf_counter() - start
+    assert result.exit_code == 0, result.output
+    assert elapsed <= 6.0 + 3.0
+    data = json.loads((folder / "report.json").read_text())
+    assert data["first_round"] < data["space"]["size"]  # the budget cut the first round
+    assert any("the budget allowed" in n for n in data["notes"])
+    assert CliRunner().invoke(profile_cli.app, ["validate", str(out)]).exit_code == 0

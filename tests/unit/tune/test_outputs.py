@@ -1,0 +1,167 @@
+"""Scores, explanations, the tuned profile and the report, from synthetic measurements."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from orin.cli import profile as profile_cli
+from orin.cli import tune as tune_cli
+from orin.model.gguf import read_model_info
+from orin.profile.loader import parse_profile
+from orin.profile.schema import SLOSection
+from orin.tune import report, tuned
+from orin.tune.explain import explain
+from orin.tune.figures import Grid, Measurement, PhaseFigures, Point, score
+from orin.tune.run import TuneResult, TuneSettings, grid_for
+from orin.tune.search import Evaluation, successive_halving
+from orin.tune.space import Candidate, build_space
+
+PROFILE = """
+name: unit
+model: {demo: {size: tiny, quant: f16}}
+engine: {n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128, threads: 2}
+slo: {ttft_p95_ms: 100, tpot_p90_ms: 20, prompt_tokens: [16, 64], concurrency: [1, 2]}
+system: {swappiness: null}
+"""
+GRID = Grid((16, 64), (1, 2), 8)
+
+
+def measurement(c: Candidate, ttft: float, tpot: float, gpu: float | None = None) -> Measurement:
+    points = {}
+    for length, streams in GRID.points:
+        n = 3 * streams
+        t = ttft * length / 64 * streams  # longer prompts and more streams wait longer
+        points[(length, streams)] = Point(
+            length, streams, [t] * n, [tpot] * n, [0.4 * t] * n, [0.6 * t] * n,
+            [t + 7 * tpot] * n, [8 * n], [n * (t + 7 * tpot) / 1e3 / streams],
+        )  # fmt: skip
+    phases = {
+        "prefill": PhaseFigures(1.0, 400, gpu, 0.49, 0.1),
+        "decode": PhaseFigures(2.0, 200, gpu, 0.2, 0.3),
+    }
+    return Measurement(c, 3, points, phases, cost_s=1.0)
+
+
+def result(tiny: Path, slow: bool = False) -> TuneResult:
+    profile = parse_profile(PROFILE)
+    info = read_model_info(tiny)
+    space = build_space(profile, info, cores=2)
+    scale = 10.0 if slow else 1.0
+    ms = {
+        c: measurement(c, scale * (20 + 5 * i), scale * (5 + i % 3))
+        for i, c in enumerate([space.baseline, *space.candidates])
+    }
+    search = successive_halving(
+        list(ms)[1:], lambda c, f: Evaluation(score(ms[c], profile.slo), 1.0), 1e9,
+        first=space.baseline,
+    )  # fmt: skip
+    assert search.best is not None
+    why = explain(ms[search.best], profile.slo)
+    return TuneResult(
+        profile, tiny, info, grid_for(profile, 8), space, search, ms, search.best, why,
+        TuneSettings(budget_s=60), "2026-11-29T12:00:00+00:00", elapsed_s=30.0,
+        telemetry_source="cpu",
+    )  # fmt: skip
+
+
+def test_score_is_the_worst_point_against_each_target() -> None:
+    c = Candidate(128, 128, "on", "f16", "f16", 1, 2)
+    m = measurement(c, ttft=40.0, tpot=10.0)  # worst TTFT: 64 tokens x 2 streams = 80 ms
+    s = score(m, SLOSection(ttft_p95_ms=100, tpot_p90_ms=20))
+    assert s.meets_slo and s.excess == pytest.approx(-0.2)
+    miss = score(m, SLOSection(ttft_p95_ms=40, tpot_p90_ms=20))
+    assert not miss.meets_slo and miss.excess == pytest.approx(1.0)
+    assert m.throughput() == pytest.approx(m.points[(16, 2)].output_tokens * 2 / (
+        m.points[(16, 2)].wall_s + m.points[(64, 2)].wall_s))  # fmt: skip
+    assert score(Measurement(c, 1, error="load failed"), SLOSection()).failed
+
+
+def test_explain_names_the_phase_and_its_figures() -> None:
+    c = Candidate(128, 128, "on", "f16", "f16", 1, 2)
+    lines = explain(measurement(c, 400.0, 30.0), SLOSection(ttft_p95_ms=100, tpot_p90_ms=20))
+    assert len(lines) == 2
+    assert "TTFT_p95 at 64 prompt tokens x 2 streams is 800 ms against 100 ms" in lines[0]
+    assert "prefill-bound" in lines[0] and "400 tokens/s" in lines[0]
+    assert "the target needs about 1280" in lines[0]
+    assert "decode-bound" in lines[1] and "30% of decode time" in lines[1]
+    gpu = explain(measurement(c, 400.0, 5.0, gpu=0.95), SLOSection(ttft_p95_ms=100))
+    assert "GPU busy 95%" in gpu[0] and "saturated in prefill" in gpu[0]
+    assert explain(measurement(c, 10.0, 5.0), SLOSection(ttft_p95_ms=100)) == []
+
+
+def test_the_tuned_profile_records_figures_and_validates(tiny_f16: Path, tmp_path: Path) -> None:
+    r = result(tiny_f16)
+    text = tuned.render(r)
+    head = [line for line in text.splitlines() if line.startswith("#")]
+    assert "2026-11-29T12:00:00+00:00" in head[0]
+    assert any("TTFT_p95 from" in line and "TPOT_p90 from" in line for line in head)
+    assert any(line.startswith("# SLO ttft_p95_ms 100") for line in head)
+    data = yaml.safe_load(text)
+    assert data["name"] == "unit-tuned" and data["model"]["demo"] == {
+        "size": "tiny",
+        "quant": "f16",
+    }
+    assert data["engine"]["type_k"] == r.chosen.type_k and data["engine"]["flash_attn"] in (
+        "on", "off", "auto",
+    )  # fmt: skip
+    path = tuned.write(r, tmp_path / "t.yaml")
+    out = CliRunner().invoke(profile_cli.app, ["validate", str(path)])
+    assert out.exit_code == 0, out.output
+
+
+def test_a_missed_slo_is_explained_in_profile_and_report(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(report, "_pyplot", lambda: None)  # plots are tested below
+    r = result(tiny_f16, slow=True)
+    assert not r.meets_slo and r.explanation
+    assert "NOT met" in tuned.render(r)
+    report.write(r, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "**why**" in md and "prefill-bound" in md
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="no matplotlib")
+def test_the_report_has_plots_with_matplotlib(tiny_f16: Path, tmp_path: Path) -> None:
+    written = report.write(result(tiny_f16), tmp_path)
+    assert written["plots"] and all((tmp_path / p).stat().st_size > 0 for p in written["plots"])
+    md = (tmp_path / "report.md").read_text()
+    assert "![ttft_vs_prompt](ttft_vs_prompt.png)" in md
+    assert (tmp_path / "report.json").is_file()
+
+
+def test_without_matplotlib_the_report_says_plots_were_skipped(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    written = report.write(result(tiny_f16), tmp_path)
+    assert written["plots"] is None and not list(tmp_path.glob("*.png"))
+    assert "Plots were skipped" in (tmp_path / "report.md").read_text()
+
+
+def test_grid_must_fit_a_slot() -> None:
+    p = parse_profile(PROFILE.replace("[16, 64]", "[16, 600]"))
+    with pytest.raises(Exception, match="cannot hold"):
+        grid_for(p, 8)
+
+
+def test_tune_group_keeps_system_and_runs_the_measured_tune_bare() -> None:
+    out = CliRunner().invoke(tune_cli.app, ["--help"])
+    assert out.exit_code == 0
+    assert "system" in out.output and "--budget" in out.output
+
+
+def test_throughput_is_the_median_over_repetitions() -> None:
+    c = Candidate(128, 128, "on", "f16", "f16", 1, 2)
+    a = Point(16, 2, rep_tokens=[100, 100, 100], rep_wall_s=[1.0, 1.0, 10.0])  # one disturbed
+    b = Point(64, 2, rep_tokens=[100, 100, 100], rep_wall_s=[1.0, 3.0, 1.0])
+    m = Measurement(c, 3, {(16, 2): a, (64, 2): b})
+    # per repetition: 200/2, 200/4, 200/11 -> median 50
+    assert m.throughput() == pytest.approx(50.0)
+    assert a.throughput == pytest.approx(100.0) and a.output_tokens == 300
+    assert a.merge(b).rep_wall_s == [1.0, 1.0, 10.0, 1.0, 3.0, 1.0]

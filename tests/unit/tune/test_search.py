@@ -1,0 +1,96 @@
+"""Successive halving on a synthetic cost model: a known landscape, exact costs."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from orin.tune.search import (
+    Evaluation,
+    Score,
+    fidelity_levels,
+    first_round_size,
+    plan_cost,
+    successive_halving,
+)
+
+Cand = tuple[int, int, int]
+GRID: list[Cand] = list(itertools.product(range(4), range(3), range(3)))  # 36 configurations
+OPTIMUM: Cand = (2, 1, 0)
+LOAD = 1.0  # fixed cost of every evaluation (a model load)
+REP = 1.0  # cost of one added repetition
+
+
+def landscape(c: Cand) -> float:
+    """Unique optimum 100 at (2, 1, 0); the runner-up (2, 1, 1) is 3 % lower."""
+    a, b, d = c
+    return 100.0 - 5.0 * (a - 2) ** 2 - 8.0 * (b - 1) ** 2 - 3.0 * d**2
+
+
+class Synthetic:
+    """Noisy measurements whose noise shrinks with repetitions; costs as a model load
+    plus the added repetitions."""
+
+    def __init__(self, noise: float = 2.0) -> None:
+        self.noise = noise
+        self.reps: dict[Cand, int] = {}
+        self.calls: list[tuple[Cand, int]] = []
+
+    def __call__(self, c: Cand, fidelity: int) -> Evaluation:
+        self.calls.append((c, fidelity))
+        added = fidelity - self.reps.get(c, 0)
+        self.reps[c] = fidelity
+        rng = random.Random(f"{c}:{fidelity}")
+        value = landscape(c) + rng.gauss(0.0, self.noise / fidelity**0.5)
+        return Evaluation(Score(True, value, -1.0), LOAD + REP * added)
+
+
+def test_finds_the_optimum_within_its_budget() -> None:
+    ev = Synthetic()
+    exhaustive = len(GRID) * (LOAD + 9 * REP)
+    # the plan scales the first evaluation's whole cost (load included) by repetitions:
+    # 36 x 2 + 12 x 4 + 4 x 12 = 168 predicted, 36 x 2 + 12 x 3 + 4 x 7 = 136 spent
+    res = successive_halving(GRID, ev, budget_s=170.0, max_fidelity=9, eta=3, seed=1)
+    assert res.best == OPTIMUM and res.best_fidelity == 9
+    assert res.spent_s == pytest.approx(136.0) and res.spent_s <= 0.4 * exhaustive
+    assert res.first_round == len(GRID) and not res.stopped
+    assert [sum(1 for t in res.trials if t.round == r) for r in range(3)] == [36, 12, 4]
+    assert sum(t.cost_s for t in res.trials) == pytest.approx(res.spent_s)
+
+
+def test_a_short_budget_shrinks_the_first_round_and_is_never_exceeded() -> None:
+    for budget in (12.0, 40.0, 90.0):
+        ev = Synthetic()
+        res = successive_halving(GRID, ev, budget_s=budget, seed=3, first=OPTIMUM)
+        assert res.spent_s <= budget
+        assert res.first_round < len(GRID)
+        assert ev.calls[0] == (OPTIMUM, 1)  # the "first" candidate is always measured
+        assert res.best is not None
+
+
+def test_the_first_candidate_need_not_be_in_the_space() -> None:
+    outside: Cand = (9, 9, 9)
+    res = successive_halving(GRID, Synthetic(), budget_s=200.0, first=outside)
+    assert res.trials[0].candidate == outside and res.best == OPTIMUM
+
+
+def test_slo_ranking_prefers_meeting_then_throughput_then_closeness() -> None:
+    meets_slow = Score(True, 10.0, -0.1)
+    meets_fast = Score(True, 20.0, -0.5)
+    misses_close = Score(False, 99.0, 0.05)
+    misses_far = Score(False, 999.0, 2.0)
+    failed = Score(False, 0.0, float("inf"), failed=True)
+    ranked = sorted([failed, misses_far, meets_slow, misses_close, meets_fast], key=Score.key)
+    assert ranked[::-1] == [meets_fast, meets_slow, misses_close, misses_far, failed]
+
+
+def test_schedule_arithmetic() -> None:
+    assert fidelity_levels(1, 9, 3) == (1, 3, 9)
+    assert fidelity_levels(1, 10, 2) == (1, 2, 4, 8)
+    # 24 at 1 rep, 8 more at +2, 3 more at +6: 24 + 16 + 18
+    assert plan_cost(24, 1.0, (1, 3, 9), 3) == pytest.approx(58.0)
+    assert first_round_size(24, 1.0, (1, 3, 9), 3, 58.0) == 24
+    assert first_round_size(24, 1.0, (1, 3, 9), 3, 30.0) < 24
+    assert first_round_size(24, 100.0, (1, 3, 9), 3, 1.0) == 1
