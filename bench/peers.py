@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.server_throughput import stop, wait_up
 from orin.engine.config import default_threads
 from orin.model import demo
 from orin.paths import cache_dir
@@ -96,25 +96,11 @@ class Peer:
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name} did not come up")
+        wait_up(self.url, self.proc, timeout=180)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        if self.proc is not None:
+            stop(self.proc)
 
 
 def peers(model: Path, server_bin: Path) -> list[Peer]:

@@ -79,6 +79,8 @@ def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> No
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=30)
