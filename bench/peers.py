@@ -12,7 +12,7 @@
    drift hits all alike, on the generated medium model:
    - single stream: TTFT and TPOT;
    - 4 and 8 concurrent streams: throughput, TTFT p95, TPOT p90;
-   - a long prompt arriving while 4 streams decode: ITL p99 of those streams;
+   - a long prompt (most of a slot) arriving while 4 streams decode: ITL p99 of those;
    - one request that generates past the context size: who survives.
    Identical settings: context per slot, slots / parallel sequences, batch,
    threads, KV types; greedy decoding with a fixed output length.
@@ -180,11 +180,11 @@ async def concurrent(url: str, k: int, n: int) -> dict[str, float | None]:
 
 
 async def long_prompt_during_decode(url: str, n: int) -> dict[str, float | None]:
-    """ITL p99 of 4 decoding streams while a ~1,500-token prompt arrives."""
+    """ITL p99 of 4 decoding streams while a ~400-token prompt (most of a slot) arrives."""
     async with httpx.AsyncClient(timeout=900) as client:
         running = [asyncio.create_task(stream(client, url, f"Decode {i}.", n)) for i in range(4)]
         await asyncio.sleep(1.0)
-        intruder = asyncio.create_task(stream(client, url, "long context " * 500, 4))
+        intruder = asyncio.create_task(stream(client, url, "long context " * 100, 4))
         results = await asyncio.gather(*running)
         await intruder
     itl = [x for r in results for x in r.itl_ms]
