@@ -243,7 +243,7 @@ class Engine:
                     self._step(batch)
                 except Exception as exc:  # a bug in one step must not take the engine down
                     log.exception("engine step failed; failing its requests")
-                    self._fail_batch(batch, exc)
+                    self._fail_batch(batch, f"internal error: {type(exc).__name__}")
                 finally:
                     self.step_started_ns = None
 
@@ -289,18 +289,17 @@ class Engine:
             aborted = True
         except BackendError as exc:
             log.error("decode failed: %s", exc)
-            with self._lock:
-                for request in requests:
-                    self._finish(request, "error", str(exc))
+            self._fail_batch(batch, str(exc))
             return
         self._record(batch, rows, sampled, aborted, start)
 
-    def _fail_batch(self, batch: Batch, exc: Exception) -> None:
+    def _fail_batch(self, batch: Batch, message: str) -> None:
+        """Finish every request of a batch that could not run with ``error``."""
         with self._lock:
             for item in batch.items:
                 request = self.scheduler.slots[item.slot].request
                 if isinstance(request, ActiveRequest):
-                    self._finish(request, "error", f"internal error: {type(exc).__name__}")
+                    self._finish(request, "error", message)
 
     def _abort_check(self) -> bool:
         return self._abort_flag
