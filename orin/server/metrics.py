@@ -359,21 +359,35 @@ class PhaseMetrics:
             {"source": source}
         )
         self._ewma: dict[str, float] = {}
+        # The per-phase children, looked up once: observe runs for every sample.
+        self._children = {
+            p: (
+                self.phase_seconds.labels(p),
+                self.samples.labels(p),
+                self.gpu_busy.labels(p),
+                self.cpu_busy.labels(p),
+                self.energy.labels(p),
+                self.gpu_util.labels(p),
+            )
+            for p in TELEMETRY_PHASES
+        }
 
     def observe(self, sample: Any, shares: Any, dt: float) -> None:
         """A PhaseTracker observer: one attributed sample."""
         power = sum(sample.power_mw.values()) if sample.power_mw else None
+        gpu, cpu = sample.gpu_util, sample.proc_cpu_util
         for share in shares:
             w = share.weight * dt
             phase = share.phase
-            self.phase_seconds.labels(phase).inc(w)
-            self.samples.labels(phase).inc(share.weight)
-            if sample.gpu_util is not None:
-                self.gpu_busy.labels(phase).inc(sample.gpu_util * w)
-                prev = self._ewma.get(phase, sample.gpu_util)
-                self._ewma[phase] = prev * (1 - UTIL_EWMA) + sample.gpu_util * UTIL_EWMA
-                self.gpu_util.labels(phase).set(self._ewma[phase])
-            if sample.proc_cpu_util is not None:
-                self.cpu_busy.labels(phase).inc(sample.proc_cpu_util * w)
+            seconds, n, gpu_busy, cpu_busy, energy, gpu_gauge = self._children[phase]
+            seconds.inc(w)
+            n.inc(share.weight)
+            if gpu is not None:
+                gpu_busy.inc(gpu * w)
+                prev = self._ewma.get(phase, gpu)
+                self._ewma[phase] = prev * (1 - UTIL_EWMA) + gpu * UTIL_EWMA
+                gpu_gauge.set(self._ewma[phase])
+            if cpu is not None:
+                cpu_busy.inc(cpu * w)
             if power is not None:
-                self.energy.labels(phase).inc(power * 1e-3 * w)
+                energy.inc(power * 1e-3 * w)

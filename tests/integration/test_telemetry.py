@@ -110,7 +110,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serv
 
 def test_server_reports_phases_everywhere(served: tuple[str, ServerState, Path]) -> None:
     base = served[0]
-    body = {"prompt": "telemetry " * 50, "max_tokens": 64, "temperature": 0}
+    # long enough a decode (the tiny model makes ~300 tokens in 0.1 s) for several samples
+    body = {"prompt": "telemetry " * 50, "max_tokens": 400, "temperature": 0}
     r = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
     t = r["timings"]
     assert 0.0 <= t["decode_cpu_util"] <= 1.0
@@ -125,7 +126,7 @@ def test_server_reports_phases_everywhere(served: tuple[str, ServerState, Path])
     assert decode > 0
     snap = httpx.get(f"{base}/telemetry").json()
     assert snap["source"] == "cpu" and snap["latest"]["cpu_util"] is not None
-    assert snap["recent_requests"][-1]["generated_tokens"] == 64
+    assert snap["recent_requests"][-1]["generated_tokens"] == 400
 
 
 def test_monitor_once_and_json(served: tuple[str, ServerState, Path]) -> None:

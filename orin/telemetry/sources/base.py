@@ -8,11 +8,14 @@ vanishes mid-run turns its field into None instead of raising.
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Protocol
+from typing import Any, Protocol, cast, runtime_checkable
 
 from orin.errors import OrinError
 from orin.system.root import SysRoot
@@ -60,6 +63,46 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class SplitSource(Source, Protocol):
+    """A source whose reading splits into cheap captures and a later ``decode``.
+
+    At 50 Hz most of a tick's cost is the cold start of the Python code it runs,
+    so the sampler's tick only calls ``capture_fast`` (best a C function such as
+    ``time.process_time_ns`` or a ``functools.partial`` of ``os.pread``) and, at
+    every ``slow_every``-th tick, ``capture_slow`` for the fields that change
+    slowly or cost more to read; both return raw values. The captures are decoded
+    in batches, several ticks at a time, on a warm path. ``decode`` is called once
+    per tick, in tick order, with the slow capture or None, and may keep state
+    between calls (deltas of counters, values carried between slow reads).
+    ``capture_slow`` may rebind ``capture_fast`` (a file reopened), so a tick
+    reads the attribute after it. ``sample()`` does one tick, on its own count.
+    """
+
+    slow_every: int
+    capture_fast: Callable[[], object]
+
+    def capture_slow(self) -> object: ...
+
+    def decode(self, t_ns: int, fast: object, slow: object | None) -> Sample: ...
+
+
+class SplitTicks:
+    """``sample()`` for a SplitSource: the sampler's cadence, counted by the source."""
+
+    _ticks = 0
+
+    def sample(self: Any) -> Sample:
+        t_ns = time.perf_counter_ns()
+        slow = self.capture_slow() if self._ticks % self.slow_every == 0 else None
+        self._ticks += 1
+        try:
+            fast = self.capture_fast()
+        except OSError:  # a file kept open whose device went away: None until reopened
+            fast = None
+        return cast(Sample, self.decode(t_ns, fast, slow))
+
+
 def one_line(text: str) -> str:
     """Collapse a multi-line message (jtop's, NVML's) into the one line a reason holds."""
     return " ".join(text.split())
@@ -83,6 +126,60 @@ def read_file(path: str | os.PathLike[str]) -> str | None:
     finally:
         os.close(fd)
     return data.decode("utf-8", "replace")
+
+
+class KeptOpen:
+    """A sysfs or debugfs file read again and again through one open descriptor.
+
+    sysfs and debugfs produce an attribute's text afresh on every read from
+    offset 0, so ``pread(fd, n, 0)`` is one system call where ``read_file`` is
+    three. ``reopen`` (the caller decides how often) notices a file that went
+    away or was replaced; in between, a read that fails (ENODEV once a device is
+    unbound) is None, like a missing file.
+    """
+
+    def __init__(self, path: str, size: int = 256) -> None:
+        self.path = path
+        self.size = size  # sysfs values are short; a smaller buffer is a cheaper read
+        self._fd: int | None = None
+
+    def reopen(self) -> None:
+        self.close()
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> str | None:
+        raw = self.read_bytes()
+        return None if raw is None else raw.decode("utf-8", "replace")
+
+    def read_bytes(self) -> bytes | None:
+        """The raw text (the sampler's tick leaves decoding for later)."""
+        fd = self._fd
+        if fd is None:
+            return None
+        try:
+            return os.pread(fd, self.size, 0)
+        except OSError:
+            return None
+
+    def reader(self) -> Callable[[], bytes | None]:
+        """A zero-argument reader that runs no Python code when the file is open
+        (``os.pread`` bound to the descriptor); it raises OSError where ``read``
+        would give None. Valid until the next ``reopen`` or ``close``."""
+        if self._fd is None:
+            return _nothing
+        return functools.partial(os.pread, self._fd, self.size, 0)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def _nothing() -> None:
+    return None
 
 
 def parse_int(text: str | None) -> int | None:

@@ -13,14 +13,16 @@ field is None, which is normal rather than an error.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 from orin.system.root import SysRoot
 from orin.telemetry.sources.base import (
     Availability,
+    KeptOpen,
     Sample,
+    SplitTicks,
     parse_int,
     read_file,
     realpath_in,
@@ -258,31 +260,65 @@ def read(root: SysRoot) -> JetsonSysfsReading:
 # -- the source ---------------------------------------------------------------------
 
 
-SLOW_EVERY = 5  # EMC and rails at a fifth of the sampling rate (10 Hz at 50 Hz)
+SLOW_EVERY = 5  # clock, EMC and rails at a fifth of the sampling rate (10 Hz at 50 Hz)
+REOPEN_EVERY = 50  # files are reopened once a second at 50 Hz
+
+_RailTexts = tuple[tuple[str, str | None, str | None], ...]  # label, voltage, current
+# full (voltages and EMC rate read too), GPU clock, EMC activity and rate, rails
+_SlowTexts = tuple[bool, str | None, tuple[str | None, str | None] | None, _RailTexts]
 
 
-class JetsonSysfsSource:
-    """50 Hz GPU load/clock, EMC and rail power from files found once at construction."""
+class JetsonSysfsSource(SplitTicks):
+    """50 Hz GPU load; clock, EMC and rail power at a fifth of that; from files found
+    once at construction.
+
+    A ``SplitSource``: the tick reads the GPU load file (``capture_fast``, an
+    ``os.pread`` on the descriptor kept open); ``capture_slow`` reads the GPU
+    clock, EMC activity and rail currents at every ``slow_every``-th tick, and
+    the rail voltages and EMC clock rate, which barely move (the INA3221 channels
+    sit on the 5 V inputs), when the files are reopened: every ``reopen_every``
+    ticks (rounded to a multiple of ``slow_every``), so a GPU or a power monitor
+    that goes away, or comes back, shows within a second. ``decode`` parses the
+    texts later, several ticks at a time.
+    """
 
     name = "jetson_sysfs"
     default_hz = 50.0
 
-    def __init__(self, root: SysRoot, slow_every: int = SLOW_EVERY) -> None:
+    def __init__(
+        self, root: SysRoot, slow_every: int = SLOW_EVERY, reopen_every: int = REOPEN_EVERY
+    ) -> None:
         self.root = root
         self.slow_every = slow_every
+        self.reopen_every = max(slow_every, reopen_every // slow_every * slow_every)
         self.layout = discover(root)
-        self._tick = 0
-        self._slow: tuple[float | None, dict[str, float]] = (None, {})
+        self._slow_reads = 0
+        self._slow: tuple[int | None, float | None, dict[str, float]] = (None, None, {})
+        self._volts: dict[str, str | None] = {}  # rail label -> last voltage text
+        self._emc_rate: str | None = None
         g = self.layout.gpu
-        # Resolved host paths, so sample() does no path arithmetic per call.
+        # Resolved host paths, so the captures do no path arithmetic per call.
         self._load = str(root.path(g.load)) if g else None
-        self._cur_freq = str(root.path(g.freq("cur_freq"))) if g else None
+        self._load_file = KeptOpen(self._load, size=64) if self._load else None
+        self.capture_fast: Callable[[], object] = _no_load
+        self._freq_file = KeptOpen(str(root.path(g.freq("cur_freq")))) if g else None
         emc = self.layout.emc
-        self._emc = (str(root.path(emc.activity)), str(root.path(emc.rate))) if emc else None
+        self._emc = (
+            (KeptOpen(str(root.path(emc.activity))), KeptOpen(str(root.path(emc.rate))))
+            if emc
+            else None
+        )
         self._rails = tuple(
-            (r.label, str(root.path(r.voltage)), str(root.path(r.current)))
+            (r.label, KeptOpen(str(root.path(r.voltage))), KeptOpen(str(root.path(r.current))))
             for r in self.layout.rails
         )
+
+    def _files(self) -> list[KeptOpen]:
+        files = [f for f in (self._load_file, self._freq_file) if f is not None]
+        files += list(self._emc or ())
+        for _, voltage, current in self._rails:
+            files += [voltage, current]
+        return files
 
     def availability(self) -> Availability:
         g = self.layout.gpu
@@ -295,28 +331,62 @@ class JetsonSysfsSource:
             True, f"iGPU {g.name} at {g.device}; rails: {rails}; {self.layout.emc_reason}"
         )
 
-    def sample(self) -> Sample:
-        """GPU load and clock at every sample; EMC and power rails (each an I2C read on
-        a board) at every ``slow_every``-th, carried in between."""
-        t_ns = time.perf_counter_ns()
-        load = parse_load(read_file(self._load)) if self._load else None
-        freq = parse_int(read_file(self._cur_freq)) if self._cur_freq else None
-        self._tick += 1
-        if (self._tick - 1) % self.slow_every == 0:
-            self._slow = self._read_slow()
-        emc, power = self._slow
+    def capture_slow(self) -> _SlowTexts:
+        full = self._slow_reads % (self.reopen_every // self.slow_every) == 0
+        self._slow_reads += 1
+        if full:
+            for f in self._files():
+                f.reopen()
+            self.capture_fast = self._load_file.reader() if self._load_file else _no_load
+        freq = self._freq_file.read() if self._freq_file else None
+        emc = None
+        if self._emc is not None:
+            emc = (self._emc[0].read(), self._emc[1].read() if full else None)
+        rails = tuple((label, v.read() if full else None, c.read()) for label, v, c in self._rails)
+        return full, freq, emc, rails
+
+    def decode(self, t_ns: int, fast: object, slow: object | None) -> Sample:
+        load_raw = cast("bytes | None", fast)
+        load_text = None if load_raw is None else load_raw.decode("utf-8", "replace")
+        if slow is not None:
+            self._slow = self._decode_slow(*cast(_SlowTexts, slow))
+        freq, emc, power = self._slow
+        # the carried samples share one power dict: samples are read, never changed
         return Sample(
-            t_ns=t_ns, gpu_util=load, gpu_freq_hz=freq, emc_util=emc, power_mw=dict(power)
+            t_ns=t_ns,
+            gpu_util=parse_load(load_text),
+            gpu_freq_hz=freq,
+            emc_util=emc,
+            power_mw=power,
         )
 
-    def _read_slow(self) -> tuple[float | None, dict[str, float]]:
-        emc = emc_util(read_file(self._emc[0]), read_file(self._emc[1])) if self._emc else None
+    def _decode_slow(
+        self,
+        full: bool,
+        freq_text: str | None,
+        emc_texts: tuple[str | None, str | None] | None,
+        rail_texts: _RailTexts,
+    ) -> tuple[int | None, float | None, dict[str, float]]:
         power: dict[str, float] = {}
-        for label, voltage, current in self._rails:
-            mw = rail_power_mw(read_file(voltage), read_file(current))
+        for label, voltage, current in rail_texts:
+            if full:
+                self._volts[label] = voltage
+            mw = rail_power_mw(self._volts.get(label), current)
             if mw is not None:
                 power[label] = mw
-        return emc, power
+        emc = None
+        if emc_texts is not None:
+            if full:
+                self._emc_rate = emc_texts[1]
+            emc = emc_util(emc_texts[0], self._emc_rate)
+        return parse_int(freq_text), emc, power
 
     def close(self) -> None:
-        """Nothing to release: every read opens and closes its file."""
+        """Close the files kept open between ticks."""
+        self.capture_fast = _no_load
+        for f in self._files():
+            f.close()
+
+
+def _no_load() -> None:
+    return None

@@ -241,7 +241,7 @@ def test_no_gpu_source_is_unavailable_and_samples_nothing(tmp_path: Path) -> Non
 
 def test_rail_that_disappears_mid_run(tmp_path: Path) -> None:
     board = agx_orin_64gb(tmp_path, 5)
-    source = js.JetsonSysfsSource(board.root, slow_every=1)
+    source = js.JetsonSysfsSource(board.root, slow_every=1, reopen_every=1)
     assert "VDD_GPU_SOC" in source.sample().power_mw
     board.remove(board.rail_path(JP5, "1-0040", "curr1_input"))
     after = source.sample()
@@ -268,16 +268,6 @@ def test_gpu_files_that_vanish_or_turn_to_junk(tmp_path: Path) -> None:
     assert sample.power_mw  # the rails are still read
 
 
-def test_sample_is_fast(tmp_path: Path) -> None:
-    source = js.JetsonSysfsSource(agx_orin_64gb(tmp_path, 5, emc=True).root)
-    n = 200
-    start = time.perf_counter()
-    for _ in range(n):
-        source.sample()
-    per_sample = (time.perf_counter() - start) / n
-    assert per_sample < 0.005  # about 0.1 ms here; a loose bound so slow CI passes
-
-
 def test_rails_are_read_at_a_fifth_of_the_rate_and_carried(tmp_path: Path) -> None:
     board = agx_orin_64gb(tmp_path, 5)
     source = js.JetsonSysfsSource(board.root)
@@ -286,3 +276,32 @@ def test_rails_are_read_at_a_fifth_of_the_rate_and_carried(tmp_path: Path) -> No
     carried = [source.sample().power_mw for _ in range(js.SLOW_EVERY - 1)]
     assert carried == [first] * (js.SLOW_EVERY - 1)
     assert source.sample().power_mw["VDD_GPU_SOC"] == pytest.approx(497.6)  # the next read
+
+
+def test_clock_is_read_with_the_slow_fields_and_load_every_time(tmp_path: Path) -> None:
+    board = agx_orin_64gb(tmp_path, 6, load=100)
+    source = js.JetsonSysfsSource(board.root)
+    first = source.sample()
+    board.write(board.gpu_path(JP6, "cur_freq"), "918000000\n")
+    board.write(board.gpu_path(JP6, "load"), "900\n")
+    between = [source.sample() for _ in range(js.SLOW_EVERY - 1)]
+    assert [s.gpu_freq_hz for s in between] == [first.gpu_freq_hz] * (js.SLOW_EVERY - 1)
+    assert [s.gpu_util for s in between] == [0.9] * (js.SLOW_EVERY - 1)
+    assert source.sample().gpu_freq_hz == 918_000_000
+
+
+def test_files_kept_open_follow_writes_and_are_reopened(tmp_path: Path) -> None:
+    board = agx_orin_64gb(tmp_path, 6, load=100)
+    source = js.JetsonSysfsSource(board.root, slow_every=1, reopen_every=3)
+    assert source.sample().gpu_util == 0.1
+    board.write(board.gpu_path(JP6, "load"), "750\n")
+    board.write(board.rail_path(JP6, "1-0040", "curr1_input"), "100\n")
+    after = source.sample()  # re-read from offset 0 through the open descriptors
+    assert after.gpu_util == 0.75 and after.power_mw["VDD_GPU_SOC"] == pytest.approx(497.6)
+    board.remove(board.gpu_path(JP6, "load"))
+    source.sample()
+    assert source.sample().gpu_util is None  # the 4th tick reopens: gone
+    board.write(board.gpu_path(JP6, "load"), "500\n")
+    loads = [source.sample().gpu_util for _ in range(3)]
+    assert loads[-1] == 0.5  # back at the next reopen
+    source.close()

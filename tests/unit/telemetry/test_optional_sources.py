@@ -10,6 +10,7 @@ import types
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
+import psutil
 import pytest
 
 from orin.telemetry.sources import cpu, jtop, nvml
@@ -289,3 +290,35 @@ def test_machine_figure_is_read_at_a_fifth_of_the_rate() -> None:
     assert carried == [first] * (cpu.MACHINE_EVERY - 1)  # /proc/stat not read in between
     time.sleep(0.05)
     assert source.sample().proc_cpu_util is not None  # the process share is fresh every time
+
+
+def test_proc_stat_aggregate_line_in_seconds() -> None:
+    text = "cpu  100 20 30 800 50 0 0 0 7 3\ncpu0 50 10 15 400 25 0 0 0 0 0\nintr 1\n"
+    assert cpu.parse_proc_stat(text, 100.0) == cpu.CpuTimes(busy_s=1.5, total_s=10.0)
+    assert cpu.parse_proc_stat("cpu0 1 2 3 4\n", 100.0) is None  # no aggregate line first
+    assert cpu.parse_proc_stat("cpu  1 2 x 4\n", 100.0) is None
+    assert cpu.parse_proc_stat("", 100.0) is None
+
+
+def test_machine_times_agree_with_psutil() -> None:
+    machine = cpu.MachineTimes()
+    try:
+        ours = machine.read()
+    finally:
+        machine.close()
+    theirs = cpu.parse_times(psutil.cpu_times()._asdict())
+    assert ours is not None
+    assert ours.total_s == pytest.approx(theirs.total_s, rel=0.01)
+    assert ours.busy_s == pytest.approx(theirs.busy_s, rel=0.01)
+
+
+def test_cpu_capture_is_raw_and_decode_does_the_arithmetic() -> None:
+    source = cpu.CpuSource(machine_every=1)
+    assert source.capture_fast is time.process_time_ns  # the tick runs no Python code
+    t0 = time.perf_counter_ns()
+    machine = source.capture_slow()
+    assert isinstance(machine, str) and machine.startswith("cpu ")
+    sample = source.decode(t0 + 50_000_000, source.capture_fast(), machine)
+    assert sample.t_ns == t0 + 50_000_000
+    assert sample.proc_cpu_util is not None and 0.0 <= sample.proc_cpu_util <= 1.0
+    source.close()

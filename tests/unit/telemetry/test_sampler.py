@@ -1,0 +1,182 @@
+"""The sampler: ticks capture, batches decode, readers and observers see every sample in order."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+
+from orin.telemetry.sampler import Sampler
+from orin.telemetry.sources import cpu
+from orin.telemetry.sources import jetson_sysfs as js
+from orin.telemetry.sources.base import Availability, Sample, SplitSource, SplitTicks
+from tests.fakeboards_telemetry import agx_orin_64gb
+
+
+class Counting(SplitTicks):
+    """A SplitSource whose fast captures count up; every 2nd tick also captures "slow"."""
+
+    name = "counting"
+    default_hz = 50.0
+    slow_every = 2
+
+    def __init__(self, fail_capture_at: int = -1, fail_decode_at: int = -1) -> None:
+        self.captures = 0
+        self.slow_captures = 0
+        self.decoded: list[tuple[int, object]] = []
+        self.fail_capture_at = fail_capture_at
+        self.fail_decode_at = fail_decode_at
+        self.closed = False
+        self.capture_fast = self._count
+
+    def availability(self) -> Availability:
+        return Availability(True, "test")
+
+    def _count(self) -> int:
+        self.captures += 1
+        if self.captures == self.fail_capture_at:
+            raise ValueError("device went away")
+        return self.captures
+
+    def capture_slow(self) -> object:
+        self.slow_captures += 1
+        return f"slow{self.slow_captures}"
+
+    def decode(self, t_ns: int, fast: object, slow: object | None) -> Sample:
+        assert isinstance(fast, int)
+        if fast == self.fail_decode_at:
+            raise ValueError("junk")
+        self.decoded.append((fast, slow))
+        return Sample(t_ns=t_ns, gpu_util=fast / 100)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Plain:
+    """A source without the capture/decode split."""
+
+    name = "plain"
+    default_hz = 50.0
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def availability(self) -> Availability:
+        return Availability(True, "test")
+
+    def sample(self) -> Sample:
+        self.n += 1
+        return Sample(t_ns=time.perf_counter_ns(), gpu_util=self.n / 100)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_real_sources_split_capture_from_decode(tmp_path: Path) -> None:
+    assert isinstance(cpu.CpuSource(), SplitSource)
+    assert isinstance(js.JetsonSysfsSource(agx_orin_64gb(tmp_path, 6).root), SplitSource)
+    assert not isinstance(Plain(), SplitSource)
+
+
+def test_flush_every_defaults_to_five_batches_a_second() -> None:
+    assert Sampler(Counting(), 50).flush_every == 10
+    assert Sampler(Counting(), 25).flush_every == 5
+    assert Sampler(Counting(), 4).flush_every == 1
+
+
+def test_ticks_only_capture_until_a_batch_is_full() -> None:
+    source = Counting()
+    sampler = Sampler(source, 50, flush_every=3)
+    seen: list[float | None] = []
+    sampler.observers.append(lambda s: seen.append(s.gpu_util))
+    for _ in range(3):
+        sampler._tick(time.perf_counter_ns, sampler._captured)
+    assert source.captures == 3 and source.decoded == [] and seen == []
+    sampler.flush()
+    assert source.decoded == [(1, "slow1"), (2, None), (3, "slow2")]  # slow every 2nd tick
+    assert seen == [0.01, 0.02, 0.03]
+
+
+def test_readers_see_captures_not_yet_decoded() -> None:
+    source = Counting()
+    sampler = Sampler(source, 50, flush_every=100)
+    for _ in range(4):
+        sampler._tick(time.perf_counter_ns, sampler._captured)
+    latest = sampler.latest()
+    assert latest is not None and latest.gpu_util == 0.04
+    assert [s.gpu_util for s in sampler.samples()] == [0.01, 0.02, 0.03, 0.04]
+    ts = [s.t_ns for s in sampler.samples()]
+    assert ts == sorted(ts)  # stamped at the tick, not at the decode
+    window = sampler.samples(since_ns=ts[1], until_ns=ts[2])
+    assert [s.gpu_util for s in window] == [0.02, 0.03]
+
+
+def test_failing_capture_or_decode_is_counted_and_skipped() -> None:
+    source = Counting(fail_capture_at=2, fail_decode_at=4)
+    sampler = Sampler(source, 50, flush_every=100)
+    for _ in range(5):
+        sampler._tick(time.perf_counter_ns, sampler._captured)
+    assert [s.gpu_util for s in sampler.samples()] == [0.01, 0.03, 0.05]
+    assert sampler.errors == 2
+
+
+def test_a_failing_observer_does_not_stop_the_others() -> None:
+    sampler = Sampler(Counting(), 50)
+    seen: list[Sample] = []
+
+    def broken(_: Sample) -> None:
+        raise RuntimeError("bug")
+
+    sampler.observers += [broken, seen.append]
+    assert sampler.sample_once() is not None
+    assert sampler.sample_once() is not None
+    assert [s.gpu_util for s in seen] == [0.01, 0.02]
+
+
+def test_sample_once_returns_none_when_the_source_fails() -> None:
+    sampler = Sampler(Counting(fail_capture_at=1), 50)
+    assert sampler.sample_once() is None
+    assert sampler.errors == 1
+    sample = sampler.sample_once()
+    assert sample is not None and sample.gpu_util == 0.02
+
+
+def test_a_plain_source_is_sampled_at_the_tick() -> None:
+    source = Plain()
+    sampler = Sampler(source, 50, flush_every=10)
+    sampler._tick(time.perf_counter_ns, sampler._captured)
+    assert source.n == 1  # its sample() ran at the tick
+    assert [s.gpu_util for s in sampler.samples()] == [0.01]
+
+
+def test_the_thread_samples_on_schedule_and_stop_flushes_the_rest() -> None:
+    source = Counting()
+    sampler = Sampler(source, 200, flush_every=7)
+    seen: list[Sample] = []
+    sampler.observers.append(seen.append)
+    sampler.start()
+    time.sleep(0.3)
+    sampler.stop()
+    samples = sampler.samples()
+    assert source.closed
+    assert len(samples) == source.captures >= 10  # every capture stored, none left behind
+    assert [s.gpu_util for s in seen] == [s.gpu_util for s in samples]
+    gaps = [b.t_ns - a.t_ns for a, b in itertools.pairwise(samples)]
+    assert min(gaps) > 0
+
+
+def test_ring_buffer_is_bounded() -> None:
+    sampler = Sampler(Counting(), 50, seconds=0.1)  # floor of 16 samples
+    for _ in range(40):
+        sampler._tick(time.perf_counter_ns, sampler._captured)
+    samples = sampler.samples()
+    assert len(samples) == 16 and samples[-1].gpu_util == 0.4
+
+
+@pytest.mark.parametrize("hz", [-5.0, -1e-9])
+def test_rate_must_be_positive(hz: float) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        Sampler(Plain(), hz)
