@@ -22,7 +22,7 @@ from orin.engine.errors import BackendError, EngineError, EngineStopped, Invalid
 from orin.engine.request import ActiveRequest
 from orin.engine.runner import Aborted, Runner
 from orin.engine.scheduler import Batch, Scheduler, Shift, Slot
-from orin.engine.stream import Completion, RequestStream
+from orin.engine.stream import Completion, RequestStream, batched_delivery
 from orin.engine.timings import now_ns
 from orin.engine.types import FinishReason, RequestTimings, SamplingParams, StepStats, TokenEvent
 from orin.model.gguf import ModelInfo
@@ -305,13 +305,23 @@ class Engine:
         return self._abort_flag
 
     def _sample(self, rows: dict[int, int]) -> dict[int, int]:
+        """slot -> sampled token; every plain greedy slot in one argmax over the outputs."""
         assert self.runner is not None
-        sampled = {}
+        sampled: dict[int, int] = {}
+        greedy_slots: list[int] = []
+        greedy_rows: list[int] = []
         for slot_id, row in rows.items():
-            request = self._request_in(slot_id)
-            assert request.sampler is not None
-            logits = self.runner.logits(row)
-            sampled[slot_id] = request.sampler.sample(row, logits)
+            sampler = self._request_in(slot_id).sampler
+            assert sampler is not None
+            if sampler.plain_greedy:
+                greedy_slots.append(slot_id)
+                greedy_rows.append(row)
+            elif sampler.chain is not None:  # llama.cpp's chain reads the logits itself
+                sampled[slot_id] = sampler.sample(row, None)
+            else:
+                sampled[slot_id] = sampler.sample(row, self.runner.logits(row))
+        if greedy_rows:
+            sampled.update(zip(greedy_slots, self.runner.argmax(greedy_rows), strict=True))
         return sampled
 
     def _record(
@@ -324,7 +334,7 @@ class Engine:
     ) -> None:
         assert self.runner is not None and self.backend is not None
         t = now_ns()
-        with self._lock:
+        with self._lock, batched_delivery():
             if aborted:
                 self.scheduler.discard(batch)
             else:
@@ -333,7 +343,11 @@ class Engine:
                     request = self._request_in(slot_id)
                     if request.id in self._cancels:
                         continue
-                    logits = self.runner.logits(rows[slot_id])
+                    logits = (
+                        self.runner.logits(rows[slot_id])
+                        if request.params.logprobs is not None
+                        else None
+                    )
                     reason = request.on_token(self.backend, token, logits, t)
                     if reason is not None:
                         self._finish(request, reason)

@@ -39,13 +39,17 @@ class ActiveRequest:
             self.stop = StopMatcher(self.params.stop)
 
     def on_token(
-        self, backend: Backend, token: int, logits: npt.NDArray[np.float32], t_ns: int
+        self, backend: Backend, token: int, logits: npt.NDArray[np.float32] | None, t_ns: int
     ) -> FinishReason | None:
-        """Emit the token's event; return a finish reason when the request is done."""
+        """Emit the token's event; return a finish reason when the request is done.
+        ``logits`` (the row the token came from) is needed only for logprobs."""
         assert self.detok is not None and self.stop is not None and self.sampler is not None
         self.timings.token(t_ns)
         self.generated += 1
-        logprob = self.sampler.logprob(token, logits) if self.params.logprobs is not None else None
+        logprob = None
+        if self.params.logprobs is not None:
+            assert logits is not None
+            logprob = self.sampler.logprob(token, logits)
         if token in self.params.stop_token_ids or (
             not self.params.ignore_eos and backend.is_eog(token)
         ):  # counted and reported by id, but it ends the text rather than adding to it

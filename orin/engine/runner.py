@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,6 +29,8 @@ class Runner:
         self._abort_check: Callable[[], bool] | None = None
         self._abort_cb: Any = self.lib.ggml_abort_callback(self._on_abort)
         self._abort_set = False
+        self._out_of_row: dict[int, int] = {}  # batch position -> output row, last decode
+        self._view: tuple[int, int, npt.NDArray[np.float32]] | None = None  # addr, rows, view
 
     def _on_abort(self, _data: Any) -> bool:
         check = self._abort_check
@@ -54,6 +57,7 @@ class Runner:
         b = self.batch
         n = 0
         rows: dict[int, int] = {}
+        self._out_of_row = {}
         for item in batch.items:
             for j, token in enumerate(item.tokens):
                 b.token[n] = token
@@ -65,6 +69,7 @@ class Runner:
             if item.sample:
                 b.logits[n - 1] = True
                 rows[item.slot] = n - 1
+                self._out_of_row[n - 1] = len(self._out_of_row)
         b.n_tokens = n
         self._set_abort(abort)
         ret = self.lib.llama_decode(self.backend.ctx, b)
@@ -82,10 +87,37 @@ class Runner:
             self.lib.llama_set_abort_callback(self.backend.ctx, cb, None)
             self._abort_set = want
 
+    def outputs(self) -> npt.NDArray[np.float32]:
+        """The last decode's logits, one row per sampled position in batch order (as
+        llama.cpp stores them); a view valid until the next decode.
+
+        The numpy view is built once and reused while llama.cpp keeps the same
+        output buffer: building one per token costs more than the argmax.
+        """
+        n_rows = len(self._out_of_row)
+        ptr = self.lib.llama_get_logits(self.backend.ctx)
+        addr = ctypes.cast(ptr, ctypes.c_void_p).value or 0
+        view = self._view
+        if view is None or view[0] != addr or view[1] != n_rows:
+            array = np.ctypeslib.as_array(ptr, shape=(n_rows, self.backend.n_vocab))
+            view = self._view = (addr, n_rows, array)
+        return view[2]
+
+    def output_index(self, row: int) -> int:
+        """The output row of batch position ``row`` in ``outputs()``."""
+        return self._out_of_row[row]
+
     def logits(self, row: int) -> npt.NDArray[np.float32]:
-        """A view of one output row's logits (valid until the next decode)."""
-        ptr = self.lib.llama_get_logits_ith(self.backend.ctx, row)
-        return np.ctypeslib.as_array(ptr, shape=(self.backend.n_vocab,))
+        """A view of one batch position's logits (valid until the next decode)."""
+        return self.outputs()[self._out_of_row[row]]
+
+    def argmax(self, rows: list[int]) -> list[int]:
+        """The greedy token of each batch position in ``rows``, in one numpy call."""
+        outputs = self.outputs()
+        order = [self._out_of_row[r] for r in rows]
+        if order != list(range(len(outputs))):
+            outputs = outputs[order]
+        return [int(t) for t in outputs.argmax(axis=1)]
 
     def seq_pos_max(self, seq: int) -> int:
         return int(self.lib.llama_memory_seq_pos_max(self.backend.memory, seq))

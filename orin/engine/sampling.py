@@ -28,7 +28,10 @@ class SlotSampler:
                 self.bias[t] = float("-inf")
         self.chain: Any = None
         self._penalties: Any = None
-        if not params.greedy or params.grammar or params.penalized:
+        needs_chain = not params.greedy or bool(params.grammar) or params.penalized
+        # plain argmax over the raw logits: the engine batches these across slots
+        self.plain_greedy = not needs_chain and not self.bias
+        if needs_chain:
             self.chain = self._build_chain()
             if self._penalties is not None:
                 for t in prompt:  # penalties count the prompt as llama.cpp's server does
@@ -71,9 +74,12 @@ class SlotSampler:
         add(lib.llama_sampler_init_dist(DEFAULT_SEED if p.seed is None else p.seed))
         return chain
 
-    def sample(self, row: int, logits: npt.NDArray[np.float32]) -> int:
+    def sample(self, row: int, logits: npt.NDArray[np.float32] | None) -> int:
+        """The next token from batch position ``row``; ``logits`` (that row's) is only
+        read without a llama.cpp chain."""
         if self.chain is not None:
             return int(self.lib.llama_sampler_sample(self.chain, self.backend.ctx, row))
+        assert logits is not None
         if not self.bias:
             return int(np.argmax(logits))
         biased = logits.copy()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
@@ -22,6 +23,45 @@ class Completion:
     finish_reason: FinishReason
     timings: RequestTimings | None
     error: str | None = None
+
+
+_Delivery = list[tuple["asyncio.Queue[TokenEvent]", TokenEvent]]
+
+
+class _Outbox(threading.local):
+    pending: dict[asyncio.AbstractEventLoop, _Delivery] | None = None
+
+
+_outbox = _Outbox()
+
+
+@contextlib.contextmanager
+def batched_delivery() -> Iterator[None]:
+    """Hold the events put on this thread for asyncio consumers until the block ends,
+    then hand each event loop its share with one wake-up.
+
+    The engine wraps a step's bookkeeping in this: with eight streams that is one
+    ``call_soon_threadsafe`` (one write to the loop's wake-up pipe) per step
+    instead of eight, and the loop thread, which shares the cores with
+    llama.cpp's threads, wakes once.
+    """
+    if _outbox.pending is not None:  # nested: the outer block delivers
+        yield
+        return
+    pending: dict[asyncio.AbstractEventLoop, _Delivery] = {}
+    _outbox.pending = pending
+    try:
+        yield
+    finally:
+        _outbox.pending = None
+        for loop, items in pending.items():
+            with contextlib.suppress(RuntimeError):  # that loop is gone: nobody listens
+                loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: _Delivery) -> None:
+    for q, event in items:
+        q.put_nowait(event)
 
 
 class RequestStream:
@@ -54,6 +94,10 @@ class RequestStream:
         if self._loop is None or self._async is None:
             self._sync.put(event)
             return
+        pending = _outbox.pending
+        if pending is not None:
+            pending.setdefault(self._loop, []).append((self._async, event))
+            return
         with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody listens
             self._loop.call_soon_threadsafe(self._async.put_nowait, event)
 
@@ -78,6 +122,20 @@ class RequestStream:
             self._taken += 1
             self._done = event.finish_reason is not None
             yield event
+
+    async def batches(self) -> AsyncIterator[list[TokenEvent]]:
+        """Like ``async for``, but each item is every event ready at that moment
+        (at least one), so a consumer that fell behind catches up in one write."""
+        if self._async is None:
+            raise TypeError("this stream was opened without an event loop; use `for`")
+        q = self._async
+        while not self._done:
+            ready = [await q.get()]
+            while not q.empty() and ready[-1].finish_reason is None:
+                ready.append(q.get_nowait())
+            self._taken += len(ready)
+            self._done = ready[-1].finish_reason is not None
+            yield ready
 
     def result(self) -> Completion:
         return collect(self.request_id, list(self))

@@ -190,22 +190,31 @@ async def _sse(
     stream: RequestStream,
     params: SamplingParams,
     kind: str,
-) -> AsyncIterator[dict[str, str]]:
+) -> AsyncIterator[bytes | dict[str, str]]:
     """SSE events; if the client goes away, sse-starlette cancels this generator and
-    the ``finally`` cancels the request, freeing its slot within one engine step."""
+    the ``finally`` cancels the request, freeing its slot within one engine step.
+
+    Token chunks go out as ready-made bytes (see ``TokenChunks``); the events that
+    are ready together (a client or loop that fell behind) go out in one write.
+    """
+    chunks = TokenChunks(state, body, stream.request_id, kind)
     events: list[TokenEvent] = []
     try:
         if kind == "chat":
             yield _chunk(state, stream.request_id, kind, {"role": "assistant", "content": ""})
-        async for event in stream:
-            events.append(event)
-            if event.finish_reason is not None:
-                break
-            if event.text or body.return_token_ids or event.logprob is not None:
-                yield _event_chunk(state, body, stream.request_id, kind, event)
+        async for ready in stream.batches():
+            events += ready
+            out = [
+                chunks.token(e)
+                for e in ready
+                if e.finish_reason is None
+                and (e.text or body.return_token_ids or e.logprob is not None)
+            ]
+            if out:
+                yield out[0] if len(out) == 1 else b"".join(out)
         final = events[-1]
         if final.text:
-            yield _event_chunk(state, body, stream.request_id, kind, final)
+            yield chunks.token(final)
         c = collect(stream.request_id, events)
         request.state.timings = c.timings
         if c.finish_reason == "error":
@@ -226,6 +235,41 @@ async def _sse(
 
 def _object(kind: str) -> str:
     return "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+
+_TEXT_MARK = "\u0000orin-text\u0000"
+
+
+class TokenChunks:
+    """The SSE bytes of a request's token chunks.
+
+    A plain token chunk differs from the next only in its text, so the JSON
+    around the text is encoded once per request and each token costs one
+    ``json.dumps`` of its text: the per-token work of the stream is Python that
+    competes with llama.cpp's threads for the same cores. Chunks that carry
+    token ids or logprobs are built in full.
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
+        rid: str,
+        kind: str,
+    ) -> None:
+        self.state, self.body, self.rid, self.kind = state, body, rid, kind
+        delta: dict[str, Any] | str = {"content": _TEXT_MARK} if kind == "chat" else _TEXT_MARK
+        whole = _chunk(state, rid, kind, delta)["data"]
+        head, tail = whole.split(json.dumps(_TEXT_MARK, ensure_ascii=False))
+        self._head, self._tail = b"data: " + head.encode(), tail.encode() + b"\n\n"
+        self._plain = not body.return_token_ids
+
+    def token(self, e: TokenEvent) -> bytes:
+        if self._plain and e.logprob is None:
+            text = json.dumps(e.text, ensure_ascii=False).encode()
+            return b"".join((self._head, text, self._tail))
+        data = _event_chunk(self.state, self.body, self.rid, self.kind, e)["data"]
+        return b"data: " + data.encode() + b"\n\n"
 
 
 def _chunk(

@@ -1,0 +1,125 @@
+"""Request streams: delivery to asyncio consumers, batched per engine step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from orin.engine.stream import RequestStream, batched_delivery
+from orin.engine.types import TokenEvent
+
+
+def event(rid: str, i: int, final: bool = False) -> TokenEvent:
+    return TokenEvent(rid, i, f"t{i}", None, "stop" if final else None)
+
+
+class CountingLoop:
+    """Wraps a running loop and counts the cross-thread wake-ups it is asked for."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.wakeups = 0
+
+    def call_soon_threadsafe(self, cb: Any, *args: Any) -> Any:
+        self.wakeups += 1
+        return self.loop.call_soon_threadsafe(cb, *args)
+
+
+def run_engine_thread(fn: Any) -> None:
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
+
+
+def test_a_step_wakes_each_loop_once_and_keeps_the_order() -> None:
+    async def main() -> tuple[int, list[list[str]]]:
+        loop = CountingLoop(asyncio.get_running_loop())
+        streams = [RequestStream(f"r{k}", lambda _: None, loop) for k in range(3)]  # type: ignore[arg-type]
+
+        def engine() -> None:
+            for step in range(2):
+                with batched_delivery():
+                    for s in streams:
+                        s.put(event(s.request_id, step, final=step == 1))
+
+        run_engine_thread(engine)
+        texts = []
+        for s in streams:
+            texts.append([e.text async for e in s])
+        return loop.wakeups, texts
+
+    wakeups, texts = asyncio.run(main())
+    assert wakeups == 2  # one per step, not one per event
+    assert texts == [["t0", "t1"]] * 3
+
+
+def test_outside_a_step_every_event_is_delivered_at_once() -> None:
+    async def main() -> int:
+        loop = CountingLoop(asyncio.get_running_loop())
+        stream = RequestStream("r", lambda _: None, loop)  # type: ignore[arg-type]
+        run_engine_thread(lambda: [stream.put(event("r", i, final=i == 2)) for i in range(3)])
+        assert [e.token_id async for e in stream] == [0, 1, 2]
+        return loop.wakeups
+
+    assert asyncio.run(main()) == 3
+
+
+def test_nested_blocks_deliver_at_the_outer_end() -> None:
+    async def main() -> list[int]:
+        loop = CountingLoop(asyncio.get_running_loop())
+        stream = RequestStream("r", lambda _: None, loop)  # type: ignore[arg-type]
+
+        def engine() -> None:
+            with batched_delivery():
+                stream.put(event("r", 0))
+                with batched_delivery():
+                    stream.put(event("r", 1, final=True))
+                assert loop.wakeups == 0
+
+        run_engine_thread(engine)
+        assert loop.wakeups == 1
+        return [e.token_id async for e in stream]
+
+    assert asyncio.run(main()) == [0, 1]
+
+
+def test_batches_hand_over_everything_that_is_ready() -> None:
+    async def main() -> list[list[int | None]]:
+        stream = RequestStream("r", lambda _: None, asyncio.get_running_loop())
+        run_engine_thread(lambda: [stream.put(event("r", i)) for i in range(4)])
+        await asyncio.sleep(0.05)  # all four delivered before the consumer looks
+        out = []
+        async for ready in stream.batches():
+            out.append([e.token_id for e in ready])
+            if len(out) == 1:
+                run_engine_thread(lambda: stream.put(event("r", 9, final=True)))
+        assert stream.backlog == 0
+        return out
+
+    assert asyncio.run(main()) == [[0, 1, 2, 3], [9]]
+
+
+def test_batches_stop_at_the_final_event() -> None:
+    async def main() -> list[list[int | None]]:
+        stream = RequestStream("r", lambda _: None, asyncio.get_running_loop())
+        run_engine_thread(
+            lambda: [stream.put(event("r", i, final=i == 1)) for i in range(3)]
+        )  # an event after the final one is never handed out
+        await asyncio.sleep(0.05)
+        return [[e.token_id for e in ready] async for ready in stream.batches()]
+
+    assert asyncio.run(main()) == [[0, 1]]
+
+
+def test_sync_streams_refuse_async_iteration() -> None:
+    stream = RequestStream("r", lambda _: None)
+
+    async def main() -> None:
+        async for _ in stream.batches():
+            pass
+
+    with pytest.raises(TypeError, match="without an event loop"):
+        asyncio.run(main())
