@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -46,11 +49,19 @@ class Stream:
     server_tpot_ms: float | None = None  # the server's own figure, from its timings
 
 
-def start_orin(model: Path, port: int, slots: int) -> subprocess.Popen[bytes]:
+def start_orin(
+    model: Path, port: int, slots: int, threads: int | None = None
+) -> subprocess.Popen[bytes]:
     """orin-llm's default threads: one per physical core (default_threads())."""
+    extra: list[str] = []
+    if threads is not None:
+        profile = Path(tempfile.mkdtemp(prefix="orin-bench-")) / "threads.yaml"
+        profile.write_text(f"name: bench\nengine: {{threads: {threads}}}\n")
+        extra = ["--profile", str(profile)]
     return subprocess.Popen(
         [sys.executable, "-m", "orin", "serve", "--model", str(model), "--port", str(port),
-         "--slots", str(slots), "--ctx", str(N_CTX_PER_SLOT * slots), "--telemetry", "off"],
+         "--slots", str(slots), "--ctx", str(N_CTX_PER_SLOT * slots), "--telemetry", "off",
+         *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -69,8 +80,11 @@ def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> No
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
+        try:  # /health says 503 while the model loads (orin-llm, llama-server)
+            health = httpx.get(f"{url}/health", timeout=1).status_code
+            if health == 200 or (
+                health == 404 and httpx.get(f"{url}/v1/models", timeout=1).status_code == 200
+            ):
                 return
         except httpx.HTTPError:
             pass
@@ -110,6 +124,49 @@ async def one_stream(client: httpx.AsyncClient, url: str, prompt: str, n: int) -
     return Stream(count, tpot, server_tpot)
 
 
+def lean_stream(url: str, prompt: str, n: int) -> Stream:
+    """One streaming completion read with as little client work as possible.
+
+    On a 2-core machine the client shares the cores with the server's decode
+    threads, so its own per-token work (an async HTTP stack, a JSON parse per
+    event) would be charged to the server's TPOT. This client reads each chunk
+    as it arrives (http.client, blocking), stamps it, finds the SSE events by
+    their separator and parses JSON only for the final events (usage, timings).
+    """
+    parts = urlsplit(url)
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+    times: list[float] = []
+    tokens = server_tpot = None
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {resp.read()[:200]!r}")
+        pending = b""
+        while chunk := resp.read1(65536):
+            now = time.perf_counter()
+            *events, pending = (pending + chunk).split(b"\n\n")
+            for event in events:
+                if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                    continue
+                if b'"usage"' in event or b'"timings"' in event:
+                    data = json.loads(event[6:])
+                    if data.get("usage"):
+                        tokens = data["usage"]["completion_tokens"]
+                    if data.get("timings"):
+                        server_tpot = data["timings"].get("tpot_ms")
+                elif b'"text": ""' not in event and b'"text":""' not in event:  # a token
+                    times.append(now)
+    finally:
+        conn.close()
+    count = tokens if tokens is not None else len(times)
+    tpot = (times[-1] - times[0]) * 1e3 / (count - 1) if len(times) > 1 and count > 1 else None
+    return Stream(count, tpot, server_tpot)
+
+
 async def concurrent(url: str, prompts: list[str], n: int) -> tuple[float, list[Stream]]:
     async with httpx.AsyncClient(timeout=600) as client:
         t0 = time.perf_counter()
@@ -118,7 +175,9 @@ async def concurrent(url: str, prompts: list[str], n: int) -> tuple[float, list[
     return sum(s.tokens for s in streams) / wall, list(streams)
 
 
-def engine_tpot(model: Path, prompt: str, n: int, reps: int) -> list[float]:
+def engine_tpot(
+    model: Path, prompt: str, n: int, reps: int, threads: int | None = None
+) -> list[float]:
     from orin.engine.config import engine_config
     from orin.engine.engine import Engine
     from orin.engine.types import SamplingParams
@@ -127,6 +186,8 @@ def engine_tpot(model: Path, prompt: str, n: int, reps: int) -> list[float]:
 
     p = Profile(name="bench")
     p.engine.slots, p.engine.n_ctx = 8, N_CTX_PER_SLOT
+    if threads is not None:
+        p.engine.threads = threads
     cfg = engine_config(p, model, read_model_info(model))
     out = []
     with Engine(cfg) as e:
@@ -138,11 +199,14 @@ def engine_tpot(model: Path, prompt: str, n: int, reps: int) -> list[float]:
     return out
 
 
-def engine_tpot_subprocess(model: Path, n: int, reps: int) -> list[float]:
+def engine_tpot_subprocess(
+    model: Path, n: int, reps: int, threads: int | None = None
+) -> list[float]:
     """engine_tpot in a process of its own, like the server it is compared with."""
     code = (
         "import json, sys; from pathlib import Path; from bench.server_throughput import *; "
-        f"print(json.dumps(engine_tpot(Path({str(model)!r}), prompts(1)[0], {n}, {reps})))"
+        f"print(json.dumps(engine_tpot(Path({str(model)!r}), prompts(1)[0], {n}, {reps}, "
+        f"{threads!r})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return list(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -160,29 +224,40 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--tpot-only", action="store_true", help="Skip the llama-cpp-python part.")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        help="llama.cpp threads for the TPOT part (default: one per physical core); "
+        "fewer than the cores leaves the HTTP layer a core of its own, as a GPU build does",
+    )
     args = ap.parse_args()
     model = demo.ensure(args.size, args.quant)
     threads = default_threads()
-    results: dict[str, object] = {"model": model.name, "tokens": args.tokens, "threads": threads}
+    results: dict[str, object] = {
+        "model": model.name,
+        "tokens": args.tokens,
+        "threads": threads,
+        "tpot_threads": args.threads or threads,
+    }
 
     direct: list[float] = []
-    http: list[float | None] = []
+    via_http: list[float | None] = []
     server_side: list[float | None] = []
     for _ in range(args.reps):  # interleaved, each in a fresh process, so drift hits both
-        direct += engine_tpot_subprocess(model, args.tokens, 3)
+        direct += engine_tpot_subprocess(model, args.tokens, 3, args.threads)
         port = free_port()
-        proc = start_orin(model, port, 8)
+        proc = start_orin(model, port, 8, args.threads)
         url = f"http://127.0.0.1:{port}"
         try:
             wait_up(url, proc)
             asyncio.run(concurrent(url, prompts(1), 8))  # warm-up
             for _ in range(3):
-                one = asyncio.run(concurrent(url, prompts(1), args.tokens))[1][0]
-                http.append(one.tpot_ms)
+                one = lean_stream(url, prompts(1)[0], args.tokens)
+                via_http.append(one.tpot_ms)
                 server_side.append(one.server_tpot_ms)
         finally:
             stop(proc)
-    http_tpot = [t for t in http if t is not None]
+    http_tpot = [t for t in via_http if t is not None]
     overhead = statistics.median(http_tpot) / statistics.median(direct)
     served = [t for t in server_side if t is not None]
     results["tpot"] = {
