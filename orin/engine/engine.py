@@ -117,9 +117,11 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        whole: bool = False,
     ) -> RequestStream:
         """Queue a request; raises QueueFull, ContextLengthExceeded, InvalidRequest,
-        EngineStopped synchronously, so a server can answer with the right status."""
+        EngineStopped synchronously, so a server can answer with the right status.
+        ``whole``: deliver the events only once the request has finished."""
         backend = self._loaded()
         params = params or SamplingParams()
         params.validate(backend.n_vocab)
@@ -129,7 +131,7 @@ class Engine:
             raise InvalidRequest("prompt", f"token id {bad} is not in the vocabulary")
         tokens = self.scheduler.check_prompt(tokens)
         rid = request_id or f"req-{next(_ids)}"
-        stream = RequestStream(rid, self.cancel, loop)
+        stream = RequestStream(rid, self.cancel, loop, whole)
         request = ActiveRequest(rid, tokens, params, stream)
         request.start(backend)  # builds the sampler: a bad grammar is an InvalidRequest here
         with self._lock:
@@ -149,8 +151,9 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        whole: bool = False,
     ) -> RequestStream:
-        return self.submit(prompt, params, request_id, asyncio.get_running_loop())
+        return self.submit(prompt, params, request_id, asyncio.get_running_loop(), whole)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Completion:
         """Blocking convenience for scripts and benchmarks."""

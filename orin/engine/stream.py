@@ -72,10 +72,16 @@ class RequestStream:
         request_id: str,
         cancel: Callable[[str], None],
         loop: asyncio.AbstractEventLoop | None = None,
+        whole: bool = False,
     ) -> None:
+        """``whole``: the consumer wants the answer only when it is complete (a
+        non-streaming request), so the events are held on the engine's side and
+        handed over together with the final one: no wake-up per token."""
         self.request_id = request_id
         self._cancel = cancel
         self._loop = loop
+        self._whole = whole
+        self._held: list[TokenEvent] = []
         self._sync: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
         self._async: asyncio.Queue[TokenEvent] | None = asyncio.Queue() if loop else None
         self._done = False
@@ -85,12 +91,26 @@ class RequestStream:
 
     @property
     def backlog(self) -> int:
-        """Events the consumer has not taken yet (a slow client's unread tokens)."""
+        """Events the consumer has not taken yet (a slow client's unread tokens);
+        events held for a ``whole`` stream are not a backlog."""
         return self._put - self._taken
 
     def put(self, event: TokenEvent) -> None:
         """Called from the engine thread."""
+        if self._whole:
+            self._held.append(event)
+            if event.finish_reason is None:
+                return
+            events, self._held = self._held, []
+            self._put += len(events)
+            with batched_delivery():
+                for e in events:
+                    self._hand_over(e)
+            return
         self._put += 1
+        self._hand_over(event)
+
+    def _hand_over(self, event: TokenEvent) -> None:
         if self._loop is None or self._async is None:
             self._sync.put(event)
             return

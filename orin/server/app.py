@@ -123,7 +123,9 @@ async def _run(
     if ignored:
         protocol.log.info("request %s: ignoring unknown fields %s", _rid(request), ignored)
     params = body.to_sampling(state.sampling_defaults, state.max_tokens_cap)
-    stream = await state.engine.submit_async(prompt, params, request_id=_rid(request))
+    stream = await state.engine.submit_async(
+        prompt, params, request_id=_rid(request), whole=not body.stream
+    )
     if body.stream:
         events = _sse(state, request, body, stream, params, kind)
         return EventSourceResponse(events, sep="\n", ping=15)

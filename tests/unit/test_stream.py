@@ -123,3 +123,30 @@ def test_sync_streams_refuse_async_iteration() -> None:
 
     with pytest.raises(TypeError, match="without an event loop"):
         asyncio.run(main())
+
+
+def test_a_whole_stream_hands_everything_over_at_the_end() -> None:
+    async def main() -> tuple[int, list[int | None], list[int]]:
+        loop = CountingLoop(asyncio.get_running_loop())
+        stream = RequestStream("r", lambda _: None, loop, whole=True)  # type: ignore[arg-type]
+        backlogs: list[int] = []
+
+        def engine() -> None:
+            for i in range(5):
+                with batched_delivery():
+                    stream.put(event("r", i, final=i == 4))
+                backlogs.append(stream.backlog)
+
+        run_engine_thread(engine)
+        return loop.wakeups, [e.token_id async for e in stream], backlogs
+
+    wakeups, ids, backlogs = asyncio.run(main())
+    assert wakeups == 1 and ids == [0, 1, 2, 3, 4]
+    assert backlogs[:4] == [0, 0, 0, 0]  # held tokens never look like a slow client
+
+
+def test_a_whole_sync_stream_still_iterates() -> None:
+    stream = RequestStream("r", lambda _: None, whole=True)
+    for i in range(3):
+        stream.put(event("r", i, final=i == 2))
+    assert stream.result().text == "t0t1t2"
