@@ -52,14 +52,18 @@ def measure(
     time.sleep(seconds)
     sampler.stop()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    n = len(sampler.samples())
+    return figures(len(sampler.samples()), cpu, wall, sampler.missed_ticks)
+
+
+def figures(n: int, cpu: float, wall: float, missed: int) -> dict[str, float]:
+    """One run's figures from its sample count, CPU seconds and wall seconds."""
     return {
         "samples": n,
         "achieved_hz": n / wall,
         "cpu_seconds": cpu,
         "share_of_one_core": cpu / wall,
         "us_per_sample": 1e6 * cpu / max(n, 1),
-        "missed_ticks": sampler.missed_ticks,
+        "missed_ticks": missed,
     }
 
 
@@ -85,15 +89,7 @@ def measure_bare(seconds: float, hz: float) -> dict[str, float]:
     stop.set()
     thread.join()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    n = int(wall * hz)
-    return {
-        "samples": n,
-        "achieved_hz": n / wall,
-        "cpu_seconds": cpu,
-        "share_of_one_core": cpu / wall,
-        "us_per_sample": 1e6 * cpu / max(n, 1),
-        "missed_ticks": 0,
-    }
+    return figures(int(wall * hz), cpu, wall, 0)
 
 
 def main() -> None:
