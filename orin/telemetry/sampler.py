@@ -9,9 +9,9 @@ At 50 Hz the cost of a tick is mostly the cold start of whatever Python it runs
 it stamps the time and, for a ``SplitSource``, only captures the raw values
 (``capture_fast``, with ``capture_slow`` every ``slow_every`` ticks).
 Captures are decoded into Samples, stored and handed to the observers in
-batches of ``flush_every`` ticks (5 times a second by default), or at once when someone
-reads the buffer, so readers never see stale data and observers lag at most a
-batch.
+batches of ``flush_every`` ticks (5 times a second by default), or at once when
+someone reads the buffer, so readers never see stale data and observers lag at
+most a batch.
 """
 
 from __future__ import annotations
@@ -85,8 +85,11 @@ class Sampler:
         while not stopped():
             # The tick: a time stamp and raw captures, nothing else.
             if slow_every and self._ticks % slow_every:
+                t = clock_ns()
                 try:
-                    captured.append((clock_ns(), fast(), None))
+                    captured.append((t, fast(), None))
+                except OSError:  # a file kept open went away: None until it is reopened
+                    captured.append((t, None, None))
                 except Exception:  # a source must not take the server down
                     self._failed()
                 self._ticks += 1
@@ -113,11 +116,13 @@ class Sampler:
         try:
             if split is None:
                 captured.append((t, self.source.sample(), None))
-            elif self._ticks % split.slow_every == 0:
-                slow = split.capture_slow()
-                captured.append((t, split.capture_fast(), slow))
             else:
-                captured.append((t, split.capture_fast(), None))
+                slow = split.capture_slow() if self._ticks % split.slow_every == 0 else None
+                try:
+                    fast = split.capture_fast()
+                except OSError:  # a file kept open went away: None until it is reopened
+                    fast = None
+                captured.append((t, fast, slow))
         except Exception:  # a source must not take the server down
             self._failed()
         self._ticks += 1

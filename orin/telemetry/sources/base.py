@@ -76,7 +76,9 @@ class SplitSource(Source, Protocol):
     per tick, in tick order, with the slow capture or None, and may keep state
     between calls (deltas of counters, values carried between slow reads).
     ``capture_slow`` may rebind ``capture_fast`` (a file reopened), so a tick
-    reads the attribute after it. ``sample()`` does one tick, on its own count.
+    reads the attribute after it. ``capture_fast`` may raise OSError (a file
+    kept open whose device went away): that tick's fast capture is then None,
+    which ``decode`` must accept. ``sample()`` does one tick, on its own count.
     """
 
     slow_every: int

@@ -180,3 +180,30 @@ def test_ring_buffer_is_bounded() -> None:
 def test_rate_must_be_positive(hz: float) -> None:
     with pytest.raises(ValueError, match="positive"):
         Sampler(Plain(), hz)
+
+
+class Vanishing(Counting):
+    """A fast capture that raises OSError, like pread on a device that went away."""
+
+    def _count(self) -> int:
+        self.captures += 1
+        if self.captures == 2:
+            raise OSError(19, "No such device")
+        return self.captures
+
+    def decode(self, t_ns: int, fast: object, slow: object | None) -> Sample:
+        return Sample(t_ns=t_ns, gpu_util=None if fast is None else int(fast) / 100)  # type: ignore[call-overload]
+
+
+def test_a_fast_capture_that_raises_oserror_gives_a_sample_without_the_field() -> None:
+    sampler = Sampler(Vanishing(), 50, flush_every=100)
+    for _ in range(3):
+        sampler._tick(time.perf_counter_ns, sampler._captured)
+    assert [s.gpu_util for s in sampler.samples()] == [0.01, None, 0.03]
+    assert sampler.errors == 0
+    thread = Sampler(Vanishing(), 500, flush_every=1)  # the thread's fast path: tick 1
+    thread.start()
+    time.sleep(0.1)
+    thread.stop()
+    utils = [s.gpu_util for s in thread.samples()]
+    assert None in utils and thread.errors == 0
