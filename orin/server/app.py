@@ -62,6 +62,8 @@ def _register(app: FastAPI, state: ServerState) -> None:
     def metrics() -> Response:
         e = state.engine  # gauges as of now: a cancellation on an idle engine runs no step
         state.metrics.update_load(e.slots_busy, e.waiting, e.kv_cells_used)
+        if state.telemetry is not None:  # phase counters up to the latest sample
+            state.telemetry.sampler.flush()
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -9,7 +9,7 @@ At 50 Hz the cost of a tick is mostly the cold start of whatever Python it runs
 it stamps the time and, for a ``SplitSource``, only captures the raw values
 (``capture_fast``, with ``capture_slow`` every ``slow_every`` ticks).
 Captures are decoded into Samples, stored and handed to the observers in
-batches of ``flush_every`` ticks (5 times a second by default), or at once when
+batches of ``flush_every`` ticks (twice a second by default), or at once when
 someone reads the buffer, so readers never see stale data and observers lag at
 most a batch.
 """
@@ -27,7 +27,7 @@ from orin.telemetry.sources.base import Sample, Source, SplitSource
 log = logging.getLogger("orin.telemetry")
 
 SampleObserver = Callable[[Sample], None]
-FLUSH_HZ = 5.0  # how often captures are decoded and observers called
+FLUSH_HZ = 2.0  # how often captures are decoded and observers called (readers flush)
 
 
 class Sampler:
@@ -78,24 +78,27 @@ class Sampler:
         period = 1.0 / self.hz
         clock, clock_ns, sleep = time.perf_counter, time.perf_counter_ns, time.sleep
         stopped, captured, flush_every = self._stop.is_set, self._captured, self.flush_every
+        append = captured.append
         split = self._split
-        slow_every = split.slow_every if split is not None else 0
+        slow_every = split.slow_every if split is not None else 1
         fast = split.capture_fast if split is not None else self.source.sample
+        countdown = 0  # fast-only ticks left before the next one with slow captures
         next_tick = clock()
         while not stopped():
-            # The tick: a time stamp and raw captures, nothing else.
-            if slow_every and self._ticks % slow_every:
+            if countdown:  # the common tick: a time stamp and one capture, nothing else
+                countdown -= 1
                 t = clock_ns()
                 try:
-                    captured.append((t, fast(), None))
+                    append((t, fast(), None))
                 except OSError:  # a file kept open went away: None until it is reopened
-                    captured.append((t, None, None))
+                    append((t, None, None))
                 except Exception:  # a source must not take the server down
                     self._failed()
-                self._ticks += 1
             else:
-                self._tick(clock_ns, captured)
-                fast = split.capture_fast if split is not None else fast  # reopened?
+                self._tick(clock_ns, captured, slow=True)
+                countdown = slow_every - 1
+                if split is not None:
+                    fast = split.capture_fast  # the slow capture may have reopened a file
             if len(captured) >= flush_every:
                 self.flush()
             next_tick += period
@@ -108,30 +111,39 @@ class Sampler:
             sleep(delay if delay > 0 else 0.0)  # cheaper than Event.wait; stop waits a tick
 
     def _tick(
-        self, clock_ns: Callable[[], int], captured: deque[tuple[int, object, object | None]]
+        self,
+        clock_ns: Callable[[], int],
+        captured: deque[tuple[int, object, object | None]],
+        slow: bool,
     ) -> None:
-        """One tick, slow captures included when it is their turn."""
+        """One tick; ``slow``: with the source's slow captures."""
         t = clock_ns()
         split = self._split
         try:
             if split is None:
                 captured.append((t, self.source.sample(), None))
             else:
-                slow = split.capture_slow() if self._ticks % split.slow_every == 0 else None
+                slow_raw = split.capture_slow() if slow else None
                 try:
                     fast = split.capture_fast()
                 except OSError:  # a file kept open went away: None until it is reopened
                     fast = None
-                captured.append((t, fast, slow))
+                captured.append((t, fast, slow_raw))
         except Exception:  # a source must not take the server down
             self._failed()
+
+    def capture_once(self) -> None:
+        """One tick now, outside the schedule, left for the next flush; the source's
+        slow captures come with every ``slow_every``-th call."""
+        every = self._split.slow_every if self._split is not None else 1
+        self._tick(time.perf_counter_ns, self._captured, slow=self._ticks % every == 0)
         self._ticks += 1
 
     def sample_once(self) -> Sample | None:
-        """Take one sample now (outside the schedule) and return it once stored."""
-        self._tick(time.perf_counter_ns, self._captured)
+        """Take one sample now and return it once stored (None if the source failed)."""
+        before = self.errors
+        self.capture_once()
         with self._lock:
-            before = self.errors
             self.flush()
             return self._buffer[-1] if self._buffer and self.errors == before else None
 

@@ -115,8 +115,7 @@ def test_server_reports_phases_everywhere(served: tuple[str, ServerState, Path])
     r = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
     t = r["timings"]
     assert 0.0 <= t["decode_cpu_util"] <= 1.0
-    time.sleep(0.2)  # the sampler attributes the last samples after the step ends
-    metrics = httpx.get(f"{base}/metrics").text
+    metrics = httpx.get(f"{base}/metrics").text  # flushes the sampler: no wait needed
     assert 'orin_llm_telemetry_source_info{source="cpu"} 1.0' in metrics
     decode = next(
         float(line.split()[-1])

@@ -260,7 +260,7 @@ def read(root: SysRoot) -> JetsonSysfsReading:
 # -- the source ---------------------------------------------------------------------
 
 
-SLOW_EVERY = 5  # clock, EMC and rails at a fifth of the sampling rate (10 Hz at 50 Hz)
+SLOW_EVERY = 10  # clock, EMC and rail currents at a tenth of the sampling rate (5 Hz at 50 Hz)
 REOPEN_EVERY = 50  # files are reopened once a second at 50 Hz
 
 _RailTexts = tuple[tuple[str, str | None, str | None], ...]  # label, voltage, current
@@ -269,7 +269,7 @@ _SlowTexts = tuple[bool, str | None, tuple[str | None, str | None] | None, _Rail
 
 
 class JetsonSysfsSource(SplitTicks):
-    """50 Hz GPU load; clock, EMC and rail power at a fifth of that; from files found
+    """50 Hz GPU load; clock, EMC and rail power at a tenth of that; from files found
     once at construction.
 
     A ``SplitSource``: the tick reads the GPU load file (``capture_fast``, an

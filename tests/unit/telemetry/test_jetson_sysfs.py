@@ -268,7 +268,7 @@ def test_gpu_files_that_vanish_or_turn_to_junk(tmp_path: Path) -> None:
     assert sample.power_mw  # the rails are still read
 
 
-def test_rails_are_read_at_a_fifth_of_the_rate_and_carried(tmp_path: Path) -> None:
+def test_rails_are_read_at_the_slow_rate_and_carried(tmp_path: Path) -> None:
     board = agx_orin_64gb(tmp_path, 5)
     source = js.JetsonSysfsSource(board.root)
     first = source.sample().power_mw

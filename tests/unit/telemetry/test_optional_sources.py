@@ -279,7 +279,7 @@ def test_busy_loop_raises_proc_cpu_util() -> None:
     assert busy.cpu_util is not None and busy.cpu_util > 0.0
 
 
-def test_machine_figure_is_read_at_a_fifth_of_the_rate() -> None:
+def test_machine_figure_is_read_at_the_slow_rate() -> None:
     source = cpu.CpuSource()
     time.sleep(0.05)
     first = source.sample().cpu_util

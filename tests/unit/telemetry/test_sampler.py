@@ -81,10 +81,10 @@ def test_the_real_sources_split_capture_from_decode(tmp_path: Path) -> None:
     assert not isinstance(Plain(), SplitSource)
 
 
-def test_flush_every_defaults_to_five_batches_a_second() -> None:
-    assert Sampler(Counting(), 50).flush_every == 10
-    assert Sampler(Counting(), 25).flush_every == 5
-    assert Sampler(Counting(), 4).flush_every == 1
+def test_flush_every_defaults_to_two_batches_a_second() -> None:
+    assert Sampler(Counting(), 50).flush_every == 25
+    assert Sampler(Counting(), 10).flush_every == 5
+    assert Sampler(Counting(), 1).flush_every == 1
 
 
 def test_ticks_only_capture_until_a_batch_is_full() -> None:
@@ -93,7 +93,7 @@ def test_ticks_only_capture_until_a_batch_is_full() -> None:
     seen: list[float | None] = []
     sampler.observers.append(lambda s: seen.append(s.gpu_util))
     for _ in range(3):
-        sampler._tick(time.perf_counter_ns, sampler._captured)
+        sampler.capture_once()
     assert source.captures == 3 and source.decoded == [] and seen == []
     sampler.flush()
     assert source.decoded == [(1, "slow1"), (2, None), (3, "slow2")]  # slow every 2nd tick
@@ -104,7 +104,7 @@ def test_readers_see_captures_not_yet_decoded() -> None:
     source = Counting()
     sampler = Sampler(source, 50, flush_every=100)
     for _ in range(4):
-        sampler._tick(time.perf_counter_ns, sampler._captured)
+        sampler.capture_once()
     latest = sampler.latest()
     assert latest is not None and latest.gpu_util == 0.04
     assert [s.gpu_util for s in sampler.samples()] == [0.01, 0.02, 0.03, 0.04]
@@ -118,7 +118,7 @@ def test_failing_capture_or_decode_is_counted_and_skipped() -> None:
     source = Counting(fail_capture_at=2, fail_decode_at=4)
     sampler = Sampler(source, 50, flush_every=100)
     for _ in range(5):
-        sampler._tick(time.perf_counter_ns, sampler._captured)
+        sampler.capture_once()
     assert [s.gpu_util for s in sampler.samples()] == [0.01, 0.03, 0.05]
     assert sampler.errors == 2
 
@@ -147,7 +147,7 @@ def test_sample_once_returns_none_when_the_source_fails() -> None:
 def test_a_plain_source_is_sampled_at_the_tick() -> None:
     source = Plain()
     sampler = Sampler(source, 50, flush_every=10)
-    sampler._tick(time.perf_counter_ns, sampler._captured)
+    sampler.capture_once()
     assert source.n == 1  # its sample() ran at the tick
     assert [s.gpu_util for s in sampler.samples()] == [0.01]
 
@@ -171,7 +171,7 @@ def test_the_thread_samples_on_schedule_and_stop_flushes_the_rest() -> None:
 def test_ring_buffer_is_bounded() -> None:
     sampler = Sampler(Counting(), 50, seconds=0.1)  # floor of 16 samples
     for _ in range(40):
-        sampler._tick(time.perf_counter_ns, sampler._captured)
+        sampler.capture_once()
     samples = sampler.samples()
     assert len(samples) == 16 and samples[-1].gpu_util == 0.4
 
@@ -198,7 +198,7 @@ class Vanishing(Counting):
 def test_a_fast_capture_that_raises_oserror_gives_a_sample_without_the_field() -> None:
     sampler = Sampler(Vanishing(), 50, flush_every=100)
     for _ in range(3):
-        sampler._tick(time.perf_counter_ns, sampler._captured)
+        sampler.capture_once()
     assert [s.gpu_util for s in sampler.samples()] == [0.01, None, 0.03]
     assert sampler.errors == 0
     thread = Sampler(Vanishing(), 500, flush_every=1)  # the thread's fast path: tick 1
@@ -207,3 +207,10 @@ def test_a_fast_capture_that_raises_oserror_gives_a_sample_without_the_field() -
     thread.stop()
     utils = [s.gpu_util for s in thread.samples()]
     assert None in utils and thread.errors == 0
+
+
+def test_sample_once_does_not_return_an_older_sample_when_the_source_fails() -> None:
+    sampler = Sampler(Counting(fail_capture_at=2), 50)
+    first = sampler.sample_once()
+    assert first is not None and first.gpu_util == 0.01
+    assert sampler.sample_once() is None  # not the first one again
