@@ -96,7 +96,7 @@ class MachineTimes:
     """Whole-machine CPU times, from /proc/stat through a file kept open.
 
     psutil.cpu_times() reads the same line but opens the file and builds a named
-    tuple each time; at 10 Hz on a sampling thread that is most of the sampler's
+    tuple each time; at 5-10 Hz on a sampling thread that is most of the sampler's
     cost, so on Linux the text is re-read with one pread and parsed later. Where
     /proc/stat does not exist, psutil is the fallback.
     """
