@@ -103,10 +103,6 @@ class Runner:
             view = self._view = (addr, n_rows, array)
         return view[2]
 
-    def output_index(self, row: int) -> int:
-        """The output row of batch position ``row`` in ``outputs()``."""
-        return self._out_of_row[row]
-
     def logits(self, row: int) -> npt.NDArray[np.float32]:
         """A view of one batch position's logits (valid until the next decode)."""
         return self.outputs()[self._out_of_row[row]]
