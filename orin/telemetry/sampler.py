@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from orin.telemetry.sources.base import Sample, Source, SplitSource
+from orin.telemetry.sources.base import Sample, Source, SplitSource, split_capture
 
 log = logging.getLogger("orin.telemetry")
 
@@ -90,7 +90,7 @@ class Sampler:
                 t = clock_ns()
                 try:
                     append((t, fast(), None))
-                except OSError:  # a file kept open went away: None until it is reopened
+                except OSError:  # as split_capture: None until the file is reopened
                     append((t, None, None))
                 except Exception:  # a source must not take the server down
                     self._failed()
@@ -123,12 +123,7 @@ class Sampler:
             if split is None:
                 captured.append((t, self.source.sample(), None))
             else:
-                slow_raw = split.capture_slow() if slow else None
-                try:
-                    fast = split.capture_fast()
-                except OSError:  # a file kept open went away: None until it is reopened
-                    fast = None
-                captured.append((t, fast, slow_raw))
+                captured.append((t, *split_capture(split, slow)))
         except Exception:  # a source must not take the server down
             self._failed()
 

@@ -89,6 +89,17 @@ class SplitSource(Source, Protocol):
     def decode(self, t_ns: int, fast: object, slow: object | None) -> Sample: ...
 
 
+def split_capture(source: SplitSource, slow: bool) -> tuple[object, object | None]:
+    """One tick's raw captures: the slow ones first when ``slow`` (they may reopen the
+    file the fast one reads), then the fast one, None where it raised OSError."""
+    slow_raw = source.capture_slow() if slow else None
+    try:
+        fast = source.capture_fast()
+    except OSError:  # a file kept open whose device went away: None until reopened
+        fast = None
+    return fast, slow_raw
+
+
 class SplitTicks:
     """``sample()`` for a SplitSource: the sampler's cadence, counted by the source."""
 
@@ -96,12 +107,8 @@ class SplitTicks:
 
     def sample(self: Any) -> Sample:
         t_ns = time.perf_counter_ns()
-        slow = self.capture_slow() if self._ticks % self.slow_every == 0 else None
+        fast, slow = split_capture(self, self._ticks % self.slow_every == 0)
         self._ticks += 1
-        try:
-            fast = self.capture_fast()
-        except OSError:  # a file kept open whose device went away: None until reopened
-            fast = None
         return cast(Sample, self.decode(t_ns, fast, slow))
 
 
@@ -153,16 +160,11 @@ class KeptOpen:
             self._fd = None
 
     def read(self) -> str | None:
-        raw = self.read_bytes()
-        return None if raw is None else raw.decode("utf-8", "replace")
-
-    def read_bytes(self) -> bytes | None:
-        """The raw text (the sampler's tick leaves decoding for later)."""
         fd = self._fd
         if fd is None:
             return None
         try:
-            return os.pread(fd, self.size, 0)
+            return os.pread(fd, self.size, 0).decode("utf-8", "replace")
         except OSError:
             return None
 
@@ -171,7 +173,7 @@ class KeptOpen:
         (``os.pread`` bound to the descriptor); it raises OSError where ``read``
         would give None. Valid until the next ``reopen`` or ``close``."""
         if self._fd is None:
-            return _nothing
+            return no_capture
         return functools.partial(os.pread, self._fd, self.size, 0)
 
     def close(self) -> None:
@@ -180,7 +182,8 @@ class KeptOpen:
             os.close(fd)
 
 
-def _nothing() -> None:
+def no_capture() -> None:
+    """The fast capture of a field that cannot be read (no file, or closed)."""
     return None
 
 

@@ -63,14 +63,24 @@ def _fraction(numerator: float, denominator: float) -> float | None:
     return min(max(numerator / denominator, 0.0), 1.0)
 
 
+def system_util(prev: CpuTimes, cur: CpuTimes) -> float | None:
+    """Whole-machine utilization between two readings; None before /proc/stat ticks."""
+    return _fraction(cur.busy_s - prev.busy_s, cur.total_s - prev.total_s)
+
+
+def process_util(cpu_delta: float, wall_delta: float, n_cpus: int) -> float | None:
+    """This process's share of all cores (both deltas in the same unit)."""
+    return _fraction(cpu_delta, wall_delta * n_cpus)
+
+
 def parse(prev: CpuSnapshot, cur: CpuSnapshot, n_cpus: int) -> CpuReading:
     """Utilization between two snapshots; None where no time has passed on that clock."""
-    system = _fraction(
-        cur.system.busy_s - prev.system.busy_s, cur.system.total_s - prev.system.total_s
+    return CpuReading(
+        cpu_util=system_util(prev.system, cur.system),
+        proc_cpu_util=process_util(
+            cur.process_s - prev.process_s, (cur.t_ns - prev.t_ns) / 1e9, n_cpus
+        ),
     )
-    wall_s = (cur.t_ns - prev.t_ns) / 1e9
-    proc = _fraction(cur.process_s - prev.process_s, wall_s * n_cpus)
-    return CpuReading(cpu_util=system, proc_cpu_util=proc)
 
 
 PROC_STAT = "/proc/stat"
@@ -174,7 +184,7 @@ class CpuSource(SplitTicks):
     def decode(self, t_ns: int, fast: object, slow: object | None) -> Sample:
         proc_ns = cast(int, fast)
         t0, proc0 = self._proc_prev
-        proc = _fraction(proc_ns - proc0, (t_ns - t0) * self.n_cpus)
+        proc = process_util(proc_ns - proc0, t_ns - t0, self.n_cpus)
         self._proc_prev = (t_ns, proc_ns)
         if slow is not None:
             self._update_machine(self._machine.decode(cast("str | CpuTimes", slow)))
@@ -185,7 +195,7 @@ class CpuSource(SplitTicks):
         if cur is None or prev is None:
             self._system_prev = cur or prev
             return
-        util = _fraction(cur.busy_s - prev.busy_s, cur.total_s - prev.total_s)
+        util = system_util(prev, cur)
         if util is not None:
             # Until /proc/stat has ticked (reads closer than 10 ms / n_cpus) the old
             # baseline is kept, so the next read spans a measurable window.

@@ -23,6 +23,7 @@ from orin.telemetry.sources.base import (
     KeptOpen,
     Sample,
     SplitTicks,
+    no_capture,
     parse_int,
     read_file,
     realpath_in,
@@ -300,7 +301,7 @@ class JetsonSysfsSource(SplitTicks):
         # Resolved host paths, so the captures do no path arithmetic per call.
         self._load = str(root.path(g.load)) if g else None
         self._load_file = KeptOpen(self._load, size=64) if self._load else None
-        self.capture_fast: Callable[[], object] = _no_load
+        self.capture_fast: Callable[[], object] = no_capture
         self._freq_file = KeptOpen(str(root.path(g.freq("cur_freq")))) if g else None
         emc = self.layout.emc
         self._emc = (
@@ -337,7 +338,7 @@ class JetsonSysfsSource(SplitTicks):
         if full:
             for f in self._files():
                 f.reopen()
-            self.capture_fast = self._load_file.reader() if self._load_file else _no_load
+            self.capture_fast = self._load_file.reader() if self._load_file else no_capture
         freq = self._freq_file.read() if self._freq_file else None
         emc = None
         if self._emc is not None:
@@ -383,10 +384,6 @@ class JetsonSysfsSource(SplitTicks):
 
     def close(self) -> None:
         """Close the files kept open between ticks."""
-        self.capture_fast = _no_load
+        self.capture_fast = no_capture
         for f in self._files():
             f.close()
-
-
-def _no_load() -> None:
-    return None
