@@ -50,6 +50,17 @@ def revert(fake: FakeJetson, uid: Any = root_uid) -> tuple[str, ...]:
     return revert_plan(ctx, plan_revert(ctx, state), state, uid)
 
 
+def restore_calls(store: str) -> list[tuple[str, ...]]:
+    """What reverting the TUNED settings on the JetPack 6 board runs, in order."""
+    return [
+        ("jetson_clocks", "--restore", store),
+        ("nvpmodel", "-m", "2"),
+        ("systemctl", "enable", "nvzramconfig"),
+        ("swapon", "-p", "5", "/dev/zram0"),
+        ("swapon", "-p", "5", "/dev/zram1"),
+    ]
+
+
 def board_values(fake: FakeJetson) -> dict[str, Any]:
     root = fake.board.root
     return {
@@ -107,13 +118,7 @@ def test_revert_restores_exactly_what_was_there(tmp_path: Path) -> None:
     fake.runner.calls.clear()
     store = str(fake.board.root.path("/var/lib/orin-llm/jetson_clocks.conf"))
     assert revert(fake) == ("clocks", "power-mode", "zram", "swappiness")
-    assert fake.changes() == [
-        ("jetson_clocks", "--restore", store),
-        ("nvpmodel", "-m", "2"),
-        ("systemctl", "enable", "nvzramconfig"),
-        ("swapon", "-p", "5", "/dev/zram0"),
-        ("swapon", "-p", "5", "/dev/zram1"),
-    ]
+    assert fake.changes() == restore_calls(store)
     assert board_values(fake) == before
     assert not fake.board.root.exists("/var/lib/orin-llm/state.json")
     assert not fake.board.root.exists("/var/lib/orin-llm/jetson_clocks.conf")
@@ -157,11 +162,7 @@ def test_failure_half_way_reverts_what_was_applied(tmp_path: Path) -> None:
         ("nvpmodel", "-m", "0"),
         ("jetson_clocks", "--store", store),
         ("jetson_clocks",),  # fails: from here on, the rollback
-        ("jetson_clocks", "--restore", store),
-        ("nvpmodel", "-m", "2"),
-        ("systemctl", "enable", "nvzramconfig"),
-        ("swapon", "-p", "5", "/dev/zram0"),
-        ("swapon", "-p", "5", "/dev/zram1"),
+        *restore_calls(store),
     ]
     assert board_values(fake) == before
     assert not fake.board.root.exists("/var/lib/orin-llm/state.json")
