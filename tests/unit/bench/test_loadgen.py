@@ -141,7 +141,7 @@ def test_the_open_loop_sends_every_request() -> None:
     s = r.spec
     offsets = arrival_offsets(s.num_requests, s.request_rate, s.burstiness, s.seed)
     assert offsets[-1] > 0.0
-    for result, at in zip(r.results, offsets):
+    for result, at in zip(r.results, offsets, strict=True):
         assert result.start_s >= at - 1e-3
 
 
