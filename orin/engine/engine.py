@@ -10,10 +10,12 @@ away frees its slot and KV cells within one step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from orin.engine.backend import Backend
@@ -56,6 +58,7 @@ class Engine:
         self.finish_observers: list[FinishObserver] = []
         self.heartbeat_ns = now_ns()
         self.step_started_ns: int | None = None  # set while a step runs (telemetry waits)
+        self._stepping = False  # a batch was taken and its step has not ended
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -168,6 +171,20 @@ class Engine:
                 self._abort_flag = True  # interrupts a long prompt chunk mid-decode
             self._lock.notify_all()
 
+    @contextlib.contextmanager
+    def idle(self, timeout: float = 5.0) -> Iterator[None]:
+        """Hold the engine thread between steps, with no work left (KV operations of
+        cancellations included), while the block runs: for reading llama.cpp's
+        memory from another thread. The scheduler's counts reach zero as soon as a
+        request is cancelled; llama.cpp's cells go with the next step's operations."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._stepping or self._has_work():
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"the engine did not become idle within {timeout} s")
+                self._lock.wait(0.01)
+            yield
+
     # -- views for health and metrics ------------------------------------------
 
     @property
@@ -240,6 +257,7 @@ class Engine:
                     self._finish(self._request_in(slot_id), "length")
                 self._in_batch = {r.id for r in self._batch_requests(batch)}
                 self._abort_flag = False
+                self._stepping = bool(batch)
             self.heartbeat_ns = now_ns()
             if batch:
                 try:
@@ -249,6 +267,7 @@ class Engine:
                     self._fail_batch(batch, f"internal error: {type(exc).__name__}")
                 finally:
                     self.step_started_ns = None
+                    self._stepping = False
 
     def _has_work(self) -> bool:
         return bool(self._cancels) or self.scheduler.has_work()

@@ -151,7 +151,7 @@ def test_cancellation_frees_every_cell(small: Path) -> None:
             time.sleep(0.01)
         assert e.slots_busy == 0 and e.kv_cells_used == 0
         runner = e.runner
-        with e._lock:  # inspect llama.cpp's memory while the engine thread is idle
+        with e.idle():  # llama.cpp's memory, once the cancellations' removals have run
             assert [runner.seq_pos_max(s) for s in range(4)] == [-1, -1, -1, -1]
         ok = e.generate("after the storm", SamplingParams(max_tokens=8, **GREEDY))
         assert ok.finish_reason == "length" and len(ok.token_ids) == 8
@@ -160,7 +160,7 @@ def test_cancellation_frees_every_cell(small: Path) -> None:
 def test_abort_callback_interrupts_a_prompt_chunk(engine: Engine) -> None:
     assert engine.runner is not None
     runner = engine.runner
-    with engine._lock:  # the engine thread waits while we hold its lock
+    with engine.idle():  # the engine thread waits while the block runs
         engine.scheduler.clear_idle_cache()
         runner.apply(engine.scheduler.take_ops())
         tokens = tuple(engine.tokenize("abort me " * 20)[:64])
