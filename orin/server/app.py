@@ -11,7 +11,6 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from orin.engine.errors import EngineError
@@ -20,6 +19,7 @@ from orin.engine.types import SamplingParams, TokenEvent
 from orin.server import errors, protocol
 from orin.server.errors import Loading, ModelNotFound, Unauthorized
 from orin.server.middleware import RequestContext
+from orin.server.sse import EventStream, event
 from orin.server.state import ServerState
 
 
@@ -130,7 +130,7 @@ async def _run(
     )
     if body.stream:
         events = _sse(state, request, body, stream, params, kind)
-        return EventSourceResponse(events, sep="\n", ping=15)
+        return EventStream(events, ping_s=15.0)
     completion = await _collect_or_cancel(request, stream)
     request.state.timings = completion.timings
     if completion.finish_reason == "error":
@@ -194,8 +194,8 @@ async def _sse(
     stream: RequestStream,
     params: SamplingParams,
     kind: str,
-) -> AsyncIterator[bytes | dict[str, str]]:
-    """SSE events; if the client goes away, sse-starlette cancels this generator and
+) -> AsyncIterator[bytes]:
+    """SSE events; if the client goes away, EventStream cancels this generator and
     the ``finally`` cancels the request, freeing its slot within one engine step.
 
     Token chunks go out as ready-made bytes (see ``TokenChunks``); the events that
@@ -205,7 +205,8 @@ async def _sse(
     events: list[TokenEvent] = []
     try:
         if kind == "chat":
-            yield _chunk(state, stream.request_id, kind, {"role": "assistant", "content": ""})
+            role = {"role": "assistant", "content": ""}
+            yield event(_chunk(state, stream.request_id, kind, role))
         async for ready in stream.batches():
             events += ready
             out = [
@@ -225,14 +226,14 @@ async def _sse(
             err = errors.error_body(
                 c.error or "generation failed", "server_error", None, None, stream.request_id
             )
-            yield {"data": json.dumps(err)}
+            yield event(json.dumps(err))
         else:
-            yield _final_chunk(state, body, stream.request_id, kind, c)
+            yield event(_final_chunk(state, body, stream.request_id, kind, c))
             if body.stream_options and body.stream_options.include_usage:
                 usage = protocol.envelope(_object(kind), stream.request_id, state.model_name)
                 usage.update(choices=[], usage=protocol.usage(c))
-                yield {"data": json.dumps(usage)}
-        yield {"data": "[DONE]"}
+                yield event(json.dumps(usage))
+        yield event("[DONE]")
     finally:
         stream.cancel()  # a no-op when the request already finished
 
@@ -263,7 +264,7 @@ class TokenChunks:
     ) -> None:
         self.state, self.body, self.rid, self.kind = state, body, rid, kind
         delta: dict[str, Any] | str = {"content": _TEXT_MARK} if kind == "chat" else _TEXT_MARK
-        whole = _chunk(state, rid, kind, delta)["data"]
+        whole = _chunk(state, rid, kind, delta)
         head, tail = whole.split(json.dumps(_TEXT_MARK, ensure_ascii=False))
         self._head, self._tail = b"data: " + head.encode(), tail.encode() + b"\n\n"
         self._plain = not body.return_token_ids
@@ -272,13 +273,12 @@ class TokenChunks:
         if self._plain and e.logprob is None:
             text = json.dumps(e.text, ensure_ascii=False).encode()
             return b"".join((self._head, text, self._tail))
-        data = _event_chunk(self.state, self.body, self.rid, self.kind, e)["data"]
-        return b"data: " + data.encode() + b"\n\n"
+        return event(_event_chunk(self.state, self.body, self.rid, self.kind, e))
 
 
 def _chunk(
     state: ServerState, rid: str, kind: str, delta: dict[str, Any] | str, **extra: Any
-) -> dict[str, str]:
+) -> str:
     out = protocol.envelope(_object(kind), rid, state.model_name)
     choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None, **extra}
     if kind == "chat":
@@ -286,7 +286,7 @@ def _chunk(
     else:
         choice["text"] = delta
     out["choices"] = [choice]
-    return {"data": json.dumps(out, ensure_ascii=False)}
+    return json.dumps(out, ensure_ascii=False)
 
 
 def _event_chunk(
@@ -295,7 +295,7 @@ def _event_chunk(
     rid: str,
     kind: str,
     e: TokenEvent,
-) -> dict[str, str]:
+) -> str:
     extra: dict[str, Any] = {}
     if body.return_token_ids:
         extra["token_ids"] = [e.token_id] if e.token_id is not None else []
@@ -312,7 +312,7 @@ def _final_chunk(
     rid: str,
     kind: str,
     c: Completion,
-) -> dict[str, str]:
+) -> str:
     out = protocol.envelope(_object(kind), rid, state.model_name)
     choice: dict[str, Any] = {"index": 0, "finish_reason": c.finish_reason, "logprobs": None}
     if kind == "chat":
@@ -322,4 +322,4 @@ def _final_chunk(
     out.update(choices=[choice], timings=state.timings(c.timings))
     if body.stream_options is None or not body.stream_options.include_usage:
         out["usage"] = protocol.usage(c)
-    return {"data": json.dumps(out)}
+    return json.dumps(out)

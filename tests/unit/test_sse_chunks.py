@@ -10,6 +10,7 @@ import pytest
 from orin.engine.types import TokenEvent, TokenLogprob
 from orin.server import protocol
 from orin.server.app import TokenChunks, _event_chunk
+from orin.server.sse import event
 
 TEXTS = ["hello", ' "quoted" ', "back\\slash", "line\nbreak\ttab", "naïve 日本 🚀", "\x00\x1f", ""]
 
@@ -33,7 +34,7 @@ def test_plain_token_chunk_matches_the_full_build(kind: str, text: str) -> None:
     )
     chunks = TokenChunks(state, body, "req-1", kind)  # type: ignore[arg-type]
     e = TokenEvent("req-1", 5, text, None)
-    full = f"data: {_event_chunk(state, body, 'req-1', kind, e)['data']}\n\n".encode()  # type: ignore[arg-type]
+    full = event(_event_chunk(state, body, "req-1", kind, e))  # type: ignore[arg-type]
     assert parsed(chunks.token(e)) == parsed(full)
     got = parsed(chunks.token(e))["choices"][0]  # type: ignore[index]
     assert (got["delta"]["content"] if kind == "chat" else got["text"]) == text

@@ -1,0 +1,96 @@
+"""The streaming response: server-sent events with as little work per event as possible.
+
+A streamed token costs the event loop one wake-up, one pass through the ASGI
+``send`` chain and one socket write, and on a board whose cores are all busy
+decoding, that CPU comes out of the decode. sse-starlette's response, which
+the server used first, adds per event a cancel scope, an async-library lookup
+and a debug log call: measured on a 2-core machine, the event loop spent
+0.40 ms of CPU per streamed token with it and 0.25 ms with this response
+(docs/performance.md). Its behaviour is kept: the SSE headers, a comment line
+to keep idle connections open, and the end of the stream when the client
+disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+from starlette.responses import Response
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+PING = b": ping\n\n"
+
+
+def event(data: str) -> bytes:
+    """One SSE event carrying ``data`` (a JSON document: json.dumps never writes a
+    raw newline, so one ``data:`` line holds it)."""
+    return b"data: " + data.encode() + b"\n\n"
+
+
+class EventStream(Response):
+    """An SSE response over an async iterator of ready-made SSE bytes.
+
+    The iterator runs in a task of its own beside a task that waits for the
+    client's disconnect: when the client goes away the iterator is cancelled
+    and closed, so its ``finally`` runs at once (the token stream cancels its
+    request there). While nothing is sent for ``ping_s`` seconds (a long prompt
+    being read, a queue), a comment line keeps proxies from closing the
+    connection.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], ping_s: float = 15.0) -> None:
+        self.events = events
+        self.ping_s = ping_s
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-store", "x-accel-buffering": "no"})
+        self._quiet = True  # nothing sent since the last ping tick
+
+    async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        body = asyncio.ensure_future(self._body(send))
+        gone = asyncio.ensure_future(_disconnect(receive))
+        ping = asyncio.ensure_future(self._ping(send))
+        try:
+            await asyncio.wait((body, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (body, gone, ping):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(gone, ping, return_exceptions=True)
+                await asyncio.wait((body,))
+        if body.cancelled():  # the client went away: nobody to end the stream for
+            return
+        body.result()  # an error in the iterator propagates (the server logs it)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _body(self, send: Send) -> None:
+        events = self.events
+        try:
+            async for chunk in events:
+                self._quiet = False
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:  # cancelled between two events: close the iterator now
+                await aclose()
+
+    async def _ping(self, send: Send) -> None:
+        while True:
+            await asyncio.sleep(self.ping_s)
+            if self._quiet:
+                await send({"type": "http.response.body", "body": PING, "more_body": True})
+            self._quiet = True
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

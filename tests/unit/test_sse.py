@@ -1,0 +1,147 @@
+"""EventStream, the SSE response, against an in-memory ASGI connection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from orin.server.sse import PING, EventStream, event
+
+
+class Connection:
+    """The server side of one HTTP exchange: what the app sent, and a client that
+    can go away (``disconnect``)."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.gone = asyncio.Event()
+        self.requested = False
+
+    async def receive(self) -> dict[str, Any]:
+        if not self.requested:  # the request body, already read by the route
+            self.requested = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.sent[1:])
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout=10))
+
+
+def test_events_then_the_end_of_the_body() -> None:
+    async def events() -> AsyncIterator[bytes]:
+        yield event('{"a": 1}')
+        yield event("[DONE]")
+
+    async def go() -> Connection:
+        conn = Connection()
+        await EventStream(events())({}, conn.receive, conn.send)
+        return conn
+
+    conn = run(go())
+    start = conn.sent[0]
+    assert start["type"] == "http.response.start" and start["status"] == 200
+    headers = dict(start["headers"])
+    assert headers[b"content-type"] == b"text/event-stream; charset=utf-8"
+    assert headers[b"cache-control"] == b"no-store"
+    assert conn.body == b'data: {"a": 1}\n\ndata: [DONE]\n\n'
+    assert conn.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert all(m["more_body"] for m in conn.sent[1:-1])
+
+
+def test_a_disconnect_cancels_and_closes_the_iterator_at_once() -> None:
+    closed: list[str] = []
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            yield event("first")
+            await asyncio.sleep(3600)  # waiting for a token that never comes
+            yield event("never")
+        finally:
+            closed.append("finally ran")  # the token stream cancels its request here
+
+    async def go() -> tuple[Connection, float]:
+        conn = Connection()
+        task = asyncio.ensure_future(EventStream(events())({}, conn.receive, conn.send))
+        while not conn.sent[1:]:
+            await asyncio.sleep(0)
+        t0 = asyncio.get_running_loop().time()
+        conn.gone.set()
+        await task
+        return conn, asyncio.get_running_loop().time() - t0
+
+    conn, took = run(go())
+    assert closed == ["finally ran"]
+    assert took < 1.0
+    assert conn.body == b"data: first\n\n"  # no end-of-body for a client that left
+    assert all(m.get("more_body", True) for m in conn.sent)
+
+
+def test_an_iterator_suspended_at_a_send_is_closed_too() -> None:
+    closed: list[str] = []
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield event("token")
+        finally:
+            closed.append("closed")
+
+    class Stuck(Connection):
+        async def send(self, message: dict[str, Any]) -> None:
+            await super().send(message)
+            if len(self.sent) == 3:  # a client that stopped reading: the write blocks
+                self.gone.set()
+                await asyncio.sleep(3600)
+
+    async def go() -> list[str]:
+        conn = Stuck()
+        await EventStream(events())({}, conn.receive, conn.send)
+        return list(closed)  # closed by the response, not later by the loop's shutdown
+
+    assert run(go()) == ["closed"]
+
+
+def test_an_error_in_the_iterator_reaches_the_server() -> None:
+    async def events() -> AsyncIterator[bytes]:
+        yield event("one")
+        raise RuntimeError("broken generator")
+
+    async def go() -> None:
+        conn = Connection()
+        await EventStream(events())({}, conn.receive, conn.send)
+
+    with pytest.raises(RuntimeError, match="broken generator"):
+        run(go())
+
+
+def test_pings_only_while_nothing_is_sent() -> None:
+    async def events(gap: float, n: int) -> AsyncIterator[bytes]:
+        for i in range(n):
+            await asyncio.sleep(gap)
+            yield event(str(i))
+
+    async def go(gap: float, n: int, ping_s: float) -> bytes:
+        conn = Connection()
+        await EventStream(events(gap, n), ping_s=ping_s)({}, conn.receive, conn.send)
+        return conn.body
+
+    quiet = run(go(0.3, 2, 0.05))  # a long prefill: silence between the events
+    assert quiet.count(PING) >= 3
+    assert quiet.replace(PING, b"") == b"data: 0\n\ndata: 1\n\n"
+    # tokens flowing for about four ping periods: no ping needed (one stall of the
+    # machine longer than a period may earn one)
+    busy = run(go(0.01, 60, 0.15))
+    assert busy.count(PING) <= 1
+    assert busy.replace(PING, b"") == b"".join(event(str(i)) for i in range(60))
