@@ -5,7 +5,7 @@ import logging
 import pytest
 import typer
 
-from orin.cli.serve import _api_key, _apply_overrides, _is_loopback, _window
+from orin.cli.serve import _api_key, _apply_overrides, _is_loopback, _window, http_stack
 from orin.errors import ProfileError
 from orin.profile.loader import parse_profile
 from orin.profile.schema import Profile
@@ -66,3 +66,17 @@ def test_unknown_profile_is_a_profile_error() -> None:
 
     with pytest.raises(ProfileError):
         serve_profile("no-such-profile", None)
+
+
+def test_http_stack_prefers_uvloop_and_httptools_and_falls_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    assert http_stack() == ("uvloop", "httptools")  # both are dependencies
+    real = importlib.util.find_spec
+    missing = {"uvloop", "httptools"}
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a)
+    )
+    assert http_stack() == ("asyncio", "h11")
