@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ class Completion:
     error: str | None = None
 
 
-_Delivery = list[tuple["asyncio.Queue[TokenEvent]", TokenEvent]]
+_Delivery = list[tuple["RequestStream", TokenEvent]]
 
 
 class _Outbox(threading.local):
@@ -60,8 +61,8 @@ def batched_delivery() -> Iterator[None]:
 
 
 def _deliver(items: _Delivery) -> None:
-    for q, event in items:
-        q.put_nowait(event)
+    for stream, event in items:
+        stream._arrive(event)
 
 
 class RequestStream:
@@ -83,7 +84,10 @@ class RequestStream:
         self._whole = whole
         self._held: list[TokenEvent] = []
         self._sync: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
-        self._async: asyncio.Queue[TokenEvent] | None = asyncio.Queue() if loop else None
+        # asyncio side, touched on the loop's thread only: the events delivered and
+        # not taken, and the future the consumer waits on while there are none
+        self._ready: deque[TokenEvent] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._done = False
         # events put (engine thread only) and taken (consumer only): no lock needed
         self._put = 0
@@ -111,22 +115,31 @@ class RequestStream:
         self._hand_over(event)
 
     def _hand_over(self, event: TokenEvent) -> None:
-        if self._loop is None or self._async is None:
+        if self._loop is None:
             self._sync.put(event)
             return
         pending = _outbox.pending
         if pending is not None:
-            pending.setdefault(self._loop, []).append((self._async, event))
+            pending.setdefault(self._loop, []).append((self, event))
             return
         with contextlib.suppress(RuntimeError):  # the consumer's loop is gone: nobody listens
-            self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+            self._loop.call_soon_threadsafe(self._arrive, event)
+
+    def _arrive(self, event: TokenEvent) -> None:
+        """On the consumer's loop: keep the event and wake the consumer if it waits."""
+        self._ready.append(event)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # not cancelled with its consumer
+                waiter.set_result(None)
 
     def cancel(self) -> None:
         if not self._done:
             self._cancel(self.request_id)
 
     def __iter__(self) -> Iterator[TokenEvent]:
-        if self._async is not None:
+        if self._loop is not None:
             raise TypeError("this stream was opened for asyncio; use `async for`")
         while not self._done:
             event = self._sync.get()
@@ -135,27 +148,42 @@ class RequestStream:
             yield event
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
-        if self._async is None:
-            raise TypeError("this stream was opened without an event loop; use `for`")
         while not self._done:
-            event = await self._async.get()
-            self._taken += 1
-            self._done = event.finish_reason is not None
-            yield event
+            for event in await self.next_batch():
+                yield event
 
     async def batches(self) -> AsyncIterator[list[TokenEvent]]:
         """Like ``async for``, but each item is every event ready at that moment
         (at least one), so a consumer that fell behind catches up in one write."""
-        if self._async is None:
-            raise TypeError("this stream was opened without an event loop; use `for`")
-        q = self._async
         while not self._done:
-            ready = [await q.get()]
-            while not q.empty() and ready[-1].finish_reason is None:
-                ready.append(q.get_nowait())
-            self._taken += len(ready)
-            self._done = ready[-1].finish_reason is not None
-            yield ready
+            yield await self.next_batch()
+
+    async def next_batch(self) -> list[TokenEvent]:
+        """Every event ready now (waiting for at least one), up to the final one;
+        an empty list once the final event was taken.
+
+        The per-token path of a streamed response: one future per wait, no queue.
+        """
+        if self._loop is None:
+            raise TypeError("this stream was opened without an event loop; use `for`")
+        if self._done:
+            return []
+        ready = self._ready
+        if not ready:
+            self._waiter = waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        out = list(ready)
+        ready.clear()
+        for i, event in enumerate(out):
+            if event.finish_reason is not None:  # nothing after the final event counts
+                del out[i + 1 :]
+                self._done = True
+                break
+        self._taken += len(out)
+        return out
 
     def result(self) -> Completion:
         return collect(self.request_id, list(self))

@@ -207,7 +207,7 @@ async def _sse(
         if kind == "chat":
             role = {"role": "assistant", "content": ""}
             yield event(_chunk(state, stream.request_id, kind, role))
-        async for ready in stream.batches():
+        while ready := await stream.next_batch():
             events += ready
             out = [
                 chunks.token(e)

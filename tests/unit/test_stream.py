@@ -27,6 +27,9 @@ class CountingLoop:
         self.wakeups += 1
         return self.loop.call_soon_threadsafe(cb, *args)
 
+    def create_future(self) -> asyncio.Future[Any]:
+        return self.loop.create_future()
+
 
 def run_engine_thread(fn: Any) -> None:
     t = threading.Thread(target=fn)
@@ -150,3 +153,19 @@ def test_a_whole_sync_stream_still_iterates() -> None:
     for i in range(3):
         stream.put(event("r", i, final=i == 2))
     assert stream.result().text == "t0t1t2"
+
+
+def test_a_consumer_cancelled_while_waiting_leaves_the_stream_usable() -> None:
+    async def main() -> tuple[list[int | None], list[TokenEvent]]:
+        stream = RequestStream("r", lambda _: None, asyncio.get_running_loop())
+        waiting = asyncio.ensure_future(stream.next_batch())
+        await asyncio.sleep(0)  # it waits for an event
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        run_engine_thread(lambda: [stream.put(event("r", i, final=i == 1)) for i in range(2)])
+        await asyncio.sleep(0.05)  # delivered with nobody waiting
+        first = await stream.next_batch()
+        return [e.token_id for e in first], await stream.next_batch()
+
+    assert asyncio.run(main()) == ([0, 1], [])  # then empty: the final event was taken
