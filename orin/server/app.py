@@ -243,6 +243,7 @@ def _object(kind: str) -> str:
 
 
 _TEXT_MARK = "\u0000orin-text\u0000"
+_json_string = json.encoder.encode_basestring  # json.dumps(text, ensure_ascii=False), in C
 
 
 class TokenChunks:
@@ -271,7 +272,7 @@ class TokenChunks:
 
     def token(self, e: TokenEvent) -> bytes:
         if self._plain and e.logprob is None:
-            text = json.dumps(e.text, ensure_ascii=False).encode()
+            text = _json_string(e.text).encode()
             return b"".join((self._head, text, self._tail))
         return event(_event_chunk(self.state, self.body, self.rid, self.kind, e))
 
