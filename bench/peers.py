@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -31,11 +30,11 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
+from bench.leanclient import stream, streams
 from bench.server_throughput import stop, wait_up
 from orin.engine.config import default_threads
 from orin.model import demo
@@ -119,41 +118,6 @@ def peers(model: Path, server_bin: Path) -> list[Peer]:
     ]  # fmt: skip
 
 
-@dataclass
-class Result:
-    tokens: int = 0
-    ttft_ms: float | None = None
-    itl_ms: list[float] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def tpot_ms(self) -> float | None:
-        return statistics.mean(self.itl_ms) if self.itl_ms else None
-
-
-async def stream(client: httpx.AsyncClient, url: str, prompt: str, n: int) -> Result:
-    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
-    res, t0, last = Result(), time.perf_counter(), None
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line.strip() == "data: [DONE]":
-                    continue
-                choices = json.loads(line[6:]).get("choices") or []
-                if not choices or not choices[0].get("text"):
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    res.ttft_ms = (now - t0) * 1e3
-                else:
-                    res.itl_ms.append((now - last) * 1e3)
-                last = now
-                res.tokens += 1
-    except httpx.HTTPError as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-    return res
-
-
 def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -163,14 +127,11 @@ def pct(values: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-async def concurrent(url: str, k: int, n: int) -> dict[str, float | None]:
+def concurrent(url: str, k: int, n: int) -> dict[str, float | None]:
     prompts = [f"Stream {i} of the benchmark on the edge board." for i in range(k)]
-    async with httpx.AsyncClient(timeout=900) as client:
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(stream(client, url, p, n) for p in prompts))
-        wall = time.perf_counter() - t0
-    ttfts = [r.ttft_ms for r in results if r.ttft_ms is not None]
-    tpots = [r.tpot_ms for r in results if r.tpot_ms is not None]
+    wall, results = streams(url, prompts, n)
+    ttfts = [t for r in results if (t := r.ttft_ms) is not None]
+    tpots = [t for r in results if (t := r.tpot_ms) is not None]
     return {
         "throughput": sum(r.tokens for r in results) / wall,
         "ttft_p95_ms": pct(ttfts, 0.95),
@@ -179,33 +140,32 @@ async def concurrent(url: str, k: int, n: int) -> dict[str, float | None]:
     }
 
 
-async def long_prompt_during_decode(url: str, n: int) -> dict[str, float | None]:
+def long_prompt_during_decode(url: str, n: int) -> dict[str, float | None]:
     """ITL p99 of 4 decoding streams while a ~400-token prompt (most of a slot) arrives."""
-    async with httpx.AsyncClient(timeout=900) as client:
-        running = [asyncio.create_task(stream(client, url, f"Decode {i}.", n)) for i in range(4)]
-        await asyncio.sleep(1.0)
-        intruder = asyncio.create_task(stream(client, url, "long context " * 100, 4))
-        results = await asyncio.gather(*running)
-        await intruder
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        running = [pool.submit(stream, url, f"Decode {i}.", n) for i in range(4)]
+        time.sleep(1.0)
+        intruder = pool.submit(stream, url, "long context " * 100, 4)
+        results = [f.result() for f in running]
+        intruder.result()
     itl = [x for r in results for x in r.itl_ms]
     return {"itl_p99_ms": pct(itl, 0.99), "itl_max_ms": max(itl) if itl else None}
 
 
-async def past_the_context(url: str) -> dict[str, float | None]:
+def past_the_context(url: str) -> dict[str, float | None]:
     """One request for twice the per-slot context: completes, or how far it got."""
-    async with httpx.AsyncClient(timeout=900) as client:
-        r = await stream(client, url, "Keep going.", 2 * CTX_PER_SLOT)
+    r = stream(url, "Keep going.", 2 * CTX_PER_SLOT)
     return {"tokens": float(r.tokens), "failed": float(r.error is not None)}
 
 
 def run_scenarios(peer: Peer, tokens: int) -> dict[str, dict[str, float | None]]:
-    asyncio.run(concurrent(peer.url, 2, 8))  # warm-up
+    concurrent(peer.url, 2, 8)  # warm-up
     return {
-        "single": asyncio.run(concurrent(peer.url, 1, tokens)),
-        "streams_4": asyncio.run(concurrent(peer.url, 4, tokens)),
-        "streams_8": asyncio.run(concurrent(peer.url, 8, tokens)),
-        "long_prompt": asyncio.run(long_prompt_during_decode(peer.url, tokens * 2)),
-        "past_context": asyncio.run(past_the_context(peer.url)),
+        "single": concurrent(peer.url, 1, tokens),
+        "streams_4": concurrent(peer.url, 4, tokens),
+        "streams_8": concurrent(peer.url, 8, tokens),
+        "long_prompt": long_prompt_during_decode(peer.url, tokens * 2),
+        "past_context": past_the_context(peer.url),
     }
 
 

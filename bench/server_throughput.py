@@ -20,8 +20,6 @@ request produces. Token counts come from each server's `usage`.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import http.client
 import json
 import signal
 import statistics
@@ -29,24 +27,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 
+from bench.leanclient import Timed, stream, streams
 from orin.engine.config import default_threads
 from orin.model import demo
 from tests.serverutil import free_port
 
 N_CTX_PER_SLOT = 512
-
-
-@dataclass
-class Stream:
-    tokens: int
-    tpot_ms: float | None  # seen by the client
-    server_tpot_ms: float | None = None  # the server's own figure, from its timings
 
 
 def start_orin(
@@ -102,77 +92,10 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, prompt: str, n: int) -> Stream:
-    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    times: list[float] = []
-    tokens = None
-    server_tpot = None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                tokens = data["usage"]["completion_tokens"]
-            if data.get("timings"):
-                server_tpot = data["timings"].get("tpot_ms")
-            if data.get("choices") and data["choices"][0].get("text"):
-                times.append(time.perf_counter())
-    count = tokens if tokens is not None else len(times)
-    tpot = (times[-1] - times[0]) * 1e3 / (count - 1) if len(times) > 1 and count > 1 else None
-    return Stream(count, tpot, server_tpot)
-
-
-def lean_stream(url: str, prompt: str, n: int) -> Stream:
-    """One streaming completion read with as little client work as possible.
-
-    On a 2-core machine the client shares the cores with the server's decode
-    threads, so its own per-token work (an async HTTP stack, a JSON parse per
-    event) would be charged to the server's TPOT. This client reads each chunk
-    as it arrives (http.client, blocking), stamps it, finds the SSE events by
-    their separator and parses JSON only for the final events (usage, timings).
-    """
-    parts = urlsplit(url)
-    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
-    times: list[float] = []
-    tokens = server_tpot = None
-    try:
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})  # fmt: skip
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status}: {resp.read()[:200]!r}")
-        pending = b""
-        while chunk := resp.read1(65536):
-            now = time.perf_counter()
-            *events, pending = (pending + chunk).split(b"\n\n")
-            for event in events:
-                if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                    continue
-                if b'"usage"' in event or b'"timings"' in event:
-                    data = json.loads(event[6:])
-                    if data.get("usage"):
-                        tokens = data["usage"]["completion_tokens"]
-                    if data.get("timings"):
-                        server_tpot = data["timings"].get("tpot_ms")
-                elif b'"text": ""' not in event and b'"text":""' not in event:  # a token
-                    times.append(now)
-    finally:
-        conn.close()
-    count = tokens if tokens is not None else len(times)
-    tpot = (times[-1] - times[0]) * 1e3 / (count - 1) if len(times) > 1 and count > 1 else None
-    return Stream(count, tpot, server_tpot)
-
-
-async def concurrent(url: str, prompts: list[str], n: int) -> tuple[float, list[Stream]]:
-    async with httpx.AsyncClient(timeout=600) as client:
-        t0 = time.perf_counter()
-        streams = await asyncio.gather(*(one_stream(client, url, p, n) for p in prompts))
-        wall = time.perf_counter() - t0
-    return sum(s.tokens for s in streams) / wall, list(streams)
+def concurrent(url: str, prompts: list[str], n: int) -> tuple[float, list[Timed]]:
+    """Generated tokens/s of all prompts streamed at once, and each stream."""
+    wall, results = streams(url, prompts, n)
+    return sum(r.tokens for r in results) / wall, results
 
 
 def engine_tpot(
@@ -250,9 +173,9 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         try:
             wait_up(url, proc)
-            asyncio.run(concurrent(url, prompts(1), 8))  # warm-up
+            concurrent(url, prompts(1), 8)  # warm-up
             for _ in range(3):
-                one = lean_stream(url, prompts(1)[0], args.tokens)
+                one = stream(url, prompts(1)[0], args.tokens)
                 via_http.append(one.tpot_ms)
                 server_side.append(one.server_tpot_ms)
         finally:
@@ -287,9 +210,9 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
             try:
                 wait_up(url, proc)
-                asyncio.run(concurrent(url, prompts(2), 4))  # warm-up
-                rate, streams = asyncio.run(concurrent(url, prompts(8), args.tokens))
-                assert all(s.tokens == args.tokens for s in streams), [s.tokens for s in streams]
+                concurrent(url, prompts(2), 4)  # warm-up
+                rate, done = concurrent(url, prompts(8), args.tokens)
+                assert all(r.tokens == args.tokens for r in done), [r.tokens for r in done]
                 rates[name].append(rate)
                 print(f"rep {rep} {name}: {rate:.1f} tok/s")
             finally:

@@ -380,13 +380,14 @@ class Engine:
                             request.stream.backlog,
                         )
                         self._cancels.add(request.id)
+            busy, cells = self.scheduler.usage()
             stats = StepStats(
                 start_ns=start,
                 end_ns=t,
                 prefill_tokens=batch.n_prefill,
                 decode_tokens=batch.n_decode,
-                slots_busy=self.scheduler.busy_slots,
-                kv_cells_used=self.scheduler.kv_cells_used,
+                slots_busy=busy,
+                kv_cells_used=cells,
                 waiting=self.scheduler.waiting,
                 context_shifts=sum(1 for op in batch.ops if isinstance(op, Shift)),
                 aborted=aborted,

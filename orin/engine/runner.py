@@ -31,6 +31,10 @@ class Runner:
         self._abort_set = False
         self._out_of_row: dict[int, int] = {}  # batch position -> output row, last decode
         self._view: tuple[int, int, npt.NDArray[np.float32]] | None = None  # addr, rows, view
+        # llama_get_logits returning the address as an int: no pointer cast per step
+        self._logits_addr = self.lib.llama_cpp._lib["llama_get_logits"]
+        self._logits_addr.argtypes = [ctypes.c_void_p]
+        self._logits_addr.restype = ctypes.c_void_p
 
     def _on_abort(self, _data: Any) -> bool:
         check = self._abort_check
@@ -95,10 +99,10 @@ class Runner:
         output buffer: building one per token costs more than the argmax.
         """
         n_rows = len(self._out_of_row)
-        ptr = self.lib.llama_get_logits(self.backend.ctx)
-        addr = ctypes.cast(ptr, ctypes.c_void_p).value or 0
+        addr = self._logits_addr(self.backend.ctx) or 0
         view = self._view
         if view is None or view[0] != addr or view[1] != n_rows:
+            ptr = ctypes.cast(addr, ctypes.POINTER(ctypes.c_float))
             array = np.ctypeslib.as_array(ptr, shape=(n_rows, self.backend.n_vocab))
             view = self._view = (addr, n_rows, array)
         return view[2]
@@ -110,6 +114,8 @@ class Runner:
     def argmax(self, rows: list[int]) -> list[int]:
         """The greedy token of each batch position in ``rows``, in one numpy call."""
         outputs = self.outputs()
+        if len(rows) == 1:  # one stream: no row gather, no list to build
+            return [int(outputs[self._out_of_row[rows[0]]].argmax())]
         order = [self._out_of_row[r] for r in rows]
         if order != list(range(len(outputs))):
             outputs = outputs[order]

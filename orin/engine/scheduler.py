@@ -14,6 +14,7 @@ import enum
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 from orin.engine.errors import ContextLengthExceeded, InvalidRequest, QueueFull
@@ -74,15 +75,16 @@ class Batch:
     items: tuple[BatchItem, ...]
     length_limited: tuple[int, ...] = ()  # slots at the window with sliding off
 
-    @property
+    # counted once: the engine reads them several times per step
+    @cached_property
     def n_decode(self) -> int:
         return sum(len(i.tokens) for i in self.items if not i.prefill)
 
-    @property
+    @cached_property
     def n_prefill(self) -> int:
         return sum(len(i.tokens) for i in self.items if i.prefill)
 
-    @property
+    @cached_property
     def n_tokens(self) -> int:
         return self.n_decode + self.n_prefill
 
@@ -311,6 +313,16 @@ class Scheduler:
     def kv_cells_used(self) -> int:
         """Cells held by running requests."""
         return sum(len(s.cache) for s in self.slots if s.busy)
+
+    def usage(self) -> tuple[int, int]:
+        """(busy_slots, kv_cells_used) in one pass over the slots (once per step)."""
+        busy = cells = 0
+        idle = SlotState.IDLE
+        for s in self.slots:
+            if s.state is not idle:
+                busy += 1
+                cells += len(s.cache)
+        return busy, cells
 
     @property
     def kv_cells_cached(self) -> int:

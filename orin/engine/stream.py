@@ -36,26 +36,29 @@ class _Outbox(threading.local):
 _outbox = _Outbox()
 
 
-@contextlib.contextmanager
-def batched_delivery() -> Iterator[None]:
+class batched_delivery:  # used like a function: ``with batched_delivery():``
     """Hold the events put on this thread for asyncio consumers until the block ends,
     then hand each event loop its share with one wake-up.
 
     The engine wraps a step's bookkeeping in this: with eight streams that is one
     ``call_soon_threadsafe`` (one write to the loop's wake-up pipe) per step
     instead of eight, and the loop thread, which shares the cores with
-    llama.cpp's threads, wakes once.
+    llama.cpp's threads, wakes once. (A class rather than a generator-based
+    context manager: it runs on every step.)
     """
-    if _outbox.pending is not None:  # nested: the outer block delivers
-        yield
-        return
-    pending: dict[asyncio.AbstractEventLoop, _Delivery] = {}
-    _outbox.pending = pending
-    try:
-        yield
-    finally:
-        _outbox.pending = None
-        for loop, items in pending.items():
+
+    __slots__ = ("_outer",)
+
+    def __enter__(self) -> None:
+        self._outer = _outbox.pending is None  # nested: the outer block delivers
+        if self._outer:
+            _outbox.pending = {}
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._outer:
+            return
+        pending, _outbox.pending = _outbox.pending, None
+        for loop, items in (pending or {}).items():
             with contextlib.suppress(RuntimeError):  # that loop is gone: nobody listens
                 loop.call_soon_threadsafe(_deliver, items)
 

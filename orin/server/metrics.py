@@ -245,8 +245,9 @@ class ServerMetrics:
     # -- feeds -------------------------------------------------------------------
 
     def on_step(self, stats: StepStats) -> None:
-        """Engine step observer: runs on the engine's loop, so only pre-resolved children."""
-        self.update_load(stats.slots_busy, stats.waiting, stats.kv_cells_used)
+        """Engine step observer: runs on the engine's loop between two decodes, so only
+        pre-resolved children, and no load gauges: /metrics sets those from the
+        engine's views when it is scraped (``update_load``)."""
         phase = stats.phase
         if phase != "idle":
             self._steps_by_phase[phase].inc()
@@ -262,12 +263,9 @@ class ServerMetrics:
             self._batch_decode.inc(stats.decode_tokens)
 
     def update_load(self, slots_busy: int, waiting: int, kv_cells_used: int) -> None:
-        """Set the load gauges.
-
-        ``on_step`` calls this; the server may call it before ``render`` with
-        the engine's current views too, because a cancellation while the engine
-        is otherwise idle frees a slot without a step that would report it.
-        """
+        """Set the load gauges; the /metrics route calls this with the engine's
+        current views before ``render`` (a gauge is only read when scraped, so
+        the engine's steps do not set them)."""
         self.requests_running.set(slots_busy)
         self.slots_busy.set(slots_busy)
         self.requests_waiting.set(waiting)

@@ -191,3 +191,21 @@ def test_metrics_pass_promtool(server: tuple[str, ServerState], tmp_path: Path) 
         pytest.skip("promtool is not installed")
     r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_benchmarks_lean_client_counts_what_the_server_streams(
+    server: tuple[str, ServerState],
+) -> None:
+    from bench.leanclient import stream, streams
+
+    base, _ = server
+    one = stream(base, "lean client", 12)
+    assert one.error is None
+    assert one.usage_tokens == 12 and len(one.token_times) == 12  # one chunk per token
+    assert one.ttft_ms is not None and one.ttft_ms > 0
+    assert one.tpot_ms is not None and len(one.itl_ms) == 11
+    assert one.server_tpot_ms is not None
+    _, many = streams(base, [f"lean {i}" for i in range(3)], 5)
+    assert [r.tokens for r in many] == [5, 5, 5]
+    bad = stream(base.replace(base.rsplit(":", 1)[1], "9"), "no server here", 4)
+    assert bad.error is not None and bad.tokens == 0

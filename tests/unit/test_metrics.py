@@ -119,21 +119,27 @@ def test_own_registry_per_instance() -> None:
 # -- engine steps --------------------------------------------------------------------
 
 
-def test_step_sets_gauges_and_kv_ratio(metrics: ServerMetrics) -> None:
-    metrics.on_step(step(busy=3, kv=2048, waiting=5))
+def test_load_gauges_and_kv_ratio(metrics: ServerMetrics) -> None:
+    metrics.update_load(3, 5, 2048)
     assert value(metrics, "slots_busy") == 3
     assert value(metrics, "requests_running") == 3
     assert value(metrics, "requests_waiting") == 5
     assert value(metrics, "kv_cells_used") == 2048
     assert value(metrics, "kv_cache_usage_ratio") == pytest.approx(0.25)
-    metrics.on_step(step(busy=0, kv=0, waiting=0))
+    metrics.update_load(0, 0, 0)
     assert value(metrics, "slots_busy") == 0
     assert value(metrics, "kv_cache_usage_ratio") == 0
 
 
+def test_steps_leave_the_load_gauges_to_scrape_time(metrics: ServerMetrics) -> None:
+    metrics.update_load(1, 0, 100)
+    metrics.on_step(step(busy=3, kv=2048, waiting=5))  # the engine's step between decodes
+    assert (value(metrics, "slots_busy"), value(metrics, "kv_cells_used")) == (1, 100)
+
+
 def test_zero_kv_capacity_gives_zero_ratio() -> None:
     m = ServerMetrics(1, 0, "m")
-    m.on_step(step(kv=10))
+    m.update_load(1, 0, 10)
     assert value(m, "kv_cache_usage_ratio") == 0
 
 
@@ -143,7 +149,7 @@ def test_steps_by_phase_shifts_and_aborts(metrics: ServerMetrics) -> None:
     metrics.on_step(step(decode=4, ms=30))
     metrics.on_step(step(decode=4, ms=30))
     metrics.on_step(step(prefill=512, decode=0, aborted=True))
-    metrics.on_step(step(prefill=0, decode=0))  # idle: gauges only
+    metrics.on_step(step(prefill=0, decode=0))  # idle: counts nothing
     assert value(metrics, "engine_steps_total", phase="prefill") == 2
     assert value(metrics, "engine_steps_total", phase="mixed") == 1
     assert value(metrics, "engine_steps_total", phase="decode") == 2
@@ -162,14 +168,6 @@ def test_steps_leave_request_figures_alone(metrics: ServerMetrics) -> None:
     assert count(metrics, "time_to_first_token_seconds") == 0
     assert value(metrics, "generation_tokens_total") == 0
     assert value(metrics, "requests_total", finish_reason="stop") == 0
-
-
-def test_update_load_for_scrape_time_refresh(metrics: ServerMetrics) -> None:
-    metrics.on_step(step(busy=2, kv=4096, waiting=1))
-    metrics.update_load(0, 0, 0)
-    assert value(metrics, "slots_busy") == 0
-    assert value(metrics, "requests_waiting") == 0
-    assert value(metrics, "kv_cache_usage_ratio") == 0
 
 
 # -- finished requests -----------------------------------------------------------------
