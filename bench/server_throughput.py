@@ -92,6 +92,16 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
 
 
+def loop_cpu_ns(pid: int) -> int | None:
+    """CPU time of a process's main thread (uvicorn's event loop), from Linux's
+    schedstat (nanoseconds); None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def concurrent(url: str, prompts: list[str], n: int) -> tuple[float, list[Timed]]:
     """Generated tokens/s of all prompts streamed at once, and each stream."""
     wall, results = streams(url, prompts, n)
@@ -166,6 +176,7 @@ def main() -> None:
     direct: list[float] = []
     via_http: list[float | None] = []
     server_side: list[float | None] = []
+    loop_cpu: list[float] = []  # ms of the server's event-loop thread per streamed token
     for _ in range(args.reps):  # interleaved, each in a fresh process, so drift hits both
         direct += engine_tpot_subprocess(model, args.tokens, 3, args.threads)
         port = free_port()
@@ -174,10 +185,15 @@ def main() -> None:
         try:
             wait_up(url, proc)
             concurrent(url, prompts(1), 8)  # warm-up
+            cpu0, streamed = loop_cpu_ns(proc.pid), 0
             for _ in range(3):
                 one = stream(url, prompts(1)[0], args.tokens)
                 via_http.append(one.tpot_ms)
                 server_side.append(one.server_tpot_ms)
+                streamed += one.tokens
+            cpu1 = loop_cpu_ns(proc.pid)
+            if cpu0 is not None and cpu1 is not None and streamed:
+                loop_cpu.append((cpu1 - cpu0) / 1e6 / streamed)
         finally:
             stop(proc)
     http_tpot = [t for t in via_http if t is not None]
@@ -189,10 +205,13 @@ def main() -> None:
         "server_reported_ms": served,
         "http_over_engine": overhead,
         "server_reported_over_engine": statistics.median(served) / statistics.median(direct),
+        "event_loop_cpu_ms_per_token": loop_cpu,
     }
     e_ms, h_ms = statistics.median(direct), statistics.median(http_tpot)
     print(f"single-stream TPOT: engine {e_ms:.2f} ms, HTTP {h_ms:.2f} ms, ratio {overhead:.3f}")
     print(f"  as the server reports it while streaming: {statistics.median(served):.2f} ms")
+    if loop_cpu:
+        print(f"  event loop CPU per streamed token: {statistics.median(loop_cpu):.3f} ms")
 
     if args.tpot_only:
         if args.json:
