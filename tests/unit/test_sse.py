@@ -39,17 +39,24 @@ def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout=10))
 
 
+def respond(events: AsyncIterator[bytes], ping_s: float = 15.0) -> Connection:
+    """The whole response to a client that stays."""
+
+    async def go() -> Connection:
+        conn = Connection()
+        await EventStream(events, ping_s=ping_s)({}, conn.receive, conn.send)
+        return conn
+
+    conn: Connection = run(go())
+    return conn
+
+
 def test_events_then_the_end_of_the_body() -> None:
     async def events() -> AsyncIterator[bytes]:
         yield event('{"a": 1}')
         yield event("[DONE]")
 
-    async def go() -> Connection:
-        conn = Connection()
-        await EventStream(events())({}, conn.receive, conn.send)
-        return conn
-
-    conn = run(go())
+    conn = respond(events())
     start = conn.sent[0]
     assert start["type"] == "http.response.start" and start["status"] == 200
     headers = dict(start["headers"])
@@ -118,12 +125,8 @@ def test_an_error_in_the_iterator_reaches_the_server() -> None:
         yield event("one")
         raise RuntimeError("broken generator")
 
-    async def go() -> None:
-        conn = Connection()
-        await EventStream(events())({}, conn.receive, conn.send)
-
     with pytest.raises(RuntimeError, match="broken generator"):
-        run(go())
+        respond(events())
 
 
 def test_pings_only_while_nothing_is_sent() -> None:
@@ -132,16 +135,11 @@ def test_pings_only_while_nothing_is_sent() -> None:
             await asyncio.sleep(gap)
             yield event(str(i))
 
-    async def go(gap: float, n: int, ping_s: float) -> bytes:
-        conn = Connection()
-        await EventStream(events(gap, n), ping_s=ping_s)({}, conn.receive, conn.send)
-        return conn.body
-
-    quiet = run(go(0.3, 2, 0.05))  # a long prefill: silence between the events
+    quiet = respond(events(0.3, 2), ping_s=0.05).body  # a long prefill: silence between the events
     assert quiet.count(PING) >= 3
     assert quiet.replace(PING, b"") == b"data: 0\n\ndata: 1\n\n"
     # tokens flowing for about four ping periods: no ping needed (one stall of the
     # machine longer than a period may earn one)
-    busy = run(go(0.01, 60, 0.15))
+    busy = respond(events(0.01, 60), ping_s=0.15).body
     assert busy.count(PING) <= 1
     assert busy.replace(PING, b"") == b"".join(event(str(i)) for i in range(60))
