@@ -102,19 +102,41 @@ class Peer:
             stop(self.proc)
 
 
+def kv_types(model: Path) -> tuple[str, str]:
+    """The KV cache types orin-llm serve picks for the model (its KV rules: q8_0 for a
+    q4_k_m model, f16 for f16); the peers get the same, so every server stores and
+    reads the same cache."""
+    from orin.engine.config import engine_config
+    from orin.model.gguf import read_model_info
+    from orin.profile.schema import Profile
+
+    profile = Profile(name=model.stem)
+    profile.engine.slots, profile.engine.n_ctx = SLOTS, CTX_PER_SLOT
+    cfg = engine_config(profile, model, read_model_info(model))
+    return cfg.type_k, cfg.type_v
+
+
+def ggml_type(name: str) -> int:
+    from gguf import GGMLQuantizationType
+
+    return int(GGMLQuantizationType[name.upper()].value)
+
+
 def peers(model: Path, server_bin: Path) -> list[Peer]:
     threads = str(default_threads())
     ctx_total = str(SLOTS * CTX_PER_SLOT)
+    k, v = kv_types(model)
     return [
         Peer("orin-llm", [sys.executable, "-m", "orin", "serve", "--model", str(model),
              "--slots", str(SLOTS), "--ctx", ctx_total, "--telemetry", "off",
              "--port", "{port}"], 0),
         Peer("llama-server", [str(server_bin), "-m", str(model), "-c", ctx_total,
              "-np", str(SLOTS), "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t", threads,
-             "-fa", "on", "--port", "{port}", "--host", "127.0.0.1"], 0),
+             "-fa", "on", "-ctk", k, "-ctv", v, "--port", "{port}", "--host", "127.0.0.1"], 0),
         Peer("llama-cpp-python", [sys.executable, "-m", "llama_cpp.server", "--model", str(model),
              "--n_ctx", ctx_total, "--n_batch", str(N_BATCH), "--n_threads", threads,
-             "--flash_attn", "True", "--interrupt_requests", "False", "--port", "{port}"], 0),
+             "--flash_attn", "True", "--type_k", str(ggml_type(k)), "--type_v", str(ggml_type(v)),
+             "--interrupt_requests", "False", "--port", "{port}"], 0),
     ]  # fmt: skip
 
 
