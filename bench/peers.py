@@ -10,7 +10,7 @@
    `python -m llama_cpp.server` (interrupt_requests off: by default a new
    request ends the running stream), interleaved rep by rep so the machine's
    drift hits all alike, on the generated medium model:
-   - single stream: TTFT and TPOT;
+   - single stream: TTFT and TPOT over 5 requests one after another;
    - 4 and 8 concurrent streams: throughput, TTFT p95, TPOT p90;
    - a long prompt (most of a slot) arriving while 4 streams decode: ITL p99 of those;
    - one request that generates past the context size: who survives.
@@ -162,6 +162,22 @@ def concurrent(url: str, k: int, n: int) -> dict[str, float | None]:
     }
 
 
+def one_at_a_time(url: str, k: int, n: int) -> dict[str, float | None]:
+    """``k`` single-stream requests one after another: a TPOT median over k requests
+    rather than the figure of one."""
+    results = [stream(url, f"Single stream {i} on the edge board.", n) for i in range(k)]
+    wall = sum(r.token_times[-1] - r.t0 for r in results if r.token_times)
+    ttfts = [t for r in results if (t := r.ttft_ms) is not None]
+    tpots = [t for r in results if (t := r.tpot_ms) is not None]
+    return {
+        "throughput": sum(r.tokens for r in results) / wall if wall else None,
+        "ttft_p95_ms": pct(ttfts, 0.95),
+        "tpot_median_ms": pct(tpots, 0.5),
+        "tpot_p90_ms": pct(tpots, 0.90),
+        "errors": float(sum(1 for r in results if r.error)),
+    }
+
+
 def long_prompt_during_decode(url: str, n: int) -> dict[str, float | None]:
     """ITL p99 of 4 decoding streams while a ~400-token prompt (most of a slot) arrives."""
     with ThreadPoolExecutor(max_workers=5) as pool:
@@ -183,7 +199,7 @@ def past_the_context(url: str) -> dict[str, float | None]:
 def run_scenarios(peer: Peer, tokens: int) -> dict[str, dict[str, float | None]]:
     concurrent(peer.url, 2, 8)  # warm-up
     return {
-        "single": concurrent(peer.url, 1, tokens),
+        "single": one_at_a_time(peer.url, 5, tokens),
         "streams_4": concurrent(peer.url, 4, tokens),
         "streams_8": concurrent(peer.url, 8, tokens),
         "long_prompt": long_prompt_during_decode(peer.url, tokens * 2),
