@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from orin.engine.backend import ggml_type
 from orin.engine.config import EngineConfig, engine_config
 from orin.engine.engine import Engine
 from orin.engine.types import SamplingParams, StepStats
@@ -123,12 +124,6 @@ def bench_config(path: Path, slots: int, flash_attn: str) -> EngineConfig:
     return engine_config(profile, path, read_model_info(path))
 
 
-def _ggml_type(name: str) -> int:
-    from gguf import GGMLQuantizationType
-
-    return int(GGMLQuantizationType[name.upper()].value)
-
-
 class PlainLlama:
     """One plain llama_cpp.Llama with the engine's settings, driven by a greedy loop."""
 
@@ -144,8 +139,8 @@ class PlainLlama:
             n_threads=cfg.threads,
             n_threads_batch=cfg.threads_batch,
             flash_attn=cfg.flash_attn == "on",
-            type_k=_ggml_type(cfg.type_k),
-            type_v=_ggml_type(cfg.type_v),
+            type_k=ggml_type(cfg.type_k),
+            type_v=ggml_type(cfg.type_v),
             verbose=False,
         )
         self.n_vocab = self.llm.n_vocab()
@@ -362,7 +357,7 @@ def layout_check(cfg: EngineConfig, steps: int = 20) -> dict[str, dict[str, floa
             cp.n_batch, cp.n_ubatch = cfg.n_batch, cfg.n_ubatch
             cp.n_threads, cp.n_threads_batch = cfg.threads, cfg.threads_batch
             cp.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[cfg.flash_attn]
-            cp.type_k, cp.type_v = _ggml_type(cfg.type_k), _ggml_type(cfg.type_v)
+            cp.type_k, cp.type_v = ggml_type(cfg.type_k), ggml_type(cfg.type_v)
             cp.kv_unified = unified
             ctx = lib.llama_init_from_model(model, cp)
             for seq in range(8):

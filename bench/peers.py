@@ -36,6 +36,7 @@ from pathlib import Path
 
 from bench.leanclient import stream, streams
 from bench.server_throughput import stop, wait_up
+from orin.engine.backend import ggml_type
 from orin.engine.config import default_threads
 from orin.model import demo
 from orin.paths import cache_dir
@@ -114,12 +115,6 @@ def kv_types(model: Path) -> tuple[str, str]:
     profile.engine.slots, profile.engine.n_ctx = SLOTS, CTX_PER_SLOT
     cfg = engine_config(profile, model, read_model_info(model))
     return cfg.type_k, cfg.type_v
-
-
-def ggml_type(name: str) -> int:
-    from gguf import GGMLQuantizationType
-
-    return int(GGMLQuantizationType[name.upper()].value)
 
 
 def peers(model: Path, server_bin: Path) -> list[Peer]:

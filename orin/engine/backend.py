@@ -40,7 +40,8 @@ def _reason(lines: list[str]) -> str:
     return (errors or text or ["no reason given"])[-1]
 
 
-def _ggml_type(name: str) -> int:
+def ggml_type(name: str) -> int:
+    """llama.cpp's ggml_type number of a type name such as ``q8_0``."""
     from gguf import GGMLQuantizationType
 
     return int(GGMLQuantizationType[name.upper()].value)
@@ -94,8 +95,8 @@ class Backend:
         cp.n_threads = cfg.threads
         cp.n_threads_batch = cfg.threads_batch
         cp.flash_attn_type = FLASH_ATTN[cfg.flash_attn]
-        cp.type_k = _ggml_type(cfg.type_k)
-        cp.type_v = _ggml_type(cfg.type_v)
+        cp.type_k = ggml_type(cfg.type_k)
+        cp.type_v = ggml_type(cfg.type_v)
         cp.kv_unified = False  # one KV stream per slot: a slot never takes another's cells
         cp.no_perf = True
         if cfg.rope_freq_base is not None:

@@ -307,19 +307,18 @@ class Scheduler:
 
     @property
     def busy_slots(self) -> int:
-        return sum(1 for s in self.slots if s.busy)
+        return self.usage()[0]
 
     @property
     def kv_cells_used(self) -> int:
         """Cells held by running requests."""
-        return sum(len(s.cache) for s in self.slots if s.busy)
+        return self.usage()[1]
 
     def usage(self) -> tuple[int, int]:
         """(busy_slots, kv_cells_used) in one pass over the slots (once per step)."""
         busy = cells = 0
-        idle = SlotState.IDLE
         for s in self.slots:
-            if s.state is not idle:
+            if s.busy:
                 busy += 1
                 cells += len(s.cache)
         return busy, cells

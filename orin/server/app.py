@@ -266,7 +266,7 @@ class TokenChunks:
         self.state, self.body, self.rid, self.kind = state, body, rid, kind
         delta: dict[str, Any] | str = {"content": _TEXT_MARK} if kind == "chat" else _TEXT_MARK
         whole = _chunk(state, rid, kind, delta)
-        head, tail = whole.split(json.dumps(_TEXT_MARK, ensure_ascii=False))
+        head, tail = whole.split(_json_string(_TEXT_MARK))
         self._head, self._tail = b"data: " + head.encode(), tail.encode() + b"\n\n"
         self._plain = not body.return_token_ids
 
