@@ -46,9 +46,35 @@ LLAMA_CPP_PYTHON = "0.3.36"
 SLOTS, CTX_PER_SLOT, N_BATCH = 8, 512, 512
 
 
+def install_script_options() -> tuple[list[str], str, dict[str, str]]:
+    """The CMake options and build key scripts/install-llama-cpp.sh gives this machine
+    (its dry run), so llama-server gets the same CPU kernels (and GPU build) as the
+    llama-cpp-python build orin-llm runs on."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "install-llama-cpp.sh"
+    said = subprocess.run(
+        ["bash", str(script), "--dry-run", "--python", sys.executable],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    options: list[str] = []
+    key = ""
+    env = dict(os.environ)
+    for line in said.splitlines():
+        if line.startswith("install-llama-cpp: CUDACXX="):
+            env["CUDACXX"] = line.split("=", 1)[1]  # else a CUDA build comes out CPU-only
+        elif line.startswith("install-llama-cpp: CMAKE_ARGS="):
+            options = line.split("=", 1)[1].split()
+        elif line.startswith("install-llama-cpp: build "):
+            key = line.split()[2].rstrip(",")
+    if not options or not key:
+        raise RuntimeError(f"unexpected output from {script} --dry-run:\n{said}")
+    return options, key, env
+
+
 def build_llama_server() -> Path:
-    """llama-server from the pinned llama-cpp-python sdist's vendored llama.cpp (cached)."""
-    out = cache_dir() / "peers" / f"llama-server-{LLAMA_CPP_PYTHON}"
+    """llama-server from the pinned llama-cpp-python sdist's vendored llama.cpp, built with
+    the install script's options (cached per option set)."""
+    options, key, env = install_script_options()
+    out = cache_dir() / "peers" / f"llama-server-{LLAMA_CPP_PYTHON}-{key}"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -67,8 +93,8 @@ def build_llama_server() -> Path:
         subprocess.run(
             ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
              "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-             "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF"],
-            check=True, stdout=subprocess.DEVNULL,
+             "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", *options],
+            check=True, stdout=subprocess.DEVNULL, env=env,
         )  # fmt: skip
         jobs = str(os.cpu_count() or 2)
         subprocess.run(

@@ -87,7 +87,7 @@ class BuildInfo:
         return parse_fa_quants(self.backends.get("CUDA", {}).get("FA_QUANTS"))
 
 
-# What llama.cpp compiles when neither GGML_CUDA_FA_QUANTS nor FA_ALL_QUANTS is set.
+# What llama.cpp compiles when GGML_CUDA_FA_QUANTS is not set (f16/f16 is always compiled).
 DEFAULT_CUDA_FA_QUANTS = frozenset(
     {("q4_0", "q4_0"), ("q8_0", "q8_0"), ("f16", "f16"), ("bf16", "bf16")}
 )
@@ -99,7 +99,7 @@ def parse_fa_quants(value: str | None) -> frozenset[tuple[str, str]] | None:
         return DEFAULT_CUDA_FA_QUANTS
     if value.strip().lower() == "all":
         return None
-    pairs = set()
+    pairs = {("f16", "f16")}  # ggml's CMake adds it to any list
     for item in value.replace(",", ";").split(";"):
         k, sep, v = item.strip().partition("-")
         if sep:

@@ -2,21 +2,38 @@
 # Install llama-cpp-python built the right way for this machine.
 #
 #   jetson : Jetson (L4T) board -> CUDA build for sm_87 with the flash-attention
-#            kernels for every KV quant type (GGML_CUDA_FA_ALL_QUANTS), using
+#            kernels for every K/V type pair (GGML_CUDA_FA_QUANTS=all), the CPU
+#            side for the Cortex-A78AE (armv8.2-a+dotprod+fp16), using
 #            /usr/local/cuda/bin/nvcc explicitly: without CUDACXX the build
 #            silently comes out CPU-only.
 #   cuda   : nvcc and an NVIDIA driver present -> CUDA build for the local GPU.
-#   cpu    : anything else -> CPU build (pip reuses its cached wheel).
+#   cpu    : anything else -> CPU build.
+#
+# The CPU backend is never built with -march=native: on x86-64 the script
+# turns on each SIMD extension that /proc/cpuinfo lists (SSE4.2, AVX, AVX2,
+# FMA, F16C, BMI2, AVX-VNNI, AVX-512 and its VNNI/VBMI/BF16 parts) and leaves
+# llama.cpp's AMX kernels out: on Sapphire Rapids and later they crash on the
+# first quantized decode (ggml_backend_amx_mul_mat). The built wheel is kept
+# in a cache folder named after the version and the build options, so a
+# rebuild happens only when one of them changes. After installing, one short
+# generation of a quantized model runs in a subprocess; a crash there fails
+# the install with the cause.
 #
 # Usage: scripts/install-llama-cpp.sh [--python PY] [--mode auto|jetson|cuda|cpu] [--dry-run]
 # Environment: LLAMA_CPP_PYTHON_VERSION (default below), ORIN_LLM_BUILD (same as
-# --mode), ORIN_LLM_SYSROOT (root for board detection; tests point it at a fake tree).
+# --mode), ORIN_LLM_SYSROOT (root for board and CPU detection; tests point it at
+# a fake tree), ORIN_LLM_ARCH (instead of `uname -m`), ORIN_LLM_WHEEL_CACHE
+# (default ~/.cache/orin-llm/wheels).
 set -euo pipefail
 
+HERE="$(cd "$(dirname "$0")" && pwd)"
+REPO="$(dirname "$HERE")"
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 MODE="${ORIN_LLM_BUILD:-auto}"
 PYTHON="${PYTHON:-python3}"
 ROOT="${ORIN_LLM_SYSROOT:-}"
+ARCH_NAME="${ORIN_LLM_ARCH:-$(uname -m)}"
+WHEEL_CACHE="${ORIN_LLM_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/orin-llm/wheels}"
 DRY_RUN=0
 
 while [ $# -gt 0 ]; do
@@ -24,7 +41,7 @@ while [ $# -gt 0 ]; do
     --python) PYTHON="$2"; shift 2 ;;
     --mode) MODE="$2"; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "install-llama-cpp: unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -47,6 +64,34 @@ has_nvidia_driver() {
   return 1
 }
 
+# The CPU backend's options, never -march=native.
+# x86-64: one GGML_* switch per /proc/cpuinfo flag, each set explicitly (the
+# vendored CMake turns SSE4.2/AVX/AVX2/BMI2/FMA/F16C on by default once
+# GGML_NATIVE is off, which would break an older CPU); AMX always off.
+# arm64: the Orin's Cortex-A78AE (ARMv8.2-A with dot product and fp16).
+cpu_cmake_args() {
+  case "$ARCH_NAME" in
+    x86_64|amd64)
+      local flags=" $(grep -m1 '^flags' "$ROOT/proc/cpuinfo" 2>/dev/null | cut -d: -f2) "
+      has() { local f; for f in "$@"; do case "$flags" in *" $f "*) ;; *) return 1 ;; esac; done; }
+      local out="-DGGML_NATIVE=OFF" pair opt
+      # option:cpuinfo flags (Linux's names); ggml's AVX512 switch also compiles
+      # for CD, VL, DQ and BW, so it needs all five
+      for pair in SSE42:sse4_2 AVX:avx AVX2:avx2 FMA:fma F16C:f16c BMI2:bmi2 AVX_VNNI:avx_vnni \
+                  AVX512:avx512f,avx512cd,avx512vl,avx512dq,avx512bw AVX512_VBMI:avx512vbmi \
+                  AVX512_VNNI:avx512_vnni AVX512_BF16:avx512_bf16; do
+        opt="${pair%%:*}"
+        # shellcheck disable=SC2046
+        if has $(echo "${pair#*:}" | tr ',' ' '); then out="$out -DGGML_$opt=ON"; else out="$out -DGGML_$opt=OFF"; fi
+      done
+      echo "$out -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ;;
+    aarch64|arm64)
+      echo "-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16" ;;
+    *)
+      echo "-DGGML_NATIVE=OFF" ;;
+  esac
+}
+
 if [ "$MODE" = auto ]; then
   if is_jetson; then MODE=jetson
   elif find_nvcc >/dev/null && has_nvidia_driver; then MODE=cuda
@@ -54,41 +99,47 @@ if [ "$MODE" = auto ]; then
   fi
 fi
 
-PIP_ARGS=(install "llama-cpp-python==$VERSION")
 case "$MODE" in
   jetson)
-    NVCC="$ROOT/usr/local/cuda/bin/nvcc"
-    export CUDACXX="$NVCC"
-    export CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=87 -DGGML_CUDA_FA_ALL_QUANTS=ON -DGGML_NATIVE=OFF"
-    export FORCE_CMAKE=1
-    # a cached CPU wheel of the same version must not be reused
-    PIP_ARGS+=(--no-cache-dir --force-reinstall --no-deps --no-binary llama-cpp-python)
+    ARCH_NAME=aarch64
+    export CUDACXX="$ROOT/usr/local/cuda/bin/nvcc"
+    CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=87 -DGGML_CUDA_FA_QUANTS=all $(cpu_cmake_args)"
     WANT_GPU=1 ;;
   cuda)
-    NVCC="$(find_nvcc)"
-    export CUDACXX="$NVCC"
+    CUDACXX="$(find_nvcc)"
+    export CUDACXX
     ARCH="native"
     if command -v nvidia-smi >/dev/null 2>&1; then
       CAP="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .')"
       [ -n "$CAP" ] && ARCH="$CAP"
     fi
-    export CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$ARCH -DGGML_CUDA_FA_ALL_QUANTS=ON"
-    export FORCE_CMAKE=1
-    PIP_ARGS+=(--no-cache-dir --force-reinstall --no-deps --no-binary llama-cpp-python)
+    CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$ARCH -DGGML_CUDA_FA_QUANTS=all $(cpu_cmake_args)"
     WANT_GPU=1 ;;
   cpu)
-    PIP_ARGS+=(--no-binary llama-cpp-python)
+    CMAKE_ARGS="$(cpu_cmake_args)"
     WANT_GPU=0 ;;
   *) echo "install-llama-cpp: unknown mode '$MODE' (auto, jetson, cuda, cpu)" >&2; exit 2 ;;
 esac
+export CMAKE_ARGS FORCE_CMAKE=1
 
-echo "install-llama-cpp: mode=$MODE version=$VERSION"
+# The build's identity: version, mode and options. pip's own wheel cache keys an
+# sdist build by its URL alone and would hand back a wheel built with other options.
+BUILD_KEY="$(printf '%s|%s|%s' "$VERSION" "$MODE" "$CMAKE_ARGS" | sha256sum | cut -c1-16)"
+WHEEL_DIR="$WHEEL_CACHE/llama_cpp_python-$VERSION-$MODE-$BUILD_KEY"
+PIP_WHEEL=(wheel --no-deps --no-cache-dir --no-binary llama-cpp-python -w "$WHEEL_DIR" "llama-cpp-python==$VERSION")
+
+echo "install-llama-cpp: mode=$MODE version=$VERSION arch=$ARCH_NAME"
 [ -n "${CUDACXX:-}" ] && echo "install-llama-cpp: CUDACXX=$CUDACXX"
-[ -n "${CMAKE_ARGS:-}" ] && echo "install-llama-cpp: CMAKE_ARGS=$CMAKE_ARGS"
-echo "install-llama-cpp: $PYTHON -m pip ${PIP_ARGS[*]}"
+echo "install-llama-cpp: CMAKE_ARGS=$CMAKE_ARGS"
+echo "install-llama-cpp: build $BUILD_KEY, wheel cache $WHEEL_DIR"
+echo "install-llama-cpp: $PYTHON -m pip ${PIP_WHEEL[*]}"
 [ "$DRY_RUN" = 1 ] && exit 0
 
+# Where the installed build's key is recorded (inside the environment).
+KEY_FILE="$("$PYTHON" -c 'import sys; print(sys.prefix)')/.orin-llm-llama-build"
+
 installed_ok() {
+  [ -f "$KEY_FILE" ] && [ "$(cat "$KEY_FILE")" = "$BUILD_KEY" ] || return 1
   "$PYTHON" - "$VERSION" "$WANT_GPU" <<'PY' 2>/dev/null
 import sys
 from importlib.metadata import version
@@ -100,18 +151,48 @@ sys.exit(0 if bool(llama_cpp.llama_supports_gpu_offload()) == want_gpu else 1)
 PY
 }
 
+# One short generation of a quantized model in its own process: a build whose
+# kernels crash on this CPU fails here, with the cause, not later in a test.
+smoke_test() {
+  local rc=0 out
+  out="$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m orin.model.smoke 2>&1)" || rc=$?
+  if [ "$rc" = 0 ]; then
+    echo "install-llama-cpp: $out"
+    return 0
+  fi
+  if [ "$rc" -gt 128 ]; then
+    echo "install-llama-cpp: the llama.cpp build crashed on its first quantized decode (signal $((rc - 128)): $(kill -l $((rc - 128)) 2>/dev/null || echo '?')); on an Intel CPU with AMX see docs/troubleshooting.md (cpu-kernels)" >&2
+  else
+    echo "install-llama-cpp: the llama.cpp build failed its smoke test: $(printf '%s\n' "$out" | tail -n1)" >&2
+  fi
+  return 1
+}
+
 if installed_ok; then
-  echo "install-llama-cpp: llama-cpp-python $VERSION ($MODE) already installed"
-  exit 0
+  echo "install-llama-cpp: llama-cpp-python $VERSION ($MODE, build $BUILD_KEY) already installed"
+else
+  if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    mkdir -p "$WHEEL_DIR"
+    CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" "$PYTHON" -m pip "${PIP_WHEEL[@]}"
+  fi
+  WHEEL="$(ls "$WHEEL_DIR"/llama_cpp_python-*.whl | head -n1)"
+  "$PYTHON" -m pip install -q --force-reinstall --no-deps "$WHEEL"
+  # --no-deps above skips numpy & co.; the project's model writer needs gguf
+  "$PYTHON" -m pip install -q "$WHEEL" "$(grep -m1 -o '"gguf[>=<][^"]*"' "$REPO/pyproject.toml" | tr -d '"')"
+  if ! "$PYTHON" -c 'import llama_cpp' 2>/dev/null; then
+    echo "install-llama-cpp: llama_cpp does not import after installing $WHEEL" >&2
+    exit 1
+  fi
+  printf '%s\n' "$BUILD_KEY" > "$KEY_FILE"
+  if ! installed_ok; then
+    echo "install-llama-cpp: the installed build does not match mode '$MODE'" >&2
+    "$PYTHON" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode())' >&2 || true
+    rm -f "$KEY_FILE"
+    exit 1
+  fi
 fi
-
-CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" "$PYTHON" -m pip "${PIP_ARGS[@]}"
-# --no-deps above skips numpy & co. on GPU rebuilds; make sure they are there
-"$PYTHON" -m pip install -q "llama-cpp-python==$VERSION"
-
-if ! installed_ok; then
-  echo "install-llama-cpp: the installed build does not match mode '$MODE'" >&2
-  "$PYTHON" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode())' >&2 || true
+if ! smoke_test; then
+  rm -f "$KEY_FILE"
   exit 1
 fi
-"$PYTHON" -c 'import llama_cpp; print("install-llama-cpp: gpu_offload=%s" % llama_cpp.llama_supports_gpu_offload())'
+"$PYTHON" -c 'import llama_cpp; print("install-llama-cpp: gpu_offload=%s" % llama_cpp.llama_supports_gpu_offload()); print("install-llama-cpp: " + llama_cpp.llama_print_system_info().decode().strip())'

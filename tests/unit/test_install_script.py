@@ -1,4 +1,5 @@
-"""scripts/install-llama-cpp.sh picks the build from the board (dry runs on fake trees)."""
+"""scripts/install-llama-cpp.sh picks the build from the board and the CPU (dry runs on
+fake trees), and fails the install when the build crashes (a fake interpreter)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,54 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "install-llama-cpp.sh"
 
 
-def run(root: Path, path_dirs: list[Path], *args: str) -> subprocess.CompletedProcess[str]:
+# /proc/cpuinfo flags of real CPUs (one "flags" line each, trimmed to what matters)
+EPYC_ZEN3 = (
+    "fpu vme sse sse2 ht syscall nx mmxext fxsr_opt pdpe1gb rdtscp lm constant_tsc rep_good "
+    "nopl xtopology nonstop_tsc cpuid extd_apicid pni pclmulqdq ssse3 fma cx16 sse4_1 sse4_2 "
+    "x2apic movbe popcnt aes xsave avx f16c rdrand hypervisor lahf_lm cmp_legacy svm cr8_legacy "
+    "abm sse4a misalignsse 3dnowprefetch osvw topoext perfctr_core ssbd ibrs ibpb stibp vmmcall "
+    "fsgsbase bmi1 avx2 smep bmi2 erms invpcid rdseed adx smap clflushopt clwb sha_ni xsaveopt "
+    "xsavec xgetbv1 xsaves clzero xsaveerptr wbnoinvd arat npt nrip_save umip pku ospke vaes "
+    "vpclmulqdq rdpid fsrm"
+)
+SAPPHIRE_RAPIDS = (
+    "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr "
+    "sse sse2 ss ht syscall nx pdpe1gb rdtscp lm constant_tsc rep_good nopl xtopology cpuid "
+    "tsc_known_freq pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt aes "
+    "xsave avx f16c rdrand hypervisor lahf_lm abm 3dnowprefetch ssbd ibrs ibpb stibp "
+    "ibrs_enhanced fsgsbase tsc_adjust bmi1 avx2 smep bmi2 erms invpcid avx512f avx512dq rdseed "
+    "adx smap avx512ifma clflushopt clwb avx512cd sha_ni avx512bw avx512vl xsaveopt xsavec "
+    "xgetbv1 xsaves avx_vnni avx512_bf16 wbnoinvd arat avx512vbmi umip pku ospke waitpkg "
+    "avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg tme avx512_vpopcntdq rdpid "
+    "cldemote movdiri movdir64b md_clear serialize tsxldtrk amx_bf16 avx512_fp16 amx_tile "
+    "amx_int8 flush_l1d arch_capabilities"
+)
+SANDY_BRIDGE = (
+    "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr "
+    "sse sse2 ss ht syscall nx rdtscp lm constant_tsc pni pclmulqdq ssse3 cx16 sse4_1 sse4_2 "
+    "x2apic popcnt aes xsave avx hypervisor lahf_lm"
+)
+
+
+def cpuinfo(root: Path, flags: str) -> None:
+    (root / "proc").mkdir(parents=True, exist_ok=True)
+    (root / "proc/cpuinfo").write_text(
+        f"processor\t: 0\nvendor_id\t: x\nflags\t\t: {flags}\n\nprocessor\t: 1\n"
+        f"flags\t\t: {flags}\n"
+    )
+
+
+def run(
+    root: Path, path_dirs: list[Path], *args: str, arch: str = "x86_64", dry: bool = True
+) -> subprocess.CompletedProcess[str]:
     env = {
         "PATH": os.pathsep.join([*(str(d) for d in path_dirs), "/usr/bin", "/bin"]),
         "ORIN_LLM_SYSROOT": str(root),
+        "ORIN_LLM_ARCH": arch,
         "HOME": str(root),
     }
     return subprocess.run(
-        ["bash", str(SCRIPT), "--dry-run", *args],
+        ["bash", str(SCRIPT), *(["--dry-run"] if dry else []), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -49,8 +90,12 @@ def test_jetson_gets_sm87_cuda_build_with_all_fa_quants(tmp_path: Path, empty_bi
     assert r.returncode == 0, r.stderr
     assert "mode=jetson" in r.stdout
     assert f"CUDACXX={root}/usr/local/cuda/bin/nvcc" in r.stdout
-    assert "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=87 -DGGML_CUDA_FA_ALL_QUANTS=ON" in r.stdout
-    assert "--no-cache-dir" in r.stdout  # never reuse a cached CPU wheel
+    assert "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=87 -DGGML_CUDA_FA_QUANTS=all" in r.stdout
+    # the Orin's Cortex-A78AE, not -march=native; the deprecated option is gone
+    assert "-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16" in r.stdout
+    assert "arch=aarch64" in r.stdout
+    assert "FA_ALL_QUANTS" not in r.stdout
+    assert "--no-cache-dir" in r.stdout  # pip's cache keys sdist builds by URL alone
 
 
 def test_device_tree_alone_identifies_a_jetson(tmp_path: Path, empty_bin: Path) -> None:
@@ -67,10 +112,12 @@ def test_nvcc_with_driver_gets_cuda_build(tmp_path: Path) -> None:
     bindir = tmp_path / "bin"
     fake_tool(bindir, "nvcc")
     fake_tool(bindir, "nvidia-smi", 'case "$1" in -L) echo "GPU 0";; *) echo "9.0";; esac')
+    cpuinfo(root, SAPPHIRE_RAPIDS)
     r = run(root, [bindir])
     assert r.returncode == 0, r.stderr
     assert "mode=cuda" in r.stdout
-    assert "-DCMAKE_CUDA_ARCHITECTURES=90" in r.stdout
+    assert "-DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA_QUANTS=all -DGGML_NATIVE=OFF" in r.stdout
+    assert "-DGGML_AMX_INT8=OFF" in r.stdout  # the host side of a GPU build too
 
 
 def test_nvcc_without_a_gpu_stays_cpu(tmp_path: Path) -> None:
@@ -80,7 +127,7 @@ def test_nvcc_without_a_gpu_stays_cpu(tmp_path: Path) -> None:
     fake_tool(bindir, "nvcc")
     r = run(root, [bindir])
     assert "mode=cpu" in r.stdout
-    assert "CMAKE_ARGS" not in r.stdout
+    assert "GGML_CUDA" not in r.stdout
 
 
 def test_forced_mode_and_bad_mode(tmp_path: Path, empty_bin: Path) -> None:
@@ -88,3 +135,121 @@ def test_forced_mode_and_bad_mode(tmp_path: Path, empty_bin: Path) -> None:
     bad = run(tmp_path, [empty_bin], "--mode", "rocm")
     assert bad.returncode == 2
     assert "unknown mode 'rocm'" in bad.stderr
+
+
+def cmake_options(stdout: str) -> dict[str, str]:
+    line = next(ln for ln in stdout.splitlines() if "CMAKE_ARGS=" in ln)
+    opts = line.split("CMAKE_ARGS=", 1)[1].split()
+    return dict(o.removeprefix("-D").split("=", 1) for o in opts)
+
+
+def test_sapphire_rapids_keeps_its_simd_and_leaves_amx_out(tmp_path: Path, empty_bin: Path) -> None:
+    cpuinfo(tmp_path, SAPPHIRE_RAPIDS)
+    opts = cmake_options(run(tmp_path, [empty_bin]).stdout)
+    assert opts["GGML_NATIVE"] == "OFF"
+    on = {"SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512"}
+    on |= {"AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"}
+    assert {k for k, v in opts.items() if v == "ON"} == {f"GGML_{o}" for o in on}
+    assert opts["GGML_AMX_TILE"] == opts["GGML_AMX_INT8"] == opts["GGML_AMX_BF16"] == "OFF"
+
+
+def test_every_switch_is_explicit_so_an_old_cpu_gets_no_avx2(
+    tmp_path: Path, empty_bin: Path
+) -> None:
+    # with GGML_NATIVE off the vendored CMake defaults AVX2/FMA/F16C/BMI2 to ON
+    cpuinfo(tmp_path, SANDY_BRIDGE)
+    opts = cmake_options(run(tmp_path, [empty_bin]).stdout)
+    assert opts["GGML_AVX"] == opts["GGML_SSE42"] == "ON"
+    for off in ("AVX2", "FMA", "F16C", "BMI2", "AVX512", "AVX_VNNI"):
+        assert opts[f"GGML_{off}"] == "OFF", off
+
+
+def test_amd_epyc_without_avx512(tmp_path: Path, empty_bin: Path) -> None:
+    cpuinfo(tmp_path, EPYC_ZEN3)
+    opts = cmake_options(run(tmp_path, [empty_bin]).stdout)
+    assert opts["GGML_AVX2"] == opts["GGML_FMA"] == opts["GGML_F16C"] == "ON"
+    assert opts["GGML_AVX512"] == opts["GGML_AVX_VNNI"] == "OFF"
+
+
+def test_avx512_needs_every_part_ggml_compiles_for(tmp_path: Path, empty_bin: Path) -> None:
+    # ggml's AVX512 switch adds -mavx512cd/vl/dq/bw too: a CPU with only avx512f stays off
+    cpuinfo(tmp_path, SANDY_BRIDGE + " avx2 fma f16c bmi2 avx512f")
+    assert cmake_options(run(tmp_path, [empty_bin]).stdout)["GGML_AVX512"] == "OFF"
+
+
+def test_cpu_arm64_build_names_the_orin_cpu(tmp_path: Path, empty_bin: Path) -> None:
+    opts = cmake_options(run(tmp_path, [empty_bin], "--mode", "cpu", arch="aarch64").stdout)
+    assert opts == {"GGML_NATIVE": "OFF", "GGML_CPU_ARM_ARCH": "armv8.2-a+dotprod+fp16"}
+
+
+def test_the_wheel_cache_is_keyed_by_the_build_options(tmp_path: Path, empty_bin: Path) -> None:
+    def cache_dir(flags: str) -> str:
+        cpuinfo(tmp_path, flags)
+        out = run(tmp_path, [empty_bin]).stdout
+        return next(ln for ln in out.splitlines() if "wheel cache" in ln).rsplit(" ", 1)[1]
+
+    spr, epyc = cache_dir(SAPPHIRE_RAPIDS), cache_dir(EPYC_ZEN3)
+    assert spr != epyc
+    assert cache_dir(SAPPHIRE_RAPIDS) == spr
+    assert spr.startswith(str(tmp_path / ".cache/orin-llm/wheels/llama_cpp_python-0.3.36-cpu-"))
+
+
+FAKE_PYTHON = """#!/bin/bash
+# Answers the script's calls like an interpreter with the build installed; the
+# smoke test dies the way SMOKE says.
+case "$*" in
+  *"sys.prefix"*) echo "$PREFIX" ;;
+  "- "*) exit 0 ;;  # installed_ok: version and GPU support match
+  "-m orin.model.smoke") case "$SMOKE" in
+      segv) kill -SEGV $$ ;;
+      fail) echo "Traceback: boom"; echo "RuntimeError: no tokens"; exit 1 ;;
+      *) echo "smoke test: ok" ;;
+    esac ;;
+  *) echo "install-llama-cpp: system info" ;;
+esac
+"""
+
+
+@pytest.mark.parametrize(
+    ("smoke", "rc", "said"),
+    [
+        ("segv", 1, "crashed on its first quantized decode (signal 11: SEGV)"),
+        ("fail", 1, "failed its smoke test: RuntimeError: no tokens"),
+        ("ok", 0, ""),
+    ],
+)
+def test_a_build_that_crashes_fails_the_install(
+    tmp_path: Path, empty_bin: Path, smoke: str, rc: int, said: str
+) -> None:
+    cpuinfo(tmp_path, SAPPHIRE_RAPIDS)
+    key = (
+        next(ln for ln in run(tmp_path, [empty_bin]).stdout.splitlines() if "wheel cache" in ln)
+        .split()[2]
+        .rstrip(",")
+    )
+    prefix = tmp_path / "venv"
+    prefix.mkdir()
+    (prefix / ".orin-llm-llama-build").write_text(key + "\n")  # this build is installed
+    fake_tool(empty_bin, "python", FAKE_PYTHON)
+    env_extra = {"PREFIX": str(prefix), "SMOKE": smoke}
+    r = subprocess.run(
+        ["bash", str(SCRIPT), "--python", str(empty_bin / "python")],
+        env={
+            "PATH": f"{empty_bin}:/usr/bin:/bin",
+            "ORIN_LLM_SYSROOT": str(tmp_path),
+            "ORIN_LLM_ARCH": "x86_64",
+            "HOME": str(tmp_path),
+            **env_extra,
+        },
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == rc, r.stdout + r.stderr
+    assert "already installed" in r.stdout
+    if rc:
+        assert said in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        # a build that failed is not recorded as installed: the next run rebuilds
+        assert not (prefix / ".orin-llm-llama-build").exists()
+    else:
+        assert "smoke test: ok" in r.stdout
