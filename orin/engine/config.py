@@ -24,6 +24,10 @@ from orin.system.loadmode import mmap_policy
 from orin.system.platform import is_jetson
 from orin.system.root import SysRoot
 
+# Prompt tokens per step when layers run on a GPU, where llama.cpp's abort callback
+# cannot stop a decode: a cancel waits for the chunk (docs/engine.md, Cancellation).
+GPU_PREFILL_CHUNK = 256
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -45,6 +49,7 @@ class EngineConfig:
     prefix_cache: bool = True
     rope_freq_base: float | None = None  # None: llama.cpp takes it from the metadata
     max_backlog: int = 4096  # unread events before a slow client's request is cut off
+    prefill_chunk: int = 0  # prompt tokens per step, all slots together; 0: n_batch
 
     def with_(self, **changes: object) -> EngineConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -76,6 +81,7 @@ def engine_config(
     threads = e.threads or default_threads()
     gpu = build.gpu_offload if build is not None else None
     load = mmap_policy(profile, is_jetson(root or SysRoot()), info.n_layer, gpu)
+    offloaded = bool(gpu) and e.gpu_layers != 0
     return EngineConfig(
         model_path=model_path,
         n_ctx=e.n_ctx,
@@ -100,4 +106,19 @@ def engine_config(
         max_queue=profile.server.max_queue,
         rope_freq_base=e.rope_freq_base,
         max_backlog=profile.server.max_stream_backlog,
+        prefill_chunk=prefill_chunk(e.prefill_chunk, e.n_batch, offloaded),
     )
+
+
+def prefill_chunk(asked: int, n_batch: int, offloaded: bool) -> int:
+    """The prompt tokens one step feeds, all slots together.
+
+    On the CPU backend llama.cpp's abort callback stops a decode between graph
+    nodes, so a chunk may fill the whole batch. A GPU decode runs to its end
+    once started, so with layers offloaded the default chunk is smaller: a
+    cancelled prompt (and a running stream waiting behind it) waits for at most
+    that many prompt tokens. Without build information the CPU rule applies.
+    """
+    if asked:
+        return min(asked, n_batch)
+    return min(n_batch, GPU_PREFILL_CHUNK) if offloaded else n_batch

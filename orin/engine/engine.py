@@ -2,9 +2,11 @@
 
 Requests enter through ``submit`` (any thread); the scheduler is guarded by a
 lock held only around scheduling and bookkeeping, never during a decode.
-Cancellation is a flag the loop checks before each step, and during a step
-with prompt chunks through llama.cpp's abort callback, so a client that goes
-away frees its slot and KV cells within one step.
+Cancellation is a flag the loop checks before each step, so a client that
+goes away frees its slot and KV cells within one step. During a step with
+prompt chunks the flag also reaches llama.cpp's abort callback, which the CPU
+backend checks between graph nodes; a GPU decode ignores it and runs to its
+end, which ``prefill_chunk`` keeps short.
 """
 
 from __future__ import annotations
@@ -38,13 +40,19 @@ _ids = itertools.count(1)
 
 class Engine:
     def __init__(
-        self, cfg: EngineConfig, backend_factory: Callable[[EngineConfig], Backend] = Backend
+        self,
+        cfg: EngineConfig,
+        backend_factory: Callable[[EngineConfig], Backend] = Backend,
+        runner_factory: Callable[[Backend, int], Runner] = Runner,
     ) -> None:
         self.cfg = cfg
         self._backend_factory = backend_factory
+        self._runner_factory = runner_factory
         self.backend: Backend | None = None
         self.runner: Runner | None = None
-        self.scheduler = Scheduler(cfg.slots, cfg.n_batch, cfg.context, cfg.max_queue)
+        self.scheduler = Scheduler(
+            cfg.slots, cfg.n_batch, cfg.context, cfg.max_queue, cfg.prefill_chunk or None
+        )
         self._lock = threading.Condition()
         self._requests: dict[str, ActiveRequest] = {}
         self._cancels: set[str] = set()
@@ -168,7 +176,7 @@ class Engine:
                 return
             self._cancels.add(request_id)
             if request_id in self._in_batch:
-                self._abort_flag = True  # interrupts a long prompt chunk mid-decode
+                self._abort_flag = True  # the CPU backend stops the chunk; a GPU finishes it
             self._lock.notify_all()
 
     @contextlib.contextmanager
@@ -228,7 +236,7 @@ class Engine:
     def _main(self) -> None:
         try:
             self.backend = self._backend_factory(self.cfg)
-            self.runner = Runner(self.backend, self.cfg.n_batch)
+            self.runner = self._runner_factory(self.backend, self.cfg.n_batch)
         except BaseException as exc:  # reported through wait_ready
             self._load_error = exc
             self._state = "failed"

@@ -1,4 +1,15 @@
-"""Executes a scheduler Batch through llama.cpp's low-level API."""
+"""Executes a scheduler Batch through llama.cpp's low-level API.
+
+``decode`` returns once the batch has been computed: ``llama_decode`` only
+queues the work on a GPU backend (CUDA returns before the kernels finish), so
+it is followed by ``llama_synchronize``. Step end timestamps, TTFT/TPOT and the
+telemetry's phase boundaries are taken after ``decode`` and so cover the GPU's
+work. The call is made on every build: on the CPU backend the decode has
+already finished and it costs 2-3 microseconds (docs/performance.md,
+"Synchronizing after each decode"), and no flag can tell reliably whether part
+of a graph ran asynchronously (a GPU build offloads prompt matrix products
+even with no layers offloaded).
+"""
 
 from __future__ import annotations
 
@@ -54,7 +65,9 @@ class Runner:
         """Run the batch; return slot -> output row of the logits to sample from.
 
         ``abort`` (checked between graph nodes) is only installed for steps that
-        carry prompt chunks: those are the long ones worth interrupting.
+        carry prompt chunks: those are the long ones worth interrupting. Only the
+        CPU backend checks it; on a GPU the decode runs to its end and the prompt
+        chunk size bounds how long a cancelled request keeps running.
         """
         if batch.n_tokens > self.n_batch:
             raise BackendError(f"a batch of {batch.n_tokens} tokens exceeds n_batch {self.n_batch}")
@@ -76,7 +89,9 @@ class Runner:
                 self._out_of_row[n - 1] = len(self._out_of_row)
         b.n_tokens = n
         self._set_abort(abort)
-        ret = self.lib.llama_decode(self.backend.ctx, b)
+        ctx = self.backend.ctx
+        ret = self.lib.llama_decode(ctx, b)
+        self.lib.llama_synchronize(ctx)  # the GPU has finished: the step may end now
         if ret == DECODE_ABORTED:
             raise Aborted()
         if ret != 0:

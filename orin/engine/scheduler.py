@@ -6,6 +6,11 @@ what the runner sampled. Decode tokens of running slots always go first; prompt
 chunks of prefilling slots fill the rest of the n_batch budget (chunked
 prefill), so a long prompt never stalls running streams for more than one
 chunk. The engine owns everything else (sampling, text, timings).
+
+``prefill_chunk`` caps the prompt tokens of one step, all slots together: a
+step is the unit nothing can interrupt on a GPU (llama.cpp's abort callback
+only reaches the CPU backend), so the chunk bounds how long a cancelled
+prompt keeps running and how long running streams wait for prompts.
 """
 
 from __future__ import annotations
@@ -123,14 +128,22 @@ class ContextPolicy:
 
 class Scheduler:
     def __init__(
-        self, n_slots: int, n_batch: int, context: ContextPolicy, max_queue: int = 64
+        self,
+        n_slots: int,
+        n_batch: int,
+        context: ContextPolicy,
+        max_queue: int = 64,
+        prefill_chunk: int | None = None,
     ) -> None:
         if n_batch < n_slots:
             raise ValueError(f"n_batch ({n_batch}) must be at least the slot count ({n_slots})")
+        if prefill_chunk is not None and not 1 <= prefill_chunk <= n_batch:
+            raise ValueError(f"prefill_chunk ({prefill_chunk}) must be within 1..n_batch")
         if context.keep >= context.window:
             raise ValueError("keep must be smaller than the window")
         self.slots = [Slot(i) for i in range(n_slots)]
         self.n_batch = n_batch
+        self.prefill_chunk = prefill_chunk or n_batch  # prompt tokens per step, at most
         self.context = context
         self.max_queue = max_queue
         self.queue: deque[SchedRequest] = deque()
@@ -251,7 +264,7 @@ class Scheduler:
             items.append(
                 BatchItem(slot.id, (slot.pending[0],), len(slot.cache), True, prefill=False)
             )
-        budget = self.n_batch - len(items)
+        budget = min(self.n_batch - len(items), self.prefill_chunk)
         prefilling = sorted(
             (s for s in self.slots if s.state is SlotState.PREFILL),
             key=lambda s: s.admitted_seq,

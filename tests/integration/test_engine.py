@@ -7,15 +7,18 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
+from orin.engine.backend import Backend
 from orin.engine.config import EngineConfig, engine_config
 from orin.engine.engine import Engine
 from orin.engine.errors import ContextLengthExceeded, InvalidRequest, QueueFull
-from orin.engine.runner import Aborted
+from orin.engine.runner import Aborted, Runner
 from orin.engine.scheduler import Batch, BatchItem
+from orin.engine.timings import now_ns
 from orin.engine.types import SamplingParams, StepStats
 from orin.model import demo
 from orin.model.gguf import read_model_info
@@ -168,6 +171,111 @@ def test_abort_callback_interrupts_a_prompt_chunk(engine: Engine) -> None:
         with pytest.raises(Aborted):
             runner.decode(batch, abort=lambda: True)
         assert runner.seq_pos_max(7) == -1  # the aborted micro-batch left nothing behind
+
+
+class RecordingLib:
+    """llama.cpp's functions as the runner sees them, with the calls that bound a step
+    recorded (name, time the call returned) in one list the step observer shares."""
+
+    RECORDED = frozenset({"llama_decode", "llama_synchronize"})
+
+    def __init__(self, lib: Any, events: list[tuple[str, Any]]) -> None:
+        self._lib = lib
+        self._events = events
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._lib, name)
+        if name not in self.RECORDED:
+            return fn
+
+        def recorded(*args: Any) -> Any:
+            result = fn(*args)
+            self._events.append((name, now_ns()))
+            return result
+
+        return recorded
+
+
+def test_a_step_ends_after_llama_synchronize(small: Path) -> None:
+    """llama_decode only queues the work on a GPU: every step's end, and so TTFT, TPOT
+    and the telemetry's phase boundaries, must come after llama_synchronize. The runner
+    synchronizes on every build, so the CPU build shows the same order as a GPU's."""
+    events: list[tuple[str, Any]] = []
+
+    def runner(backend: Backend, n_batch: int) -> Runner:
+        r = Runner(backend, n_batch)
+        r.lib = cast(Any, RecordingLib(r.lib, events))
+        return r
+
+    cfg = config(small, "{n_ctx: 256, slots: 2, n_batch: 64, n_ubatch: 64, prefill_chunk: 16}")
+    with Engine(cfg, runner_factory=runner) as e:
+        e.step_observers.append(lambda stats: events.append(("step", stats)))
+        prompt = e.tokenize("a prompt long enough for several chunks " * 3)
+        assert len(prompt) > 32
+        c = e.generate(prompt, SamplingParams(max_tokens=6, **GREEDY))
+    assert c.finish_reason == "length"
+    names = [name for name, _ in events]
+    assert names.count("step") >= 3 + 5  # prompt chunks, then one decode per token
+    last_sync = None
+    for i, (name, value) in enumerate(events):
+        if name == "llama_decode":
+            assert names[i + 1] == "llama_synchronize"  # before anything reads the result
+        elif name == "llama_synchronize":
+            last_sync = value
+        elif name == "step":
+            assert last_sync is not None and value.start_ns <= last_sync <= value.end_ns
+            last_sync = None  # each step has its own decode and synchronize
+    # the first token's timestamp is a step's end: after the GPU has finished too
+    step_ends = {stats.end_ns for name, stats in events if name == "step"}
+    assert c.timings is not None and c.timings.first_token_ns in step_ends
+
+
+class AbortIgnoringRunner(Runner):
+    """A runner as a GPU backend behaves: llama.cpp's abort callback is never honoured,
+    so a prompt chunk, once in llama_decode, is always decoded to its end."""
+
+    def __init__(self, backend: Backend, n_batch: int, during_prefill: Any) -> None:
+        super().__init__(backend, n_batch)
+        self.fed: list[tuple[int, int]] = []  # (slot, prompt tokens) of every decoded chunk
+        self.during_prefill = during_prefill
+
+    def decode(self, batch: Batch, abort: Any = None) -> dict[int, int]:
+        self.fed += [(i.slot, len(i.tokens)) for i in batch.items if i.prefill]
+        if batch.n_prefill:
+            self.during_prefill(len(self.fed))  # e.g. a client leaves while this chunk runs
+        return super().decode(batch, None)
+
+
+def test_a_cancel_the_backend_ignores_stops_the_prompt_after_its_chunk(small: Path) -> None:
+    """On a GPU a cancel cannot interrupt llama_decode: the chunk being decoded finishes,
+    no further chunk of the prompt is fed, and the chunk's cells are removed."""
+    cfg = config(small, "{n_ctx: 512, slots: 2, n_batch: 128, n_ubatch: 128, prefill_chunk: 32}")
+    assert cfg.prefill_chunk == 32
+    runners: list[AbortIgnoringRunner] = []
+    engines: list[Engine] = []
+
+    def cancel_during_third_chunk(n_chunks: int) -> None:
+        if n_chunks == 3:
+            engines[0].cancel("long")
+
+    def factory(backend: Backend, n_batch: int) -> Runner:
+        runners.append(AbortIgnoringRunner(backend, n_batch, cancel_during_third_chunk))
+        return runners[0]
+
+    steps: list[StepStats] = []
+    with Engine(cfg, runner_factory=factory) as e:
+        engines.append(e)
+        e.step_observers.append(steps.append)
+        prompt = random_prompts(e, 1, seed=5)[0][:8] * 50  # 400 tokens: 13 chunks of 32
+        stream = e.submit(prompt, SamplingParams(max_tokens=4, **GREEDY), request_id="long")
+        assert stream.result().finish_reason == "cancelled"
+        runner = runners[0]
+        with e.idle():
+            assert runner.seq_pos_max(0) == -1  # the finished chunks' cells are gone
+            assert runner.fed == [(0, 32), (0, 32), (0, 32)]  # nothing after the cancel
+        assert not any(s.aborted for s in steps)  # nothing was interrupted
+        ok = e.generate("after the cancel", SamplingParams(max_tokens=3, **GREEDY))
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 3
 
 
 def test_chinese_byte_fallback_streams_whole_characters(engine: Engine) -> None:

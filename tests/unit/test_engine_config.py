@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from orin.engine.config import engine_config
+from orin.engine.config import GPU_PREFILL_CHUNK, engine_config
 from orin.errors import KVConfigError
+from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.profile.loader import parse_profile
 from tests.fakeboard import FakeBoard
@@ -48,3 +49,23 @@ def test_kv_rule_violation_is_a_typed_error(tmp_path: Path) -> None:
     bad = parse_profile("name: p\nengine: {type_k: q8_0, type_v: q8_0, flash_attn: off}\n")
     with pytest.raises(KVConfigError, match="kv-quant-v-needs-fa"):
         engine_config(bad, path, info)
+
+
+def test_prefill_chunk_is_smaller_when_layers_are_offloaded(tmp_path: Path) -> None:
+    """A GPU decode ignores llama.cpp's abort callback: the chunk bounds a cancel."""
+    path, info = model(tmp_path)
+    cuda = BuildInfo(version="x", gpu_offload=True, system_info="CUDA : ARCHS = 870 |")
+    cpu = BuildInfo(version="x", gpu_offload=False, system_info="CPU : NEON = 1 |")
+
+    def chunk(yaml_engine: str, build: BuildInfo | None) -> int:
+        profile = parse_profile(f"name: p\nengine: {yaml_engine}\n")
+        return engine_config(profile, path, info, build).prefill_chunk
+
+    assert chunk("{n_batch: 1024}", cuda) == GPU_PREFILL_CHUNK == 256
+    assert chunk("{n_batch: 128, n_ubatch: 128}", cuda) == 128  # never past n_batch
+    assert chunk("{n_batch: 1024, gpu_layers: 0}", cuda) == 1024  # nothing offloaded
+    assert chunk("{n_batch: 1024}", cpu) == 1024  # the abort callback stops a CPU decode
+    assert chunk("{n_batch: 1024}", None) == 1024
+    assert chunk("{n_batch: 1024, prefill_chunk: 64}", cuda) == 64
+    assert chunk("{n_batch: 1024, prefill_chunk: 64}", cpu) == 64
+    assert chunk("{n_batch: 256, n_ubatch: 256, prefill_chunk: 512}", cpu) == 256

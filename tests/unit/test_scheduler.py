@@ -92,6 +92,40 @@ def test_prefill_chunks_follow_admission_order() -> None:
     assert [(i.slot, len(i.tokens)) for i in b.items] == [(0, 10), (1, 30)]
 
 
+def test_prefill_chunk_caps_the_prompt_tokens_of_a_step() -> None:
+    s = Scheduler(3, 64, ContextPolicy(window=512), prefill_chunk=16)
+    r = FakeRunner()
+    s.add(Req("a", [1, 2, 3]))
+    step(s, r)  # slot 0 now decodes
+    s.add(Req("long", list(range(100, 140))))
+    s.add(Req("next", list(range(200, 210))))
+    prompt_sizes = []
+    while any(sl.state is SlotState.PREFILL for sl in s.slots) or s.queue:
+        b = step(s, r)
+        assert not b.items[0].prefill  # the running stream is never held back by the cap
+        prompt_sizes.append([(i.slot, len(i.tokens)) for i in b.items if i.prefill])
+    # 16 prompt tokens per step, all slots together, though n_batch has room for 63
+    assert prompt_sizes == [[(1, 16)], [(1, 16)], [(1, 8), (2, 8)], [(2, 2)]]
+
+
+def test_a_cancelled_prompt_is_fed_no_further_chunk() -> None:
+    """On a GPU a step cannot be interrupted: the cancel lands between steps."""
+    s, r = Scheduler(2, 64, ContextPolicy(window=512), prefill_chunk=8), FakeRunner()
+    s.add(Req("long", list(range(1, 101))))
+    first = step(s, r)
+    assert [len(i.tokens) for i in first.items] == [8]
+    s.cancel("long")
+    after = step(s, r)
+    assert after.items == () and after.ops == (Remove(0, 0, -1),)
+    assert r.kv[0] == []
+
+
+def test_prefill_chunk_must_fit_the_batch() -> None:
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Scheduler(2, 32, ContextPolicy(window=64), prefill_chunk=33)
+    assert Scheduler(2, 32, ContextPolicy(window=64)).prefill_chunk == 32
+
+
 def test_queue_is_bounded_and_fifo() -> None:
     s = Scheduler(1, 32, ContextPolicy(window=64), max_queue=2)
     for name in ("a", "b", "c"):  # one goes to the idle slot at the next step
