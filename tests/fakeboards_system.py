@@ -35,14 +35,17 @@ QUERIES = {
     ("systemctl", "is-enabled"),
     ("systemctl", "is-active"),
 }
+# AGX Orin 64GB in MAXN (the jetson_clocks --show capture below): GPU devfreq and EMC
+# limits in Hz, CPU cpufreq limits in kHz.
 GPU_HZ = (306000000, 1300500000)
 EMC_HZ = (204000000, 3199000000)
 CPU_HZ = (729600, 2201600)
+AGX_32GB_GPU_HZ = (306000000, 930750000)
 
 CUDA_BUILD = BuildInfo(
     version="0.3.36",
     gpu_offload=True,
-    system_info="CUDA : ARCHS = 870 | FA_ALL_QUANTS = 1 |",
+    system_info="CUDA : ARCHS = 870 | FA_QUANTS = all |",
     backends={"CUDA": {"ARCHS": "870", "FA_QUANTS": "all"}, "CPU": {"NEON": "1"}},
 )
 CUDA_BUILD_DEFAULT_FA = BuildInfo(
@@ -78,6 +81,8 @@ class FakeJetson:
     other_swaps: list[str] = field(default_factory=list)
     fail: dict[tuple[str, ...], str] = field(default_factory=dict)  # argv -> stderr
     mode_needs_reboot: bool = False
+    cores: int = 12  # AGX Orin 64GB: 12 Cortex-A78AE; 32GB: 8
+    gpu_hz: tuple[int, int] = GPU_HZ
     runner: FakeRunner = field(init=False)
 
     def __post_init__(self) -> None:
@@ -130,7 +135,9 @@ class FakeJetson:
 
     def _jetson_clocks(self, args: tuple[str, ...]) -> CommandResult:
         if args[1:] == ("--show",):
-            return ok(args, clocks_show(self.locked, self.modes[self.mode]))
+            name = self.modes[self.mode]
+            online = self.cores - 4 if name == "MODE_30W" and self.cores == 12 else self.cores
+            return ok(args, clocks_show(self.locked, name, self.cores, online, self.gpu_hz))
         if args[1:2] == ("--store",):
             Path(args[2]).write_text(f"locked={int(self.locked)}\n")
             return ok(args)
@@ -170,28 +177,59 @@ def ok(args: tuple[str, ...], stdout: str = "") -> CommandResult:
     return CommandResult(args, 0, stdout)
 
 
-def clocks_show(locked: bool, mode: str) -> str:
-    def line(name: str, lo: int, hi: int) -> str:
-        return (
-            f"{name} MinFreq={hi if locked else lo} MaxFreq={hi} CurrentFreq={hi if locked else lo}"
-        )
+def clocks_show(
+    locked: bool,
+    mode: str,
+    cores: int = 12,
+    online: int | None = None,
+    gpu_hz: tuple[int, int] = GPU_HZ,
+) -> str:
+    """``sudo jetson_clocks --show`` on an AGX Orin 64GB, as L4T's script prints it.
 
+    Unlocked: the lines and values of a real capture (AGX Orin 64GB, MAXN, L4T 35.3,
+    catid.io/posts/orin_opt): cores listed in glob order (cpu0, cpu1, cpu10, ...),
+    CPU 729.6 MHz-2.2016 GHz, GPU 306-1300.5 MHz, EMC 204 MHz-3.199 GHz at 2.133 GHz
+    with FreqOverride=0, then the DLA/PVA engines (min 0, current == max) and the fan.
+    Locked: what /usr/bin/jetson_clocks writes: each core's and the GPU's maximum
+    into its minimum, idle states off; EMC's minimum left at its 204 MHz floor and
+    the rate pinned at the maximum through mrq_rate_locked (FreqOverride=1), as a
+    locked Orin reports it (current == max == 3199000000, FreqOverride=1). The
+    frequencies are MAXN's in every mode: the parser judges only their relations.
+    Cores past ``online`` print Online=0 (MODE_30W takes the last four offline).
+    """
+    online = cores if online is None else online
     cpu_lo, cpu_hi = CPU_HZ
-    cpus = [
-        f"cpu{i}: Online=1 Governor=schedutil "
-        f"MinFreq={cpu_hi if locked else cpu_lo} MaxFreq={cpu_hi} "
-        f"CurrentFreq={cpu_hi if locked else cpu_lo} IdleStates: WFI=1 c7=1"
-        for i in range(2)
-    ]
-    cpus.append("cpu11: Online=0 Governor=schedutil MinFreq=0 MaxFreq=0 CurrentFreq=0")
+    gpu_lo, gpu_hi = gpu_hz
+    emc_lo, emc_hi = EMC_HZ
+    cpu_cur = (2201600, 2201600, 1113600, 1113600, 2201600, 1190400)
+    cpus = []
+    for n, i in enumerate(sorted(range(cores), key=str)):
+        on = i < online
+        lo = cpu_hi if locked and on else cpu_lo
+        cur = cpu_hi if locked else cpu_cur[n % len(cpu_cur)]
+        idle = "WFI=0 c7=0" if locked else "WFI=1 c7=1"
+        cpus.append(
+            f"cpu{i}: Online={int(on)} Governor=schedutil MinFreq={lo} MaxFreq={cpu_hi} "
+            f"CurrentFreq={cur} IdleStates: {idle} "
+        )
+    gpu = f"GPU MinFreq={gpu_hi if locked else gpu_lo} MaxFreq={gpu_hi} "
+    gpu += f"CurrentFreq={gpu_hi if locked else gpu_lo}"
+    emc = f"EMC MinFreq={emc_lo} MaxFreq={emc_hi} CurrentFreq={emc_hi if locked else 2133000000}"
+    emc += f" FreqOverride={int(locked)}"
     return "\n".join(
         [
-            "SOC family:tegra234  Machine:NVIDIA Jetson AGX Orin Developer Kit",
-            "Online CPUs: 0-1",
+            "SOC family:tegra234  Machine:Jetson AGX Orin",
+            f"Online CPUs: 0-{online - 1}",
             *cpus,
-            line("GPU", *GPU_HZ),
-            line("EMC", *EMC_HZ) + " FreqOverride=0",
-            "FAN Dynamic Speed control=active hwmon4_pwm1=68",
+            gpu,
+            emc,
+            "DLA0_CORE:   Online=1 MinFreq=0 MaxFreq=1600000000 CurrentFreq=1600000000",
+            "DLA0_FALCON: Online=1 MinFreq=0 MaxFreq=844800000 CurrentFreq=844800000",
+            "DLA1_CORE:   Online=1 MinFreq=0 MaxFreq=1600000000 CurrentFreq=1600000000",
+            "DLA1_FALCON: Online=1 MinFreq=0 MaxFreq=844800000 CurrentFreq=844800000",
+            "PVA0_VPS0: Online=1 MinFreq=0 MaxFreq=1152000000 CurrentFreq=1152000000",
+            "PVA0_AXI:  Online=1 MinFreq=0 MaxFreq=832000000 CurrentFreq=832000000",
+            "FAN Dynamic Speed control=active hwmon2_pwm1=55",
             f"NV Power Mode: {mode}",
         ]
     )
@@ -201,16 +239,24 @@ AGX_64GB_MODES = {0: "MAXN", 1: "MODE_15W", 2: "MODE_30W", 3: "MODE_50W"}
 AGX_32GB_MODES = {0: "MAXN", 1: "MODE_15W", 2: "MODE_30W", 3: "MODE_40W"}
 
 
-def _jetson_tree(board: FakeBoard, module: str, release: str, gpu_devfreq: str) -> None:
+def _jetson_tree(
+    board: FakeBoard,
+    module: str,
+    release: str,
+    gpu_devfreq: str,
+    cores: int = 12,
+    gpu_hz: tuple[int, int] = GPU_HZ,
+) -> None:
     board.write("/proc/device-tree/model", "NVIDIA Jetson AGX Orin Developer Kit\0")
+    # an AGX Orin 64GB developer kit's compatible list (NVIDIA/jetson-gpio issue 125)
     board.write(
         "/proc/device-tree/compatible",
-        f"nvidia,p3737-0000+{module}\0nvidia,p3737-0000\0nvidia,{module}\0nvidia,tegra234\0",
+        f"nvidia,p3737-0000+{module}\0nvidia,{module}\0nvidia,tegra234\0nvidia,tegra23x\0",
     )
     board.write("/etc/nv_tegra_release", release)
-    board.write("/sys/devices/system/node/node0/cpulist", "0-11\n")
+    board.write("/sys/devices/system/node/node0/cpulist", f"0-{cores - 1}\n")
     base = f"/sys/class/devfreq/{gpu_devfreq}"
-    for name, value in (("min_freq", GPU_HZ[0]), ("max_freq", GPU_HZ[1]), ("cur_freq", GPU_HZ[0])):
+    for name, value in (("min_freq", gpu_hz[0]), ("max_freq", gpu_hz[1]), ("cur_freq", gpu_hz[0])):
         board.write(f"{base}/{name}", f"{value}\n")
     board.write("/proc/sys/vm/drop_caches", "0\n")
     thermal_zone(board, 0, "cpu-thermal", 47.5, [("passive", 99.0), ("critical", 103.0)])
@@ -241,9 +287,13 @@ def agx_orin_64gb_jp6(base: Path) -> FakeJetson:
 
 
 def agx_orin_32gb_jp5_tuned(base: Path) -> FakeJetson:
-    """JetPack 5 tuned right: MAXN, clocks locked, swappiness 10 (persisted), swap file, no zram."""
+    """JetPack 5 tuned right: MAXN, clocks locked, swappiness 10 (persisted), swap file, no zram.
+
+    8 cores and a 930 MHz GPU (NVIDIA's AGX Orin 32GB data sheet; devfreq steps of
+    12.75 MHz make it 930750000); MemTotal about 30.6 GiB.
+    """
     board = FakeBoard(base).meminfo(total=30 * GiB, available=26 * GiB)
-    _jetson_tree(board, "p3701-0004", R35_LINE, "17000000.ga10b")
+    _jetson_tree(board, "p3701-0004", R35_LINE, "17000000.ga10b", 8, AGX_32GB_GPU_HZ)
     board.write("/proc/sys/vm/swappiness", "10\n")
     board.write("/etc/sysctl.d/99-orin-llm.conf", sysctl_text(10))
     board.write("/etc/systemd/system/jtop.service", "[Service]\n")
@@ -255,6 +305,29 @@ def agx_orin_32gb_jp5_tuned(base: Path) -> FakeJetson:
         zram_service="disabled",
         jtop="active",
         other_swaps=["/swapfile\tfile\t16777212\t0\t-2\n"],
+        cores=8,
+        gpu_hz=AGX_32GB_GPU_HZ,
+    )
+
+
+def agx_orin_32gb_devkit_tree_jp6(base: Path) -> FakeJetson:
+    """A 32GB AGX Orin flashed with the developer kit's configuration on JetPack 6.
+
+    Its device tree names the developer kit's module, p3701-0000 (the compatible
+    list jetson-stats issue 864 shows for an AGX Orin whose EEPROM says otherwise),
+    no nvidia,boardids (absent on current L4T), 8 cores and MemTotal ~30.6 GiB.
+    Stock otherwise: MODE_30W, clocks unlocked; no nvpmodel.conf to read modes from.
+    """
+    board = FakeBoard(base).meminfo(total=30 * GiB, available=27 * GiB)
+    _jetson_tree(board, "p3701-0000", R36_LINE, "17000000.gpu", 8, AGX_32GB_GPU_HZ)
+    board.write("/proc/sys/vm/swappiness", "60\n")
+    return FakeJetson(
+        board,
+        AGX_32GB_MODES,
+        mode=2,
+        jtop=None,
+        cores=8,
+        gpu_hz=AGX_32GB_GPU_HZ,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orin.doctor.context import DoctorContext
-from orin.doctor.findings import Finding
+from orin.doctor.findings import Finding, Severity, worst
 from orin.profile.loader import builtin_profiles
 from orin.system.services import unit_active_state
 from orin.system.settings import STATE_DIR, SWAPPINESS_FILE
@@ -145,17 +145,100 @@ def check_clocks(ctx: DoctorContext) -> Finding:
             "unknown: jetson_clocks --show needs root and no GPU devfreq was found",
             fix="run sudo orin-llm doctor to check",
         )
+    if state.locked and not state.complete:
+        return Finding(
+            "clocks",
+            "info",
+            f"GPU clock locked; CPU and EMC unknown ({state.source})",
+            why="jetson_clocks --show, which shows CPU and EMC, needs root",
+            fix="run sudo orin-llm doctor to check",
+        )
     if state.locked:
-        return Finding("clocks", "ok", f"clocks locked ({state.source})")
+        return Finding(
+            "clocks",
+            "ok",
+            f"clocks locked: CPU and GPU at min = max, EMC pinned at its maximum ({state.source})",
+        )
     return Finding(
         "clocks",
         "warn",
         f"clocks not locked: {', '.join(state.unlocked)} ({state.source})",
         why="frequency scaling ramps the clocks up at each request and down between them: "
-        "slower first tokens and TPOT that swings under varying load",
+        "slower first tokens and TPOT that swings under varying load (jetson_clocks pins "
+        "CPU and GPU at min = max and EMC at its maximum through the BPMP override)",
         fix=tune_fix(
             ctx, "system.lock_clocks: true", ctx.profile.system.lock_clocks, "sudo jetson_clocks"
         ),
+    )
+
+
+JETPACK6 = "JetPack 6 (L4T R36)"
+REFLASH = (
+    f"flash {JETPACK6} with NVIDIA SDK Manager (or the L4T flash scripts), then reinstall orin-llm"
+)
+
+
+def _release(ctx: DoctorContext) -> tuple[Severity, str, str, str]:
+    """The L4T release against the supported one: (severity, found, why, fix)."""
+    l4t = ctx.platform.l4t
+    if l4t is None:
+        return "info", "no /etc/nv_tegra_release", "", ""
+    found = f"L4T {l4t.version} (JetPack {l4t.jetpack or '?'})"
+    if l4t.support == "supported":
+        return "ok", found, "", ""
+    if l4t.support == "newer":
+        return "info", found + ", newer than JetPack 6", "orin-llm is tested on JetPack 6", ""
+    if l4t.support == "old":
+        why = (
+            "JetPack 5 is not supported: its Python 3.8 is below orin-llm's 3.10 and its "
+            "CUDA 11.4 is untested with this llama.cpp"
+        )
+        return "warn", found, why, REFLASH
+    why = "this release predates JetPack 5 and does not support the Orin's GPU stack"
+    return "fail", found, why, REFLASH
+
+
+def _board(ctx: DoctorContext) -> tuple[Severity, str, str, str]:
+    """The profile's board against the module found: (severity, found, why, fix)."""
+    p, wanted = ctx.platform, ctx.profile.board
+    mid = p.module_id
+    name = p.module_name or p.model or "unknown module"
+    found = name
+    if mid is not None and mid.part:
+        found += f" ({mid.part} from {mid.source}"
+        if mid.device_tree:
+            found += f"; the device tree names {mid.device_tree}"
+        found += ")"
+    if wanted == "any" or p.board == wanted:
+        return "ok", found + (f", profile board {wanted}" if wanted != "any" else ""), "", ""
+    have = p.board or "a module without a profile board value"
+    found += f"; the profile is for {wanted}"
+    smaller = wanted == "agx-orin-64gb"
+    why = f"the profile's memory plan and power modes were chosen for {wanted}, this is {have}"
+    if smaller:
+        why += "; see memory-fit for whether the model fits"
+    fix = (
+        "a profile for this board (orin-llm profile list shows each one's board), or set "
+        f"board: {p.board or 'any'} in the profile after memory-fit passes"
+    )
+    return ("warn" if smaller or p.board is None else "info"), found, why, fix
+
+
+def check_board(ctx: DoctorContext) -> Finding:
+    """Which module and release this is, against the profile's board and JetPack 6."""
+    p = ctx.platform
+    if not p.is_jetson:
+        wanted = ctx.profile.board
+        if wanted != "any":
+            return Finding("board", "info", f"not a Jetson; the profile is for {wanted}")
+        return not_jetson("board", "no module or JetPack release to check")
+    parts = [_board(ctx), _release(ctx)]
+    return Finding(
+        "board",
+        worst([s for s, *_ in parts]),
+        "; ".join(f for _, f, _, _ in parts),
+        why="; ".join(w for *_, w, _ in parts if w),
+        fix="; ".join(f for *_, f in parts if f),
     )
 
 

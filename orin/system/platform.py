@@ -1,6 +1,10 @@
 """What machine this is, read once: Jetson or not, board, module, L4T/JetPack,
 CUDA arch, memory, NUMA nodes, swap devices, power mode, clocks, thermal zones.
 
+The module is identified as jetson-stats does (board id, then the device tree)
+and its AGX Orin SKU settled by MemTotal, so the power-mode table and the
+profile's ``board`` follow the memory the planner really has.
+
 Everything is read through one SysRoot and one CommandRunner, so a fake board
 tree and a recording runner stand in for a real Orin in tests. Detection
 never raises for a missing source: a field it cannot read is None, and the
@@ -22,8 +26,11 @@ from orin.system.jetson import (
     ClockDomain,
     ClockState,
     L4TRelease,
+    ModuleId,
     PowerMode,
     device_tree_strings,
+    identify_module,
+    parse_boardids,
     parse_jetson_clocks_show,
     parse_module,
     parse_nvpmodel_conf,
@@ -92,7 +99,7 @@ class ThermalZone:
 class Platform:
     is_jetson: bool
     model: str | None
-    module: str | None
+    module: str | None  # the module as identified (see module_id for how)
     soc: str | None
     l4t: L4TRelease | None
     cuda_arch: str | None
@@ -104,10 +111,16 @@ class Platform:
     power_modes: dict[int, str]
     clocks: ClockState | None
     thermal: tuple[ThermalZone, ...]
+    module_id: ModuleId | None = None
 
     @property
     def module_name(self) -> str | None:
         return MODULES.get(self.module or "")
+
+    @property
+    def board(self) -> str | None:
+        """The profile schema's ``board`` value for this module (None: none fits)."""
+        return self.module_id.board if self.module_id else None
 
     @property
     def jetpack(self) -> str | None:
@@ -138,6 +151,8 @@ class Platform:
             module_name=self.module_name,
             jetpack=self.jetpack,
             l4t=self.l4t.version if self.l4t else None,
+            l4t_support=self.l4t.support if self.l4t else None,
+            board=self.board,
             unified_memory=self.unified_memory,
             clocks=None
             if self.clocks is None
@@ -167,23 +182,29 @@ def detect(root: SysRoot, runner: CommandRunner) -> Platform:
     soc = parse_soc(compatible)
     release = parse_tegra_release(root.read_text("/etc/nv_tegra_release") or "")
     jetson = _jetson(release, soc)
-    module = parse_module(compatible)
+    memory = _memory(root)
+    module_id = identify_module(
+        parse_module(compatible),
+        parse_boardids(_device_tree(root, "nvidia,boardids") or ""),
+        memory.total if memory else None,
+    )
     model = _device_tree(root, "model")
     return Platform(
         is_jetson=jetson,
         model=model.strip("\0 \n") if model else None,
-        module=module,
+        module=module_id.part,
         soc=soc,
         l4t=release,
         cuda_arch=CUDA_ARCH_BY_SOC.get(soc or "") if jetson else _dgpu_arch(root, runner),
         nvidia_gpu=jetson or root.exists("/proc/driver/nvidia/version"),
-        memory=_memory(root),
+        memory=memory,
         numa_nodes=numa_node_count(root),
         swaps=parse_swaps(root.read_text("/proc/swaps") or ""),
         power_mode=query_power_mode(runner) if jetson else None,
-        power_modes=power_mode_names(root, module) if jetson else {},
+        power_modes=power_mode_names(root, module_id.part) if jetson else {},
         clocks=read_clocks(root, runner) if jetson else None,
         thermal=read_thermal(root),
+        module_id=module_id if jetson else None,
     )
 
 

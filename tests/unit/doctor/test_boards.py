@@ -5,11 +5,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
+from orin.doctor import board as board_checks
 from orin.doctor.checks import CHECK_IDS
 from orin.doctor.runner import Report, run_checks
 from orin.profile.loader import load_profile
 from tests.fakeboards_system import (
     CPU_BUILD,
+    R35_LINE,
+    agx_orin_32gb_devkit_tree_jp6,
     agx_orin_32gb_jp5_tuned,
     agx_orin_64gb_jp6,
     x86_machine,
@@ -17,22 +22,30 @@ from tests.fakeboards_system import (
 from tests.unit.doctor.conftest import MakeCtx
 
 
-def severities(report: Report) -> dict[str, str]:
-    return {f.id: f.severity for f in report.findings}
+def severities(report: Report, expected: dict[str, str]) -> dict[str, str]:
+    """The findings of the checks ``expected`` names (each of which must exist)."""
+    assert set(expected) <= set(CHECK_IDS)
+    return {f.id: f.severity for f in report.findings if f.id in expected}
+
+
+def not_ok(report: Report) -> dict[str, str]:
+    return {f.id: f.severity for f in report.findings if f.severity != "ok"}
 
 
 def test_every_check_runs_once_in_order(tmp_path: Path, make_ctx: MakeCtx, llama2_q4: Path) -> None:
     fake = agx_orin_64gb_jp6(tmp_path / "board")
     report = run_checks(make_ctx(fake.board.root, fake.runner, model=llama2_q4))
     assert tuple(f.id for f in report.findings) == CHECK_IDS
-    assert len(CHECK_IDS) == 15
+    assert len(set(CHECK_IDS)) == len(CHECK_IDS)
+    board_checks = ("numa", "board", "power-mode", "clocks")
+    assert [i for i in CHECK_IDS if i in board_checks] == list(board_checks)
 
 
 def test_stock_jetpack6_board(tmp_path: Path, make_ctx: MakeCtx, llama2_q4: Path) -> None:
     fake = agx_orin_64gb_jp6(tmp_path / "board")
     profile = load_profile("llama2-7b-q4_k_m")
     report = run_checks(make_ctx(fake.board.root, fake.runner, profile, llama2_q4))
-    assert severities(report) == {
+    expected = {
         "model-file": "ok",
         "llama-build": "ok",
         "kv-type": "ok",
@@ -42,6 +55,7 @@ def test_stock_jetpack6_board(tmp_path: Path, make_ctx: MakeCtx, llama2_q4: Path
         "swappiness": "warn",
         "zram": "warn",
         "numa": "ok",
+        "board": "ok",
         "power-mode": "warn",
         "clocks": "warn",
         "thermal": "ok",
@@ -49,6 +63,7 @@ def test_stock_jetpack6_board(tmp_path: Path, make_ctx: MakeCtx, llama2_q4: Path
         "disk": "ok",
         "port": "ok",
     }
+    assert severities(report, expected) == expected
     assert report.exit_code == 0
     found = report.by_id()
     assert found["power-mode"].fix == (
@@ -59,6 +74,10 @@ def test_stock_jetpack6_board(tmp_path: Path, make_ctx: MakeCtx, llama2_q4: Path
     assert "system.swappiness: 10 in the profile" not in found["swappiness"].fix
     assert "system.disable_zram: true in the profile" in found["zram"].fix
     assert found["clocks"].found == "clocks not locked: CPU, GPU, EMC (jetson_clocks --show)"
+    assert found["board"].found == (
+        "Jetson AGX Orin 64GB (p3701-0005 from device tree), profile board agx-orin-64gb; "
+        "L4T 36.4.0 (JetPack 6.1)"
+    )
     assert found["mmap"].found.startswith("the engine loads with load_mode=none")
     assert fake.changes() == []  # doctor never changes the board
 
@@ -81,16 +100,26 @@ def test_tuned_jetpack5_board(tmp_path: Path, make_ctx: MakeCtx, llama2_q4: Path
     fake = agx_orin_32gb_jp5_tuned(tmp_path / "board")
     profile = load_profile("llama2-7b-q4_k_m")
     report = run_checks(make_ctx(fake.board.root, fake.runner, profile, llama2_q4))
-    assert {i: s for i, s in severities(report).items() if s != "ok"} == {}
+    assert not_ok(report) == {"board": "warn"}  # JetPack 5; the settings are all right
     assert report.exit_code == 0
-    assert report.by_id()["power-mode"].found == "power mode MAXN (0)"
-    assert report.by_id()["zram"].found == "no zram swap; /swapfile (file)"
+    found = report.by_id()
+    assert found["power-mode"].found == "power mode MAXN (0)"
+    assert found["zram"].found == "no zram swap; /swapfile (file)"
+    # the real jetson_clocks --show of a locked board: EMC min at 204 MHz, max == current
+    assert found["clocks"].severity == "ok" and found["clocks"].found.startswith("clocks locked")
+    assert found["board"].found == (
+        "Jetson AGX Orin 32GB (p3701-0004 from device tree); the profile is for agx-orin-64gb; "
+        "L4T 35.4.1 (JetPack 5.1.2)"
+    )
+    assert "Python 3.8" in found["board"].why
+    assert "JetPack 6 (L4T R36)" in found["board"].fix
 
 
 def test_plain_x86_machine(tmp_path: Path, make_ctx: MakeCtx, llama2_q4: Path) -> None:
     board, runner = x86_machine(tmp_path / "board")
     report = run_checks(make_ctx(board.root, runner, model=llama2_q4, build=CPU_BUILD))
-    assert {i: s for i, s in severities(report).items() if s != "ok"} == {
+    assert not_ok(report) == {
+        "board": "info",
         "power-mode": "info",
         "clocks": "info",
         "jtop": "info",
@@ -111,3 +140,74 @@ def test_under_two_seconds_on_a_generated_model(
     assert time.perf_counter() - start < 2.0
     assert report.by_id()["model-file"].severity == "ok"
     assert report.by_id()["memory-fit"].severity == "ok"
+
+
+def test_32gb_module_with_the_devkit_device_tree(
+    tmp_path: Path, make_ctx: MakeCtx, llama2_q4: Path
+) -> None:
+    """The device tree says p3701-0000 (the 64GB devkit's); memory says 32GB."""
+    fake = agx_orin_32gb_devkit_tree_jp6(tmp_path / "board")
+    report = run_checks(
+        make_ctx(fake.board.root, fake.runner, load_profile("llama2-7b-q4_k_m"), llama2_q4)
+    )
+    f = report.by_id()["board"]
+    assert f.severity == "warn"
+    assert f.found == (
+        "Jetson AGX Orin 32GB (p3701-0004 from memory size (30.0 GiB); the device tree names "
+        "p3701-0000); the profile is for agx-orin-64gb; L4T 36.4.0 (JetPack 6.1)"
+    )
+    assert "see memory-fit" in f.why
+    assert "board: agx-orin-32gb" in f.fix and "orin-llm profile list" in f.fix
+    ok = run_checks(
+        make_ctx(fake.board.root, fake.runner, load_profile("llama2-13b-q4_k_m-32gb"), llama2_q4)
+    ).by_id()["board"]
+    assert ok.severity == "ok" and ok.found.endswith(
+        "profile board agx-orin-32gb; L4T 36.4.0 (JetPack 6.1)"
+    )
+
+
+def test_a_64gb_board_under_a_32gb_profile_is_only_noted(tmp_path: Path, make_ctx: MakeCtx) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    profile = load_profile("llama2-13b-q4_k_m-32gb")
+    f = board_checks.check_board(make_ctx(fake.board.root, fake.runner, profile))
+    assert f.severity == "info" and "the profile is for agx-orin-32gb" in f.found
+
+
+@pytest.mark.parametrize(
+    ("line", "severity", "found"),
+    [
+        (R35_LINE, "warn", "L4T 35.4.1 (JetPack 5.1.2)"),
+        (
+            "# R32 (release), REVISION: 7.4, GCID: 33514132, BOARD: t186ref, EABI: aarch64, "
+            "DATE: Fri Jun  9 04:25:08 UTC 2023\n",
+            "fail",
+            "L4T 32.7.4 (JetPack 4.x)",
+        ),
+        (
+            "# R38 (release), REVISION: 2.0, GCID: 41844464, BOARD: generic, EABI: aarch64, "
+            "DATE: Fri Aug 22 00:55:42 UTC 2025\n",
+            "info",
+            "L4T 38.2.0 (JetPack 7.x), newer than JetPack 6",
+        ),
+    ],
+)
+def test_jetpack_release_other_than_6(
+    tmp_path: Path, make_ctx: MakeCtx, line: str, severity: str, found: str
+) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    fake.board.write("/etc/nv_tegra_release", line)
+    f = board_checks.check_board(make_ctx(fake.board.root, fake.runner))
+    assert f.severity == severity
+    assert f.found.endswith("; " + found)
+    if severity != "info":
+        assert f.fix.startswith("flash JetPack 6 (L4T R36) with NVIDIA SDK Manager")
+
+
+def test_gpu_lock_alone_is_not_called_locked(tmp_path: Path, make_ctx: MakeCtx) -> None:
+    """Without root only the GPU's devfreq is readable: CPU and EMC stay unknown."""
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    fake.fail[("jetson_clocks", "--show")] = "must be run as root"
+    fake.board.write("/sys/class/devfreq/17000000.gpu/min_freq", "1300500000\n")
+    f = board_checks.check_clocks(make_ctx(fake.board.root, fake.runner))
+    assert f.severity == "info"
+    assert f.found == "GPU clock locked; CPU and EMC unknown (sysfs devfreq (GPU only))"

@@ -8,7 +8,10 @@ import pytest
 
 from orin.system.jetson import (
     L4TRelease,
+    ModuleId,
     device_tree_strings,
+    identify_module,
+    parse_boardids,
     parse_jetson_clocks_show,
     parse_module,
     parse_nvpmodel_conf,
@@ -21,6 +24,7 @@ from tests.fakeboard import FakeBoard, GiB
 from tests.fakeboards_system import (
     R35_LINE,
     R36_LINE,
+    agx_orin_32gb_devkit_tree_jp6,
     agx_orin_32gb_jp5_tuned,
     agx_orin_64gb_jp6,
     clocks_show,
@@ -87,13 +91,100 @@ def test_nvpmodel_conf_modes() -> None:
 
 
 def test_jetson_clocks_show_locked_and_unlocked() -> None:
-    unlocked = parse_jetson_clocks_show(clocks_show(False, "MODE_30W"))
-    assert unlocked.locked is False
+    unlocked = parse_jetson_clocks_show(clocks_show(False, "MODE_30W", online=8))
+    assert unlocked.locked is False and unlocked.complete
     assert unlocked.unlocked == ("CPU", "GPU", "EMC")
+    assert len([d for d in unlocked.domains if d.name == "CPU"]) == 8  # offline cores skipped
     locked = parse_jetson_clocks_show(clocks_show(True, "MAXN"))
     assert locked.locked is True and locked.unlocked == ()
-    assert len([d for d in locked.domains if d.name == "CPU"]) == 2  # the offline core is skipped
     assert parse_jetson_clocks_show("").locked is None
+
+
+def test_a_locked_board_keeps_emc_min_at_its_floor() -> None:
+    """jetson_clocks pins EMC through the BPMP override: max == current, min stays 204 MHz."""
+    locked = parse_jetson_clocks_show(clocks_show(True, "MAXN"))
+    emc = next(d for d in locked.domains if d.name == "EMC")
+    assert (emc.min_hz, emc.max_hz, emc.current_hz, emc.override) == (
+        204000000,
+        3199000000,
+        3199000000,
+        True,
+    )
+    assert emc.locked and locked.locked
+
+
+@pytest.mark.parametrize(
+    ("line", "locked"),
+    [
+        # AGX Orin, jetson_clocks run: the override set, the rate at the maximum
+        ("EMC MinFreq=204000000 MaxFreq=3199000000 CurrentFreq=3199000000 FreqOverride=1", True),
+        # AGX Orin at boot (catid.io capture): the governor's rate, no override
+        ("EMC MinFreq=204000000 MaxFreq=3199000000 CurrentFreq=2133000000 FreqOverride=0", False),
+        # Nano under load, not locked (jetson-stats' sample line): at max without override
+        ("EMC MinFreq=204000000 MaxFreq=1600000000 CurrentFreq=1600000000 FreqOverride=0", False),
+        # a locked board whose rate has not reached the maximum
+        ("EMC MinFreq=204000000 MaxFreq=3199000000 CurrentFreq=2133000000 FreqOverride=1", False),
+    ],
+)
+def test_emc_is_locked_when_overridden_at_its_maximum(line: str, locked: bool) -> None:
+    state = parse_jetson_clocks_show(line)
+    assert state.locked is locked
+
+
+def test_cpu_and_gpu_are_locked_when_min_equals_max() -> None:
+    text = (
+        "cpu0: Online=1 Governor=schedutil MinFreq=2201600 MaxFreq=2201600 "
+        "CurrentFreq=2188800 IdleStates: WFI=0 c7=0 \n"  # current dips under a thermal cap
+        "cpu1: Online=1 Governor=schedutil MinFreq=729600 MaxFreq=2201600 "
+        "CurrentFreq=2201600 IdleStates: WFI=1 c7=1 \n"  # at max by load, not locked
+        "GPU MinFreq=1300500000 MaxFreq=1300500000 CurrentFreq=1300500000\n"
+    )
+    state = parse_jetson_clocks_show(text)
+    assert [d.locked for d in state.domains] == [True, False, True]
+    assert state.unlocked == ("CPU",) and not state.complete
+
+
+def test_dla_and_pva_lines_are_not_clock_domains() -> None:
+    """Their min is 0 and jetson_clocks leaves them alone: judging them would never lock."""
+    names = {d.name for d in parse_jetson_clocks_show(clocks_show(True, "MAXN")).domains}
+    assert names == {"CPU", "GPU", "EMC"}
+
+
+def test_boardids_as_a_part_number() -> None:
+    assert parse_boardids("3701:0004:TS4\0") == "p3701-0004"
+    assert parse_boardids("3489:0000:A0") == "p3489-0000"  # jetson-stats issue 184
+    assert parse_boardids("") is None
+
+
+@pytest.mark.parametrize(
+    ("compatible", "boardids", "total", "expected"),
+    [
+        # a 32GB module flashed with the developer kit's (64GB) device tree
+        ("p3701-0005", None, 30.6, ModuleId("p3701-0004", "memory size (30.6 GiB)", "p3701-0005")),
+        ("p3701-0000", None, 30.6, ModuleId("p3701-0004", "memory size (30.6 GiB)", "p3701-0000")),
+        ("p3701-0000", None, 61.3, ModuleId("p3701-0005", "memory size (61.3 GiB)", "p3701-0000")),
+        ("p3701-0005", None, 61.3, ModuleId("p3701-0005", "device tree")),
+        ("p3701-0008", None, 61.3, ModuleId("p3701-0008", "device tree")),
+        ("p3701-0004", None, 30.6, ModuleId("p3701-0004", "device tree")),
+        ("p3701-0000", "p3701-0004", 30.6, ModuleId("p3701-0004", "nvidia,boardids")),
+        ("p3701-0005", None, None, ModuleId("p3701-0005", "device tree")),  # no meminfo
+        ("p3767-0000", None, 15.3, ModuleId("p3767-0000", "device tree")),  # not an AGX Orin
+        (None, None, 62.0, ModuleId(None, "unknown")),
+    ],
+)
+def test_module_identity_settled_by_memory(
+    compatible: str | None, boardids: str | None, total: float | None, expected: ModuleId
+) -> None:
+    mem = int(total * GiB) if total is not None else None
+    assert identify_module(compatible, boardids, mem) == expected
+
+
+@pytest.mark.parametrize(
+    ("major", "support"),
+    [(36, "supported"), (35, "old"), (34, "unsupported"), (32, "unsupported"), (38, "newer")],
+)
+def test_release_support(major: int, support: str) -> None:
+    assert L4TRelease(major, "4.0").support == support
 
 
 def test_swaps_tell_zram_from_disk() -> None:
@@ -130,6 +221,7 @@ def test_detect_agx_orin_64gb_jetpack6(tmp_path: Path) -> None:
     assert p.power_mode is not None and p.power_mode.name == "MODE_30W"
     assert p.power_modes[3] == "MODE_50W"
     assert p.clocks is not None and p.clocks.locked is False
+    assert p.module_id == ModuleId("p3701-0005", "device tree") and p.board == "agx-orin-64gb"
     temps = {z.name: z.temp_c for z in p.thermal}
     assert temps == {"cpu-thermal": 47.5, "gpu-thermal": 45.2, "cv0-thermal": None}
     assert fake.calls == [("nvpmodel", "-q"), ("jetson_clocks", "--show")]
@@ -143,8 +235,28 @@ def test_detect_agx_orin_32gb_jetpack5_tuned(tmp_path: Path) -> None:
     assert p.module_name == "Jetson AGX Orin 32GB" and p.jetpack == "5.1.2"
     assert p.power_mode is not None and p.power_mode.is_maxn
     assert p.power_modes[3] == "MODE_40W"  # no nvpmodel.conf: the module's table
-    assert p.clocks is not None and p.clocks.locked is True
+    assert p.clocks is not None and p.clocks.locked is True and p.clocks.complete
     assert p.zram_devices == () and [s.kind for s in p.swaps] == ["file"]
+    assert p.board == "agx-orin-32gb" and p.l4t is not None and p.l4t.support == "old"
+
+
+def test_detect_a_32gb_module_with_the_devkit_device_tree(tmp_path: Path) -> None:
+    fake = agx_orin_32gb_devkit_tree_jp6(tmp_path)
+    p = detect(fake.board.root, fake.runner)
+    assert (p.module, p.module_name, p.board) == (
+        "p3701-0004",
+        "Jetson AGX Orin 32GB",
+        "agx-orin-32gb",
+    )
+    assert p.module_id == ModuleId("p3701-0004", "memory size (30.0 GiB)", "p3701-0000")
+    assert p.power_modes[3] == "MODE_40W"  # the 32GB table, not the devkit's MODE_50W
+    assert p.describe() == "Jetson AGX Orin 32GB, L4T 36.4.0 (JetPack 6.1), MODE_30W"
+    d = p.to_dict()
+    assert (d["board"], d["l4t_support"], d["module_id"]["device_tree"]) == (
+        "agx-orin-32gb",
+        "supported",
+        "p3701-0000",
+    )
 
 
 def test_detect_x86_runs_no_jetson_tool(tmp_path: Path) -> None:
