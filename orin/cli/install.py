@@ -64,7 +64,10 @@ PortOpt = Annotated[
 NoStartOpt = Annotated[
     bool, typer.Option("--no-start", help="Install and enable, but do not start.")
 ]
-ForceOpt = Annotated[bool, typer.Option("--force", help="Install despite doctor fails.")]
+ForceOpt = Annotated[
+    bool,
+    typer.Option("--force", help="Install despite doctor fails or a failed CUDA probe."),
+]
 
 
 def make_runner() -> CommandRunner:
@@ -142,7 +145,16 @@ def install(
         port,
         model_path,
     )
-    plan = plan_install(profile, config, model_path, facts, sysroot, unit_dir, not no_start)
+    plan = plan_install(
+        profile,
+        config,
+        model_path,
+        facts,
+        sysroot,
+        unit_dir,
+        not no_start,
+        probe_required=not force,
+    )
     _show_plan(out, plan)
     if dry_run:
         out.line("dry run: nothing was changed")
@@ -150,7 +162,8 @@ def install(
     if plan.noop:
         out.line("already installed and up to date: nothing to change")
     else:
-        apply_install(plan, facts, sysroot, runner, effective_uid())
+        for found in apply_install(plan, facts, sysroot, runner, effective_uid()):
+            _raw(out, found, err=found.startswith("CUDA probe FAILED"))
         out.line(f"installed {SERVICE} (profile {profile.name})")
     if not no_start:
         _wait(out, plan, runner)

@@ -12,7 +12,15 @@ from __future__ import annotations
 from orin.install.host import HostFacts
 from orin.install.layout import UNITS
 from orin.install.plan import InstallPlan, UninstallPlan
-from orin.install.steps import FileChange, Step, StepFailed, require_root, run_all, run_step
+from orin.install.steps import (
+    FileChange,
+    Step,
+    StepFailed,
+    require_root,
+    run_all,
+    run_probe,
+    run_step,
+)
 from orin.system.actions import Action, StepError
 from orin.system.commands import CommandRunner
 from orin.system.root import SysRoot
@@ -20,7 +28,13 @@ from orin.system.root import SysRoot
 
 def apply_install(
     plan: InstallPlan, facts: HostFacts, root: SysRoot, runner: CommandRunner, euid: int
-) -> None:
+) -> tuple[str, ...]:
+    """Run the plan; what the CUDA probe found, for the report.
+
+    The probe runs after the user and the files exist and before systemctl
+    enables anything: a sandbox CUDA cannot start in is rolled back like any
+    failed step (with --force it is only reported).
+    """
     require_root("install", plan.steps, euid)
     try:
         run_all(plan.prepare, root, runner)
@@ -28,11 +42,20 @@ def apply_install(
         raise StepFailed(f"install failed at `{exc.action.describe()}`: {exc.reason}") from exc
     written: list[FileChange] = []
     attempted: list[Step] = []
+    found: list[str] = []
     try:
         for change in plan.changed_files:
             run_step(change.step(), root, runner)
             written.append(change)
-        for step in (*plan.secure, *plan.activate):
+        for step in plan.secure:
+            attempted.append(step)
+            run_step(step, root, runner)
+        for probe in plan.probe:
+            outcome = run_probe(probe, runner)
+            found.append(
+                f"CUDA probe FAILED ({outcome.message})" if outcome.failed else outcome.message
+            )
+        for step in plan.activate:
             attempted.append(step)
             run_step(step, root, runner)
     except StepError as exc:
@@ -41,6 +64,7 @@ def apply_install(
             f"install failed at `{exc.action.describe()}`: {exc.reason}\n"
             f"rolled back: {'; '.join(undone) or 'nothing to undo'}"
         ) from exc
+    return tuple(found)
 
 
 def _roll_back(

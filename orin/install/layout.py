@@ -7,6 +7,8 @@ All are system paths, reached through SysRoot.
 
 from __future__ import annotations
 
+from orin.system.state import DEFAULT_STATE_PATH, ROOT_STATE_DIR
+
 SERVICE = "orin-llm.service"
 TUNE_SERVICE = "orin-llm-tune.service"
 UNITS = (TUNE_SERVICE, SERVICE)  # the order they start in
@@ -15,10 +17,12 @@ UNIT_DIR = "/etc/systemd/system"
 CONF_DIR = "/etc/orin-llm"
 ENV_FILE = "/etc/orin-llm/orin-llm.env"
 PROFILE_FILE = "/etc/orin-llm/profile.yaml"
-STATE_DIR = "/var/lib/orin-llm"
+STATE_DIR = "/var/lib/orin-llm"  # the service user's home and StateDirectory
 MODELS_DIR = "/var/lib/orin-llm/models"
 CACHE_DIR = "/var/cache/orin-llm"
-TUNE_STATE_FILE = "/var/lib/orin-llm/state.json"
+# Root's tuning state (0700 root), apart from anything the service user can write.
+TUNE_STATE_DIR = ROOT_STATE_DIR
+TUNE_STATE_FILE = DEFAULT_STATE_PATH
 
 DEFAULT_USER = "orin-llm"
 GPU_GROUPS = ("video", "render")  # the Jetson GPU nodes belong to these groups

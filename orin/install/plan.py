@@ -27,11 +27,14 @@ from orin.install.layout import (
     PROFILE_FILE,
     SERVICE,
     STATE_DIR,
+    TUNE_STATE_DIR,
+    TUNE_STATE_FILE,
     UNITS,
     unit_path,
 )
+from orin.install.sandbox import CudaProbe, probe_command
 from orin.install.steps import FileChange, RemoveTree, Step, read_file
-from orin.install.units import DEFAULT_GPU_DEVICES, UnitConfig, render_units
+from orin.install.units import UnitConfig, render_units
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.profile.loader import resolve_model_path
 from orin.profile.schema import Profile
@@ -59,6 +62,7 @@ class InstallPlan:
     files: tuple[FileChange, ...]
     prepare: tuple[Step, ...]  # user, groups, folders: kept on a rollback
     secure: tuple[Step, ...]  # ownership and mode of a new environment file
+    probe: tuple[CudaProbe, ...]  # CUDA in the service's sandbox, before enabling it
     activate: tuple[Step, ...]  # systemctl
     notes: tuple[str, ...] = ()
 
@@ -69,7 +73,7 @@ class InstallPlan:
     @property
     def steps(self) -> tuple[Step, ...]:
         writes = tuple(f.step() for f in self.changed_files)
-        return (*self.prepare, *writes, *self.secure, *self.activate)
+        return (*self.prepare, *writes, *self.secure, *self.probe, *self.activate)
 
     @property
     def noop(self) -> bool:
@@ -144,6 +148,7 @@ def plan_install(
     root: SysRoot,
     unit_dir: str,
     start: bool = True,
+    probe_required: bool = True,
 ) -> InstallPlan:
     units = render_units(config)
     env_old = read_file(root, ENV_FILE)
@@ -170,9 +175,20 @@ def plan_install(
         files=files,
         prepare=_prepare(facts, root),
         secure=secure,
+        probe=_probe(files, config, unit_path(unit_dir, SERVICE), probe_required),
         activate=_activate(files, facts, unit_dir, start),
         notes=_notes(config, facts),
     )
+
+
+def _probe(
+    files: tuple[FileChange, ...], config: UnitConfig, service_file: str, required: bool
+) -> tuple[CudaProbe, ...]:
+    """Probe CUDA whenever the server unit (its sandbox) changes, on a board with GPU nodes."""
+    unit = next(f for f in files if f.path == service_file)
+    if not unit.changed or unit.new is None or not config.devices_found:
+        return ()
+    return (CudaProbe(probe_command(unit.new, config.executable, config.devices), required),)
 
 
 def _prepare(facts: HostFacts, root: SysRoot) -> tuple[Step, ...]:
@@ -221,8 +237,11 @@ def _notes(config: UnitConfig, facts: HostFacts) -> tuple[str, ...]:
     absent = [g for g in GPU_GROUPS if g not in facts.groups_present]
     if absent:
         notes.append(f"group(s) {', '.join(absent)} do not exist here: left out of the unit")
-    if config.devices == DEFAULT_GPU_DEVICES:
-        notes.append("no GPU device nodes found here: the unit allows the Jetson defaults")
+    if not config.devices_found:
+        notes.append(
+            "no GPU device nodes found here: the unit allows the Jetson defaults, "
+            "and the CUDA probe is skipped"
+        )
     if config.protect_home != "yes":
         notes.append(
             "the service reads files under a home folder, so homes stay visible to it "
@@ -247,10 +266,10 @@ def plan_uninstall(
     steps += [Action.remove(p) for p in present]
     if present:
         steps.append(Action.run("systemctl", "daemon-reload"))
-    data = [d for d in (CONF_DIR, STATE_DIR, CACHE_DIR) if root.exists(d)]
+    data = [d for d in (CONF_DIR, STATE_DIR, TUNE_STATE_DIR, CACHE_DIR) if root.exists(d)]
     if not purge:
         return UninstallPlan(tuple(steps), tuple(data))
-    if root.exists(f"{STATE_DIR}/state.json"):
+    if root.exists(TUNE_STATE_FILE):  # the revert checks who could have written it
         steps.append(Action.run(executable, "tune", "system", "--revert"))
     steps += [RemoveTree(d) for d in data]
     if facts.user_exists:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orin.errors import OrinError
+from orin.install.sandbox import PROBE_TIMEOUT_S, CudaProbe, ProbeOutcome, interpret
 from orin.system.actions import COMMAND_TIMEOUT, Action, StepError, execute
 from orin.system.commands import CommandRunner
 from orin.system.root import SysRoot
@@ -41,7 +42,7 @@ class RemoveTree:
         return f"rm -rf {self.path}"
 
 
-Step = Action | RemoveTree
+Step = Action | RemoveTree | CudaProbe
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,19 @@ def require_root(command: str, steps: Sequence[Step], euid: int) -> None:
     )
 
 
+def run_probe(step: CudaProbe, runner: CommandRunner) -> ProbeOutcome:
+    """The CUDA probe; a failure is a StepError naming the node, unless not required."""
+    outcome = interpret(runner.run(step.argv, timeout=PROBE_TIMEOUT_S))
+    if outcome.failed and step.required:
+        raise StepError(step, outcome.message)
+    return outcome
+
+
 def run_step(step: Step, root: SysRoot, runner: CommandRunner) -> None:
     """Run one step; a failure is a StepError whose reason is the program's output."""
+    if isinstance(step, CudaProbe):
+        run_probe(step, runner)
+        return
     if isinstance(step, RemoveTree):
         try:
             shutil.rmtree(root.path(step.path))

@@ -52,25 +52,39 @@ STOP_MARGIN_S = 30
 
 MLOCK_MODES = frozenset({"mlock", "mmap+mlock"})
 
-# The nodes CUDA opens on a Jetson (nvgpu, host1x syncpoints, nvmap); used
-# when none are found on the machine install runs on, so the unit still
-# renders (and verifies) elsewhere.
-DEFAULT_GPU_DEVICES = (
-    "/dev/nvhost-as-gpu",
-    "/dev/nvhost-ctrl",
-    "/dev/nvhost-ctrl-gpu",
-    "/dev/nvhost-ctxsw-gpu",
-    "/dev/nvhost-dbg-gpu",
-    "/dev/nvhost-gpu",
-    "/dev/nvhost-power-gpu",
-    "/dev/nvhost-prof-gpu",
-    "/dev/nvhost-sched-gpu",
-    "/dev/nvhost-tsg-gpu",
-    "/dev/nvmap",
+# The device nodes CUDA reaches the GPU through on a Jetson, searched on the
+# board at install time (DeviceAllow= takes no globs). docs/install.md lists
+# where each comes from: NVIDIA's container runtime hands Jetson containers the
+# same set (devices.csv), and an strace of cuInit on JetPack 6 opens nvmap,
+# nvgpu's ctrl node, the tegra-drm render node and host1x-fence.
+JETSON_GPU_GLOBS = (
+    "dev/nvmap",  # nvmap: every CUDA allocation (JetPack 5 and 6)
+    "dev/nvgpu/*/*",  # nvgpu's nodes under their JetPack 6 names: ctrl, as, tsg, channel, ...
+    "dev/nvhost-*gpu",  # the same nvgpu nodes under their nvhost-*-gpu names
+    "dev/nvhost-ctrl",  # JetPack 5: host1x syncpoints through nvhost
+    "dev/host1x-fence",  # JetPack 6: host1x syncpoint fences (cuInit fails without it)
+    "dev/dri/renderD*",  # JetPack 6: the tegra-drm render node libcuda opens at init
 )
-# Searched on the board: JetPack 5 and 6 nodes, and a discrete GPU's for a
-# CUDA workstation.
-GPU_DEVICE_GLOBS = ("dev/nvmap", "dev/nvhost-*", "dev/nvgpu/*/*", "dev/nvidia*")
+# A discrete GPU (a CUDA workstation). On a Jetson /dev/nvidia* belong to the
+# display driver, which CUDA does not use, so they are left out there.
+DISCRETE_GPU_GLOBS = ("dev/nvidia*",)
+# What an AGX Orin on JetPack 6 has (NVIDIA's devices.csv for an Orin, GPU part);
+# used when none are found on the machine install runs on, so the unit still
+# renders (and verifies) elsewhere.
+_NVGPU_NODES = "as channel ctrl ctxsw dbg nvsched power prof prof-ctx prof-dev sched tsg"
+_NVHOST_NODES = "as ctrl ctxsw dbg nvsched power prof prof-ctx prof-dev sched tsg"
+DEFAULT_GPU_DEVICES = tuple(
+    sorted(
+        (
+            "/dev/dri/renderD128",
+            "/dev/host1x-fence",
+            "/dev/nvmap",
+            "/dev/nvhost-gpu",
+            *(f"/dev/nvgpu/igpu0/{n}" for n in _NVGPU_NODES.split()),
+            *(f"/dev/nvhost-{n}-gpu" for n in _NVHOST_NODES.split()),
+        )
+    )
+)
 
 _PLACEHOLDER = re.compile(r"\{\{([a-z_]+)\}\}")
 
@@ -93,6 +107,7 @@ class UnitConfig:
     devices: tuple[str, ...]
     protect_home: Literal["yes", "read-only"] = "yes"
     port: int | None = None
+    devices_found: bool = True  # False: none on this machine, the JetPack 6 defaults
 
     @property
     def memory_high(self) -> int:
@@ -139,6 +154,7 @@ def unit_config(
     port: int | None = None,
     model_path: str | None = None,
 ) -> UnitConfig:
+    found = tuple(devices)
     return UnitConfig(
         profile_name=profile.name,
         executable=executable,
@@ -147,9 +163,10 @@ def unit_config(
         plan=plan,
         grace_seconds=profile.server.grace_seconds,
         memlock=profile.engine.load_mode in MLOCK_MODES,
-        devices=tuple(devices),
+        devices=found or DEFAULT_GPU_DEVICES,
         protect_home=protect_home_for((executable, model_path)),
         port=port,
+        devices_found=bool(found),
     )
 
 
@@ -162,13 +179,17 @@ def protect_home_for(paths: Iterable[str | None]) -> Literal["yes", "read-only"]
 
 
 def find_gpu_devices(root: SysRoot) -> tuple[str, ...]:
-    """The GPU device nodes on this board, or the Jetson defaults when there are none."""
+    """The GPU device nodes on this board; none on a machine without a GPU."""
+    return _glob(root, JETSON_GPU_GLOBS) or _glob(root, DISCRETE_GPU_GLOBS)
+
+
+def _glob(root: SysRoot, patterns: Iterable[str]) -> tuple[str, ...]:
     found: set[str] = set()
-    for pattern in GPU_DEVICE_GLOBS:
+    for pattern in patterns:
         for p in root.base.glob(pattern):
             if not p.is_dir():
                 found.add("/" + p.relative_to(root.base).as_posix())
-    return tuple(sorted(found)) if found else DEFAULT_GPU_DEVICES
+    return tuple(sorted(found))
 
 
 def render_units(cfg: UnitConfig) -> dict[str, str]:

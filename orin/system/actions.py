@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from orin.errors import OrinError
 from orin.system.commands import CommandRunner
@@ -20,10 +20,16 @@ ActionKind = Literal["write", "remove", "mkdir", "run"]
 COMMAND_TIMEOUT = 60.0
 
 
+class Describable(Protocol):
+    """A step that can say what it does in one line (an Action, or an install step)."""
+
+    def describe(self) -> str: ...
+
+
 class StepError(OrinError):
     """One step of a system change failed; the message names the step and the reason."""
 
-    def __init__(self, action: Action, reason: str) -> None:
+    def __init__(self, action: Describable, reason: str) -> None:
         super().__init__(f"{action.describe()}: {reason}")
         self.action = action
         self.reason = reason

@@ -3,12 +3,22 @@
 Production code uses ``SysRoot(Path("/"))``; tests build a fake Orin tree under
 a temporary directory and pass that instead. No path to /proc, /sys or /etc is
 opened anywhere else.
+
+Root's own files (the tuning state) are only trusted when nobody else can
+have written them: ``untrusted_reason`` checks the file and every folder above
+it, up to the root of the tree. The owner that counts as root is the owner of
+the tree's top folder: uid 0 for ``/``, the test's own uid for a fake tree, so
+the same check runs as root and as a normal user.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+GROUP_OR_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
 @dataclass(frozen=True)
@@ -31,3 +41,37 @@ class SysRoot:
 
     def exists(self, system_path: str) -> bool:
         return self.path(system_path).exists()
+
+    def stat(self, system_path: str) -> os.stat_result | None:
+        """``lstat`` of the path (a symbolic link is not followed); None when missing."""
+        try:
+            return self.path(system_path).lstat()
+        except FileNotFoundError:
+            return None
+
+    @property
+    def trusted_uid(self) -> int:
+        """The owner that stands for root: the owner of the tree's top folder."""
+        return self.base.stat().st_uid
+
+    def untrusted_reason(self, system_path: str) -> str | None:
+        """Why another user could have written this path, or None when only root can.
+
+        The path (when it exists) and every folder above it up to the top of
+        the tree must be owned by root (see ``trusted_uid``), not be writable by
+        group or others, and not be a symbolic link.
+        """
+        trusted = {0, self.trusted_uid}
+        parts = PurePosixPath("/", system_path).parts
+        for depth in range(len(parts), 1, -1):
+            current = str(PurePosixPath(*parts[:depth]))
+            st = self.stat(current)
+            if st is None:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                return f"{current} is a symbolic link"
+            if st.st_uid not in trusted:
+                return f"{current} is owned by uid {st.st_uid}, not root"
+            if st.st_mode & GROUP_OR_OTHER_WRITE:
+                return f"{current} is writable by group or others (mode {st.st_mode & 0o7777:04o})"
+        return None

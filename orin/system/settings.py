@@ -24,12 +24,15 @@ from orin.system.loadmode import mmap_policy
 from orin.system.platform import Platform, query_power_mode
 from orin.system.root import SysRoot
 from orin.system.services import unit_file_state
+from orin.system.state import CLOCKS_STORE as CLOCKS_STORE
+from orin.system.state import ROOT_STATE_DIR
 
 SWAPPINESS_FILE = "/proc/sys/vm/swappiness"
 SYSCTL_FILE = "/etc/sysctl.d/99-orin-llm.conf"
 DROP_CACHES_FILE = "/proc/sys/vm/drop_caches"
-STATE_DIR = "/var/lib/orin-llm"
-CLOCKS_STORE = f"{STATE_DIR}/jetson_clocks.conf"
+# Root's own folder (0700), never the service user's /var/lib/orin-llm: root reads
+# the clocks store back (orin.system.state).
+STATE_DIR = ROOT_STATE_DIR
 ZRAM_SERVICE = "nvzramconfig"
 NVPMODEL_ANSWER = "no\n"  # nvpmodel may ask to reboot; never reboot from here
 
@@ -101,8 +104,39 @@ class Setting(ABC):
         return Change(self.id, current, target, note=note)
 
 
-def sysctl_text(swappiness: int) -> str:
-    return f"# written by orin-llm tune system; removed by --revert\nvm.swappiness = {swappiness}\n"
+SYSCTL_KEY = "vm.swappiness"
+
+
+def sysctl_text(swappiness: int, restored: bool = False) -> str:
+    """The sysctl.d file, always built from a number, never from text read back."""
+    head = (
+        "# restored by orin-llm tune system --revert"
+        if restored
+        else "# written by orin-llm tune system; removed by --revert"
+    )
+    return f"{head}\n{SYSCTL_KEY} = {int(swappiness)}\n"
+
+
+def sysctl_swappiness(text: str | None) -> int | None:
+    """The vm.swappiness a sysctl.d file sets; None for no file or no such line.
+
+    Revert rewrites the file from this number alone, so a file that also sets
+    anything else is refused before orin-llm replaces it.
+    """
+    value = None
+    for line in (text or "").splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        key, sep, rest = line.partition("=")
+        if sep and key.strip() == SYSCTL_KEY and rest.strip().isdigit():
+            value = int(rest.strip())
+            continue
+        raise SettingError(
+            f"swappiness: {SYSCTL_FILE} sets more than {SYSCTL_KEY} ({line!r}); orin-llm "
+            "owns this file: move the other settings to another file in /etc/sysctl.d"
+        )
+    return value
 
 
 class Swappiness(Setting):
@@ -113,7 +147,7 @@ class Swappiness(Setting):
     def plan(self, ctx: TuneContext) -> Change:
         current = (ctx.root.read_text(SWAPPINESS_FILE) or "").strip()
         target = ctx.profile.system.swappiness
-        if not current:
+        if not current.isdigit():
             return self.report("unknown", "-", f"cannot read {SWAPPINESS_FILE}")
         if target is None:
             return self.report(current, current, "the profile leaves vm.swappiness unchanged")
@@ -128,22 +162,24 @@ class Swappiness(Setting):
             current,
             str(target),
             tuple(actions),
-            saved={"value": current, "sysctl_file": persisted},
+            saved={"value": int(current), "sysctl_swappiness": sysctl_swappiness(persisted)},
             note=f"set now and persisted in {SYSCTL_FILE}: a high value pushes the model's "
             "pages to swap under memory pressure",
         )
 
     def revert_actions(self, ctx: TuneContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
-        previous_file = saved.get("sysctl_file")
+        """Only numbers reach the files: the state file's values were checked on load."""
+        previous = saved.get("sysctl_swappiness")
         persist = (
             Action.remove(SYSCTL_FILE)
-            if previous_file is None
-            else Action.write(SYSCTL_FILE, str(previous_file))
+            if previous is None
+            else Action.write(SYSCTL_FILE, sysctl_text(int(previous), restored=True))
         )
-        return (Action.write(SWAPPINESS_FILE, f"{saved['value']}\n"), persist)
+        return (Action.write(SWAPPINESS_FILE, f"{int(saved['value'])}\n"), persist)
 
     def describe_saved(self, saved: Mapping[str, Any]) -> str:
-        persisted = "no sysctl.d file" if saved.get("sysctl_file") is None else "old sysctl.d file"
+        previous = saved.get("sysctl_swappiness")
+        persisted = "no sysctl.d file" if previous is None else f"sysctl.d file with {previous}"
         return f"{saved['value']} ({persisted})"
 
 
@@ -260,8 +296,12 @@ class Clocks(Setting):
             current += f" ({', '.join(state.unlocked)})"
         if not ctx.profile.system.lock_clocks:
             return self.report(current, "unchanged", "set system.lock_clocks: true to lock")
-        if locked and not _power_mode_changes(ctx):
-            return Change(self.id, current, "locked", note="already locked")
+        if locked and state is not None and state.complete and not _power_mode_changes(ctx):
+            # Locked by someone else (jtop, a boot script): nothing stored, so revert
+            # leaves their lock alone.
+            return Change(
+                self.id, current, "locked", note=f"already locked ({state.source}): no steps"
+            )
         actions = [Action.run("jetson_clocks")]
         stored_before = "clocks" in ctx.recorded  # keep what was stored before the first lock
         if not stored_before:

@@ -22,7 +22,14 @@ from orin.system.commands import CommandRunner
 from orin.system.platform import Platform, detect
 from orin.system.root import SysRoot
 from orin.system.settings import SETTINGS, SETTINGS_BY_ID, Change, SettingError, TuneContext
-from orin.system.state import StateEntry, StateFile
+from orin.system.state import (
+    DEFAULT_STATE_PATH,
+    LEGACY_STATE_PATH,
+    StateAccessError,
+    StateEntry,
+    StateError,
+    StateFile,
+)
 
 
 class RootRequiredError(OrinError):
@@ -75,8 +82,20 @@ def tune_context(
         platform=platform if platform is not None else detect(root, runner),
         profile=profile,
         n_layer=model.n_layer if model is not None else None,
-        recorded={e.setting: e.saved for e in state.load()},
+        recorded=_recorded(state),
     )
+
+
+def _recorded(state: StateFile) -> dict[str, Any]:
+    """The saved values; a plan shown to a user who may not read root's state has none.
+
+    Only the clocks plan looks at them (whether to store the clocks first), and
+    --apply and --revert need root, which reads them.
+    """
+    try:
+        return {e.setting: e.saved for e in state.load()}
+    except StateAccessError:
+        return {}
 
 
 def plan_apply(ctx: TuneContext, state: StateFile) -> Plan:
@@ -85,8 +104,15 @@ def plan_apply(ctx: TuneContext, state: StateFile) -> Plan:
 
 def plan_revert(ctx: TuneContext, state: StateFile) -> Plan:
     """The saved values, newest first, as the steps that restore them."""
+    entries = state.load()
+    if state.legacy_present():  # it holds the values from before the first apply
+        raise StateError(
+            f"{LEGACY_STATE_PATH} was written by an earlier orin-llm in a folder the service "
+            f"user can write, so root does not read it; restore the settings it lists by hand "
+            f"(--revert only reads {DEFAULT_STATE_PATH}), then delete it"
+        )
     changes = []
-    for entry in reversed(state.load()):
+    for entry in reversed(entries):
         setting = SETTINGS_BY_ID.get(entry.setting)
         if setting is None:
             raise SettingError(f"{state.location}: unknown setting '{entry.setting}'")
@@ -116,6 +142,8 @@ def apply_plan(
 ) -> tuple[str, ...]:
     """Apply every pending change; the settings applied, in order."""
     require_root(plan, euid())
+    if any(c.revertible for c in plan.pending):
+        state.prepare()  # root's own folder, before any step writes into it
     before = state.entries()
     done: list[Change] = []
     for change in plan.pending:
@@ -124,7 +152,9 @@ def apply_plan(
         except StepError as exc:
             if change.actions.index(exc.action) > 0:  # some of its own steps ran
                 done.append(change)
+            state.seal()
             raise _rolled_back(ctx, state, before, done, change, exc) from exc
+        state.seal()
         if change.revertible:
             state.record(StateEntry(change.setting, change.target, change.saved))
         done.append(change)

@@ -1,19 +1,27 @@
 """A fake host for install tests: users, groups and systemd units that commands change.
 
 Its FakeRunner answers getent, id, useradd/usermod/userdel, chown/chmod,
-journalctl and systemctl from this state, and records every command line,
-so tests assert the exact sequence and that a second install plans nothing.
+journalctl and systemctl from this state, and systemd-run (the CUDA probe)
+with ``probe_report``; it records every command line, so tests assert the
+exact sequence and that a second install plans nothing.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from orin.system.commands import CommandResult
 from tests.fakerunner import FakeRunner
 
 NOT_FOUND = 2  # getent's exit status for a missing key
-QUERIES = {"getent", "id", "journalctl"}
+QUERIES = {"getent", "id", "journalctl", "systemd-run"}  # the probe changes nothing
+PROBE_OK: dict[str, Any] = {
+    "status": "ok",
+    "cuda": {"ok": True, "devices": 1},
+    "llama": {"ok": True, "cuda": True, "offload": True},
+}
 SYSTEMCTL_QUERIES = {"is-enabled", "is-active", "show"}
 
 
@@ -26,11 +34,13 @@ class FakeHost:
     failed: set[str] = field(default_factory=set)
     fail_on: dict[tuple[str, ...], CommandResult] = field(default_factory=dict)
     journal: str = "orin-llm[42]: model loaded\n"
+    probe_report: dict[str, Any] = field(default_factory=lambda: dict(PROBE_OK))
     runner: FakeRunner = field(init=False)
 
     def __post_init__(self) -> None:
-        programs = ("getent", "id", "useradd", "usermod", "userdel", "chown", "chmod")
-        programs += ("journalctl", "systemctl")
+        programs: tuple[str, ...] = ("getent", "id", "useradd", "usermod", "userdel", "chown")
+        programs += ("chmod",)
+        programs += ("journalctl", "systemctl", "systemd-run")
         self.runner = FakeRunner(answers={(name,): self._answer for name in programs})
 
     @property
@@ -49,7 +59,7 @@ class FakeHost:
         for prefix, result in self.fail_on.items():
             if argv[: len(prefix)] == prefix:
                 return CommandResult(argv, result.returncode, result.stdout, result.stderr)
-        handler = getattr(self, "_" + argv[0])
+        handler = getattr(self, "_" + argv[0].replace("-", "_"))
         result: CommandResult = handler(argv)
         return result
 
@@ -81,6 +91,11 @@ class FakeHost:
         return CommandResult(argv, 0)
 
     _chmod = _chown
+
+    def _systemd_run(self, argv: tuple[str, ...]) -> CommandResult:
+        """The CUDA probe as systemd-run --wait --pipe returns it: the probe's exit status."""
+        failed = self.probe_report.get("status") == "failed"
+        return CommandResult(argv, 1 if failed else 0, json.dumps(self.probe_report) + "\n")
 
     def _journalctl(self, argv: tuple[str, ...]) -> CommandResult:
         return CommandResult(argv, 0, self.journal)

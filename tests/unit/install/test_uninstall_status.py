@@ -45,9 +45,10 @@ def test_uninstall_purge_reverts_tuning_and_removes_everything(
     root: Path, host: FakeHost, patched: object
 ) -> None:
     installed(root, host)
-    (root / "var/lib/orin-llm/state.json").write_text("{}")
+    (root / "var/lib/orin-llm-root").mkdir(mode=0o700)
+    (root / "var/lib/orin-llm-root/state.json").write_text("{}")
     (root / "var/cache/orin-llm").mkdir(parents=True)
-    code, _, err = invoke(root, "uninstall", "--purge")
+    code, out, err = invoke(root, "uninstall", "--purge")
     assert code == 0, err
     assert host.changes() == [
         ("systemctl", "disable", "--now", TUNE_SERVICE, SERVICE),
@@ -55,7 +56,8 @@ def test_uninstall_purge_reverts_tuning_and_removes_everything(
         (EXECUTABLE, "tune", "system", "--revert"),
         ("userdel", "orin-llm"),
     ]
-    for gone in ("etc/orin-llm", "var/lib/orin-llm", "var/cache/orin-llm"):
+    assert out.index("tune system --revert") < out.index("rm -rf /var/lib/orin-llm-root")
+    for gone in ("etc/orin-llm", "var/lib/orin-llm", "var/lib/orin-llm-root", "var/cache/orin-llm"):
         assert not (root / gone).exists(), gone
     assert "orin-llm" not in host.users
 

@@ -121,7 +121,10 @@ def test_home_paths_make_homes_read_only(tmp_path: Path) -> None:
 
 
 def test_gpu_devices_found_on_the_board(tmp_path: Path) -> None:
-    assert find_gpu_devices(SysRoot(tmp_path)) == DEFAULT_GPU_DEVICES
+    assert find_gpu_devices(SysRoot(tmp_path)) == ()
+    assert (
+        "/dev/host1x-fence" in DEFAULT_GPU_DEVICES and "/dev/dri/renderD128" in DEFAULT_GPU_DEVICES
+    )
     for node in ("dev/nvmap", "dev/nvhost-ctrl-gpu", "dev/nvgpu/igpu0/ctrl", "dev/null"):
         (tmp_path / node).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / node).touch()
@@ -132,12 +135,22 @@ def test_gpu_devices_found_on_the_board(tmp_path: Path) -> None:
     )
 
 
+def test_no_gpu_nodes_render_the_jetpack6_defaults(tmp_path: Path) -> None:
+    cfg = config_for(tmp_path, "llama3.1-8b-q4_k_m")  # a fake root without /dev
+    assert cfg.devices == DEFAULT_GPU_DEVICES and not cfg.devices_found
+    text = render_units(cfg)[SERVICE]
+    assert "DeviceAllow=/dev/host1x-fence rw\n" in text
+    assert "PrivateDevices=no\nDevicePolicy=closed\n" in text
+
+
 def test_tune_unit_applies_the_installed_profile_before_the_server(tmp_path: Path) -> None:
     text = render_units(config_for(tmp_path, "llama3.1-8b-q4_k_m"))[TUNE_SERVICE]
     assert (
         f"ExecStart={EXECUTABLE} tune system --apply --profile /etc/orin-llm/profile.yaml" in text
     )
     assert "Type=oneshot" in text and "Before=orin-llm.service" in text
+    # root's state in a folder of root's own, not the service user's /var/lib/orin-llm
+    assert "StateDirectory=orin-llm-root\nStateDirectoryMode=0700\n" in text
 
 
 def test_template_rules() -> None:

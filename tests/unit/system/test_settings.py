@@ -16,7 +16,7 @@ from orin.system.settings import (
     SettingError,
     sysctl_text,
 )
-from orin.system.state import StateFile
+from orin.system.state import CLOCKS_STORE, ROOT_STATE_DIR, StateFile
 from orin.system.tuner import plan_apply, tune_context
 from tests.fakeboards_system import (
     FakeJetson,
@@ -45,7 +45,7 @@ def describe(change: Change) -> list[str]:
 def test_plan_on_stock_jetpack6(tmp_path: Path) -> None:
     fake = agx_orin_64gb_jp6(tmp_path)
     changes = plan(fake, profile(**TUNED))
-    store = str(fake.board.root.path("/var/lib/orin-llm/jetson_clocks.conf"))
+    store = str(fake.board.root.path(CLOCKS_STORE))
     assert describe(changes["swappiness"]) == [
         "echo 10 > /proc/sys/vm/swappiness",
         f"write {SYSCTL_FILE} (2 lines)",
@@ -62,7 +62,7 @@ def test_plan_on_stock_jetpack6(tmp_path: Path) -> None:
         "MAXN (0)",
     )
     assert describe(changes["clocks"]) == [
-        "mkdir -p /var/lib/orin-llm",
+        f"mkdir -p {ROOT_STATE_DIR}",
         f"jetson_clocks --store {store}",
         "jetson_clocks",
     ]
@@ -104,7 +104,7 @@ def test_swappiness_already_set_but_not_persisted(tmp_path: Path) -> None:
     fake.board.write("/proc/sys/vm/swappiness", "10\n")
     change = plan(fake, profile(swappiness=10))["swappiness"]
     assert describe(change) == [f"write {SYSCTL_FILE} (2 lines)"]
-    assert change.saved == {"value": "10", "sysctl_file": None}
+    assert change.saved == {"value": 10, "sysctl_swappiness": None}
 
 
 def test_power_mode_the_board_lacks_is_refused(tmp_path: Path) -> None:
@@ -121,6 +121,25 @@ def test_clocks_relocked_when_the_mode_changes(tmp_path: Path) -> None:
     assert changes["clocks"].needed
     assert changes["power-mode"].saved["clocks_locked"] is True
     assert not plan(fake, profile(lock_clocks=True))["clocks"].needed
+
+
+def test_a_board_locked_by_jetson_clocks_plans_no_clock_steps(tmp_path: Path) -> None:
+    """The real --show of a locked board (EMC min at its floor) counts as locked."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    fake.locked = True  # jetson_clocks run by hand (or by jtop) before orin-llm
+    change = plan(fake, profile(lock_clocks=True))["clocks"]
+    assert (change.current, change.target, change.needed) == ("locked", "locked", False)
+    assert change.note == "already locked (jetson_clocks --show): no steps"
+    assert change.saved == {}  # nothing recorded: revert leaves their lock alone
+
+
+def test_a_gpu_only_reading_does_not_skip_the_lock(tmp_path: Path) -> None:
+    """Without jetson_clocks --show, a GPU at min = max says nothing about CPU and EMC."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    fake.fail[("jetson_clocks", "--show")] = "jetson_clocks: must be run as root"
+    fake.board.write("/sys/class/devfreq/17000000.gpu/min_freq", "1300500000\n")
+    change = plan(fake, profile(lock_clocks=True))["clocks"]
+    assert change.current == "locked" and describe(change)[-1] == "jetson_clocks"
 
 
 def test_numa_report_against_the_node_count(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +11,17 @@ import pytest
 
 from orin.profile.schema import Profile
 from orin.system.platform import detect
-from orin.system.settings import SYSCTL_FILE, sysctl_text
-from orin.system.state import StateEntry, StateError, StateFile
+from orin.system.settings import SYSCTL_FILE, SettingError, sysctl_text
+from orin.system.state import (
+    CLOCKS_STORE,
+    DEFAULT_STATE_PATH,
+    LEGACY_STATE_PATH,
+    ROOT_STATE_DIR,
+    StateEntry,
+    StateError,
+    StateFile,
+    UnsafeStateError,
+)
 from orin.system.tuner import (
     ApplyError,
     RevertError,
@@ -75,7 +85,7 @@ def board_values(fake: FakeJetson) -> dict[str, Any]:
 
 def test_apply_runs_the_exact_commands_and_records_the_state(tmp_path: Path) -> None:
     fake = agx_orin_64gb_jp6(tmp_path)
-    store = str(fake.board.root.path("/var/lib/orin-llm/jetson_clocks.conf"))
+    store = str(fake.board.root.path(CLOCKS_STORE))
     assert apply(fake) == ("swappiness", "zram", "power-mode", "clocks")
     assert fake.changes() == [
         ("systemctl", "disable", "--now", "nvzramconfig"),
@@ -93,9 +103,9 @@ def test_apply_runs_the_exact_commands_and_records_the_state(tmp_path: Path) -> 
         "zram_service": "disabled",
         "zram": [],
     }
-    doc = json.loads(fake.board.root.path("/var/lib/orin-llm/state.json").read_text())
+    doc = json.loads(fake.board.root.path(DEFAULT_STATE_PATH).read_text())
     saved = {e["setting"]: e["saved"] for e in doc["settings"]}
-    assert saved["swappiness"] == {"value": "60", "sysctl_file": None}
+    assert saved["swappiness"] == {"value": 60, "sysctl_swappiness": None}
     assert saved["power-mode"] == {"mode_id": 2, "name": "MODE_30W", "clocks_locked": False}
     assert saved["zram"]["service"] == "enabled"
     assert detect(fake.board.root, fake.runner).describe().endswith("MAXN")
@@ -104,11 +114,11 @@ def test_apply_runs_the_exact_commands_and_records_the_state(tmp_path: Path) -> 
 def test_applying_twice_is_a_no_op(tmp_path: Path) -> None:
     fake = agx_orin_64gb_jp6(tmp_path)
     apply(fake)
-    state_before = fake.board.root.path("/var/lib/orin-llm/state.json").read_text()
+    state_before = fake.board.root.path(DEFAULT_STATE_PATH).read_text()
     fake.runner.calls.clear()
     assert apply(fake, uid=user_uid) == ()  # nothing to do: not even root is needed
     assert fake.changes() == []
-    assert fake.board.root.path("/var/lib/orin-llm/state.json").read_text() == state_before
+    assert fake.board.root.path(DEFAULT_STATE_PATH).read_text() == state_before
 
 
 def test_revert_restores_exactly_what_was_there(tmp_path: Path) -> None:
@@ -116,12 +126,12 @@ def test_revert_restores_exactly_what_was_there(tmp_path: Path) -> None:
     before = board_values(fake)
     apply(fake)
     fake.runner.calls.clear()
-    store = str(fake.board.root.path("/var/lib/orin-llm/jetson_clocks.conf"))
+    store = str(fake.board.root.path(CLOCKS_STORE))
     assert revert(fake) == ("clocks", "power-mode", "zram", "swappiness")
     assert fake.changes() == restore_calls(store)
     assert board_values(fake) == before
-    assert not fake.board.root.exists("/var/lib/orin-llm/state.json")
-    assert not fake.board.root.exists("/var/lib/orin-llm/jetson_clocks.conf")
+    assert not fake.board.root.exists(DEFAULT_STATE_PATH)
+    assert not fake.board.root.exists(CLOCKS_STORE)
     assert revert(fake) == ()  # nothing left to revert
 
 
@@ -131,7 +141,15 @@ def test_revert_restores_an_existing_sysctl_file(tmp_path: Path) -> None:
     apply(fake, Profile(name="t", system={"swappiness": 10}))
     assert fake.board.root.read_text(SYSCTL_FILE) == sysctl_text(10)
     revert(fake)
-    assert fake.board.root.read_text(SYSCTL_FILE) == "vm.swappiness = 30\n"
+    assert fake.board.root.read_text(SYSCTL_FILE) == sysctl_text(30, restored=True)
+
+
+def test_a_sysctl_file_with_other_settings_is_refused(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    fake.board.write(SYSCTL_FILE, "vm.swappiness = 30\nkernel.panic = 10\n")
+    with pytest.raises(SettingError, match=r"sets more than vm.swappiness \('kernel.panic"):
+        apply(fake, Profile(name="t", system={"swappiness": 10}))
+    assert fake.board.root.read_text("/proc/sys/vm/swappiness") == "60\n"
 
 
 def test_reverting_a_locked_board_relocks_after_the_mode_switch(tmp_path: Path) -> None:
@@ -154,7 +172,7 @@ def test_failure_half_way_reverts_what_was_applied(tmp_path: Path) -> None:
         "clocks failed at `jetson_clocks`: exit status 1: jetson_clocks: cannot write "
         "/sys/kernel/nvpmodel_emc_cap; rolled back: clocks, power-mode, zram, swappiness"
     )
-    store = str(fake.board.root.path("/var/lib/orin-llm/jetson_clocks.conf"))
+    store = str(fake.board.root.path(CLOCKS_STORE))
     assert fake.changes() == [
         ("systemctl", "disable", "--now", "nvzramconfig"),
         ("swapoff", "/dev/zram0"),
@@ -165,8 +183,8 @@ def test_failure_half_way_reverts_what_was_applied(tmp_path: Path) -> None:
         *restore_calls(store),
     ]
     assert board_values(fake) == before
-    assert not fake.board.root.exists("/var/lib/orin-llm/state.json")
-    assert not fake.board.root.exists("/var/lib/orin-llm/jetson_clocks.conf")
+    assert not fake.board.root.exists(DEFAULT_STATE_PATH)
+    assert not fake.board.root.exists(CLOCKS_STORE)
 
 
 def test_failure_in_the_middle_of_a_setting_undoes_its_own_steps(tmp_path: Path) -> None:
@@ -211,7 +229,7 @@ def test_reapply_with_another_target_keeps_the_first_saved_value(tmp_path: Path)
     apply(fake, Profile(name="t", system={"swappiness": 10}))
     apply(fake, Profile(name="t", system={"swappiness": 5}))
     entries = StateFile(fake.board.root).entries()
-    assert entries["swappiness"].saved["value"] == "60"
+    assert entries["swappiness"].saved["value"] == 60
     assert entries["swappiness"].target == "5"
     revert(fake)
     assert board_values(fake)["swappiness"] == "60"
@@ -223,7 +241,7 @@ def test_drop_caches_runs_every_time_and_is_not_recorded(tmp_path: Path) -> None
     assert apply(fake, p) == ("drop-caches",)
     assert fake.changes() == [("sync",)]
     assert fake.board.root.read_text("/proc/sys/vm/drop_caches") == "3\n"
-    assert not fake.board.root.exists("/var/lib/orin-llm/state.json")
+    assert not fake.board.root.exists(DEFAULT_STATE_PATH)
 
 
 def test_a_failed_revert_step_keeps_its_entry(tmp_path: Path) -> None:
@@ -248,8 +266,8 @@ def test_state_file_round_trip_and_corruption(tmp_path: Path) -> None:
     fake = agx_orin_64gb_jp6(tmp_path)
     state = StateFile(fake.board.root)
     assert state.load() == []
-    state.record(StateEntry("swappiness", "10", {"value": "60", "sysctl_file": None}))
-    assert state.load()[0].saved["value"] == "60"
+    state.record(StateEntry("swappiness", "10", {"value": 60, "sysctl_swappiness": None}))
+    assert state.load()[0].saved["value"] == 60
     state.location.write_text("{not json")
     with pytest.raises(StateError, match="not an orin-llm state file"):
         state.load()
@@ -263,7 +281,124 @@ def test_rolled_back_reapply_keeps_the_first_stored_clocks(tmp_path: Path) -> No
     with_drop = Profile(name="t", system={**TUNED.system.model_dump(), "drop_caches": True})
     with pytest.raises(ApplyError, match=r"rolled back: clocks$"):
         apply(fake, with_drop)
-    assert fake.board.root.exists("/var/lib/orin-llm/jetson_clocks.conf")
+    assert fake.board.root.exists(CLOCKS_STORE)
     assert StateFile(fake.board.root).entries()["clocks"].saved["stored_before"] is False
     revert(fake)
     assert (fake.mode, fake.locked, fake.zram_service) == (2, False, "enabled")
+
+
+# -- root reads back only what root wrote ---------------------------------------------
+
+SERVICE_UID = 999  # the orin-llm system user
+
+
+def tamper(path: Path) -> None:
+    """What a write by the service user leaves: its file, or a file it may write."""
+    if os.geteuid() == 0:
+        os.chown(path, SERVICE_UID, SERVICE_UID)
+    else:  # only root can give a file away; a file the user may write is as bad
+        path.chmod(0o666)
+
+
+def test_root_state_lives_in_a_folder_of_roots_own(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    old_umask = os.umask(0o002)  # a umask that would make folders group-writable
+    try:
+        apply(fake)
+    finally:
+        os.umask(old_umask)
+    root = fake.board.root
+    assert DEFAULT_STATE_PATH.startswith(ROOT_STATE_DIR + "/")
+    assert CLOCKS_STORE.startswith(ROOT_STATE_DIR + "/")
+    assert not ROOT_STATE_DIR.startswith("/var/lib/orin-llm/")  # not the service's folder
+    assert root.path(ROOT_STATE_DIR).stat().st_mode & 0o777 == 0o700
+    assert root.path(DEFAULT_STATE_PATH).stat().st_mode & 0o777 == 0o600
+    assert root.untrusted_reason(DEFAULT_STATE_PATH) is None
+
+
+def test_revert_refuses_state_the_service_user_tampered_with(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    apply(fake)
+    state = fake.board.root.path(DEFAULT_STATE_PATH)
+    doc = json.loads(state.read_text())
+    doc["settings"][0]["saved"]["value"] = 200  # a valid value, but not root's
+    state.write_text(json.dumps(doc))
+    tamper(state)
+    fake.runner.calls.clear()
+    with pytest.raises(
+        UnsafeStateError,
+        match=r"not reading .*state\.json: .*(owned by uid 999|"
+        r"writable by group or others)",
+    ):
+        revert(fake)
+    assert fake.changes() == []
+    assert fake.mode == 0 and fake.locked  # nothing was restored from it
+    with pytest.raises(UnsafeStateError):  # nor applied on top of it (the boot unit)
+        apply(fake)
+
+
+def test_a_tampered_clocks_store_is_refused(tmp_path: Path) -> None:
+    """jetson_clocks --restore writes, as root, whatever sysfs paths the file names."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    apply(fake)
+    tamper(fake.board.root.path(CLOCKS_STORE))
+    fake.runner.calls.clear()
+    with pytest.raises(UnsafeStateError, match=r"jetson_clocks\.conf"):
+        revert(fake)
+    assert fake.changes() == []
+
+
+@pytest.mark.parametrize("change", ["group-writable folder", "symlink"])
+def test_a_folder_others_can_write_or_a_link_is_refused(tmp_path: Path, change: str) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    apply(fake, Profile(name="t", system={"swappiness": 10}))
+    state = fake.board.root.path(DEFAULT_STATE_PATH)
+    if change == "symlink":
+        elsewhere = fake.board.root.path("/var/lib/orin-llm/state.json")
+        elsewhere.parent.mkdir(parents=True)
+        elsewhere.write_text(state.read_text())
+        state.unlink()
+        state.symlink_to(elsewhere)
+    else:
+        state.parent.chmod(0o770)  # e.g. the service user's group
+    with pytest.raises(UnsafeStateError, match=r"symbolic link|writable by group or others"):
+        revert(fake)
+    assert fake.board.root.read_text("/proc/sys/vm/swappiness") == "10\n"
+
+
+@pytest.mark.parametrize(
+    ("setting", "key", "value"),
+    [
+        ("swappiness", "value", "60; reboot"),
+        ("swappiness", "value", 201),
+        ("swappiness", "sysctl_swappiness", "kernel.core_pattern=|/tmp/x"),
+        ("clocks", "store", "/var/lib/orin-llm/jetson_clocks.conf"),
+        ("zram", "devices", [{"path": "/dev/sda1", "priority": 5}]),
+        ("power-mode", "mode_id", True),
+        ("power-mode", "extra", 1),
+    ],
+)
+def test_only_known_keys_with_checked_values_are_read(
+    tmp_path: Path, setting: str, key: str, value: Any
+) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    apply(fake)
+    state = fake.board.root.path(DEFAULT_STATE_PATH)
+    doc = json.loads(state.read_text())
+    entry = next(e for e in doc["settings"] if e["setting"] == setting)
+    entry["saved"][key] = value
+    state.write_text(json.dumps(doc))
+    fake.runner.calls.clear()
+    with pytest.raises(StateError, match="not an orin-llm state file"):
+        revert(fake)
+    assert fake.changes() == []
+
+
+def test_the_old_state_in_the_service_users_folder_is_not_read(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    fake.board.write(LEGACY_STATE_PATH, '{"version": 1, "settings": []}')
+    with pytest.raises(
+        StateError, match=r"earlier orin-llm .* restore the settings it lists by hand"
+    ):
+        revert(fake)
+    assert fake.changes() == []
