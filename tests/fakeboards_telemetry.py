@@ -1,6 +1,6 @@
 """Fake Jetson AGX Orin sysfs trees for the telemetry tests.
 
-The layouts copy what the real boards show (see shared/reference/jetson.md):
+The layouts copy what the real boards show (as jetson-stats finds them):
 ``/sys/class/devfreq/<id>`` is a symlink into the platform device's ``devfreq``
 folder, whose ``device`` link points back at the platform device holding ``load``,
 and whose ``of_node`` points into the device tree, where ``name`` is NUL-terminated.
@@ -16,10 +16,14 @@ channel 7; only the three rails of the JP6 tegrastats fixture are present.
 
 from __future__ import annotations
 
+import bisect
 import os
 import shutil
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from tests.fakeboard import FakeBoard
 
@@ -212,3 +216,60 @@ def no_gpu_machine(base: Path) -> TelemetryBoard:
     board.write("/sys/devices/pci0000:00/i2c-0/0-0050/name", "spd\n")
     board.link("/sys/bus/i2c/devices/0-0050", "/sys/devices/pci0000:00/i2c-0/0-0050")
     return board
+
+
+# -- the sampler's clock and the reads of one file -------------------------------------
+
+
+@dataclass
+class FakeClock:
+    """The sampler's ``clock``, ``clock_ns`` and ``sleep`` without real waiting: ``sleep``
+    moves the time on and runs what was scheduled up to the new time (turning the
+    engine busy or idle, stopping the sampler), so a loop over minutes runs at once."""
+
+    now: float = 0.0
+    _events: list[tuple[float, int, Callable[[], None]]] = field(default_factory=list)
+
+    def clock(self) -> float:
+        return self.now
+
+    def clock_ns(self) -> int:
+        return round(self.now * 1e9)
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        while self._events and self._events[0][0] <= self.now + 1e-9:
+            self._events.pop(0)[2]()
+
+    def at(self, t: float, action: Callable[[], None]) -> None:
+        bisect.insort(self._events, (t, len(self._events), action), key=lambda e: e[:2])
+
+
+class FileReads:
+    """Counts the reads (os.read, os.pread) of one file by this process, the way the
+    sources read sysfs: what the kernel's attribute handler would see."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+        st = os.stat(path)
+        self.inode = (st.st_dev, st.st_ino)
+        self.count = 0
+        real_read, real_pread = os.read, os.pread
+
+        def read(fd: int, n: int) -> bytes:
+            self._count(fd)
+            return real_read(fd, n)
+
+        def pread(fd: int, n: int, offset: int) -> bytes:
+            self._count(fd)
+            return real_pread(fd, n, offset)
+
+        monkeypatch.setattr(os, "read", read)
+        monkeypatch.setattr(os, "pread", pread)
+
+    def _count(self, fd: int) -> None:
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return
+        if (st.st_dev, st.st_ino) == self.inode:
+            self.count += 1

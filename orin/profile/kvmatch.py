@@ -4,8 +4,12 @@
 choices are checked against what llama.cpp really does:
 - a quantized V cache needs flash attention (without it llama.cpp refuses to
   create the context);
-- a CUDA build only has flash-attention kernels for the K/V pairs it was
-  compiled with (FA_QUANTS); any other pair silently runs attention on the CPU;
+- on CUDA, flash attention follows ggml-cuda's fattn.cu: f32, f16, bf16,
+  q4_0, q4_1, q5_0, q5_1 and q8_0 are supported; a supported pair without its
+  own vector kernel (the build's FA_QUANTS) is converted to f16 and stays on
+  the GPU, slower; a type outside that set (iq4_nl) has no CUDA flash-attention
+  kernel at all, so llama.cpp runs the op on the CPU (or, with flash_attn auto,
+  turns flash attention off);
 - a cache of lower precision than the weights adds error on top of the
   quantization, so it is allowed but reported with the memory it saves.
 """
@@ -24,6 +28,11 @@ from orin.profile.schema import EngineSection
 Severity = Literal["info", "warning", "error"]
 
 QUANTIZED_KV = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"})
+# ggml-cuda fattn.cu ggml_cuda_fattn_kv_type_supported(): types with CUDA flash attention
+CUDA_FA_ORDER = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+CUDA_FA_TYPES = frozenset(CUDA_FA_ORDER)
+CUDA_FA_AS = {"f32": "f16"}  # f32 K or V uses the f16 instance, converted
+ALWAYS_COMPILED = ("f16", "f16")  # ggml_cuda_fattn_vec_instances adds f16-f16 to any list
 KV_BITS = {
     "f32": 32.0,
     "f16": 16.0,
@@ -143,20 +152,70 @@ def check_kv(
             )
         )
     if build is not None and build.cuda and engine.gpu_layers != 0 and flash_attn != "off":
-        pairs = build.fa_quants
-        if pairs is not None and (type_k, type_v) not in pairs:
-            supported = ", ".join(f"{k}/{v}" for k, v in sorted(pairs))
-            out.append(
-                KVFinding(
-                    "kv-cuda-fa-kernels",
-                    "error",
-                    f"this CUDA build has flash-attention kernels only for {supported}; "
-                    f"K={type_k}/V={type_v} would run attention on the CPU. Use a matching "
-                    "pair or rebuild with scripts/install-llama-cpp.sh (GGML_CUDA_FA_ALL_QUANTS)",
-                )
-            )
+        finding = cuda_fa_finding(type_k, type_v, flash_attn, build.fa_quants)
+        if finding is not None:
+            out.append(finding)
     out += _precision_findings(type_k, type_v, engine, quantization, info)
     return out
+
+
+def cuda_fa_pair(type_k: str, type_v: str) -> tuple[str, str]:
+    """The vector-kernel instance a K/V pair looks for: f32 runs as f16 (fattn.cu's
+    FATTN_VEC_CASE accepts F32 where the instance is F16, after a conversion)."""
+    return (CUDA_FA_AS.get(type_k, type_k), CUDA_FA_AS.get(type_v, type_v))
+
+
+def cuda_fa_finding(
+    type_k: str,
+    type_v: str,
+    flash_attn: str,
+    fa_quants: frozenset[tuple[str, str]] | None,
+) -> KVFinding | None:
+    """What CUDA flash attention does with this K/V pair, per vendored ``fattn.cu``.
+
+    ``fa_quants`` is the build's FA_QUANTS (None: all). Three cases:
+    - a type outside ``CUDA_FA_TYPES``: ``ggml_cuda_get_best_fattn_kernel`` returns
+      NONE, so ``supports_op`` is false and the scheduler puts FLASH_ATTN_EXT on the
+      CPU, copying K and V from the GPU for every layer of every step. With
+      flash_attn auto (V not quantized, or llama.cpp would have forced it on)
+      llama.cpp's own probe sees the op leave the layer's device and turns flash
+      attention off for the context instead;
+    - supported types whose pair has no compiled vector kernel: the op stays on
+      the GPU; the vector kernel (single-token decode) converts K and V to f16
+      first and uses the f16/f16 instance, which is always compiled;
+    - a compiled pair: nothing to report.
+    """
+    outside = [t for t in (type_k, type_v) if t not in CUDA_FA_TYPES]
+    if outside:
+        names = "/".join(dict.fromkeys(outside))
+        if flash_attn == "auto" and type_v not in QUANTIZED_KV:
+            return KVFinding(
+                "kv-cuda-fa-kernels",
+                "warning",
+                f"CUDA has no flash-attention kernel for {names} (supported: "
+                f"{', '.join(CUDA_FA_ORDER)}): with flash_attn auto llama.cpp turns flash "
+                f"attention off for K={type_k}/V={type_v}, and attention runs on the GPU "
+                "without it",
+            )
+        return KVFinding(
+            "kv-cuda-fa-kernels",
+            "error",
+            f"CUDA has no flash-attention kernel for {names} (supported: "
+            f"{', '.join(CUDA_FA_ORDER)}): with K={type_k}/V={type_v} llama.cpp runs "
+            "attention on the CPU, copying K and V from the GPU every layer of every step",
+        )
+    pair = cuda_fa_pair(type_k, type_v)
+    if fa_quants is None or pair in fa_quants or pair == ALWAYS_COMPILED:
+        return None
+    compiled = ", ".join(f"{k}/{v}" for k, v in sorted(fa_quants | {ALWAYS_COMPILED}))
+    return KVFinding(
+        "kv-cuda-fa-kernels",
+        "warning",
+        f"this CUDA build has no flash-attention vector kernel for K={pair[0]}/V={pair[1]} "
+        f"(compiled: {compiled}): decode steps convert K and V to f16 first; attention "
+        "stays on the GPU, slower, with a larger compute buffer. Use a compiled pair or "
+        "rebuild with scripts/install-llama-cpp.sh (GGML_CUDA_FA_QUANTS=all)",
+    )
 
 
 def _precision_findings(

@@ -4,6 +4,12 @@ Steps arrive from the engine thread after they end; samples arrive from the
 sampler thread as they are taken. A sample is attributed once the engine's
 timeline up to its timestamp is known: a later step has started, or the
 engine is idle past it. Until then it waits (at most one step).
+
+A sample stands for the time since the one before it: the sampler reads at its
+full rate while the engine works and at its idle rate otherwise, so the gap,
+not the nominal period, is what it covers. A sample inside a step covers at
+most one full-rate period (the gap before the first sample of a request is
+idle time the idle rate did not resolve).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ AttributedObserver = Callable[[Sample, tuple[Share, ...], float], None]
 @dataclass
 class _Pending:
     sample: Sample
-    dt: float
+    gap: float | None  # seconds since the previous sample; None for the first
 
 
 class PhaseTracker:
@@ -42,6 +48,7 @@ class PhaseTracker:
         self._lock = threading.Lock()
         self.observers: list[AttributedObserver] = []
         self.phase: Phase = "idle"
+        self._last_ns: int | None = None
         sampler.observers.append(self.on_sample)
 
     def steps(self) -> list[StepStats]:
@@ -56,12 +63,19 @@ class PhaseTracker:
     def on_sample(self, sample: Sample) -> None:
         """Sampler thread: queue the sample, then attribute whatever is now decidable."""
         with self._lock:
-            self._pending.append(_Pending(sample, 1.0 / self.sampler.hz))
+            last, self._last_ns = self._last_ns, sample.t_ns
+            gap = None if last is None else max(sample.t_ns - last, 0) / 1e9
+            self._pending.append(_Pending(sample, gap))
             ready = self._decidable()
+        period = 1.0 / self.sampler.hz
+        longest = 1.0 / self.sampler.idle_hz
         for p, shares in ready:
             self.phase = max(shares, key=lambda s: s.weight).phase
+            dt = period if p.gap is None else min(p.gap, longest)
+            if self.phase != "idle":
+                dt = min(dt, period)
             for observer in self.observers:
-                observer(p.sample, shares, p.dt)
+                observer(p.sample, shares, dt)
 
     def _decidable(self) -> list[tuple[_Pending, tuple[Share, ...]]]:
         # steps are recorded before the engine clears its running-step mark, so with no

@@ -13,6 +13,7 @@ whatever comes next.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -143,18 +144,27 @@ class PhaseSummary:
         }
 
 
-def _durations(samples: Sequence[SampleLike]) -> list[float]:
-    """Seconds each sample stands for: half the gap to each neighbour (the end samples
-    mirror their one neighbour's gap)."""
+def _sides(samples: Sequence[SampleLike]) -> list[tuple[float, float]]:
+    """Seconds each sample stands for on each side: half the gap to that neighbour (the
+    end samples mirror their one neighbour's gap)."""
     ts = [s.t_ns for s in samples]
     if len(ts) < 2:
-        return [0.0] * len(ts)
+        return [(0.0, 0.0)] * len(ts)
     out = []
     for i, t in enumerate(ts):
         lo = ts[i - 1] if i > 0 else t - (ts[1] - ts[0])
         hi = ts[i + 1] if i < len(ts) - 1 else t + (ts[-1] - ts[-2])
-        out.append((hi - lo) / 2 * 1e-9)
+        out.append(((t - lo) / 2 * 1e-9, (hi - t) / 2 * 1e-9))
     return out
+
+
+def _full_rate_period(samples: Sequence[SampleLike], index: StepIndex) -> float:
+    """The sampler's full-rate period: the median gap between samples inside steps
+    (the median, so a late tick and the on-time one after it do not set it)."""
+    pairs = list(itertools.pairwise(samples))
+    inside = [b.t_ns - a.t_ns for a, b in pairs if index.at(a.t_ns) and index.at(b.t_ns)]
+    gaps = sorted(g for g in inside or [b.t_ns - a.t_ns for a, b in pairs] if g > 0)
+    return gaps[len(gaps) // 2] * 1e-9 if gaps else 0.0
 
 
 def summarize(
@@ -163,14 +173,18 @@ def summarize(
     """Per phase: time, tokens, mixed share, energy and weighted stats of every metric."""
     ordered = sorted(samples, key=lambda s: s.t_ns)
     index = StepIndex(steps)
-    dts = _durations(ordered)
+    period = _full_rate_period(ordered, index)
     out = {p: PhaseSummary(p) for p in PHASES}
     values: dict[tuple[Phase, str], tuple[list[float], list[float]]] = {}
     weight_total: dict[Phase, float] = dict.fromkeys(PHASES, 0.0)
     weight_mixed: dict[Phase, float] = dict.fromkeys(PHASES, 0.0)
-    for sample, dt in zip(ordered, dts, strict=True):
+    for sample, (lo, hi) in zip(ordered, _sides(ordered), strict=True):
         power = sum(sample.power_mw.values()) if sample.power_mw else None
-        for share in phase_shares(index.at(sample.t_ns)):
+        step = index.at(sample.t_ns)
+        # inside a step the sampler runs at its full rate: a sample next to an idle-rate
+        # gap (the first of a request) stands for at most a period on that side
+        dt = lo + hi if step is None else min(lo, period) + min(hi, period)
+        for share in phase_shares(step):
             summary = out[share.phase]
             summary.seconds += dt * share.weight
             weight_total[share.phase] += share.weight

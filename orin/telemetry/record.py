@@ -45,11 +45,22 @@ class Recorder:
     def _write(self, obj: dict[str, Any]) -> None:
         self._fh.write(json.dumps(obj, separators=(",", ":")) + "\n")
 
+    def sync(self, timeout: float = 10.0) -> bool:
+        """Wait until everything enqueued before this call is written and flushed (a
+        reader of the file, tests); False if the writer did not get there in time."""
+        done = threading.Event()
+        self._q.put(done)
+        return done.wait(timeout)
+
     def _run(self) -> None:
         while True:
             item = self._q.get()
             if item is _STOP:
                 break
+            if isinstance(item, threading.Event):
+                self._fh.flush()
+                item.set()
+                continue
             assert isinstance(item, dict)
             self._write(item)
             if self._q.empty():

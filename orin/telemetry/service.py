@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,18 @@ log = logging.getLogger("orin.telemetry")
 SNAPSHOT_WINDOW_S = 10.0
 
 
+def engine_busy(engine: Engine) -> Callable[[], bool]:
+    """Whether the engine has work, for the sampler's rate: a step running, a slot
+    busy or a request queued. Asked from the sampler thread at every tick, without
+    the engine's lock: the answer only picks a sampling rate, and one that is a
+    tick late costs one tick at the other rate."""
+
+    def busy() -> bool:
+        return engine.step_started_ns is not None or engine.waiting > 0 or engine.slots_busy > 0
+
+    return busy
+
+
 class Telemetry:
     def __init__(
         self,
@@ -42,7 +55,7 @@ class Telemetry:
         log.info("telemetry: %s", why)
         self.source_name = source.name
         self.engine = engine
-        self.sampler = Sampler(source, hz)
+        self.sampler = Sampler(source, hz, busy=engine_busy(engine))
         self.tracker = PhaseTracker(self.sampler, lambda: engine.step_started_ns)
         self.metrics = PhaseMetrics(registry, source.name)
         self.tracker.observers.append(self.metrics.observe)
@@ -54,6 +67,7 @@ class Telemetry:
             meta = {
                 "source": source.name,
                 "hz": self.sampler.hz,
+                "idle_hz": self.sampler.idle_hz,
                 "model": str(engine.cfg.model_path),
             }
             self.recorder = Recorder(record, meta)
@@ -97,6 +111,8 @@ class Telemetry:
         return {
             "source": self.source_name,
             "hz": self.sampler.hz,
+            "idle_hz": self.sampler.idle_hz,
+            "sampling": "idle" if self.sampler.idle else "full",
             "phase": self.tracker.phase,
             "latest": asdict(latest) if latest is not None else None,
             "window_s": SNAPSHOT_WINDOW_S,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Iterator
@@ -27,9 +28,9 @@ def test_long_prompt_then_decode_attributes_both_phases(tmp_path: Path) -> None:
     """`serve --telemetry cpu --record`, a long prompt, then decode: both phases sampled.
 
     OpenMP worker threads spin while they wait, which reads as a busy core in
-    every phase; with OMP_WAIT_POLICY=PASSIVE they sleep between steps, and the
-    CPU figures show the phases as they are: prefill keeps every core on matrix
-    multiplies, decode steps are short with the engine's Python between them.
+    every phase; with OMP_WAIT_POLICY=PASSIVE they sleep between steps, so the
+    CPU figures show the phases as they are. The assertions hold whatever else
+    the machine runs: counts, tokens and times, no utilization thresholds.
     """
     import os
     import signal
@@ -70,7 +71,15 @@ def test_long_prompt_then_decode_attributes_both_phases(tmp_path: Path) -> None:
     assert pre.stats["proc_cpu_util"].samples > 5 and dec.stats["proc_cpu_util"].samples > 5
     assert out["idle"].seconds > 0
     assert pre.tokens == 3500 and dec.tokens == 399
-    assert pre.stats["proc_cpu_util"].mean > dec.stats["proc_cpu_util"].mean
+    # The prefill samples stand for the prefill steps' time, to the sampling resolution
+    # there. (Comparing the phases' CPU shares instead would depend on what else the
+    # machine runs: another process on a core lowers the prefill's share the most.)
+    prefill = [st for st in steps if st.prefill_tokens]
+    first, last = min(st.start_ns for st in prefill), max(st.end_ns for st in prefill)
+    inside = sorted(x.t_ns for x in samples if first <= x.t_ns <= last)
+    resolution = max(b - a for a, b in itertools.pairwise(inside)) / 1e9  # missed ticks too
+    prefill_s = sum(st.end_ns - st.start_ns for st in prefill) / 1e9
+    assert abs(pre.seconds - prefill_s) <= 2 * resolution + 0.05 * prefill_s
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +152,10 @@ def test_monitor_once_and_json(served: tuple[str, ServerState, Path]) -> None:
 def test_recording_and_its_summary(served: tuple[str, ServerState, Path]) -> None:
     base, state, record = served
     httpx.post(f"{base}/v1/completions", json={"prompt": "record me", "max_tokens": 16}, timeout=60)
-    time.sleep(0.2)
     assert state.telemetry is not None and state.telemetry.recorder is not None
-    state.telemetry.recorder._fh.flush()
+    with state.engine.idle(timeout=60):  # the request's step and finish observers have run
+        state.telemetry.sampler.flush()
+    assert state.telemetry.recorder.sync()  # what they enqueued is in the file
     rec = read_recording(record)
     assert rec["meta"][0]["source"] == "cpu"
     assert rec["sample"] and rec["step"] and rec["request"]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,20 +72,81 @@ def test_quantized_v_without_flash_attention_is_an_error() -> None:
     assert not ok.errors
 
 
-def test_cuda_build_without_all_fa_quants_rejects_mixed_pairs() -> None:
-    engine = EngineSection(type_k="q8_0", type_v="q4_0", flash_attn="on")
-    d = resolve_kv(engine, "Q4_K_M", build=build(CUDA_DEFAULT))
-    assert [f.rule for f in d.errors] == ["kv-cuda-fa-kernels"]
-    assert "q8_0/q8_0" in d.errors[0].message
-    assert not resolve_kv(engine, "Q4_K_M", build=build(CUDA_ALL)).errors
-    # matching pairs are compiled by default
-    same = EngineSection(type_k="q4_0", type_v="q4_0", flash_attn="on")
-    assert not resolve_kv(same, "Q4_K_M", build=build(CUDA_DEFAULT)).errors
-    # a CPU-only build or a model kept on the CPU has no such limit
-    cpu = build("CPU : AVX2 = 1 | OPENMP = 1 |", gpu=False)
-    assert not resolve_kv(engine, "Q4_K_M", build=cpu).errors
-    on_cpu = EngineSection(type_k="q8_0", type_v="q4_0", flash_attn="on", gpu_layers=0)
-    assert not resolve_kv(on_cpu, "Q4_K_M", build=build(CUDA_DEFAULT)).errors
+def cuda_findings(
+    type_k: str, type_v: str, system_info: str = CUDA_DEFAULT, flash: str = "on", **engine: Any
+) -> list[tuple[str, str]]:
+    """(rule, severity) of the CUDA flash-attention rule for one explicit K/V pair."""
+    section = EngineSection(type_k=type_k, type_v=type_v, flash_attn=flash, **engine)
+    d = resolve_kv(section, "F16", build=build(system_info))
+    return [(f.rule, f.severity) for f in d.findings if f.rule == "kv-cuda-fa-kernels"]
+
+
+# The default FA_QUANTS of the vendored CMake (ggml/CMakeLists.txt), as the CUDA
+# backend reports it (";" turned into ","); f16-f16 is compiled whatever the list.
+CUDA_LISTED = CUDA_DEFAULT.replace(
+    "USE_GRAPHS = 1 |", "USE_GRAPHS = 1 | FA_QUANTS = q4_0-q4_0,q8_0-q8_0,f16-f16,bf16-bf16 |"
+)
+CUDA_ONE_PAIR = CUDA_DEFAULT.replace("USE_GRAPHS = 1 |", "USE_GRAPHS = 1 | FA_QUANTS = q8_0-q4_0 |")
+
+
+@pytest.mark.parametrize("info", [CUDA_DEFAULT, CUDA_LISTED])
+@pytest.mark.parametrize(
+    "pair", [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("bf16", "bf16")]
+)
+def test_a_compiled_pair_is_fine(info: str, pair: tuple[str, str]) -> None:
+    assert cuda_findings(*pair, info) == []
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [("q8_0", "q4_0"), ("q8_0", "f16"), ("f16", "q8_0"), ("q4_1", "q4_1"), ("q5_0", "q5_1"),
+     ("bf16", "f16"), ("f32", "q8_0")],
+)  # fmt: skip
+def test_a_supported_pair_without_its_kernel_runs_converted_to_f16(pair: tuple[str, str]) -> None:
+    assert cuda_findings(*pair) == [("kv-cuda-fa-kernels", "warning")]
+    d = resolve_kv(EngineSection(type_k=pair[0], type_v=pair[1], flash_attn="on"), "F16",
+                   build=build(CUDA_DEFAULT))  # fmt: skip
+    message = next(f.message for f in d.findings if f.rule == "kv-cuda-fa-kernels")
+    assert "convert K and V to f16" in message and "stays on the GPU" in message
+    assert "q8_0/q8_0" in message  # what the build has
+    assert "GGML_CUDA_FA_QUANTS=all" in message and "FA_ALL_QUANTS" not in message
+    assert not d.errors
+    # every pair has its kernel in a build with FA_QUANTS=all
+    assert cuda_findings(*pair, CUDA_ALL) == []
+
+
+def test_f32_looks_for_the_f16_kernel_and_f16_f16_is_always_compiled() -> None:
+    assert cuda_findings("f32", "f32") == []
+    assert cuda_findings("f32", "f16", CUDA_ONE_PAIR) == []  # f16-f16 is added to any list
+    assert cuda_findings("q8_0", "q4_0", CUDA_ONE_PAIR) == []
+    assert cuda_findings("q8_0", "q8_0", CUDA_ONE_PAIR) == [("kv-cuda-fa-kernels", "warning")]
+
+
+@pytest.mark.parametrize("info", [CUDA_DEFAULT, CUDA_ALL])
+@pytest.mark.parametrize("pair", [("iq4_nl", "iq4_nl"), ("q8_0", "iq4_nl"), ("iq4_nl", "q8_0")])
+def test_a_type_outside_the_cuda_set_runs_attention_on_the_cpu(
+    info: str, pair: tuple[str, str]
+) -> None:
+    assert cuda_findings(*pair, info) == [("kv-cuda-fa-kernels", "error")]
+    d = resolve_kv(EngineSection(type_k=pair[0], type_v=pair[1], flash_attn="on"), "F16",
+                   build=build(info))  # fmt: skip
+    assert "iq4_nl" in d.errors[0].message and "on the CPU" in d.errors[0].message
+
+
+def test_a_type_outside_the_set_with_flash_attention_auto() -> None:
+    # K alone: llama.cpp's auto probe sees the op leave the GPU and turns flash attention off
+    assert cuda_findings("iq4_nl", "f16", flash="auto") == [("kv-cuda-fa-kernels", "warning")]
+    # a quantized V forces flash attention on (llama.cpp does the same): the CPU again
+    d = resolve_kv(EngineSection(type_k="q8_0", type_v="iq4_nl"), "F16", build=build(CUDA_ALL))
+    assert d.flash_attn == "on" and [f.rule for f in d.errors] == ["kv-cuda-fa-kernels"]
+
+
+def test_the_cuda_rule_needs_a_cuda_build_offload_and_flash_attention() -> None:
+    cpu = "CPU : AVX2 = 1 | OPENMP = 1 |"
+    assert cuda_findings("q8_0", "q4_0", cpu) == []
+    assert cuda_findings("iq4_nl", "iq4_nl", cpu) == []
+    assert cuda_findings("iq4_nl", "iq4_nl", gpu_layers=0) == []  # the model stays on the CPU
+    assert cuda_findings("iq4_nl", "f16", flash="off") == []
 
 
 def test_lower_precision_than_weights_warns_with_savings(tmp_path: Path) -> None:
@@ -106,4 +168,5 @@ def test_parse_system_info_and_fa_quants() -> None:
     assert build(CUDA_ALL).fa_quants is None
     assert build(CUDA_DEFAULT).fa_quants == parse_fa_quants(None)
     assert parse_fa_quants("q8_0-q4_0;f16-f16") == {("q8_0", "q4_0"), ("f16", "f16")}
+    assert parse_fa_quants("q8_0-q4_0") == {("q8_0", "q4_0"), ("f16", "f16")}  # always built
     assert build("CPU : AVX2 = 1 |", gpu=False).cuda is False

@@ -53,6 +53,11 @@ class Availability:
 
 
 class Source(Protocol):
+    """One kind of counters. A source that reads the hardware on a schedule of its
+    own (tegrastats' program) may also have ``set_idle(idle: bool)``: the sampler
+    calls it when the engine goes idle or gets work, so the source can slow down
+    with it."""
+
     name: str  # "jetson_sysfs", "tegrastats", "jtop", "nvml", "cpu"
     default_hz: float  # 50 for sysfs/nvml/cpu; tegrastats/jtop much lower
 

@@ -1,7 +1,10 @@
 """The Orin iGPU load, clocks, EMC activity and INA3221 power rails, read from sysfs.
 
 This is the primary source on a Jetson: the GPU load file is readable without root
-and cheap enough to read at 50 Hz, which prefill phases of 80-400 ms need.
+and cheap enough to read at 50 Hz, which prefill phases of 80-400 ms need. Each
+read of it is GPU activity to nvgpu (``gk20a_load_show`` takes a busy reference
+while the GPU is powered, and reports 0 without waking it once rail-gated), so
+the sampler reads it at 50 Hz only while the engine works and at 1 Hz when idle.
 Discovery follows jetson-stats (devfreq entry whose ``device/of_node/name`` is a
 known iGPU name; INA3221 hwmon channels with a label) and runs once, in
 ``discover``; ``JetsonSysfsSource.sample`` then only reads the files it found.

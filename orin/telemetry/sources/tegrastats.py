@@ -207,6 +207,14 @@ def parse(line: str) -> TegrastatsReading | None:
     )
 
 
+IDLE_MS = 1000  # tegrastats' interval while the engine is idle (the sampler's idle rate)
+
+
+def stale_after(interval_ms: int) -> float:
+    """Seconds after which a reading no longer counts as current: three intervals."""
+    return max(3 * interval_ms / 1000.0, 1.0)
+
+
 def command(interval_ms: int) -> tuple[str, ...]:
     return ("tegrastats", "--interval", str(interval_ms))
 
@@ -234,15 +242,24 @@ class TegrastatsSource:
     constructor, so that probing availability never spawns a process. A reading
     older than ``stale_after_s`` (the program died or stalled) yields empty fields
     rather than repeating old values as if they were current.
+
+    tegrastats reads the GPU load itself, on its own interval, so the sampler's
+    idle rate alone would not let the GPU rail-gate: ``set_idle`` (the sampler
+    calls it when the engine goes idle or gets work) restarts the program at
+    ``idle_interval_ms`` or back at ``interval_ms``.
     """
 
     name = "tegrastats"
 
-    def __init__(self, runner: CommandRunner, interval_ms: int = 100) -> None:
+    def __init__(
+        self, runner: CommandRunner, interval_ms: int = 100, idle_interval_ms: int = IDLE_MS
+    ) -> None:
         self.runner = runner
-        self.interval_ms = interval_ms
+        self.busy_interval_ms = interval_ms
+        self.idle_interval_ms = max(idle_interval_ms, interval_ms)
+        self.interval_ms = interval_ms  # the running program's
         self.default_hz = 1000.0 / interval_ms
-        self.stale_after_s = max(3 * interval_ms / 1000.0, 1.0)
+        self.stale_after_s = stale_after(interval_ms)
         self.lines = 0
         self.malformed = 0
         self.error: str | None = None
@@ -279,6 +296,22 @@ class TegrastatsSource:
         for line in self._stream:
             self.feed(line)
 
+    def set_idle(self, idle: bool) -> None:
+        """Run the program at the idle interval (or back at the busy one); a program
+        already running at another interval is restarted."""
+        interval = self.idle_interval_ms if idle else self.busy_interval_ms
+        if interval == self.interval_ms:
+            return
+        self.interval_ms = interval
+        self.stale_after_s = stale_after(interval)
+        if self._thread is None:
+            return  # not started yet: it starts at this interval
+        self._end()
+        if not idle:  # an idle reading does not describe the work that starts now
+            with self._lock:
+                self._latest = None
+        self.start()
+
     def feed(self, line: str) -> TegrastatsReading | None:
         """Take one line of output; blank lines are ignored, others that do not parse are
         counted in ``malformed`` and skipped."""
@@ -311,6 +344,9 @@ class TegrastatsSource:
 
     def close(self) -> None:
         self._closed = True
+        self._end()
+
+    def _end(self) -> None:
         if self._stream is not None:
             self._stream.close()
         if self._thread is not None:

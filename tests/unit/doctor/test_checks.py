@@ -52,11 +52,17 @@ def test_quantized_v_without_flash_attention_fails(jetson_ctx: MakeCtx) -> None:
     assert f.fix == "engine.flash_attn: on (or auto), or engine.type_v: f16"
 
 
-def test_kv_pair_without_cuda_fa_kernels_fails(jetson_ctx: MakeCtx) -> None:
+def test_kv_pair_without_its_cuda_fa_kernel_warns(jetson_ctx: MakeCtx) -> None:
     ctx = jetson_ctx(type_k="q8_0", type_v="f16", flash_attn="on", build=CUDA_BUILD_DEFAULT_FA)
     f = checks.check_kv_type(ctx)
-    assert f.severity == "fail" and "would run attention on the CPU" in f.found
-    assert "GGML_CUDA_FA_ALL_QUANTS" in f.fix
+    assert f.severity == "warn" and "convert K and V to f16" in f.found
+    assert "GGML_CUDA_FA_QUANTS=all" in f.fix and "FA_ALL_QUANTS" not in f.fix
+
+
+def test_kv_type_cuda_flash_attention_lacks_fails(jetson_ctx: MakeCtx) -> None:
+    ctx = jetson_ctx(type_k="iq4_nl", type_v="iq4_nl", flash_attn="on", build=CUDA_BUILD_DEFAULT_FA)
+    f = checks.check_kv_type(ctx)
+    assert f.severity == "fail" and "attention on the CPU" in f.found
 
 
 def test_kv_below_the_weights_precision_warns(tmp_path: Path, make_ctx: MakeCtx) -> None:

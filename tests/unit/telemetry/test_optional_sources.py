@@ -4,6 +4,7 @@ working paths run against stand-in modules), and the psutil CPU source."""
 from __future__ import annotations
 
 import importlib.util
+import resource
 import sys
 import time
 import types
@@ -264,19 +265,34 @@ def test_cpu_source_values_are_fractions() -> None:
     source.close()
 
 
-def test_busy_loop_raises_proc_cpu_util() -> None:
+def process_cpu_s() -> float:
+    """This process's user + system CPU seconds as getrusage reports them (all threads):
+    a reference independent of the source's clock."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def test_proc_cpu_util_is_this_process_cpu_time_over_the_interval() -> None:
+    """The share a sample reports, times the wall time and the cores it covers, is the
+    CPU time this process spent between the two samples, whatever else the machine
+    runs: other processes change neither side (an earlier version compared the share
+    with a threshold and failed while a compiler ran on the other core)."""
     source = cpu.CpuSource(machine_every=1)
-    time.sleep(0.2)
-    idle = source.sample().proc_cpu_util
-    end = time.perf_counter() + 0.3
-    x = 0
-    while time.perf_counter() < end:
-        x += 1
-    busy = source.sample()
-    assert idle is not None and busy.proc_cpu_util is not None
-    assert busy.proc_cpu_util > idle
-    assert busy.proc_cpu_util > 0.5 / source.n_cpus  # most of one core
-    assert busy.cpu_util is not None and busy.cpu_util > 0.0
+    before_a = process_cpu_s()
+    a = source.sample()
+    after_a = process_cpu_s()
+    start = time.process_time()
+    while time.process_time() - start < 0.1:  # 0.1 s of CPU, however long that takes
+        pass
+    before_b = process_cpu_s()
+    b = source.sample()
+    after_b = process_cpu_s()
+    assert b.proc_cpu_util is not None and b.proc_cpu_util < 1.0  # not clamped
+    reported = b.proc_cpu_util * source.n_cpus * (b.t_ns - a.t_ns) / 1e9
+    tolerance = 0.002  # getrusage's microseconds and its user/system split
+    assert before_b - after_a - tolerance <= reported <= after_b - before_a + tolerance
+    assert reported >= 0.1 - tolerance  # the loop's CPU time is in it
+    assert b.cpu_util is not None and b.cpu_util > 0.0  # /proc/stat saw it too
 
 
 def test_machine_figure_is_read_at_the_slow_rate() -> None:

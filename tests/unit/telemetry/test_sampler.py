@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from orin.telemetry.sampler import Sampler
 from orin.telemetry.sources import cpu
 from orin.telemetry.sources import jetson_sysfs as js
 from orin.telemetry.sources.base import Availability, Sample, SplitSource, SplitTicks
-from tests.fakeboards_telemetry import agx_orin_64gb
+from tests.fakeboards_telemetry import LAYOUTS, FakeClock, FileReads, agx_orin_64gb
 
 
 class Counting(SplitTicks):
@@ -152,13 +153,22 @@ def test_a_plain_source_is_sampled_at_the_tick() -> None:
     assert [s.gpu_util for s in sampler.samples()] == [0.01]
 
 
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Poll until ``condition`` holds: a real thread's progress, with no assumption on
+    how fast the machine runs it."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the sampler thread made no progress"
+        time.sleep(0.01)
+
+
 def test_the_thread_samples_on_schedule_and_stop_flushes_the_rest() -> None:
     source = Counting()
     sampler = Sampler(source, 200, flush_every=7)
     seen: list[Sample] = []
     sampler.observers.append(seen.append)
     sampler.start()
-    time.sleep(0.3)
+    wait_for(lambda: source.captures >= 10)  # however long a loaded machine takes
     sampler.stop()
     samples = sampler.samples()
     assert source.closed
@@ -201,9 +211,10 @@ def test_a_fast_capture_that_raises_oserror_gives_a_sample_without_the_field() -
         sampler.capture_once()
     assert [s.gpu_util for s in sampler.samples()] == [0.01, None, 0.03]
     assert sampler.errors == 0
-    thread = Sampler(Vanishing(), 500, flush_every=1)  # the thread's fast path: tick 1
+    vanishing = Vanishing()
+    thread = Sampler(vanishing, 500, flush_every=1)  # the thread's fast path: tick 1
     thread.start()
-    time.sleep(0.1)
+    wait_for(lambda: vanishing.captures >= 3)
     thread.stop()
     utils = [s.gpu_util for s in thread.samples()]
     assert None in utils and thread.errors == 0
@@ -214,3 +225,121 @@ def test_sample_once_does_not_return_an_older_sample_when_the_source_fails() -> 
     first = sampler.sample_once()
     assert first is not None and first.gpu_util == 0.01
     assert sampler.sample_once() is None  # not the first one again
+
+
+# -- full rate while the engine works, the idle rate otherwise -------------------------
+
+
+class Engine:
+    """The busy/idle signal the sampler is given, switched by the test's script."""
+
+    def __init__(self) -> None:
+        self.working = False
+
+    def busy(self) -> bool:
+        return self.working
+
+    def set(self, working: bool) -> Callable[[], None]:
+        def action() -> None:
+            self.working = working
+
+        return action
+
+
+def run_script(
+    sampler: Sampler, clock: FakeClock, engine: Engine, script: list[tuple[float, bool]], end: float
+) -> None:
+    """Run the sampler's loop on the fake clock: the engine turns busy or idle at the
+    given times, and the loop stops at ``end``."""
+    for t, working in script:
+        clock.at(t, engine.set(working))
+    clock.at(end, sampler.stop)
+    sampler.run()
+
+
+def test_the_gpu_load_file_is_read_at_the_full_rate_only_while_busy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    board = agx_orin_64gb(tmp_path, 6)
+    load = board.root.path(board.gpu_path(LAYOUTS[6], "load"))
+    source = js.JetsonSysfsSource(board.root)
+    reads = FileReads(monkeypatch, load)
+    clock, engine = FakeClock(), Engine()
+    sampler = Sampler(
+        source, 50, busy=engine.busy, clock=clock.clock, clock_ns=clock.clock_ns, sleep=clock.sleep
+    )
+    counts: dict[str, int] = {}
+    clock.at(9.999, lambda: counts.setdefault("idle", reads.count))
+    clock.at(19.999, lambda: counts.setdefault("busy", reads.count - counts["idle"]))
+    run_script(sampler, clock, engine, [(10.0, True), (20.0, False)], end=60.0)
+    after = reads.count - counts["idle"] - counts["busy"]
+    assert counts["idle"] == 10  # t = 0, 1, ..., 9: 1 Hz, the GPU can rail-gate
+    assert 499 <= counts["busy"] <= 501  # 50 Hz for the 10 s of work
+    # 2 s more at 50 Hz after the work (the last step's samples, a burst's gaps), then 1 Hz
+    assert 100 + 37 <= after <= 100 + 39
+    gpu = [s.gpu_util for s in sampler.samples()]
+    assert len(gpu) == reads.count and set(gpu) == {0.123}  # every read is a sample
+
+
+def test_idle_reads_are_full_reads_flushed_at_once() -> None:
+    source, clock, engine = Counting(), FakeClock(), Engine()
+    sampler = Sampler(
+        source, 50, busy=engine.busy, clock=clock.clock, clock_ns=clock.clock_ns, sleep=clock.sleep
+    )
+    seen: list[Sample] = []
+    sampler.observers.append(seen.append)
+    clock.at(2.5, lambda: seen_at.append(len(seen)))
+    seen_at: list[int] = []
+    run_script(sampler, clock, engine, [], end=5.0)
+    assert seen_at == [3]  # t = 0, 1, 2 observed by t = 2.5, not half a minute later
+    assert source.captures == 5 and source.slow_captures == 5  # each with the slow fields
+    assert sampler.idle and not sampler.missed_ticks
+
+
+def test_work_is_sampled_from_its_first_tick() -> None:
+    source, clock, engine = Counting(), FakeClock(), Engine()
+    sampler = Sampler(
+        source, 50, busy=engine.busy, clock=clock.clock, clock_ns=clock.clock_ns, sleep=clock.sleep
+    )
+    run_script(sampler, clock, engine, [(0.5, True), (0.6, False)], end=0.7)
+    times = [s.t_ns / 1e9 for s in sampler.samples()]
+    assert times[0] == 0.0  # the idle read at the start
+    assert min(t for t in times if t > 0) == pytest.approx(0.5)  # the tick the work began
+    assert len([t for t in times if 0.5 <= t < 0.6]) == 5
+
+
+class Paced(Counting):
+    """A source with a schedule of its own, told when the engine goes idle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.modes: list[bool] = []
+
+    def set_idle(self, idle: bool) -> None:
+        self.modes.append(idle)
+
+
+def test_a_source_with_its_own_schedule_is_told_of_each_change() -> None:
+    source, clock, engine = Paced(), FakeClock(), Engine()
+    sampler = Sampler(
+        source, 50, busy=engine.busy, clock=clock.clock, clock_ns=clock.clock_ns, sleep=clock.sleep
+    )
+    script = [(1.0, True), (1.5, False), (2.0, True), (3.0, False)]  # the gap is within linger
+    run_script(sampler, clock, engine, script, end=10.0)
+    assert source.modes == [True, False, True]
+
+
+def test_without_a_busy_signal_every_tick_reads() -> None:
+    source, clock = Counting(), FakeClock()
+    sampler = Sampler(source, 50, clock=clock.clock, clock_ns=clock.clock_ns, sleep=clock.sleep)
+    clock.at(2.0, sampler.stop)
+    sampler.run()
+    assert 100 <= source.captures <= 101 and not sampler.idle
+    assert sampler.idle_hz == 50
+
+
+def test_the_idle_rate_is_positive_and_not_above_the_full_rate() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        Sampler(Counting(), 50, busy=lambda: False, idle_hz=0.0)
+    assert Sampler(Counting(), 0.5, busy=lambda: False).idle_every == 1
+    assert Sampler(Counting(), 50, busy=lambda: False, idle_hz=0.2).idle_every == 250

@@ -1,11 +1,10 @@
 """tegrastats lines from JetPack 5, 6 and 7, and the source that follows the program.
 
-The JetPack 5 and 6 lines are real (shared/fixtures/tegrastats/, one per file); each
-is tested from its file when the shared folder is beside the repository, and from
-the copy embedded here everywhere. The JetPack 7 lines are built by hand from
-shared/fixtures/tegrastats/README.md and shared/reference/jetson.md (``cpu@52.968C/
-52.968C`` temperatures, three values per rail, ``GR3D_FREQ 12%@[1300,1300]``): no
-real JetPack 7 line was captured.
+The JetPack 5 and 6 lines are real, one per file in tests/fixtures/tegrastats/
+(its README says where they come from). The JetPack 7 lines are built by hand
+from the format description in that README (``cpu@52.968C/52.968C``
+temperatures, three values per rail, ``GR3D_FREQ 12%@[1300,1300]``): no real
+JetPack 7 line was captured.
 """
 
 from __future__ import annotations
@@ -22,17 +21,13 @@ from orin.telemetry.sources import tegrastats as ts
 from orin.telemetry.sources.base import Availability
 from tests.fakerunner import FakeRunner
 
-REPO = Path(__file__).resolve().parents[3]
-FIXTURE_DIRS = (REPO.parent / "shared/fixtures/tegrastats", REPO / "shared/fixtures/tegrastats")
-FIXTURES = next((d for d in FIXTURE_DIRS if d.is_dir()), None)
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "tegrastats"
 MB = 1 << 20
 
-EMBEDDED = {
-    "agx-orin-32gb-jp5.txt": "10-16-2023 10:59:22 RAM 1205/30623MB (lfb 6429x4MB) SWAP 0/15311MB (cached 0MB) CPU [0%@729,0%@729,1%@729,0%@729,0%@729,0%@730,0%@730,0%@729,0%@729,0%@729,0%@729,0%@729] EMC_FREQ 0%@204 GR3D_FREQ 0%@114 GR3D2_FREQ 0%@114 NVJPG1 729 VIC_FREQ 729 APE 233 CV0@-256C CPU@43.5C Tdiode@32.5C SOC2@40.062C SOC0@40.5C CV1@-256C GPU@38.156C SOC1@39.125C CV2@-256C VDD_GPU_SOC 4788mW/4788mW VDD_CPU_CV 798mW/798mW VIN_SYS_5V0 3842mW/3842mW NC 0mW/0mW VDDQ_VDD2_1V8AO 707mW/707mW NC 0mW/0mW",  # noqa: E501
-    "agx-orin-64gb-jp5-root.txt": "04-24-2023 00:01:24 RAM 1282/62795MB (lfb 15152x4MB) SWAP 0/31398MB (cached 0MB) CPU [0%@729,0%@729,0%@729,0%@729,0%@729,0%@729,0%@729,0%@729,0%@729,0%@729,0%@729,0%@729] EMC_FREQ 0%@2133 GR3D_FREQ 0%@0 GR3D2_FREQ 0%@0 VIC_FREQ 729 APE 174 CV0@-256C CPU@42.593C Tboard@32C SOC2@39.343C Tdiode@33.25C SOC0@39.375C CV1@-256C GPU@-256C tj@42.593C SOC1@40.468C CV2@-256C VDD_GPU_SOC 2399mW/2399mW VDD_CPU_CV 400mW/400mW VIN_SYS_5V0 4032mW/4032mW NC 0mW/0mW VDDQ_VDD2_1V8AO 301mW/301mW NC 0mW/0mW",  # noqa: E501
-    "agx-orin-64gb-jp6-root.txt": "05-09-2026 18:42:06 RAM 18207/62841MB (lfb 466x4MB) SWAP 86/31420MB (cached 0MB) CPU [14%@2188,5%@2112,8%@2035,14%@2201,46%@1267,47%@1267,2%@1267,10%@1267,4%@1036,5%@1036,6%@1036,10%@1036] EMC_FREQ 3%@2133 GR3D_FREQ 0%@[0,0] NVENC 79%@166 NVDEC off NVJPG off NVJPG1 off VIC 36%@115 OFA off NVDLA0 off NVDLA1 off PVA0_FREQ off APE 174 cpu@52.562C soc2@48.437C soc0@49.093C tj@52.562C soc1@49.656C VDD_GPU_SOC 2412mW/2412mW VDD_CPU_CV 1607mW/1607mW VIN_SYS_5V0 4707mW/4707mW",  # noqa: E501
-    "agx-orin-64gb-jp6-user.txt": "10-05-2026 21:03:35 RAM 5137/62841MB (lfb 2x4MB) SWAP 0/31420MB (cached 0MB) CPU [1%@729,25%@729,1%@729,1%@729,2%@729,1%@729,0%@729,0%@729,2%@729,14%@729,1%@729,0%@729] GR3D_FREQ 0% cpu@52.875C soc2@48.656C soc0@49.062C tj@52.875C soc1@49.031C VDD_GPU_SOC 3178mW/3178mW VDD_CPU_CV 794mW/794mW VIN_SYS_5V0 4543mW/4543mW",  # noqa: E501
-}
+
+def fixture_line(name: str) -> str:
+    return (FIXTURES / name).read_text().strip()
+
 
 # Built from the JetPack 7 description (README.md / jetson.md), not captured on a board.
 JP7_ROOT = (
@@ -129,29 +124,12 @@ def check(reading: ts.TegrastatsReading | None, want: Expect) -> None:
 
 @pytest.mark.parametrize("name", sorted(EXPECT))
 def test_fixture_file(name: str) -> None:
-    if FIXTURES is None:
-        pytest.skip(f"shared/fixtures/tegrastats not found beside the repository ({REPO})")
-    path = FIXTURES / name
-    if not path.is_file():
-        pytest.skip(f"{path} is absent")
-    line = path.read_text().strip()
-    assert line == EMBEDDED[name], "the embedded copy drifted from the shared fixture"
-    check(ts.parse(line), EXPECT[name])
+    check(ts.parse(fixture_line(name)), EXPECT[name])
 
 
-@pytest.mark.parametrize("name", sorted(EXPECT))
-def test_embedded_copy(name: str) -> None:
-    check(ts.parse(EMBEDDED[name]), EXPECT[name])
-
-
-def test_every_shared_fixture_parses() -> None:
-    """New fixture files dropped into shared/ must at least parse."""
-    if FIXTURES is None:
-        pytest.skip(f"shared/fixtures/tegrastats not found beside the repository ({REPO})")
-    files = sorted(FIXTURES.glob("*.txt"))
-    assert files
-    for path in files:
-        assert ts.parse(path.read_text().strip()) is not None, path.name
+def test_every_fixture_has_its_expectations() -> None:
+    """A line added to tests/fixtures/tegrastats/ is tested, not skipped over."""
+    assert sorted(p.name for p in FIXTURES.glob("*.txt")) == sorted(EXPECT)
 
 
 def test_jp7_root_line_built_from_the_description() -> None:
@@ -248,10 +226,10 @@ def runner_with(lines: list[str]) -> FakeRunner:
 def test_source_skips_and_counts_malformed_lines() -> None:
     lines = [
         "NVPM WARN: something",
-        EMBEDDED["agx-orin-64gb-jp6-root.txt"],
+        fixture_line("agx-orin-64gb-jp6-root.txt"),
         "",
         "RAM garbage",
-        EMBEDDED["agx-orin-64gb-jp6-user.txt"],
+        fixture_line("agx-orin-64gb-jp6-user.txt"),
         "\x00\x01 binary noise",
     ]
     runner = runner_with(lines)
@@ -284,6 +262,30 @@ def test_source_starts_on_first_sample_and_not_before() -> None:
     assert len(runner.calls) == 1  # closed: not started again
 
 
+def test_idle_restarts_the_program_at_the_idle_interval() -> None:
+    """tegrastats reads the GPU load on its own interval: while the engine is idle it
+    runs at 1 s, so the GPU can rail-gate, and at its own interval again with work."""
+    runner = runner_with([JP7_ROOT])
+    source = ts.TegrastatsSource(runner, interval_ms=100)
+    source.set_idle(True)  # before the first sample: it starts at the idle interval
+    assert runner.calls == []
+    source.sample()
+    assert source.join(timeout=5)
+    assert source.sample().gpu_util == 0.12 and source.stale_after_s == 3.0
+    source.set_idle(True)  # no change: no restart
+    source.set_idle(False)
+    assert source.join(timeout=5)
+    source.set_idle(True)
+    assert source.join(timeout=5)
+    assert runner.calls == [
+        ("tegrastats", "--interval", "1000"),
+        ("tegrastats", "--interval", "100"),
+        ("tegrastats", "--interval", "1000"),
+    ]
+    assert source.interval_ms == 1000 and source.default_hz == 10.0  # the sampler's rate
+    source.close()
+
+
 def test_stale_reading_is_not_reported_as_current() -> None:
     source = ts.TegrastatsSource(runner_with([JP7_ROOT]))
     source.start()
@@ -312,7 +314,7 @@ def test_a_program_that_cannot_start_gives_empty_samples() -> None:
 
 
 def test_read_returns_the_first_parseable_line() -> None:
-    runner = runner_with(["warming up", EMBEDDED["agx-orin-32gb-jp5.txt"], JP7_ROOT])
+    runner = runner_with(["warming up", fixture_line("agx-orin-32gb-jp5.txt"), JP7_ROOT])
     reading = ts.read(runner, interval_ms=500)
     assert reading is not None and reading.gpu_freq_mhz == 114
     assert runner.calls == [("tegrastats", "--interval", "500")]

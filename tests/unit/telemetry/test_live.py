@@ -1,0 +1,122 @@
+"""Phase attribution while serving, at the sampler's two rates, and the busy signal
+the service gives the sampler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from orin.engine.types import StepStats
+from orin.telemetry.live import PhaseTracker
+from orin.telemetry.phases import Share, summarize
+from orin.telemetry.sampler import Sampler
+from orin.telemetry.service import Telemetry, engine_busy
+from orin.telemetry.sources.base import Sample
+from tests.fakeboards_telemetry import agx_orin_64gb
+from tests.unit.telemetry.test_sampler import Counting
+
+S = 1_000_000_000  # ns
+
+
+def step(start_s: float, end_s: float, prefill: int = 0, decode: int = 1) -> StepStats:
+    return StepStats(round(start_s * S), round(end_s * S), prefill, decode, 1, 10, 0)
+
+
+def test_a_sample_stands_for_the_gap_before_it_capped_at_the_period_inside_steps() -> None:
+    sampler = Sampler(Counting(), 50, busy=lambda: False)  # 50 Hz busy, 1 Hz idle
+    running: list[int | None] = [None]
+    tracker = PhaseTracker(sampler, lambda: running[0])
+    seen: list[tuple[float, str, float]] = []
+
+    def observe(sample: Any, shares: tuple[Share, ...], dt: float) -> None:
+        seen.append((sample.t_ns / S, shares[0].phase, round(dt, 6)))
+
+    tracker.observers.append(observe)
+    tracker.on_step(step(3.5, 3.52, prefill=64, decode=0))
+    tracker.on_step(step(3.52, 3.54))
+    for t in (0.0, 1.0, 2.0, 3.0, 3.51, 3.53, 3.55, 3.57, 4.57):
+        tracker.on_sample(Sample(t_ns=round(t * S)))
+    assert seen == [
+        (0.0, "idle", 0.02),  # the first: one full-rate period
+        (1.0, "idle", 1.0),  # idle reads stand for the second before them
+        (2.0, "idle", 1.0),
+        (3.0, "idle", 1.0),
+        (3.51, "prefill", 0.02),  # after 0.51 s unresolved: only its own period
+        (3.53, "decode", 0.02),
+        (3.55, "idle", 0.02),  # lingering at the full rate after the work
+        (3.57, "idle", 0.02),
+        (4.57, "idle", 1.0),
+    ]
+
+
+def test_without_a_busy_signal_every_sample_is_one_period() -> None:
+    sampler = Sampler(Counting(), 50)
+    tracker = PhaseTracker(sampler, lambda: None)
+    dts: list[float] = []
+    tracker.observers.append(lambda sample, shares, dt: dts.append(dt))
+    for t in (0.0, 0.02, 0.5):  # a late tick (the machine was busy) is not stretched
+        tracker.on_sample(Sample(t_ns=round(t * S)))
+    assert dts == pytest.approx([0.02, 0.02, 0.02])
+
+
+def fake_engine() -> SimpleNamespace:
+    """What the telemetry service reads of the engine: its observers and its counts."""
+    return SimpleNamespace(
+        step_observers=[],
+        finish_observers=[],
+        step_started_ns=None,
+        waiting=0,
+        slots_busy=0,
+        cfg=SimpleNamespace(slots=2, model_path=Path("m.gguf")),
+    )
+
+
+def test_the_engine_is_busy_while_a_step_runs_a_slot_works_or_a_request_waits() -> None:
+    engine = fake_engine()
+    busy = engine_busy(engine)  # type: ignore[arg-type]
+    assert not busy()
+    for field, value in (("step_started_ns", 5), ("waiting", 1), ("slots_busy", 2)):
+        setattr(engine, field, value)
+        assert busy(), field
+        setattr(engine, field, 0 if field != "step_started_ns" else None)
+    assert not busy()
+
+
+def test_the_service_samples_the_board_at_the_idle_rate_while_the_engine_waits(
+    tmp_path: Path,
+) -> None:
+    board = agx_orin_64gb(tmp_path, 6)
+    engine = fake_engine()
+    telemetry = Telemetry(
+        engine,  # type: ignore[arg-type]
+        CollectorRegistry(),
+        "jetson_sysfs",
+        root=board.root,
+    )
+    sampler = telemetry.sampler
+    assert sampler.busy is not None and (sampler.hz, sampler.idle_hz) == (50.0, 1.0)
+    assert not sampler.busy()
+    engine.slots_busy = 1
+    assert sampler.busy()
+    assert telemetry.snapshot()["idle_hz"] == 1.0
+    assert telemetry.tracker.on_step in engine.step_observers
+    sampler.source.close()
+
+
+def test_a_recording_with_idle_rate_gaps_gives_each_phase_its_own_time() -> None:
+    """Offline (``summarize``, what ``monitor --recording`` shows): the first sample of a
+    request follows a second-long idle gap; it must not bring half of it into prefill."""
+    steps = [step(2.5, 2.7, prefill=512, decode=0), step(2.7, 2.9)]
+    busy = [2.5 + 0.02 * i + 0.01 for i in range(20)]  # 50 Hz from the first step
+    linger = [2.91 + 0.02 * i for i in range(5)]
+    times = [0.0, 1.0, 2.0, *busy, *linger, 3.99, 4.99]
+    out = summarize([Sample(t_ns=round(t * S), gpu_util=0.5) for t in times], steps)
+    assert out["prefill"].seconds == pytest.approx(0.2, abs=0.021)
+    assert out["decode"].seconds == pytest.approx(0.2, abs=0.021)
+    # the end samples mirror their neighbour's 1 s gap: 5.99 s in all, 0.4 s of steps;
+    # of the 0.51 s gap before the request, only the idle sample's half stays counted
+    assert 5.99 - 0.4 - 0.26 <= out["idle"].seconds <= 5.99 - 0.4
