@@ -64,8 +64,8 @@ def capture_log() -> Iterator[list[str]]:
     try:
         yield sink
     finally:
-        with _lock:
-            _captures.remove(sink)
+        with _lock:  # by identity: a nested capture's sink can hold the same lines
+            _captures[:] = [s for s in _captures if s is not sink]
 
 
 @dataclass(frozen=True)
