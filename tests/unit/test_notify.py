@@ -174,7 +174,8 @@ def test_full_receive_queue_times_out_instead_of_hanging(
             break
     else:
         pytest.fail("the receive queue never filled")
-    assert time.monotonic() - started < 10
+    # a blocking send would hang for good; the bound only tells the two apart
+    assert time.monotonic() - started < 60
 
 
 # -- watchdog_interval ----------------------------------------------------------
@@ -327,7 +328,7 @@ def test_thread_delivers_pings_and_stops_promptly(receiver: tuple[socket.socket,
         started = time.monotonic()
         wd.stop()
         elapsed = time.monotonic() - started
-    assert elapsed < 1.0
+    assert elapsed < 30.0  # woken, not waiting out the interval, however loaded the machine
     assert not wd.running
     assert _watchdog_threads() == []
     wd.stop()  # a second stop is harmless
@@ -341,7 +342,7 @@ def test_thread_stop_is_prompt_with_a_long_interval(
     assert _receive(receiver[0]) == b"WATCHDOG=1"  # the first ping is immediate
     started = time.monotonic()
     wd.stop()
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 30.0  # the interval is an hour: woken, not waited out
     assert _watchdog_threads() == []
 
 
