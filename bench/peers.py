@@ -47,9 +47,9 @@ SLOTS, CTX_PER_SLOT, N_BATCH = 8, 512, 512
 
 
 def install_script_options() -> tuple[list[str], str, dict[str, str]]:
-    """The CMake options and build key scripts/install-llama-cpp.sh gives this machine
-    (its dry run), so llama-server gets the same CPU kernels (and GPU build) as the
-    llama-cpp-python build orin-llm runs on."""
+    """The CMake options, compiler flags and build key scripts/install-llama-cpp.sh
+    gives this machine (its dry run), so llama-server gets the same CPU kernels (and
+    GPU build) as the llama-cpp-python build orin-llm runs on."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "install-llama-cpp.sh"
     said = subprocess.run(
         ["bash", str(script), "--dry-run", "--python", sys.executable],
@@ -61,6 +61,9 @@ def install_script_options() -> tuple[list[str], str, dict[str, str]]:
     for line in said.splitlines():
         if line.startswith("install-llama-cpp: CUDACXX="):
             env["CUDACXX"] = line.split("=", 1)[1]  # else a CUDA build comes out CPU-only
+        elif line.startswith("install-llama-cpp: CFLAGS="):
+            # CMake's initial C/C++ flags: AMX off on x86-64 (the script's reason)
+            env["CFLAGS"] = env["CXXFLAGS"] = line.split("=", 1)[1]
         elif line.startswith("install-llama-cpp: CMAKE_ARGS="):
             options = line.split("=", 1)[1].split()
         elif line.startswith("install-llama-cpp: build "):

@@ -9,13 +9,13 @@
 #   cuda   : nvcc and an NVIDIA driver present -> CUDA build for the local GPU.
 #   cpu    : anything else -> CPU build.
 #
-# The CPU backend is never built with -march=native: on x86-64 the script
-# turns on each SIMD extension that /proc/cpuinfo lists (SSE4.2, AVX, AVX2,
-# FMA, F16C, BMI2, AVX-VNNI, AVX-512 and its VNNI/VBMI/BF16 parts) and leaves
-# llama.cpp's AMX kernels out: on Sapphire Rapids and later they crash on the
-# first quantized decode (ggml_backend_amx_mul_mat). The built wheel is kept
-# in a cache folder named after the version and the build options, so a
-# rebuild happens only when one of them changes. After installing, one short
+# On x86-64 the CPU backend is built for this CPU (-march=native) with AMX
+# switched off (-mno-amx-tile/-int8/-bf16): llama.cpp's AMX kernels crash on
+# the first quantized decode on Sapphire Rapids and later
+# (ggml_backend_amx_mul_mat). The built wheel is kept in a cache folder named
+# after the version, the build options and the CPU, so a rebuild happens only
+# when one of them changes (pip's own cache keys an sdist build by its URL
+# alone and would hand back a wheel built with other options). After installing, one short
 # generation of a quantized model runs in a subprocess; a crash there fails
 # the install with the cause.
 #
@@ -64,31 +64,29 @@ has_nvidia_driver() {
   return 1
 }
 
-# The CPU backend's options, never -march=native.
-# x86-64: one GGML_* switch per /proc/cpuinfo flag, each set explicitly (the
-# vendored CMake turns SSE4.2/AVX/AVX2/BMI2/FMA/F16C on by default once
-# GGML_NATIVE is off, which would break an older CPU); AMX always off.
+# The CPU backend's options.
+# x86-64: -march=native (every SIMD extension and the tuning of this CPU) with
+# the AMX extensions switched off explicitly: GCC and Clang let an explicit
+# -mno-amx-* win over -march, so __AMX_INT8__ stays undefined and ggml compiles
+# no AMX kernels (they crash on the first quantized decode on Sapphire Rapids
+# and later). A compiler that does not know -mno-amx-int8 cannot emit AMX code
+# either. (Switching each GGML_* option on from /proc/cpuinfo with
+# GGML_NATIVE=OFF also avoids AMX, but loses -mtune and the rest of -march:
+# Q4_K_M decoding measured 7-12 % slower on an AMD EPYC, docs/performance.md.)
 # arm64: the Orin's Cortex-A78AE (ARMv8.2-A with dot product and fp16).
-cpu_cmake_args() {
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+cpu_options() {
   case "$ARCH_NAME" in
     x86_64|amd64)
-      local flags=" $(grep -m1 '^flags' "$ROOT/proc/cpuinfo" 2>/dev/null | cut -d: -f2) "
-      has() { local f; for f in "$@"; do case "$flags" in *" $f "*) ;; *) return 1 ;; esac; done; }
-      local out="-DGGML_NATIVE=OFF" pair opt
-      # option:cpuinfo flags (Linux's names); ggml's AVX512 switch also compiles
-      # for CD, VL, DQ and BW, so it needs all five
-      for pair in SSE42:sse4_2 AVX:avx AVX2:avx2 FMA:fma F16C:f16c BMI2:bmi2 AVX_VNNI:avx_vnni \
-                  AVX512:avx512f,avx512cd,avx512vl,avx512dq,avx512bw AVX512_VBMI:avx512vbmi \
-                  AVX512_VNNI:avx512_vnni AVX512_BF16:avx512_bf16; do
-        opt="${pair%%:*}"
-        # shellcheck disable=SC2046
-        if has $(echo "${pair#*:}" | tr ',' ' '); then out="$out -DGGML_$opt=ON"; else out="$out -DGGML_$opt=OFF"; fi
-      done
-      echo "$out -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ;;
+      CPU_CMAKE="-DGGML_NATIVE=ON"
+      # shellcheck disable=SC2086
+      if echo | "${CC:-cc}" $NO_AMX -x c -E - >/dev/null 2>&1; then CPU_CFLAGS="$NO_AMX"; else CPU_CFLAGS=""; fi
+      # a native build is this CPU's: its identity goes into the build key
+      CPU_ID="$(grep -m1 -e '^model name' "$ROOT/proc/cpuinfo" 2>/dev/null; grep -m1 '^flags' "$ROOT/proc/cpuinfo" 2>/dev/null || true)" ;;
     aarch64|arm64)
-      echo "-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16" ;;
+      CPU_CMAKE="-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16"; CPU_CFLAGS=""; CPU_ID="" ;;
     *)
-      echo "-DGGML_NATIVE=OFF" ;;
+      CPU_CMAKE="-DGGML_NATIVE=OFF"; CPU_CFLAGS=""; CPU_ID="" ;;
   esac
 }
 
@@ -99,11 +97,12 @@ if [ "$MODE" = auto ]; then
   fi
 fi
 
+[ "$MODE" = jetson ] && ARCH_NAME=aarch64
+cpu_options
 case "$MODE" in
   jetson)
-    ARCH_NAME=aarch64
     export CUDACXX="$ROOT/usr/local/cuda/bin/nvcc"
-    CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=87 -DGGML_CUDA_FA_QUANTS=all $(cpu_cmake_args)"
+    CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=87 -DGGML_CUDA_FA_QUANTS=all $CPU_CMAKE"
     WANT_GPU=1 ;;
   cuda)
     CUDACXX="$(find_nvcc)"
@@ -113,24 +112,27 @@ case "$MODE" in
       CAP="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .')"
       [ -n "$CAP" ] && ARCH="$CAP"
     fi
-    CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$ARCH -DGGML_CUDA_FA_QUANTS=all $(cpu_cmake_args)"
+    CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$ARCH -DGGML_CUDA_FA_QUANTS=all $CPU_CMAKE"
     WANT_GPU=1 ;;
   cpu)
-    CMAKE_ARGS="$(cpu_cmake_args)"
+    CMAKE_ARGS="$CPU_CMAKE"
     WANT_GPU=0 ;;
   *) echo "install-llama-cpp: unknown mode '$MODE' (auto, jetson, cuda, cpu)" >&2; exit 2 ;;
 esac
 export CMAKE_ARGS FORCE_CMAKE=1
+# CMake takes its initial C/C++ flags from CFLAGS/CXXFLAGS
+export CFLAGS="${CPU_CFLAGS}${CFLAGS:+ $CFLAGS}" CXXFLAGS="${CPU_CFLAGS}${CXXFLAGS:+ $CXXFLAGS}"
 
 # The build's identity: version, mode and options. pip's own wheel cache keys an
 # sdist build by its URL alone and would hand back a wheel built with other options.
-BUILD_KEY="$(printf '%s|%s|%s' "$VERSION" "$MODE" "$CMAKE_ARGS" | sha256sum | cut -c1-16)"
+BUILD_KEY="$(printf '%s|%s|%s|%s|%s' "$VERSION" "$MODE" "$CMAKE_ARGS" "$CFLAGS" "$CPU_ID" | sha256sum | cut -c1-16)"
 WHEEL_DIR="$WHEEL_CACHE/llama_cpp_python-$VERSION-$MODE-$BUILD_KEY"
 PIP_WHEEL=(wheel --no-deps --no-cache-dir --no-binary llama-cpp-python -w "$WHEEL_DIR" "llama-cpp-python==$VERSION")
 
 echo "install-llama-cpp: mode=$MODE version=$VERSION arch=$ARCH_NAME"
 [ -n "${CUDACXX:-}" ] && echo "install-llama-cpp: CUDACXX=$CUDACXX"
 echo "install-llama-cpp: CMAKE_ARGS=$CMAKE_ARGS"
+echo "install-llama-cpp: CFLAGS=$CFLAGS"
 echo "install-llama-cpp: build $BUILD_KEY, wheel cache $WHEEL_DIR"
 echo "install-llama-cpp: $PYTHON -m pip ${PIP_WHEEL[*]}"
 [ "$DRY_RUN" = 1 ] && exit 0

@@ -34,11 +34,6 @@ SAPPHIRE_RAPIDS = (
     "cldemote movdiri movdir64b md_clear serialize tsxldtrk amx_bf16 avx512_fp16 amx_tile "
     "amx_int8 flush_l1d arch_capabilities"
 )
-SANDY_BRIDGE = (
-    "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr "
-    "sse sse2 ss ht syscall nx rdtscp lm constant_tsc pni pclmulqdq ssse3 cx16 sse4_1 sse4_2 "
-    "x2apic popcnt aes xsave avx hypervisor lahf_lm"
-)
 
 
 def cpuinfo(root: Path, flags: str) -> None:
@@ -116,8 +111,8 @@ def test_nvcc_with_driver_gets_cuda_build(tmp_path: Path) -> None:
     r = run(root, [bindir])
     assert r.returncode == 0, r.stderr
     assert "mode=cuda" in r.stdout
-    assert "-DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA_QUANTS=all -DGGML_NATIVE=OFF" in r.stdout
-    assert "-DGGML_AMX_INT8=OFF" in r.stdout  # the host side of a GPU build too
+    assert "-DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA_QUANTS=all -DGGML_NATIVE=ON" in r.stdout
+    assert cflags(r.stdout) == NO_AMX  # the host side of a GPU build too
 
 
 def test_nvcc_without_a_gpu_stays_cpu(tmp_path: Path) -> None:
@@ -143,53 +138,59 @@ def cmake_options(stdout: str) -> dict[str, str]:
     return dict(o.removeprefix("-D").split("=", 1) for o in opts)
 
 
-def test_sapphire_rapids_keeps_its_simd_and_leaves_amx_out(tmp_path: Path, empty_bin: Path) -> None:
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def cflags(stdout: str) -> str:
+    return next(ln for ln in stdout.splitlines() if "CFLAGS=" in ln).split("CFLAGS=", 1)[1]
+
+
+def test_x86_builds_for_this_cpu_with_amx_switched_off(tmp_path: Path, empty_bin: Path) -> None:
     cpuinfo(tmp_path, SAPPHIRE_RAPIDS)
-    opts = cmake_options(run(tmp_path, [empty_bin]).stdout)
-    assert opts["GGML_NATIVE"] == "OFF"
-    on = {"SSE42", "AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512"}
-    on |= {"AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"}
-    assert {k for k, v in opts.items() if v == "ON"} == {f"GGML_{o}" for o in on}
-    assert opts["GGML_AMX_TILE"] == opts["GGML_AMX_INT8"] == opts["GGML_AMX_BF16"] == "OFF"
+    out = run(tmp_path, [empty_bin]).stdout
+    assert cmake_options(out) == {"GGML_NATIVE": "ON"}
+    assert cflags(out) == NO_AMX
 
 
-def test_every_switch_is_explicit_so_an_old_cpu_gets_no_avx2(
+def test_the_compiler_lets_the_explicit_no_amx_win_over_march(
     tmp_path: Path, empty_bin: Path
 ) -> None:
-    # with GGML_NATIVE off the vendored CMake defaults AVX2/FMA/F16C/BMI2 to ON
-    cpuinfo(tmp_path, SANDY_BRIDGE)
-    opts = cmake_options(run(tmp_path, [empty_bin]).stdout)
-    assert opts["GGML_AVX"] == opts["GGML_SSE42"] == "ON"
-    for off in ("AVX2", "FMA", "F16C", "BMI2", "AVX512", "AVX_VNNI"):
-        assert opts[f"GGML_{off}"] == "OFF", off
+    # what the build relies on: with the script's flags, -march of a CPU with AMX
+    # (in either order) keeps AVX-512 VNNI/BF16 but defines no AMX macro, so ggml
+    # compiles no AMX kernels (ggml-cpu/amx/*.cpp are guarded by __AMX_INT8__)
+    cpuinfo(tmp_path, SAPPHIRE_RAPIDS)
+    flags = cflags(run(tmp_path, [empty_bin]).stdout).split()
+    for argv in (["-march=sapphirerapids", *flags], [*flags, "-march=sapphirerapids"]):
+        macros = subprocess.run(
+            ["cc", *argv, "-dM", "-E", "-x", "c", "/dev/null"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert "__AVX512VNNI__" in macros and "__AVX512BF16__" in macros
+        assert "__AMX" not in macros
 
 
-def test_amd_epyc_without_avx512(tmp_path: Path, empty_bin: Path) -> None:
+def test_a_compiler_that_knows_no_amx_gets_no_flags(tmp_path: Path) -> None:
+    bindir = tmp_path / "bin"
+    fake_tool(bindir, "cc", "exit 1")  # an old compiler: no -mno-amx-int8, so no AMX either
     cpuinfo(tmp_path, EPYC_ZEN3)
-    opts = cmake_options(run(tmp_path, [empty_bin]).stdout)
-    assert opts["GGML_AVX2"] == opts["GGML_FMA"] == opts["GGML_F16C"] == "ON"
-    assert opts["GGML_AVX512"] == opts["GGML_AVX_VNNI"] == "OFF"
-
-
-def test_avx512_needs_every_part_ggml_compiles_for(tmp_path: Path, empty_bin: Path) -> None:
-    # ggml's AVX512 switch adds -mavx512cd/vl/dq/bw too: a CPU with only avx512f stays off
-    cpuinfo(tmp_path, SANDY_BRIDGE + " avx2 fma f16c bmi2 avx512f")
-    assert cmake_options(run(tmp_path, [empty_bin]).stdout)["GGML_AVX512"] == "OFF"
+    out = run(tmp_path, [bindir]).stdout
+    assert cmake_options(out) == {"GGML_NATIVE": "ON"} and cflags(out) == ""
 
 
 def test_cpu_arm64_build_names_the_orin_cpu(tmp_path: Path, empty_bin: Path) -> None:
     opts = cmake_options(run(tmp_path, [empty_bin], "--mode", "cpu", arch="aarch64").stdout)
     assert opts == {"GGML_NATIVE": "OFF", "GGML_CPU_ARM_ARCH": "armv8.2-a+dotprod+fp16"}
+    assert "CFLAGS=\n" in run(tmp_path, [empty_bin], "--mode", "cpu", arch="aarch64").stdout
 
 
-def test_the_wheel_cache_is_keyed_by_the_build_options(tmp_path: Path, empty_bin: Path) -> None:
+def test_the_wheel_cache_is_keyed_by_the_cpu_and_options(tmp_path: Path, empty_bin: Path) -> None:
     def cache_dir(flags: str) -> str:
         cpuinfo(tmp_path, flags)
         out = run(tmp_path, [empty_bin]).stdout
         return next(ln for ln in out.splitlines() if "wheel cache" in ln).rsplit(" ", 1)[1]
 
     spr, epyc = cache_dir(SAPPHIRE_RAPIDS), cache_dir(EPYC_ZEN3)
-    assert spr != epyc
+    assert spr != epyc  # a native build belongs to its CPU
     assert cache_dir(SAPPHIRE_RAPIDS) == spr
     assert spr.startswith(str(tmp_path / ".cache/orin-llm/wheels/llama_cpp_python-0.3.36-cpu-"))
 
