@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from orin import params
 from orin.engine.errors import InvalidRequest
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -13,24 +14,28 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request generation settings; ``validate`` names the offending parameter."""
+    """Per-request generation settings; ``validate`` names the offending parameter.
 
-    max_tokens: int = 256
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    penalty_last_n: int = 64
-    seed: int | None = None
+    Defaults and bounds come from ``orin.params``, the table the profile schema
+    and the request models use too.
+    """
+
+    max_tokens: int = params.MAX_TOKENS.default
+    temperature: float = params.TEMPERATURE.default
+    top_k: int = params.TOP_K.default
+    top_p: float = params.TOP_P.default
+    min_p: float = params.MIN_P.default
+    repeat_penalty: float = params.REPEAT_PENALTY.default
+    presence_penalty: float = params.PRESENCE_PENALTY.default
+    frequency_penalty: float = params.FREQUENCY_PENALTY.default
+    penalty_last_n: int = params.PENALTY_LAST_N.default
+    seed: int | None = params.SEED.default
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     grammar: str | None = None
-    logprobs: int | None = None  # top-N log-probabilities per token; None = off
+    logprobs: int | None = params.LOGPROBS.default  # top-N log-probabilities per token
 
     @property
     def greedy(self) -> bool:
@@ -45,36 +50,27 @@ class SamplingParams:
         )
 
     def validate(self, n_vocab: int) -> None:
-        _range("max_tokens", self.max_tokens, 1, 1 << 24)
-        _range("temperature", self.temperature, 0.0, 5.0)
-        _range("top_k", self.top_k, 0, n_vocab)
-        _range("top_p", self.top_p, 0.0, 1.0)
-        _range("min_p", self.min_p, 0.0, 1.0)
-        _range("repeat_penalty", self.repeat_penalty, 0.01, 10.0)
-        _range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _range("penalty_last_n", self.penalty_last_n, -1, 1 << 20)
-        if self.seed is not None:
-            _range("seed", self.seed, 0, (1 << 32) - 1)
-        if self.logprobs is not None:
-            _range("logprobs", self.logprobs, 0, 20)
+        """Check every value against the table. ``top_k`` may exceed the vocabulary
+        (llama.cpp keeps all candidates then), so a profile default never depends on
+        the model."""
+        for p in params.SAMPLING:
+            value = getattr(self, p.name)
+            problem = None if value is None else p.problem(value)
+            if problem is not None:
+                raise InvalidRequest(p.name, problem)
+        limit = params.LOGIT_BIAS_LIMIT
         for token, bias in self.logit_bias.items():
             if not 0 <= token < n_vocab:
                 raise InvalidRequest("logit_bias", f"token id {token} is not in the vocabulary")
-            if not (math.isinf(bias) and bias < 0) and not -100.0 <= bias <= 100.0:
+            if not (math.isinf(bias) and bias < 0) and not -limit <= bias <= limit:
                 raise InvalidRequest("logit_bias", f"bias {bias} for token {token} is out of range")
         for token in self.stop_token_ids:
             if not 0 <= token < n_vocab:
                 raise InvalidRequest("stop_token_ids", f"token id {token} is not in the vocabulary")
-        if len(self.stop) > 16 or any(not s for s in self.stop):
-            raise InvalidRequest("stop", "at most 16 non-empty stop strings")
-
-
-def _range(name: str, value: float, lo: float, hi: float) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidRequest(name, f"must be a finite number, got {value}")
-    if not lo <= value <= hi:
-        raise InvalidRequest(name, f"must be between {lo} and {hi}, got {value}")
+        if len(self.stop) > params.MAX_STOP_STRINGS or any(not s for s in self.stop):
+            raise InvalidRequest(
+                "stop", f"at most {params.MAX_STOP_STRINGS} non-empty stop strings"
+            )
 
 
 @dataclass(frozen=True)

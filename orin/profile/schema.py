@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from orin import params
 
 KVType = Literal["auto", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
 FlashAttn = Literal["auto", "on", "off"]
@@ -158,16 +160,23 @@ class ContextSection(_Section):
     )
 
 
+def _table(p: params.Param[Any]) -> Any:
+    """A field with the default, bounds and meaning of the sampling table's ``p``."""
+    return Field(p.default, ge=p.ge, gt=p.gt, le=p.le, description=p.description)
+
+
 class SamplingSection(_Section):
-    temperature: float = Field(0.8, ge=0.0, le=5.0, description="Default sampling temperature.")
-    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Default nucleus sampling mass.")
-    top_k: int = Field(40, ge=0, le=1000, description="Default top-k; 0 disables it.")
-    min_p: float = Field(0.05, ge=0.0, le=1.0, description="Default min-p cut-off.")
-    repeat_penalty: float = Field(1.0, ge=0.0, le=5.0, description="Default repetition penalty.")
-    max_tokens: int = Field(
-        512, ge=1, le=1_048_576, description="Default completion length when a request sets none."
-    )
-    seed: int | None = Field(None, ge=0, description="Default seed; none = random per request.")
+    """Defaults for the requests that leave a parameter out. The bounds are those
+    of orin.params, which the request models and the engine use too, so a
+    default the profile accepts is one every request may carry."""
+
+    temperature: float = _table(params.TEMPERATURE)
+    top_p: float = _table(params.TOP_P)
+    top_k: int = _table(params.TOP_K)
+    min_p: float = _table(params.MIN_P)
+    repeat_penalty: float = _table(params.REPEAT_PENALTY)
+    max_tokens: int = _table(params.MAX_TOKENS)
+    seed: int | None = _table(params.SEED)
 
 
 class SLOSection(_Section):

@@ -1,22 +1,25 @@
 """Every wire model of the OpenAI-compatible API, and their conversion to engine terms.
 
 Requests are lenient (unknown OpenAI fields are accepted and logged, never an
-error), but every known field is bounded, and each request owns its
-conversion to ``SamplingParams``.
+error), but every known field is bounded by the table in ``orin.params`` (the
+one the profile schema and the engine use), and each request owns its
+conversion to ``SamplingParams``. The response shapes are typed dicts, built by
+the formatters in ``responses.py``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import time
-from typing import Any, Literal, cast
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypedDict, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from orin import params
+from orin.engine import grammar
 from orin.engine.errors import InvalidRequest
 from orin.engine.stream import Completion
-from orin.engine.types import RequestTimings, SamplingParams, TokenLogprob
+from orin.engine.types import FinishReason, RequestTimings, SamplingParams, TokenLogprob
 from orin.profile.schema import SamplingSection
 
 log = logging.getLogger("orin.server")
@@ -59,18 +62,24 @@ class ChatMessage(_Lenient):
         return self.content or ""
 
 
+def _optional(p: params.Param[Any]) -> Any:
+    """A request field bounded by the table's ``p``; left out, the profile's
+    default (or the table's) applies."""
+    return Field(None, ge=p.ge, gt=p.gt, le=p.le, description=p.description)
+
+
 class _Common(_Lenient):
-    """Fields shared by chat and text completions (OpenAI's bounds, plus llama.cpp's)."""
+    """Fields shared by chat and text completions (OpenAI's, plus llama.cpp's)."""
 
     model: str | None = Field(None, description="Must name the served model when given.")
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, le=1000)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=2**32 - 1)
+    temperature: float | None = _optional(params.TEMPERATURE)
+    top_p: float | None = _optional(params.TOP_P)
+    top_k: int | None = _optional(params.TOP_K)
+    min_p: float | None = _optional(params.MIN_P)
+    repeat_penalty: float | None = _optional(params.REPEAT_PENALTY)
+    presence_penalty: float | None = _optional(params.PRESENCE_PENALTY)
+    frequency_penalty: float | None = _optional(params.FREQUENCY_PENALTY)
+    seed: int | None = _optional(params.SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
@@ -89,17 +98,18 @@ class _Common(_Lenient):
         raise NotImplementedError
 
     def to_sampling(self, defaults: SamplingSection, cap: int) -> SamplingParams:
-        """Engine parameters; the profile supplies what the request leaves out."""
+        """Engine parameters; the profile supplies what the request leaves out
+        (``max_tokens`` too, on both endpoints), and ``cap`` bounds the length."""
         requested = self.max_new_tokens()
         return SamplingParams(
-            max_tokens=min(requested or defaults.max_tokens, cap),
+            max_tokens=min(defaults.max_tokens if requested is None else requested, cap),
             temperature=_pick(self.temperature, defaults.temperature),
             top_k=_pick(self.top_k, defaults.top_k),
             top_p=_pick(self.top_p, defaults.top_p),
             min_p=_pick(self.min_p, defaults.min_p),
             repeat_penalty=_pick(self.repeat_penalty, defaults.repeat_penalty),
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=_pick(self.presence_penalty, params.PRESENCE_PENALTY.default),
+            frequency_penalty=_pick(self.frequency_penalty, params.FREQUENCY_PENALTY.default),
             seed=self.seed if self.seed is not None else defaults.seed,
             logit_bias=_logit_bias(self.logit_bias),
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
@@ -115,18 +125,10 @@ class _Common(_Lenient):
             return self.grammar
         if self.grammar:
             raise InvalidRequest("grammar", "give either grammar or response_format, not both")
-        from llama_cpp import llama_grammar
-
         if fmt.type == "json_object":
-            return str(llama_grammar.JSON_GBNF)
-        if fmt.json_schema is None or not fmt.json_schema.schema_:
-            raise InvalidRequest("response_format.json_schema", "a json_schema needs a schema")
-        try:
-            return str(llama_grammar.json_schema_to_gbnf(json.dumps(fmt.json_schema.schema_)))
-        except Exception as exc:  # the converter raises plain exceptions on bad schemas
-            raise InvalidRequest(
-                "response_format.json_schema", f"cannot turn the schema into a grammar: {exc}"
-            ) from exc
+            return grammar.json_grammar()
+        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else {}
+        return grammar.json_schema_grammar(schema, "response_format.json_schema")
 
 
 def _pick(value: Any, default: Any) -> Any:
@@ -140,18 +142,27 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
             token = int(key)
         except ValueError:
             raise InvalidRequest("logit_bias", f"key {key!r} is not a token id") from None
-        if not -100.0 <= bias <= 100.0:
-            raise InvalidRequest("logit_bias", f"bias {bias} for token {token} is outside ±100")
+        if not -params.LOGIT_BIAS_LIMIT <= bias <= params.LOGIT_BIAS_LIMIT:
+            raise InvalidRequest(
+                "logit_bias",
+                f"bias {bias} for token {token} is outside ±{params.LOGIT_BIAS_LIMIT:g}",
+            )
         out[token] = bias
     return out
 
 
+# not bounded above: a request's length is capped by server.max_tokens_limit, never refused
+_MAX_TOKENS = "Tokens to generate at most; none = the profile's sampling.max_tokens."
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=params.MAX_TOKENS.lo, description=_MAX_TOKENS)
+    max_completion_tokens: int | None = Field(
+        None, ge=params.MAX_TOKENS.lo, description=_MAX_TOKENS
+    )
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = _optional(params.LOGPROBS)
     tools: list[Any] | None = None
 
     @model_validator(mode="after")
@@ -169,8 +180,8 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(None, ge=params.MAX_TOKENS.lo, description=_MAX_TOKENS)
+    logprobs: int | None = _optional(params.LOGPROBS)
     echo: bool = False
 
     @field_validator("prompt")
@@ -196,10 +207,111 @@ class CompletionRequest(_Common):
         return p if isinstance(p, str) else [int(t) for t in cast(list[int], p)]
 
 
-# -- responses --------------------------------------------------------------------
+# -- responses -------------------------------------------------------------------------
 
 
-def usage(c: Completion) -> dict[str, Any]:
+class PromptTokensDetails(TypedDict):
+    cached_tokens: int
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatLogprob):
+    top_logprobs: list[ChatLogprob]
+
+
+class ChatLogprobs(TypedDict):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(TypedDict):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class _Choice(TypedDict):
+    index: int
+    finish_reason: FinishReason | None
+
+
+class _TokenIds(TypedDict, total=False):  # with return_token_ids
+    token_ids: list[int]
+    prompt_token_ids: list[int]  # full responses only
+
+
+class AssistantMessage(TypedDict):
+    role: Literal["assistant"]
+    content: str
+
+
+class Delta(TypedDict, total=False):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Choice, _TokenIds):
+    logprobs: ChatLogprobs | None
+    message: AssistantMessage
+
+
+class ChatChunkChoice(_Choice, _TokenIds):
+    logprobs: ChatLogprobs | None
+    delta: Delta
+
+
+class TextChoice(_Choice, _TokenIds):
+    logprobs: CompletionLogprobs | None
+    text: str
+
+
+class Envelope(TypedDict):
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class Figures(TypedDict, total=False):  # in full responses; a stream's final chunk
+    usage: Usage
+    timings: dict[str, Any] | None
+
+
+class ChatCompletion(Envelope, Figures):
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(Envelope, Figures):
+    choices: list[ChatChunkChoice]
+
+
+class TextCompletion(Envelope, Figures):
+    choices: list[TextChoice]  # also each chunk of a streamed text completion
+
+
+FullResponse = ChatCompletion | TextCompletion
+Chunk = ChatCompletionChunk | TextCompletion
+
+
+Piece = Callable[[int], bytes]
+
+
+# -- response parts ---------------------------------------------------------------------------
+
+
+def usage(c: Completion) -> Usage:
     t = c.timings
     prompt = t.prompt_tokens if t else 0
     out = len(c.token_ids)
@@ -235,16 +347,10 @@ def timings(t: RequestTimings | None) -> dict[str, Any] | None:
     }
 
 
-def chat_logprobs(
-    items: tuple[TokenLogprob, ...] | list[TokenLogprob], piece: Any
-) -> dict[str, Any]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        raw: bytes = piece(token_id)
-        return {
-            "token": raw.decode("utf-8", "replace"),
-            "logprob": logprob,
-            "bytes": list(raw),
-        }
+def chat_logprobs(items: Sequence[TokenLogprob], piece: Piece) -> ChatLogprobs:
+    def entry(token_id: int, logprob: float) -> ChatLogprob:
+        raw = piece(token_id)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
 
     return {
         "content": [
@@ -257,9 +363,7 @@ def chat_logprobs(
     }
 
 
-def completion_logprobs(
-    items: tuple[TokenLogprob, ...] | list[TokenLogprob], piece: Any
-) -> dict[str, Any]:
+def completion_logprobs(items: Sequence[TokenLogprob], piece: Piece) -> CompletionLogprobs:
     tokens = [piece(lp.token_id).decode("utf-8", "replace") for lp in items]
     offsets, pos = [], 0
     for t in tokens:
@@ -274,7 +378,3 @@ def completion_logprobs(
         ],
         "text_offset": offsets,
     }
-
-
-def envelope(kind: str, request_id: str, model: str) -> dict[str, Any]:
-    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model}

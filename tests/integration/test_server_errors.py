@@ -56,6 +56,7 @@ def error_of(r: httpx.Response) -> dict[str, Any]:
     [
         ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "x", "temperature": 2.5}, "temperature"),
+        ({"prompt": "x", "repeat_penalty": 0}, "repeat_penalty"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": 5}, "prompt"),
         ({"prompt": "x", "stream": "yes please"}, "stream"),
@@ -155,6 +156,37 @@ def test_max_tokens_is_capped_by_the_profile(server: tuple[str, ServerState]) ->
     assert r.json()["usage"]["completion_tokens"] == 50
 
 
+EDGE_DEFAULTS = """
+engine: {n_ctx: 256, slots: 1, n_batch: 64, n_ubatch: 64}
+sampling: {repeat_penalty: 0.01, temperature: 2.0, max_tokens: 7}
+server: {model_name: demo}
+"""
+
+
+def test_the_profiles_sampling_defaults_serve_every_request() -> None:
+    """Defaults at the table's edges are ones the engine takes (no 400 blaming the
+    client), and an unset max_tokens is the profile's on both endpoints."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    with live_server(demo.ensure("tiny", "f16"), EDGE_DEFAULTS) as (base, _):
+        for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", chat)):
+            for stream in (False, True):
+                r = httpx.post(
+                    base + path,
+                    json={**body, "ignore_eos": True, "stream": stream,
+                          "stream_options": {"include_usage": True} if stream else None},
+                    timeout=60,
+                )  # fmt: skip
+                assert r.status_code == 200, r.text
+                usage = (
+                    json.loads(r.text.split("data: ")[-2])["usage"] if stream else r.json()["usage"]
+                )
+                assert usage["completion_tokens"] == 7, (path, stream)
+            r = httpx.post(
+                base + path, json={**body, "max_tokens": 2, "temperature": 2.0}, timeout=60
+            )
+            assert r.status_code == 200, r.text
+
+
 def test_queue_full_is_429_with_retry_after(server: tuple[str, ServerState]) -> None:
     from orin.engine.types import SamplingParams
 
@@ -187,8 +219,8 @@ def test_draining_is_503(server: tuple[str, ServerState]) -> None:
 def test_loading_is_503() -> None:
     from fastapi.testclient import TestClient
 
-    from orin.cli.serve import build_server
     from orin.profile.loader import parse_profile
+    from orin.server.main import build_server
 
     profile = parse_profile("name: t\nengine: {n_ctx: 256, slots: 1, n_batch: 64, n_ubatch: 64}\n")
     _, state = build_server(profile, demo.ensure("tiny", "f16"))  # engine not started

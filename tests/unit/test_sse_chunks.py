@@ -1,52 +1,178 @@
-"""Token chunks built around the encoded text match the chunks built in full."""
+"""The formatters' chunks, and the pre-encoded fast path held equal to them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from orin.engine.types import TokenEvent, TokenLogprob
+from orin.engine.stream import Completion
+from orin.engine.types import RequestTimings, TokenEvent, TokenLogprob, TopLogprob
 from orin.server import protocol
-from orin.server.app import TokenChunks, _event_chunk
-from orin.server.sse import event
+from orin.server.responses import (
+    ChatFormatter,
+    CompletionFormatter,
+    Formatter,
+    TokenChunks,
+    encode,
+    sse_events,
+)
 
 TEXTS = ["hello", ' "quoted" ', "back\\slash", "line\nbreak\ttab", "naïve 日本 🚀", "\x00\x1f", ""]
+LOGPROB = TokenLogprob(7, -0.5, (TopLogprob(7, "a", -0.5), TopLogprob(9, "é", -1.25)))
+TIMINGS = RequestTimings(
+    queue_ms=1.0,
+    prefill_ms=4.0,
+    ttft_ms=5.0,
+    tpot_ms=2.0,
+    e2e_ms=9.0,
+    itl_ms=(2.0, 2.0),
+    prompt_tokens=6,
+    cached_tokens=2,
+    generated_tokens=3,
+    context_shifts=0,
+)
 
 
-def parsed(chunk: bytes) -> dict[str, object]:
+def served() -> Any:
+    return SimpleNamespace(
+        model_name='demo "tiny" ü',
+        engine_piece=lambda t: "é".encode() if t == 9 else b"a",
+        detokenize=lambda ids: "<prompt>",
+        timings=protocol.timings,
+    )
+
+
+def formatter(kind: str, **fields: Any) -> Formatter:
+    if kind == "chat":
+        chat = protocol.ChatCompletionRequest(
+            messages=[{"role": "user", "content": "hi"}], **fields
+        )
+        return ChatFormatter(served(), chat, "req-1")
+    return CompletionFormatter(served(), protocol.CompletionRequest(prompt="hi", **fields), "req-1")
+
+
+def parsed(chunk: bytes) -> dict[str, Any]:
     assert chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
     assert b"\n" not in chunk[:-2]  # one SSE data line
-    data = json.loads(chunk[6:-2])
-    data.pop("created")
-    return dict(data)
+    return dict(json.loads(chunk[6:-2]))
 
 
 @pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("ids", [False, True])
+@pytest.mark.parametrize("logprob", [None, LOGPROB])
 @pytest.mark.parametrize("text", TEXTS)
-def test_plain_token_chunk_matches_the_full_build(kind: str, text: str) -> None:
-    state = SimpleNamespace(model_name='demo "tiny"', engine_piece=lambda t: b"x")
-    body = (
-        protocol.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
-        if kind == "chat"
-        else protocol.CompletionRequest(prompt="hi")
-    )
-    chunks = TokenChunks(state, body, "req-1", kind)  # type: ignore[arg-type]
-    e = TokenEvent("req-1", 5, text, None)
-    full = event(_event_chunk(state, body, "req-1", kind, e))  # type: ignore[arg-type]
-    assert parsed(chunks.token(e)) == parsed(full)
-    got = parsed(chunks.token(e))["choices"][0]  # type: ignore[index]
-    assert (got["delta"]["content"] if kind == "chat" else got["text"]) == text
+def test_every_token_chunk_is_the_full_encoding_of_the_typed_chunk(
+    kind: str, ids: bool, logprob: TokenLogprob | None, text: str
+) -> None:
+    fmt = formatter(kind, return_token_ids=ids)
+    e = TokenEvent("req-1", 7, text, logprob)
+    full = json.dumps(fmt.chunk(e), ensure_ascii=False)
+    assert TokenChunks(fmt).token(e) == b"data: " + full.encode() + b"\n\n"
+    choice = parsed(TokenChunks(fmt).token(e))["choices"][0]
+    assert (choice["delta"]["content"] if kind == "chat" else choice["text"]) == text
+    assert ("token_ids" in choice) is ids and choice.get("token_ids", [7]) == [7]
+    assert (choice["logprobs"] is None) is (logprob is None)
 
 
-def test_chunks_with_ids_or_logprobs_are_built_in_full() -> None:
-    state = SimpleNamespace(model_name="m", engine_piece=lambda t: b"x")
-    body = protocol.CompletionRequest(prompt="hi", return_token_ids=True)
-    chunks = TokenChunks(state, body, "r", "text")  # type: ignore[arg-type]
-    choice = parsed(chunks.token(TokenEvent("r", 7, "a", None)))["choices"][0]  # type: ignore[index]
-    assert choice["token_ids"] == [7] and choice["text"] == "a"
-    plain = TokenChunks(state, protocol.CompletionRequest(prompt="hi"), "r", "text")  # type: ignore[arg-type]
-    lp = TokenLogprob(7, -0.5, ())
-    choice = parsed(plain.token(TokenEvent("r", 7, "a", lp)))["choices"][0]  # type: ignore[index]
-    assert choice["logprobs"]["token_logprobs"] == [-0.5]
+def test_token_chunks_carry_the_envelope_of_their_endpoint() -> None:
+    chat = parsed(TokenChunks(formatter("chat")).token(TokenEvent("req-1", 7, "x")))
+    text = parsed(TokenChunks(formatter("text")).token(TokenEvent("req-1", 7, "x")))
+    assert chat["object"] == "chat.completion.chunk" and text["object"] == "text_completion"
+    for chunk in (chat, text):
+        assert chunk["id"] == "req-1" and chunk["model"] == 'demo "tiny" ü'
+        assert chunk["choices"][0]["finish_reason"] is None
+
+
+def test_logprobs_in_chunks_for_each_endpoint() -> None:
+    e = TokenEvent("req-1", 7, "a", LOGPROB)
+    chat = parsed(TokenChunks(formatter("chat")).token(e))["choices"][0]["logprobs"]
+    assert chat["content"][0]["logprob"] == -0.5 and chat["content"][0]["bytes"] == [97]
+    assert [t["token"] for t in chat["content"][0]["top_logprobs"]] == ["a", "é"]
+    text = parsed(TokenChunks(formatter("text")).token(e))["choices"][0]["logprobs"]
+    assert text == {
+        "tokens": ["a"],
+        "token_logprobs": [-0.5],
+        "top_logprobs": [{"a": -0.5, "é": -1.25}],
+        "text_offset": [0],
+    }
+
+
+def completion(finish: str = "length") -> Completion:
+    return Completion("req-1", "abc", (7, 8, 9), (LOGPROB,), finish, TIMINGS)  # type: ignore[arg-type]
+
+
+def test_full_responses() -> None:
+    chat = formatter("chat", return_token_ids=True).response(completion(), [1, 2])
+    assert chat["object"] == "chat.completion"
+    choice = chat["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "abc"}
+    assert choice["finish_reason"] == "length" and choice["logprobs"] is not None
+    assert (choice["token_ids"], choice["prompt_token_ids"]) == ([7, 8, 9], [1, 2])
+    assert chat["usage"] == {
+        "prompt_tokens": 6,
+        "completion_tokens": 3,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+    assert chat["timings"] is not None and chat["timings"]["prompt_n"] == 4
+    text = formatter("text", echo=True).response(completion(), [1, 2])
+    assert text["object"] == "text_completion"
+    assert text["choices"][0]["text"] == "<prompt>abc" and "token_ids" not in text["choices"][0]
+    assert json.loads(json.dumps(text)) == text  # plain JSON all through
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_final_and_usage_chunks(kind: str, include_usage: bool) -> None:
+    fmt = formatter(kind, stream_options={"include_usage": include_usage})
+    final = parsed(encode(fmt.final_chunk(completion("stop"))))
+    assert final["choices"][0]["finish_reason"] == "stop"
+    assert final["choices"][0].get("delta", final["choices"][0].get("text")) in ({}, "")
+    assert final["timings"]["predicted_n"] == 3
+    assert ("usage" in final) is not include_usage  # the usage chunk carries it then
+    usage = parsed(encode(fmt.usage_chunk(completion("stop"))))
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 9
+
+
+class FakeStream:
+    """A request stream that hands out ready-made batches of events."""
+
+    def __init__(self, batches: list[list[TokenEvent]]) -> None:
+        self.request_id = "req-1"
+        self.batches = batches
+        self.cancelled = False
+
+    async def next_batch(self) -> list[TokenEvent]:
+        return self.batches.pop(0) if self.batches else []
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_streamed_chat_from_opening_to_done() -> None:
+    fmt = formatter("chat", stream_options={"include_usage": True})
+    batches = [
+        [TokenEvent("req-1", 7, "a")],
+        [TokenEvent("req-1", 8, ""), TokenEvent("req-1", 9, "bc")],
+        [TokenEvent("req-1", None, "!", finish_reason="stop", timings=TIMINGS)],
+    ]
+    stream = FakeStream(batches)
+    finished: list[Completion] = []
+
+    async def run() -> list[bytes]:
+        return [b async for b in sse_events(fmt, stream, finished.append)]  # type: ignore[arg-type]
+
+    out = b"".join(asyncio.run(run()))
+    events = [e for e in out.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [c["choices"][0]["delta"].get("content") for c in chunks[1:-2]]
+    assert deltas == ["a", "bc", "!"]  # the empty text sends nothing
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and "usage" not in chunks[-2]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert finished[0].text == "abc!" and stream.cancelled
