@@ -260,12 +260,12 @@ def breakdown_engine(
         steps.append((stats, seq_runs([s.id for s in eng.scheduler.slots if s.busy])))
 
     runner.decode = _timed(runner.decode, calls)  # type: ignore[method-assign]
-    eng.step_observers.append(observe)
+    eng.add_step_observer(observe)
     try:
         run_engine(eng, prompts, n)
     finally:
         del runner.decode
-        eng.step_observers.remove(observe)
+        eng.remove_step_observer(observe)
     out: list[tuple[float, float, int]] = []
     for (a, runs), (b, _) in itertools.pairwise(steps):
         # steady state: every stream decoding, no prompt in the step or in the next one

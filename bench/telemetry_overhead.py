@@ -28,9 +28,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from orin.server.metrics import PhaseMetrics
 from orin.system.commands import SubprocessRunner
 from orin.telemetry.live import PhaseTracker
+from orin.telemetry.metrics import PhaseMetrics
 from orin.telemetry.sampler import Sampler
 from orin.telemetry.sources import select_source
 from tests.fakeboards_telemetry import agx_orin_64gb

@@ -73,6 +73,7 @@ class Backend:
                 "sliding window is unavailable; set context.sliding: false (or --window off)"
             )
         self._pieces: dict[int, bytes] = {}
+        self._eog: tuple[int, ...] | None = None
 
     def _load_model(self) -> Any:
         lib, cfg = self.lib, self.cfg
@@ -147,8 +148,15 @@ class Backend:
     def is_eog(self, token: int) -> bool:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
 
-    def eog_tokens(self) -> list[int]:
-        return [t for t in range(self.n_vocab) if self.is_eog(t)]
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation token; one ctypes call per vocabulary entry, so it
+        is computed once per loaded model, when a request first needs it
+        (``ignore_eos``). Two threads that ask at once both compute the same answer."""
+        eog = self._eog
+        if eog is None:
+            is_eog, vocab = self.lib.llama_vocab_is_eog, self.vocab
+            eog = self._eog = tuple(t for t in range(self.n_vocab) if is_eog(vocab, t))
+        return eog
 
     def chat_template(self) -> str | None:
         raw = self.lib.llama_model_chat_template(self.model, None)

@@ -1,7 +1,9 @@
 """The engine thread: the one owner of every llama.cpp call.
 
-Requests enter through ``submit`` (any thread); the scheduler is guarded by a
-lock held only around scheduling and bookkeeping, never during a decode.
+Requests enter through ``submit`` (any thread; ``submit_async`` prepares them on
+a worker thread, off the event loop); the scheduler is guarded by a lock held
+only around scheduling and bookkeeping, never during a decode. ``Engine``
+implements ``EngineClient`` (client.py), all the server and telemetry see.
 Cancellation is a flag the loop checks before each step, so a client that
 goes away frees its slot and KV cells within one step. During a step with
 prompt chunks the flag also reaches llama.cpp's abort callback, which the CPU
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -21,6 +24,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from orin.engine.backend import Backend
+from orin.engine.chat import ChatTemplate
+from orin.engine.client import (
+    EngineClient,
+    EngineState,
+    EngineStatus,
+    FinishObserver,
+    Observers,
+    StepObserver,
+)
 from orin.engine.config import EngineConfig
 from orin.engine.errors import BackendError, EngineError, EngineStopped, InvalidRequest
 from orin.engine.request import ActiveRequest
@@ -28,13 +40,11 @@ from orin.engine.runner import Aborted, Runner
 from orin.engine.scheduler import Batch, Scheduler, Shift, Slot
 from orin.engine.stream import Completion, RequestStream, batched_delivery
 from orin.engine.timings import now_ns
-from orin.engine.types import FinishReason, RequestTimings, SamplingParams, StepStats, TokenEvent
+from orin.engine.types import FinishReason, SamplingParams, StepStats, TokenEvent
 from orin.model.gguf import ModelInfo
 
 log = logging.getLogger("orin.engine")
 
-StepObserver = Callable[[StepStats], None]
-FinishObserver = Callable[[str, FinishReason, RequestTimings], None]
 _ids = itertools.count(1)
 
 
@@ -42,11 +52,9 @@ class Engine:
     def __init__(
         self,
         cfg: EngineConfig,
-        backend_factory: Callable[[EngineConfig], Backend] = Backend,
         runner_factory: Callable[[Backend, int], Runner] = Runner,
     ) -> None:
         self.cfg = cfg
-        self._backend_factory = backend_factory
         self._runner_factory = runner_factory
         self.backend: Backend | None = None
         self.runner: Runner | None = None
@@ -58,12 +66,13 @@ class Engine:
         self._cancels: set[str] = set()
         self._abort_flag = False
         self._in_batch: set[str] = set()
-        self._state = "new"  # new, loading, ready, draining, stopped, failed
+        self._state: EngineState = "new"
         self._load_error: BaseException | None = None
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
-        self.step_observers: list[StepObserver] = []
-        self.finish_observers: list[FinishObserver] = []
+        self._chat: ChatTemplate | None = None
+        self.step_observers: Observers[StepObserver] = Observers()
+        self.finish_observers: Observers[FinishObserver] = Observers()
         self.heartbeat_ns = now_ns()
         self.step_started_ns: int | None = None  # set while a step runs (telemetry waits)
         self._stepping = False  # a batch was taken and its step has not ended
@@ -84,7 +93,7 @@ class Engine:
             raise self._load_error
 
     @property
-    def state(self) -> str:
+    def state(self) -> EngineState:
         return self._state
 
     def stop(self, drain: bool = True, timeout: float = 30.0) -> None:
@@ -122,17 +131,66 @@ class Engine:
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self._loaded().tokenize(text, add_special=add_special)
 
+    def detokenize(self, tokens: list[int]) -> str:
+        """Empty once the model is unloaded (a response still being written)."""
+        backend = self.backend
+        return backend.detokenize(tokens) if backend is not None else ""
+
+    def piece(self, token: int) -> bytes:
+        """The raw bytes of one token; empty once the model is unloaded."""
+        backend = self.backend
+        return backend.piece(token) if backend is not None else b""
+
+    def render_chat(self, messages: list[dict[str, str]]) -> tuple[str, bool]:
+        """(prompt, whether tokenizing should still add BOS), with the profile's chat
+        template or else the model's (built when the model loads)."""
+        chat = self._chat
+        if chat is None:
+            raise EngineStopped(f"the engine is {self._state}; the model is not loaded")
+        return chat.render(messages)
+
     def submit(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
         whole: bool = False,
     ) -> RequestStream:
         """Queue a request; raises QueueFull, ContextLengthExceeded, InvalidRequest,
         EngineStopped synchronously, so a server can answer with the right status.
         ``whole``: deliver the events only once the request has finished."""
+        return self._submit(prompt, params, request_id, None, whole)
+
+    async def submit_async(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        whole: bool = False,
+    ) -> RequestStream:
+        """``submit`` for an asyncio consumer. The preparation (tokenizing, a grammar's
+        parse, the sampler chain, penalties fed the whole prompt) runs on a worker
+        thread, so a large grammar or prompt does not stall the event loop; its
+        errors are raised here. A caller cancelled while it runs cancels the
+        request as soon as it is queued."""
+        loop = asyncio.get_running_loop()
+        prepared = loop.run_in_executor(
+            None, functools.partial(self._submit, prompt, params, request_id, loop, whole)
+        )
+        try:
+            return await asyncio.shield(prepared)
+        except asyncio.CancelledError:
+            prepared.add_done_callback(_cancel_orphan)
+            raise
+
+    def _submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        request_id: str | None,
+        loop: asyncio.AbstractEventLoop | None,
+        whole: bool,
+    ) -> RequestStream:
         backend = self._loaded()
         params = params or SamplingParams()
         params.validate(backend.n_vocab)
@@ -156,15 +214,6 @@ class Engine:
             self._requests[rid] = request
             self._lock.notify_all()
         return stream
-
-    async def submit_async(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        whole: bool = False,
-    ) -> RequestStream:
-        return self.submit(prompt, params, request_id, asyncio.get_running_loop(), whole)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Completion:
         """Blocking convenience for scripts and benchmarks."""
@@ -193,7 +242,40 @@ class Engine:
                 self._lock.wait(0.01)
             yield
 
+    # -- observers -------------------------------------------------------------
+
+    def add_step_observer(self, fn: StepObserver) -> None:
+        """``fn(stats)`` after every step, on the engine thread."""
+        self.step_observers.add(fn)
+
+    def remove_step_observer(self, fn: StepObserver) -> None:
+        self.step_observers.remove(fn)
+
+    def add_finish_observer(self, fn: FinishObserver) -> None:
+        """``fn(request_id, reason, timings)`` once per request, on the engine thread."""
+        self.finish_observers.add(fn)
+
+    def remove_finish_observer(self, fn: FinishObserver) -> None:
+        self.finish_observers.remove(fn)
+
     # -- views for health and metrics ------------------------------------------
+
+    def status(self) -> EngineStatus:
+        """Health and load, without the lock (cheap enough for every sampler tick)."""
+        busy, cells = self.scheduler.usage()
+        error = self._load_error
+        return EngineStatus(
+            state=self._state,
+            error=None if error is None else str(error),
+            slots_total=self.cfg.slots,
+            slots_busy=busy,
+            waiting=self.scheduler.waiting,
+            kv_cells_used=cells,
+            kv_cells_cached=self.scheduler.kv_cells_cached,
+            kv_cells_total=self.kv_cells_total,
+            step_started_ns=self.step_started_ns,
+            heartbeat_ns=self.heartbeat_ns,
+        )
 
     @property
     def slots_busy(self) -> int:
@@ -235,8 +317,19 @@ class Engine:
 
     def _main(self) -> None:
         try:
-            self.backend = self._backend_factory(self.cfg)
-            self.runner = self._runner_factory(self.backend, self.cfg.n_batch)
+            backend = Backend(self.cfg)
+            try:
+                info = backend.info
+                chat = ChatTemplate(  # a template that does not compile fails the load
+                    self.cfg.chat_template or info.chat_template,
+                    info.bos_token or "",
+                    info.eos_token or "",
+                )
+                self.runner = self._runner_factory(backend, self.cfg.n_batch)
+            except BaseException:
+                backend.close()
+                raise
+            self.backend, self._chat = backend, chat
         except BaseException as exc:  # reported through wait_ready
             self._load_error = exc
             self._state = "failed"
@@ -450,8 +543,18 @@ class Engine:
             backend.close()
 
 
+def _cancel_orphan(prepared: asyncio.Future[RequestStream]) -> None:
+    """The caller of submit_async went away while its request was being prepared."""
+    if not prepared.cancelled() and prepared.exception() is None:
+        prepared.result().cancel()
+
+
 def _safe(fn: Callable[..., None], *args: Any) -> None:
     try:
         fn(*args)
     except Exception:
         log.exception("observer %r failed", fn)
+
+
+def _implements_client(engine: Engine) -> EngineClient:
+    return engine  # mypy checks that Engine satisfies EngineClient

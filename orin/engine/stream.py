@@ -155,12 +155,6 @@ class RequestStream:
             for event in await self.next_batch():
                 yield event
 
-    async def batches(self) -> AsyncIterator[list[TokenEvent]]:
-        """Like ``async for``, but each item is every event ready at that moment
-        (at least one), so a consumer that fell behind catches up in one write."""
-        while not self._done:
-            yield await self.next_batch()
-
     async def next_batch(self) -> list[TokenEvent]:
         """Every event ready now (waiting for at least one), up to the final one;
         an empty list once the final event was taken.
@@ -190,10 +184,6 @@ class RequestStream:
 
     def result(self) -> Completion:
         return collect(self.request_id, list(self))
-
-    async def aresult(self) -> Completion:
-        events = [e async for e in self]
-        return collect(self.request_id, events)
 
 
 def collect(request_id: str, events: list[TokenEvent]) -> Completion:

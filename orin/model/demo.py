@@ -78,11 +78,6 @@ class DemoShape:
     rope_freq_base: float = 10000.0
     head_dim: int = 64
 
-    @property
-    def n_embd_k_gqa(self) -> int:
-        """K (and V) row width per token and layer."""
-        return self.head_dim * self.n_head_kv
-
 
 SIZES: dict[str, DemoShape] = {
     # < 1 MB even in f32 (2 heads of 64 over a 64-wide model, as Gemma does it);

@@ -33,7 +33,7 @@ class OrinServer(uvicorn.Server):
         self.state = state
         self.grace_s = grace_s
         self.notifier = notifier or SystemdNotifier()
-        self.watchdog = Watchdog(self.notifier, lambda: state.engine.heartbeat_ns)
+        self.watchdog = Watchdog(self.notifier, lambda: state.engine.status().heartbeat_ns)
         self._drain_thread: threading.Thread | None = None
         self.failed = False
 

@@ -1,7 +1,7 @@
 """What the routes share: the engine, the served model's identity, limits and metrics.
 
 One object built by ``orin-llm serve`` (or a test) and passed to create_app;
-no module-level singletons.
+no module-level singletons. The engine is seen only through ``EngineClient``.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from orin import __version__
-from orin.engine.engine import Engine
+from orin.engine.client import EngineClient, EngineStatus
 from orin.engine.types import RequestTimings
 from orin.profile.schema import SamplingSection
 from orin.server import protocol
-from orin.server.chat import ChatTemplate
 from orin.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -24,9 +23,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class ServerState:
-    engine: Engine
+    engine: EngineClient
     model_name: str
-    chat: ChatTemplate
     metrics: ServerMetrics
     sampling_defaults: SamplingSection = field(default_factory=SamplingSection)
     api_key: str | None = None
@@ -40,27 +38,14 @@ class ServerState:
 
     def health(self) -> tuple[dict[str, Any], int]:
         """(body, status): 503 while loading, draining or failed; 200 with slot figures."""
-        e = self.engine
-        if e.state == "failed":
-            return {"status": "failed", "error": str(e.load_error)}, 503
-        if e.state in ("new", "loading"):
+        s = self.engine.status()
+        if s.state == "failed":
+            return {"status": "failed", "error": s.error}, 503
+        if s.state in ("new", "loading"):
             return {"status": "loading"}, 503
-        if self.draining or e.state in ("draining", "stopped"):
-            return {"status": "draining", **self._slots()}, 503
-        return {"status": "ok", "model": self.model_name, **self._slots()}, 200
-
-    def _slots(self) -> dict[str, int]:
-        e = self.engine
-        total = e.cfg.slots
-        return {
-            "slots_total": total,
-            "slots_busy": e.slots_busy,
-            "slots_idle": total - e.slots_busy,
-            "queue": e.waiting,
-            "kv_cells_used": e.kv_cells_used,
-            "kv_cells_cached": e.kv_cells_cached,
-            "kv_cells_total": e.kv_cells_total,
-        }
+        if self.draining or s.state in ("draining", "stopped"):
+            return {"status": "draining", **_slots(s)}, 503
+        return {"status": "ok", "model": self.model_name, **_slots(s)}, 200
 
     def model_meta(self) -> dict[str, Any]:
         info = self.engine.model_info
@@ -74,12 +59,10 @@ class ServerState:
         }
 
     def engine_piece(self, token: int) -> bytes:
-        backend = self.engine.backend
-        return backend.piece(token) if backend is not None else b""
+        return self.engine.piece(token)
 
     def detokenize(self, tokens: list[int]) -> str:
-        backend = self.engine.backend
-        return backend.detokenize(tokens) if backend is not None else ""
+        return self.engine.detokenize(tokens)
 
     def timings(self, t: RequestTimings | None) -> dict[str, Any] | None:
         """The response's timings object, with the request's telemetry when sampled."""
@@ -87,3 +70,15 @@ class ServerState:
         if out is not None and self.telemetry is not None:
             out.update(self.telemetry.request_block(t))
         return out
+
+
+def _slots(s: EngineStatus) -> dict[str, int]:
+    return {
+        "slots_total": s.slots_total,
+        "slots_busy": s.slots_busy,
+        "slots_idle": s.slots_total - s.slots_busy,
+        "queue": s.waiting,
+        "kv_cells_used": s.kv_cells_used,
+        "kv_cells_cached": s.kv_cells_cached,
+        "kv_cells_total": s.kv_cells_total,
+    }

@@ -12,12 +12,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from orin.engine.engine import Engine
+from orin.engine.client import EngineClient
 from orin.engine.types import FinishReason, RequestTimings
-from orin.server.metrics import PhaseMetrics
 from orin.system.commands import CommandRunner, SubprocessRunner
 from orin.system.root import SysRoot
 from orin.telemetry.live import PhaseTracker
+from orin.telemetry.metrics import PhaseMetrics
 from orin.telemetry.phases import summarize
 from orin.telemetry.record import Recorder
 from orin.telemetry.sampler import Sampler
@@ -28,22 +28,31 @@ log = logging.getLogger("orin.telemetry")
 SNAPSHOT_WINDOW_S = 10.0
 
 
-def engine_busy(engine: Engine) -> Callable[[], bool]:
+def engine_busy(engine: EngineClient) -> Callable[[], bool]:
     """Whether the engine has work, for the sampler's rate: a step running, a slot
     busy or a request queued. Asked from the sampler thread at every tick, without
     the engine's lock: the answer only picks a sampling rate, and one that is a
     tick late costs one tick at the other rate."""
 
     def busy() -> bool:
-        return engine.step_started_ns is not None or engine.waiting > 0 or engine.slots_busy > 0
+        return engine.status().busy
 
     return busy
+
+
+def running_step_start(engine: EngineClient) -> Callable[[], int | None]:
+    """When the step now running began (None between steps), for the phase tracker."""
+
+    def start() -> int | None:
+        return engine.status().step_started_ns
+
+    return start
 
 
 class Telemetry:
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineClient,
         registry: CollectorRegistry,
         source_name: str | None = None,
         hz: float | None = None,
@@ -56,12 +65,12 @@ class Telemetry:
         self.source_name = source.name
         self.engine = engine
         self.sampler = Sampler(source, hz, busy=engine_busy(engine))
-        self.tracker = PhaseTracker(self.sampler, lambda: engine.step_started_ns)
+        self.tracker = PhaseTracker(self.sampler, running_step_start(engine))
         self.metrics = PhaseMetrics(registry, source.name)
         self.tracker.observers.append(self.metrics.observe)
         self.recent: deque[dict[str, Any]] = deque(maxlen=20)
-        engine.step_observers.append(self.tracker.on_step)
-        engine.finish_observers.append(self._on_finish)
+        engine.add_step_observer(self.tracker.on_step)
+        engine.add_finish_observer(self._on_finish)
         self.recorder: Recorder | None = None
         if record is not None:
             meta = {
@@ -72,8 +81,8 @@ class Telemetry:
             }
             self.recorder = Recorder(record, meta)
             self.sampler.observers.append(self.recorder.on_sample)
-            engine.step_observers.append(self.recorder.on_step)
-            engine.finish_observers.append(self.recorder.on_finish)
+            engine.add_step_observer(self.recorder.on_step)
+            engine.add_finish_observer(self.recorder.on_finish)
 
     def start(self) -> Telemetry:
         self.sampler.start()
@@ -108,6 +117,7 @@ class Telemetry:
             samples = self.sampler.samples(since_ns=latest.t_ns - int(SNAPSHOT_WINDOW_S * 1e9))
         steps = self.tracker.steps()
         phases = summarize(samples, steps) if samples else {}
+        status = self.engine.status()
         return {
             "source": self.source_name,
             "hz": self.sampler.hz,
@@ -117,8 +127,8 @@ class Telemetry:
             "latest": asdict(latest) if latest is not None else None,
             "window_s": SNAPSHOT_WINDOW_S,
             "phases": {p: s.to_dict() for p, s in phases.items()},
-            "slots_busy": self.engine.slots_busy,
-            "slots_total": self.engine.cfg.slots,
-            "waiting": self.engine.waiting,
+            "slots_busy": status.slots_busy,
+            "slots_total": status.slots_total,
+            "waiting": status.waiting,
             "recent_requests": list(self.recent),
         }

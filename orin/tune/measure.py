@@ -131,7 +131,7 @@ class EngineMeasurer:
                 self.available,
             )  # fmt: skip
             engine = self.engine_factory(cfg)
-            engine.step_observers.append(steps.append)
+            engine.add_step_observer(steps.append)
             engine.start().wait_ready(LOAD_TIMEOUT_S)
         except (OrinError, TimeoutError, ValueError) as exc:
             return Measurement(candidate, reps, cost_s=time.perf_counter() - start, error=str(exc))

@@ -116,7 +116,7 @@ def test_sliding_window_runs_far_past_the_context(small: Path) -> None:
     with Engine(cfg) as e:
         assert e.runner is not None
         runner = e.runner
-        e.step_observers.append(lambda s: positions.append(runner.seq_pos_max(0)))
+        e.add_step_observer(lambda s: positions.append(runner.seq_pos_max(0)))
         c = e.generate("Go on and on", SamplingParams(max_tokens=4 * 256, **GREEDY))
     assert c.finish_reason == "length"
     assert len(c.token_ids) == 1024
@@ -209,7 +209,7 @@ def test_a_step_ends_after_llama_synchronize(small: Path) -> None:
 
     cfg = config(small, "{n_ctx: 256, slots: 2, n_batch: 64, n_ubatch: 64, prefill_chunk: 16}")
     with Engine(cfg, runner_factory=runner) as e:
-        e.step_observers.append(lambda stats: events.append(("step", stats)))
+        e.add_step_observer(lambda stats: events.append(("step", stats)))
         prompt = e.tokenize("a prompt long enough for several chunks " * 3)
         assert len(prompt) > 32
         c = e.generate(prompt, SamplingParams(max_tokens=6, **GREEDY))
@@ -265,7 +265,7 @@ def test_a_cancel_the_backend_ignores_stops_the_prompt_after_its_chunk(small: Pa
     steps: list[StepStats] = []
     with Engine(cfg, runner_factory=factory) as e:
         engines.append(e)
-        e.step_observers.append(steps.append)
+        e.add_step_observer(steps.append)
         prompt = random_prompts(e, 1, seed=5)[0][:8] * 50  # 400 tokens: 13 chunks of 32
         stream = e.submit(prompt, SamplingParams(max_tokens=4, **GREEDY), request_id="long")
         assert stream.result().finish_reason == "cancelled"
@@ -290,13 +290,13 @@ def test_chinese_byte_fallback_streams_whole_characters(engine: Engine) -> None:
     assert any(e.token_id is not None and e.text == "" for e in events)  # bytes held back
     assert "".join(deltas) == target
     ids = [e.token_id for e in events if e.token_id is not None]
-    assert engine.backend is not None and engine.backend.detokenize(ids) == target
+    assert engine.detokenize(ids) == target
 
 
 def test_stop_string_across_tokens_is_honoured_and_not_leaked(engine: Engine) -> None:
     params = SamplingParams(max_tokens=40, **GREEDY)
     full = engine.generate("Stop strings", params)
-    pieces = [engine.backend.piece(t).decode("utf-8", "replace") for t in full.token_ids]  # type: ignore[union-attr]
+    pieces = [engine.piece(t).decode("utf-8", "replace") for t in full.token_ids]
     i = next(k for k in range(5, 35) if len(pieces[k]) >= 2 and len(pieces[k + 1]) >= 2)
     before = "".join(pieces[:i])
     stop = pieces[i][-2:] + pieces[i + 1][:2]
@@ -380,7 +380,7 @@ def test_step_stats_and_async_stream(engine: Engine) -> None:
     import asyncio
 
     stats: list[StepStats] = []
-    engine.step_observers.append(stats.append)
+    engine.add_step_observer(stats.append)
     try:
 
         async def run() -> str:
@@ -391,7 +391,7 @@ def test_step_stats_and_async_stream(engine: Engine) -> None:
 
         text = asyncio.run(run())
     finally:
-        engine.step_observers.remove(stats.append)
+        engine.remove_step_observer(stats.append)
     assert text
     assert stats[0].prefill_tokens > 0 and stats[0].phase in ("prefill", "mixed")
     assert any(s.phase == "decode" for s in stats)
@@ -466,7 +466,7 @@ def test_cancel_on_an_otherwise_idle_engine_decodes_nothing(
     cfg = config(small, "{n_ctx: 256, slots: 1, n_batch: 64, n_ubatch: 64}")
     steps: list[StepStats] = []
     with Engine(cfg) as e:
-        e.step_observers.append(steps.append)
+        e.add_step_observer(steps.append)
         s = e.submit("cancel me", SamplingParams(max_tokens=100_000, **GREEDY))
         while not steps:
             time.sleep(0.001)
@@ -494,3 +494,148 @@ def test_a_client_that_does_not_read_is_cut_off_and_others_go_on(
     assert events[-1].finish_reason == "cancelled"
     assert 32 < len(events) - 1 < 200  # buffered up to the bound, then cut off
     assert "has not read" in caplog.text
+
+
+def test_async_submit_parses_the_grammar_off_the_event_loop(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Grammar parsing and sampler construction run on a worker thread, and a grammar
+    that does not parse is still raised by submit_async, before any event."""
+    import asyncio
+
+    import llama_cpp
+
+    parsed_on: list[int] = []
+    real = llama_cpp.llama_sampler_init_grammar
+
+    def recording(*args: Any) -> Any:
+        parsed_on.append(threading.get_ident())
+        return real(*args)
+
+    monkeypatch.setattr(llama_cpp, "llama_sampler_init_grammar", recording)
+
+    async def run() -> tuple[int, str, str]:
+        stream = await engine.submit_async(
+            "answer", SamplingParams(max_tokens=8, grammar='root ::= "ok"', **GREEDY)
+        )
+        text = "".join([e.text async for e in stream])
+        with pytest.raises(InvalidRequest) as bad:
+            await engine.submit_async("x", SamplingParams(grammar="root ::= ["))
+        return threading.get_ident(), text, bad.value.param
+
+    loop_thread, text, param = asyncio.run(run())
+    assert text == "ok" and param == "grammar"
+    assert len(parsed_on) == 2 and loop_thread not in parsed_on
+
+
+def test_end_of_generation_tokens_are_listed_once_per_model(
+    small: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import llama_cpp
+
+    calls: list[int] = []
+    real = llama_cpp.llama_vocab_is_eog
+
+    def counting(vocab: Any, token: int) -> Any:
+        calls.append(token)
+        return real(vocab, token)
+
+    monkeypatch.setattr(llama_cpp, "llama_vocab_is_eog", counting)
+    cfg = config(small, "{n_ctx: 256, slots: 1, n_batch: 64, n_ubatch: 64}")
+    params = SamplingParams(max_tokens=3, logit_bias={2: 100.0}, ignore_eos=True, **GREEDY)
+    with Engine(cfg) as e:
+        assert e.backend is not None
+        n_vocab = e.backend.n_vocab
+        first = e.generate("eos", params)
+        after_first = len(calls)
+        second = e.generate("eos again", params)
+    assert after_first == n_vocab  # the whole vocabulary, once
+    assert len(calls) == after_first  # the second request reuses the list
+    for c in (first, second):
+        assert c.finish_reason == "length" and 2 not in c.token_ids
+
+
+def test_the_client_interface_status_chat_text_and_observers(small: Path) -> None:
+    from orin.engine.errors import EngineStopped
+
+    cfg = config(small, "{n_ctx: 256, slots: 2, n_batch: 64, n_ubatch: 64}")
+    e = Engine(cfg)
+    assert e.status().state == "new" and e.status().error is None
+    with pytest.raises(EngineStopped):
+        e.render_chat([{"role": "user", "content": "hi"}])
+    assert e.piece(5) == b"" and e.detokenize([5]) == ""  # nothing loaded: nothing to show
+    steps: list[StepStats] = []
+    finished: list[tuple[str, str]] = []
+
+    def on_finish(rid: str, reason: str, timings: Any) -> None:
+        finished.append((rid, reason))
+
+    with e:
+        s = e.status()
+        assert (s.state, s.slots_total, s.slots_busy, s.waiting) == ("ready", 2, 0, 0)
+        assert (s.kv_cells_used, s.kv_cells_total) == (0, e.kv_cells_total)
+        assert s.step_started_ns is None and not s.busy and s.heartbeat_ns > 0
+        prompt, add_bos = e.render_chat([{"role": "user", "content": "hi"}])
+        assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" and add_bos
+        ids = e.tokenize("round trip")
+        text = e.detokenize(ids)
+        assert "round trip" in text and b"".join(e.piece(t) for t in ids).decode() == text
+        e.add_step_observer(steps.append)
+        e.add_finish_observer(on_finish)
+        e.submit("observed", SamplingParams(max_tokens=2, **GREEDY), "one").result()
+        with e.idle():  # the request's last step has ended: its observers have run
+            e.remove_step_observer(steps.append)
+            e.remove_finish_observer(on_finish)
+        n_steps = len(steps)
+        e.generate("not observed", SamplingParams(max_tokens=2, **GREEDY))
+        with e.idle():
+            assert e.status().kv_cells_cached > 0  # the finished prompts stay as prefixes
+    assert n_steps >= 2 and len(steps) == n_steps
+    assert finished == [("one", "length")]
+    assert e.status().state == "stopped"
+    override = cfg.with_(chat_template="{{ messages[0]['content'] }}!")
+    with Engine(override) as e:
+        assert e.render_chat([{"role": "user", "content": "hi"}]) == ("hi!", True)
+
+
+def test_a_caller_gone_while_its_request_is_prepared_cancels_it(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    import llama_cpp
+
+    parsing, release, finished = threading.Event(), threading.Event(), threading.Event()
+    reasons: list[str] = []
+    real = llama_cpp.llama_sampler_init_grammar
+
+    def slow_parse(*args: Any) -> Any:
+        parsing.set()
+        release.wait(30)
+        return real(*args)
+
+    def on_finish(rid: str, reason: str, timings: Any) -> None:
+        if rid == "orphan":
+            reasons.append(reason)
+            finished.set()
+
+    monkeypatch.setattr(llama_cpp, "llama_sampler_init_grammar", slow_parse)
+    params = SamplingParams(  # runs until cancelled
+        max_tokens=100_000, grammar='root ::= "a"+', ignore_eos=True, **GREEDY
+    )
+
+    async def run() -> None:
+        task = asyncio.ensure_future(engine.submit_async("x", params, request_id="orphan"))
+        await asyncio.to_thread(parsing.wait, 30)  # the worker is inside the parse
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        await asyncio.to_thread(finished.wait, 30)  # the loop runs while the engine works
+
+    engine.add_finish_observer(on_finish)
+    try:
+        asyncio.run(run())
+    finally:
+        engine.remove_finish_observer(on_finish)
+    assert reasons == ["cancelled"]

@@ -174,7 +174,7 @@ def test_non_streaming_client_that_leaves_is_cancelled(server: tuple[str, Server
         )
         engine = server[1].engine
         for _ in range(200):
-            if engine.slots_busy:
+            if engine.status().slots_busy:
                 break
             threading.Event().wait(0.005)
     health = wait_idle(base)

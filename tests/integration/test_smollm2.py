@@ -18,13 +18,13 @@ import httpx
 import numpy as np
 import pytest
 
+from orin.engine.chat import ChatTemplate
 from orin.engine.config import engine_config
 from orin.engine.engine import Engine
 from orin.engine.types import SamplingParams
 from orin.model import packaged
 from orin.model.gguf import read_model_info
 from orin.profile.loader import load_profile, parse_profile
-from orin.server.chat import ChatTemplate
 from orin.server.state import ServerState
 from tests.serverutil import live_server
 

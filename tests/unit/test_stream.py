@@ -95,7 +95,7 @@ def test_batches_hand_over_everything_that_is_ready() -> None:
         run_engine_thread(lambda: [stream.put(event("r", i)) for i in range(4)])
         await asyncio.sleep(0.05)  # all four delivered before the consumer looks
         out = []
-        async for ready in stream.batches():
+        while ready := await stream.next_batch():
             out.append([e.token_id for e in ready])
             if len(out) == 1:
                 run_engine_thread(lambda: stream.put(event("r", 9, final=True)))
@@ -112,7 +112,10 @@ def test_batches_stop_at_the_final_event() -> None:
             lambda: [stream.put(event("r", i, final=i == 1)) for i in range(3)]
         )  # an event after the final one is never handed out
         await asyncio.sleep(0.05)
-        return [[e.token_id for e in ready] async for ready in stream.batches()]
+        out = []
+        while ready := await stream.next_batch():
+            out.append([e.token_id for e in ready])
+        return out
 
     assert asyncio.run(main()) == [[0, 1]]
 
@@ -121,7 +124,7 @@ def test_sync_streams_refuse_async_iteration() -> None:
     stream = RequestStream("r", lambda _: None)
 
     async def main() -> None:
-        async for _ in stream.batches():
+        async for _ in stream:
             pass
 
     with pytest.raises(TypeError, match="without an event loop"):

@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry
 
 from orin.install.docgen import describe_type, profiles_reference
 from orin.profile.schema import Profile
-from orin.server.metrics import PhaseMetrics, ServerMetrics
+from orin.server.metrics import ServerMetrics
+from orin.telemetry.metrics import PhaseMetrics
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 METRIC = re.compile(r"\borin_llm_[a-zA-Z0-9_]+")

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from orin.cli.serve import build_server
 from orin.engine.types import SamplingParams, StepStats
 from orin.profile.loader import parse_profile
+from orin.server.main import build_server
 
 WATCHDOG_USEC = 1_000_000  # the engine's idle heartbeat period is 0.5 s
 
@@ -89,7 +89,7 @@ def test_stalled_engine_loop_stops_the_watchdog_pings(
         healthy = datagrams(sock, 1.2)
         assert healthy.count(b"WATCHDOG=1") >= 2  # an idle engine keeps the pings coming
 
-        state.engine.step_observers.append(hang_inside_a_step)
+        state.engine.add_step_observer(hang_inside_a_step)
         state.engine.submit("hello", SamplingParams(max_tokens=4))
         assert stalled.wait(10), "the engine never ran a step"
         datagrams(sock, 1.6)  # pings sent before the heartbeat went stale

@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from orin.engine.client import EngineStatus
 from orin.engine.types import StepStats
 from orin.telemetry.live import PhaseTracker
 from orin.telemetry.phases import Share, summarize
 from orin.telemetry.sampler import Sampler
-from orin.telemetry.service import Telemetry, engine_busy
+from orin.telemetry.service import Telemetry, engine_busy, running_step_start
 from orin.telemetry.sources.base import Sample
 from tests.fakeboards_telemetry import agx_orin_64gb
 from tests.unit.telemetry.test_sampler import Counting
@@ -63,20 +64,41 @@ def test_without_a_busy_signal_every_sample_is_one_period() -> None:
     assert dts == pytest.approx([0.02, 0.02, 0.02])
 
 
-def fake_engine() -> SimpleNamespace:
-    """What the telemetry service reads of the engine: its observers and its counts."""
-    return SimpleNamespace(
-        step_observers=[],
-        finish_observers=[],
-        step_started_ns=None,
-        waiting=0,
-        slots_busy=0,
-        cfg=SimpleNamespace(slots=2, model_path=Path("m.gguf")),
-    )
+class FakeEngine:
+    """What the telemetry service asks of an EngineClient: its status, its config and
+    observer registration."""
+
+    def __init__(self) -> None:
+        self.cfg = SimpleNamespace(slots=2, model_path=Path("m.gguf"))
+        self.step_started_ns: int | None = None
+        self.waiting = 0
+        self.slots_busy = 0
+        self.step_observers: list[Any] = []
+        self.finish_observers: list[Any] = []
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            state="ready",
+            error=None,
+            slots_total=self.cfg.slots,
+            slots_busy=self.slots_busy,
+            waiting=self.waiting,
+            kv_cells_used=0,
+            kv_cells_cached=0,
+            kv_cells_total=512,
+            step_started_ns=self.step_started_ns,
+            heartbeat_ns=0,
+        )
+
+    def add_step_observer(self, fn: Any) -> None:
+        self.step_observers.append(fn)
+
+    def add_finish_observer(self, fn: Any) -> None:
+        self.finish_observers.append(fn)
 
 
 def test_the_engine_is_busy_while_a_step_runs_a_slot_works_or_a_request_waits() -> None:
-    engine = fake_engine()
+    engine = FakeEngine()
     busy = engine_busy(engine)  # type: ignore[arg-type]
     assert not busy()
     for field, value in (("step_started_ns", 5), ("waiting", 1), ("slots_busy", 2)):
@@ -86,11 +108,19 @@ def test_the_engine_is_busy_while_a_step_runs_a_slot_works_or_a_request_waits() 
     assert not busy()
 
 
+def test_the_tracker_waits_for_the_step_the_engine_reports_running() -> None:
+    engine = FakeEngine()
+    start = running_step_start(engine)  # type: ignore[arg-type]
+    assert start() is None
+    engine.step_started_ns = 7
+    assert start() == 7
+
+
 def test_the_service_samples_the_board_at_the_idle_rate_while_the_engine_waits(
     tmp_path: Path,
 ) -> None:
     board = agx_orin_64gb(tmp_path, 6)
-    engine = fake_engine()
+    engine = FakeEngine()
     telemetry = Telemetry(
         engine,  # type: ignore[arg-type]
         CollectorRegistry(),
@@ -102,8 +132,11 @@ def test_the_service_samples_the_board_at_the_idle_rate_while_the_engine_waits(
     assert not sampler.busy()
     engine.slots_busy = 1
     assert sampler.busy()
-    assert telemetry.snapshot()["idle_hz"] == 1.0
+    snapshot = telemetry.snapshot()
+    assert snapshot["idle_hz"] == 1.0
+    assert (snapshot["slots_busy"], snapshot["slots_total"], snapshot["waiting"]) == (1, 2, 0)
     assert telemetry.tracker.on_step in engine.step_observers
+    assert engine.finish_observers  # the recent-requests list
     sampler.source.close()
 
 

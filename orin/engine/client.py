@@ -1,0 +1,165 @@
+"""What the server and telemetry may ask of an engine: ``EngineClient``.
+
+The HTTP layer and the telemetry service depend on this protocol, never on the
+concrete ``Engine`` and its scheduler, backend or runner: submit and cancel,
+tokenize and detokenize, render a chat, a health and load snapshot
+(``status``), observers of steps and finished requests, and the lifecycle
+(start, wait until loaded, stop). Another engine (speculative, several
+boards) plugs in behind the same calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Generic, Literal, Protocol, TypeVar
+
+from orin.engine.config import EngineConfig
+from orin.engine.stream import RequestStream
+from orin.engine.types import FinishReason, RequestTimings, SamplingParams, StepStats
+from orin.model.gguf import ModelInfo
+
+EngineState = Literal["new", "loading", "ready", "draining", "stopped", "failed"]
+StepObserver = Callable[[StepStats], None]
+FinishObserver = Callable[[str, FinishReason, RequestTimings], None]
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """A snapshot of the engine's health and load, read without its lock: each
+    figure is current, together they may be a step apart."""
+
+    state: EngineState
+    error: str | None  # why the model failed to load (state "failed")
+    slots_total: int
+    slots_busy: int
+    waiting: int  # requests queued for a slot
+    kv_cells_used: int  # held by running requests
+    kv_cells_cached: int  # kept by idle slots as a prefix for the next prompt
+    kv_cells_total: int
+    step_started_ns: int | None  # set while a step runs (perf_counter_ns)
+    heartbeat_ns: int  # the engine loop's latest sign of life (perf_counter_ns)
+
+    @property
+    def busy(self) -> bool:
+        """A step running, a slot working or a request waiting."""
+        return self.step_started_ns is not None or self.waiting > 0 or self.slots_busy > 0
+
+
+class EngineClient(Protocol):
+    """The engine as the server and telemetry see it."""
+
+    @property
+    def cfg(self) -> EngineConfig:
+        """What the engine runs with (a frozen value)."""
+        ...
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        """The loaded model's metadata; None until it is loaded."""
+        ...
+
+    @property
+    def state(self) -> EngineState: ...
+
+    def status(self) -> EngineStatus: ...
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def start(self) -> EngineClient:
+        """Begin loading the model; returns at once."""
+        ...
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until loaded; raises the load error."""
+        ...
+
+    def stop(self, drain: bool = True, timeout: float = 30.0) -> None: ...
+
+    # -- requests -------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        whole: bool = False,
+    ) -> RequestStream:
+        """Queue a request for a blocking consumer; raises the engine's typed errors
+        (InvalidRequest, QueueFull, ContextLengthExceeded, EngineStopped)."""
+        ...
+
+    async def submit_async(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        whole: bool = False,
+    ) -> RequestStream:
+        """Queue a request for an asyncio consumer; the preparation (tokenizing,
+        grammar parsing, sampler construction) runs off the event loop, and its
+        errors are raised here, before any event."""
+        ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    # -- text -------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """Empty once the model is unloaded."""
+        ...
+
+    def piece(self, token: int) -> bytes:
+        """The raw bytes of one token; empty once the model is unloaded."""
+        ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> tuple[str, bool]:
+        """(prompt, whether tokenizing should still add BOS) from the model's chat
+        template; InvalidRequest when there is none or it rejects the messages."""
+        ...
+
+    # -- observers (called on the engine thread; keep them short) -------------
+
+    def add_step_observer(self, fn: StepObserver) -> None: ...
+
+    def remove_step_observer(self, fn: StepObserver) -> None: ...
+
+    def add_finish_observer(self, fn: FinishObserver) -> None: ...
+
+    def remove_finish_observer(self, fn: FinishObserver) -> None: ...
+
+
+F = TypeVar("F", bound=Callable[..., None])
+
+
+class Observers(Generic[F]):
+    """Observers added and removed from any thread while the engine thread calls
+    them: the engine iterates a tuple that add and remove replace, so a call in
+    progress never sees the collection change under it."""
+
+    def __init__(self) -> None:
+        self._items: tuple[F, ...] = ()
+        self._lock = threading.Lock()
+
+    def add(self, fn: F) -> None:
+        with self._lock:
+            self._items = (*self._items, fn)
+
+    def remove(self, fn: F) -> None:
+        """Remove one registration of ``fn``; ValueError if there is none."""
+        with self._lock:
+            items = list(self._items)
+            items.remove(fn)
+            self._items = tuple(items)
+
+    def __iter__(self) -> Iterator[F]:
+        return iter(self._items)
+
+    def __contains__(self, fn: object) -> bool:
+        return fn in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
