@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from orin.cli.serve import build_server
 from orin.profile.loader import parse_profile
+from orin.server.main import build_server
 from orin.server.state import ServerState
 
 

@@ -1,4 +1,5 @@
-"""The orin-llm command: registers the command groups and nothing else."""
+"""The orin-llm command: registers the command groups and stores the commands'
+dependencies (``Deps``) on the context; nothing else."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import typer
 
 from orin import __version__
 from orin.cli import bench, doctor, install, model, monitor, profile, serve, tune
+from orin.cli.deps import Deps
 
 app = typer.Typer(
     name="orin-llm",
@@ -37,11 +39,13 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True, help="Print the version."
     ),
 ) -> None:
     """orin-llm: serve, tune and diagnose LLMs on Jetson AGX Orin."""
+    ctx.ensure_object(Deps)  # production defaults, unless a test passed its own
 
 
 def main() -> None:

@@ -12,16 +12,14 @@ from typing import Annotated
 
 import typer
 
+from orin.cli.deps import deps
 from orin.cli.errors import fail
 from orin.cli.options import JsonOpt, ProfileOpt, RootOpt
 from orin.cli.output import Output
-from orin.cli.serve import serve_profile
-from orin.doctor.context import DoctorContext, free_bytes, model_path_for, probe_port
-from orin.doctor.runner import EXIT_DOCTOR_FAILED, Report, run_checks
+from orin.doctor.runner import EXIT_DOCTOR_FAILED, Report
 from orin.errors import OrinError
-from orin.llamacpp import BuildInfo
 from orin.profile.schema import Profile
-from orin.system.commands import CommandRunner, SubprocessRunner
+from orin.profile.select import serve_profile
 from orin.system.platform import Platform
 from orin.system.root import SysRoot
 
@@ -30,29 +28,8 @@ log = logging.getLogger("orin.cli")
 SEVERITY_LABEL = {"ok": "ok", "info": "info", "warn": "WARN", "fail": "FAIL"}
 
 
-def make_runner() -> CommandRunner:
-    """The runner for external programs (tests replace this function)."""
-    return SubprocessRunner()
-
-
-def get_build_info() -> BuildInfo:
-    """What the installed llama.cpp can do (tests replace this function)."""
-    from orin.llamacpp import build_info
-
-    return build_info()
-
-
-def port_probe(host: str, port: int) -> str | None:
-    """Whether serve could bind its address (tests replace this function)."""
-    return probe_port(host, port)
-
-
-def disk_free(path: Path) -> int:
-    """Free bytes on the filesystem holding path (tests replace this function)."""
-    return free_bytes(path)
-
-
 def doctor(
+    ctx: typer.Context,
     profile_name: ProfileOpt = None,
     model: Annotated[
         Path | None,
@@ -64,21 +41,12 @@ def doctor(
     root: RootOpt = Path("/"),
 ) -> None:
     """Diagnose the board, the llama.cpp build, the profile and the model (no weights loaded)."""
+    d = deps(ctx)
     try:
-        profile = _profile(profile_name, model)
-        path, source = model_path_for(profile, model)
-        ctx = DoctorContext(
-            SysRoot(root),
-            make_runner(),
-            profile,
-            path,
-            source,
-            build_info=lambda: get_build_info(),
-            port_probe=lambda host, port: port_probe(host, port),
-            disk_free=lambda path: disk_free(path),
-        )
-        report = run_checks(ctx)
-        platform = ctx.platform
+        profile = serve_profile(profile_name, model)[0]  # the profile serve would run
+        context = d.doctor_context(SysRoot(root), profile, model)
+        report = d.run_doctor(context)
+        platform = context.platform
     except OrinError as exc:
         raise fail(f"doctor could not run: {exc}", EXIT_DOCTOR_FAILED) from None
     except Exception as exc:
@@ -87,11 +55,6 @@ def doctor(
         raise fail(message, EXIT_DOCTOR_FAILED) from None
     _render(Output(as_json), profile, platform, report)
     raise typer.Exit(report.exit_code)
-
-
-def _profile(name: str | None, model: Path | None) -> Profile:
-    """The profile serve would run with the same options."""
-    return serve_profile(name, model)[0]
 
 
 def _render(out: Output, profile: Profile, platform: Platform, report: Report) -> None:

@@ -1,21 +1,19 @@
 """orin-llm install, uninstall and status: orin-llm as a hardened systemd service.
 
-Every side effect comes in through a module function that tests replace
-(``make_runner``, ``effective_uid``, ``http_get``, ``run_doctor``,
-``orin_executable``), as in ``tune`` and ``doctor``.
+Every side effect comes in through the context's ``Deps`` (orin/cli/deps.py): the
+command runner, the effective uid, the HTTP probe, doctor's checks and the orin-llm
+program the units run; tests construct their own.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from orin.cli.deps import HttpGet, deps
 from orin.cli.errors import handle_errors
 from orin.cli.options import JsonOpt, RootOpt
 from orin.cli.output import Output, human_bytes
@@ -36,8 +34,7 @@ from orin.install.status import ServiceStatus, read_status
 from orin.install.steps import InstallError
 from orin.install.units import find_gpu_devices, service_plan, unit_config
 from orin.profile.loader import load_profile
-from orin.profile.schema import Profile
-from orin.system.commands import CommandRunner, SubprocessRunner
+from orin.system.commands import CommandRunner
 from orin.system.root import SysRoot
 
 EXIT_UNHEALTHY = 1
@@ -70,54 +67,9 @@ ForceOpt = Annotated[
 ]
 
 
-def make_runner() -> CommandRunner:
-    """The runner for external programs (tests replace this function)."""
-    return SubprocessRunner()
-
-
-def effective_uid() -> int:
-    """The effective uid (tests replace this function to play root or not)."""
-    return os.geteuid()
-
-
-def http_get(url: str, timeout: float) -> probe.HttpResult:
-    """One HTTP GET (tests replace this function)."""
-    return probe.http_get(url, timeout)
-
-
-def orin_executable() -> str:
-    """The orin-llm program the units run: the one next to this Python (its venv)."""
-    beside = Path(sys.executable).parent / "orin-llm"
-    if beside.is_file():
-        return str(beside)
-    found = shutil.which("orin-llm")
-    if found is None:
-        raise InstallError("cannot find the orin-llm program; install the package into a venv")
-    return str(Path(found).absolute())
-
-
-def run_doctor(profile: Profile, root: SysRoot, runner: CommandRunner) -> Report:
-    """doctor's checks for this profile (tests replace this function)."""
-    from orin.cli import doctor as doctor_cli
-    from orin.doctor.context import DoctorContext, model_path_for
-    from orin.doctor.runner import run_checks
-
-    path, source = model_path_for(profile, None)
-    ctx = DoctorContext(
-        root,
-        runner,
-        profile,
-        path,
-        source,
-        build_info=doctor_cli.get_build_info,
-        port_probe=doctor_cli.port_probe,
-        disk_free=doctor_cli.disk_free,
-    )
-    return run_checks(ctx)
-
-
 @handle_errors
 def install(
+    ctx: typer.Context,
     profile_name: ProfileOpt = None,
     user: UserOpt = DEFAULT_USER,
     port: PortOpt = None,
@@ -129,16 +81,18 @@ def install(
 ) -> None:
     """Install orin-llm as a systemd service: doctor first, then a hardened unit for the
     profile, a boot-time tuning unit, the user and folders; start it and wait for /health."""
+    d = deps(ctx)
     out = Output()
-    sysroot, runner = SysRoot(root), make_runner()
+    sysroot, runner = SysRoot(root), d.runner
     profile = load_profile(profile_name or "demo")
     facts = gather(runner, user)
-    _check_doctor(out, run_doctor(profile, sysroot, runner), facts, force, dry_run)
+    report = d.run_doctor(d.doctor_context(sysroot, profile, None))
+    _check_doctor(out, report, facts, force, dry_run)
     model_path, info = service_model(profile, sysroot)
     config = unit_config(
         profile,
         service_plan(profile, info),
-        orin_executable(),
+        d.orin_executable(),
         user,
         facts.groups_present,
         find_gpu_devices(sysroot),
@@ -162,11 +116,11 @@ def install(
     if plan.noop:
         out.line("already installed and up to date: nothing to change")
     else:
-        for found in apply_install(plan, facts, sysroot, runner, effective_uid()):
+        for found in apply_install(plan, facts, sysroot, runner, d.effective_uid()):
             _raw(out, found, err=found.startswith("CUDA probe FAILED"))
         out.line(f"installed {SERVICE} (profile {profile.name})")
     if not no_start:
-        _wait(out, plan, runner)
+        _wait(out, plan, runner, d.http_get)
 
 
 def _check_doctor(
@@ -209,7 +163,7 @@ def _raw(out: Output, text: str, err: bool = False) -> None:
     console.print(text, markup=False, highlight=False, soft_wrap=True, emoji=False)
 
 
-def _wait(out: Output, plan: InstallPlan, runner: CommandRunner) -> None:
+def _wait(out: Output, plan: InstallPlan, runner: CommandRunner, http_get: HttpGet) -> None:
     out.line(f"waiting for {plan.url}/health (up to {plan.config.timeout_start_s} s)")
     outcome = probe.wait_healthy(http_get, plan.url, runner, plan.config.timeout_start_s)
     if outcome.ok:
@@ -223,6 +177,7 @@ def _wait(out: Output, plan: InstallPlan, runner: CommandRunner) -> None:
 
 @handle_errors
 def uninstall(
+    ctx: typer.Context,
     purge: Annotated[
         bool,
         typer.Option(
@@ -234,11 +189,12 @@ def uninstall(
     root: RootOpt = Path("/"),
 ) -> None:
     """Stop, disable and remove the units; models, state and the user stay unless --purge."""
+    d = deps(ctx)
     out = Output()
-    sysroot, runner = SysRoot(root), make_runner()
+    sysroot, runner = SysRoot(root), d.runner
     user = installed_user(sysroot, unit_dir, DEFAULT_USER)
     facts = gather(runner, user)
-    executable = orin_executable() if purge else "orin-llm"
+    executable = d.orin_executable() if purge else "orin-llm"
     plan = plan_uninstall(facts, sysroot, unit_dir, purge, executable)
     for i, step in enumerate(plan.steps, 1):
         _raw(out, f"step {i}: {step.describe()}")
@@ -248,19 +204,21 @@ def uninstall(
     if not plan.steps:
         out.line("not installed: nothing to remove")
         return
-    apply_uninstall(plan, sysroot, runner, effective_uid())
+    apply_uninstall(plan, sysroot, runner, d.effective_uid())
     kept = f"; kept {', '.join(plan.kept)} (--purge removes them)" if plan.kept else ""
     out.line(f"uninstalled{kept}")
 
 
 @handle_errors
 def status(
+    ctx: typer.Context,
     as_json: JsonOpt = False,
     unit_dir: UnitDirOpt = UNIT_DIR,
     root: RootOpt = Path("/"),
 ) -> None:
     """The units' state, /health, and TTFT/TPOT since the server started (from /metrics)."""
-    st = read_status(SysRoot(root), make_runner(), http_get, unit_dir)
+    d = deps(ctx)
+    st = read_status(SysRoot(root), d.runner, d.http_get, unit_dir)
     out = Output(as_json)
     if as_json:
         out.json(st.to_dict())

@@ -9,10 +9,12 @@ from typing import Annotated, Any
 import typer
 from pydantic import BaseModel
 
+from orin.cli.deps import Deps, deps
 from orin.cli.errors import EXIT_FAILED, handle_errors
 from orin.cli.options import JsonOpt, RootOpt
 from orin.cli.output import Output
 from orin.errors import LlamaCppError, OrinError
+from orin.llamacpp import BuildInfo
 from orin.profile.loader import builtin_profiles, load_profile
 from orin.profile.validate import validate_profile
 
@@ -70,6 +72,7 @@ def show(
 @app.command()
 @handle_errors
 def validate(
+    ctx: typer.Context,
     file: Annotated[str, typer.Argument(help="Profile YAML file or built-in name.")],
     model: Annotated[
         Path | None, typer.Option("--model", help="Check the profile against this GGUF file.")
@@ -79,7 +82,7 @@ def validate(
 ) -> None:
     """Check a profile (and optionally the model it will serve) against the KV rules."""
     profile = load_profile(file)
-    build = _build_info_or_none()
+    build = _build_info_or_none(deps(ctx))
     report = validate_profile(profile, model, build, root)
     out = Output(as_json)
     if as_json:
@@ -95,10 +98,8 @@ def validate(
         raise typer.Exit(EXIT_FAILED)
 
 
-def _build_info_or_none() -> Any:
-    from orin.llamacpp import build_info
-
+def _build_info_or_none(d: Deps) -> BuildInfo | None:
     try:
-        return build_info()
+        return d.build_info()
     except (LlamaCppError, OrinError):
         return None

@@ -8,25 +8,33 @@ the subcommand, whose arguments the callback leaves alone.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from orin.cli.deps import deps
 from orin.cli.errors import fail, handle_errors
 from orin.cli.options import JsonOpt, RootOpt
 from orin.cli.output import Output
 from orin.doctor.context import model_path_for
 from orin.errors import OrinError
 from orin.model.gguf import ModelInfo, read_model_info
+from orin.profile.board import board_settings
 from orin.profile.loader import load_profile
 from orin.profile.schema import Profile
-from orin.system.commands import CommandRunner, SubprocessRunner
+from orin.profile.select import serve_profile
+from orin.system.changes import (
+    Plan,
+    apply_plan,
+    board_context,
+    plan_apply,
+    plan_revert,
+    revert_plan,
+)
 from orin.system.platform import Platform
 from orin.system.root import SysRoot
 from orin.system.state import DEFAULT_STATE_PATH, StateFile
-from orin.system.tuner import Plan, apply_plan, plan_apply, plan_revert, revert_plan, tune_context
 
 if TYPE_CHECKING:
     from orin.tune.run import TuneResult, TuneSettings
@@ -92,19 +100,10 @@ def measured(
     _run_measured(profile_name, model, settings, out, report, as_json)
 
 
-def make_runner() -> CommandRunner:
-    """The runner for external programs (tests replace this function)."""
-    return SubprocessRunner()
-
-
-def effective_uid() -> int:
-    """The effective uid (tests replace this function to play root or not)."""
-    return os.geteuid()
-
-
 @app.command("system")
 @handle_errors
 def system(
+    ctx: typer.Context,
     profile_name: ProfileOpt = None,
     apply: Annotated[bool, typer.Option("--apply", help="Make the changes (root).")] = False,
     revert: Annotated[
@@ -122,21 +121,24 @@ def system(
     if apply and revert:
         raise fail("give --apply or --revert, not both", EXIT_USAGE)
     profile = load_profile(profile_name) if profile_name else Profile(name="defaults")
+    d = deps(ctx)
     sysroot = SysRoot(root)
     state = StateFile(sysroot, state_path)
-    ctx = tune_context(sysroot, make_runner(), profile, state, model=_model_info(profile))
-    plan = plan_revert(ctx, state) if revert else plan_apply(ctx, state)
+    info = _model_info(profile)
+    n_layer = info.n_layer if info is not None else None
+    board = board_context(sysroot, d.runner, board_settings(profile), state, n_layer=n_layer)
+    plan = plan_revert(board, state) if revert else plan_apply(board, state)
     out = Output(as_json)
     if not as_json:
-        _show_plan(out, plan, profile, ctx.platform)
+        _show_plan(out, plan, profile, board.platform)
     done: tuple[str, ...] | None = None
     if apply:
-        done = apply_plan(ctx, plan, state, effective_uid)
+        done = apply_plan(board, plan, state, d.effective_uid)
     elif revert:
-        done = revert_plan(ctx, plan, state, effective_uid)
+        done = revert_plan(board, plan, state, d.effective_uid)
     if as_json:
         data = plan.to_dict()
-        data.update(profile=profile.name, platform=ctx.platform.to_dict(), done=done)
+        data.update(profile=profile.name, platform=board.platform.to_dict(), done=done)
         out.json(data)
     else:
         out.line(_summary(plan, done))
@@ -195,8 +197,6 @@ def _run_measured(
     report_dir: Path | None,
     as_json: bool,
 ) -> None:
-    from orin.cli.serve import serve_profile
-
     profile = serve_profile(profile_name, model)[0]  # the profile serve would run
     from orin.tune import report as tune_report
     from orin.tune import tuned

@@ -80,7 +80,7 @@ def test_flash_attention_with_quantized_kv_keeps_greedy_output(small: Path, kv: 
 def nvml_server(small: Path) -> Iterator[str]:
     import threading
 
-    from orin.cli.serve import build_server
+    from orin.server.main import build_server
 
     profile = parse_profile("name: nvml\nengine: {n_ctx: 512, slots: 2}\n")
     profile.server.port = free_port()

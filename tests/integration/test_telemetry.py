@@ -86,7 +86,7 @@ def test_long_prompt_then_decode_attributes_both_phases(tmp_path: Path) -> None:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ServerState, Path]]:
     import threading
 
-    from orin.cli.serve import build_server
+    from orin.server.main import build_server
 
     record = tmp_path_factory.mktemp("rec") / "run.jsonl"
     profile = parse_profile(

@@ -107,7 +107,7 @@ def test_validate_rejects_quantized_v_without_flash_attention(tmp_path: Path) ->
     code, out, _ = invoke("profile", "validate", str(f), "--json")
     data = json.loads(out)
     assert data["valid"] is False
-    assert [x["rule"] for x in data["findings"] if x["severity"] == "error"] == [
+    assert [x["rule"] for x in data["findings"] if x["severity"] == "fail"] == [
         "kv-quant-v-needs-fa"
     ]
 

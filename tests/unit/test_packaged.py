@@ -77,7 +77,7 @@ def test_unknown_name() -> None:
 def test_serve_defaults_to_smollm2_once_fetched_else_the_demo(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from orin.cli.serve import serve_profile
+    from orin.profile.select import serve_profile
 
     assert packaged.installed_path(packaged.SMOLLM2) is None  # the wheel is never installed
     monkeypatch.setenv("ORIN_LLM_CACHE_DIR", str(tmp_path))

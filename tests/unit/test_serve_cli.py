@@ -5,10 +5,11 @@ import logging
 import pytest
 import typer
 
-from orin.cli.serve import _api_key, _apply_overrides, _is_loopback, _window, http_stack
+from orin.cli.serve import _apply_overrides, _window
 from orin.errors import ProfileError
 from orin.profile.loader import parse_profile
 from orin.profile.schema import Profile
+from orin.server.main import _api_key, _is_loopback, http_stack
 
 
 def profile() -> Profile:
@@ -62,7 +63,7 @@ def test_public_bind_without_key_warns_loudly(
 
 
 def test_unknown_profile_is_a_profile_error() -> None:
-    from orin.cli.serve import serve_profile
+    from orin.profile.select import serve_profile
 
     with pytest.raises(ProfileError):
         serve_profile("no-such-profile", None)

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
-from orin.cli import doctor as doctor_cli
-from orin.cli import tune as tune_cli
+from orin.cli.app import app
+from orin.cli.deps import Deps
 from tests.fakeboards_system import CPU_BUILD, CUDA_BUILD, FakeJetson, agx_orin_64gb_jp6
-
-# Registered the way orin/cli/app.py registers them.
-cli = typer.Typer()
-cli.add_typer(tune_cli.app, name="tune")
-cli.command("doctor")(doctor_cli.doctor)
 
 PROFILE = """\
 name: board-test
@@ -31,15 +26,19 @@ system:
 
 
 @pytest.fixture
-def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeJetson:
-    board = agx_orin_64gb_jp6(tmp_path / "board")
-    monkeypatch.setattr(tune_cli, "make_runner", lambda: board.runner)
-    monkeypatch.setattr(tune_cli, "effective_uid", lambda: 0)
-    monkeypatch.setattr(doctor_cli, "make_runner", lambda: board.runner)
-    monkeypatch.setattr(doctor_cli, "get_build_info", lambda: CUDA_BUILD)
-    monkeypatch.setattr(doctor_cli, "port_probe", lambda host, port: None)
-    monkeypatch.setattr(doctor_cli, "disk_free", lambda path: 100 * 2**30)
-    return board
+def fake(tmp_path: Path) -> FakeJetson:
+    return agx_orin_64gb_jp6(tmp_path / "board")
+
+
+def board_deps(fake: FakeJetson) -> Deps:
+    """Root on the fake board, a CUDA build, a free port and 100 GiB free."""
+    return Deps(
+        runner=fake.runner,
+        effective_uid=lambda: 0,
+        build_info=lambda: CUDA_BUILD,
+        port_probe=lambda host, port: None,
+        disk_free=lambda path: 100 * 2**30,
+    )
 
 
 @pytest.fixture
@@ -49,9 +48,11 @@ def profile_file(tmp_path: Path) -> Path:
     return path
 
 
-def invoke(fake: FakeJetson, *args: str) -> tuple[int, str, str]:
+def invoke(fake: FakeJetson, *args: str, deps: Deps | None = None) -> tuple[int, str, str]:
     root = str(fake.board.base)
-    result = CliRunner().invoke(cli, [*args, "--root", root], env={"COLUMNS": "200"})
+    result = CliRunner().invoke(
+        app, [*args, "--root", root], env={"COLUMNS": "200"}, obj=deps or board_deps(fake)
+    )
     return result.exit_code, result.stdout, result.stderr
 
 
@@ -66,11 +67,10 @@ def test_tune_system_prints_the_plan_and_changes_nothing(
     assert fake.changes() == []
 
 
-def test_tune_system_apply_needs_root(
-    fake: FakeJetson, profile_file: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(tune_cli, "effective_uid", lambda: 1000)
-    code, _, err = invoke(fake, "tune", "system", "--profile", str(profile_file), "--apply")
+def test_tune_system_apply_needs_root(fake: FakeJetson, profile_file: Path) -> None:
+    user = dataclasses.replace(board_deps(fake), effective_uid=lambda: 1000)
+    args = ("tune", "system", "--profile", str(profile_file), "--apply")
+    code, _, err = invoke(fake, *args, deps=user)
     assert code == 1
     assert "needs root for: swappiness (echo 10 > /proc/sys/vm/swappiness)" in err
     assert fake.changes() == []
@@ -123,11 +123,9 @@ def test_doctor_json_on_the_stock_board(
     assert data["platform"]["jetpack"] == "6.1"
 
 
-def test_doctor_table_and_exit_1_on_a_cpu_build(
-    fake: FakeJetson, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(doctor_cli, "get_build_info", lambda: CPU_BUILD)
-    code, out, _ = invoke(fake, "doctor", "--model", "/nonexistent/m.gguf")
+def test_doctor_table_and_exit_1_on_a_cpu_build(fake: FakeJetson) -> None:
+    cpu = dataclasses.replace(board_deps(fake), build_info=lambda: CPU_BUILD)
+    code, out, _ = invoke(fake, "doctor", "--model", "/nonexistent/m.gguf", deps=cpu)
     assert code == 1
     assert "FAIL" in out and "CPU-only build on a Jetson" in out
     assert "no such file" in out

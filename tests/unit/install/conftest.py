@@ -1,13 +1,12 @@
-"""Fake roots with a metadata-only model at the profile's path, and the CLI's seams patched."""
+"""Fake roots with a metadata-only model at the profile's path, and the CLI's deps faked."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from orin.cli import install as install_cli
+from orin.cli.deps import Deps
 from orin.doctor.findings import Finding
 from orin.doctor.runner import Report
 from orin.install.probe import HttpResult
@@ -53,24 +52,27 @@ def health() -> list[HttpResult]:
 
 
 @pytest.fixture
-def patched(
-    monkeypatch: pytest.MonkeyPatch, host: FakeHost, health: list[HttpResult]
-) -> Callable[[Report], None]:
-    """Patch every seam of orin.cli.install; call the result to change doctor's report."""
+def report() -> list[Report]:
+    """doctor's report, in a cell a test can change."""
+    return [doctor_report()]
+
+
+@pytest.fixture
+def deps(
+    monkeypatch: pytest.MonkeyPatch, host: FakeHost, health: list[HttpResult], report: list[Report]
+) -> Deps:
+    """Every side effect of orin.cli.install faked: root on the fake host, /health from
+    ``health``, doctor's report from ``report``."""
 
     def get(url: str, timeout: float) -> HttpResult:
         return health.pop(0) if len(health) > 1 else health[0]
 
-    report = [doctor_report()]
     host.runner.programs.add(EXECUTABLE)  # tune system --revert on uninstall --purge
-    monkeypatch.setattr(install_cli, "make_runner", lambda: host.runner)
-    monkeypatch.setattr(install_cli, "effective_uid", lambda: 0)
-    monkeypatch.setattr(install_cli, "http_get", get)
-    monkeypatch.setattr(install_cli, "run_doctor", lambda profile, root, runner: report[0])
-    monkeypatch.setattr(install_cli, "orin_executable", lambda: EXECUTABLE)
     monkeypatch.setattr("orin.install.probe.POLL_S", 0.0)
-
-    def set_report(new: Report) -> None:
-        report[0] = new
-
-    return set_report
+    return Deps(
+        runner=host.runner,
+        effective_uid=lambda: 0,
+        http_get=get,
+        run_doctor=lambda context: report[0],
+        orin_executable=lambda: EXECUTABLE,
+    )

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from orin.cli.deps import Deps
 from orin.install import cudaprobe
 from orin.install.layout import SERVICE, TUNE_SERVICE
 from orin.install.sandbox import NOT_SANDBOX, interpret, probe_command, sandbox_properties
@@ -125,10 +126,10 @@ def test_the_probe_carries_the_whole_sandbox_of_the_unit(tmp_path: Path) -> None
 
 
 def test_install_probes_cuda_after_the_files_and_before_enabling(
-    root: Path, host: FakeHost, patched: object
+    root: Path, host: FakeHost, deps: Deps
 ) -> None:
     orin_dev(root)
-    code, out, err = invoke(root, "install", "--profile", PROFILE)
+    code, out, err = invoke(deps, root, "install", "--profile", PROFILE)
     assert code == 0, err
     probes = [i for i, c in enumerate(host.calls) if c[0] == "systemd-run"]
     assert len(probes) == 1
@@ -138,12 +139,12 @@ def test_install_probes_cuda_after_the_files_and_before_enabling(
     assert "CUDA initialized as the service, inside its sandbox (1 device(s))" in out
     assert re.search(r"step \d+: systemd-run --wait --pipe --collect --quiet -p \.\.\. \(the", out)
     host.calls.clear()
-    assert invoke(root, "install", "--profile", PROFILE)[0] == 0
+    assert invoke(deps, root, "install", "--profile", PROFILE)[0] == 0
     assert not any(c[0] == "systemd-run" for c in host.calls)  # nothing changed: no probe
 
 
 def test_a_node_cuda_cannot_open_stops_the_install_and_is_named(
-    root: Path, host: FakeHost, patched: object
+    root: Path, host: FakeHost, deps: Deps
 ) -> None:
     orin_dev(root)
     host.probe_report = failed(
@@ -153,7 +154,7 @@ def test_a_node_cuda_cannot_open_stops_the_install_and_is_named(
             {"path": "/dev/nvmap", "allowed": True, "error": None},
         ]
     )
-    code, _, err = invoke(root, "install", "--profile", PROFILE)
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
     assert code == 1
     assert "install failed at `systemd-run" in err
     assert "cuInit returned 801 (CUDA_ERROR_NOT_SUPPORTED)" in err
@@ -164,12 +165,10 @@ def test_a_node_cuda_cannot_open_stops_the_install_and_is_named(
     assert not any(c[:2] == ("systemctl", "enable") for c in host.calls)
 
 
-def test_force_reports_a_failed_probe_and_installs(
-    root: Path, host: FakeHost, patched: object
-) -> None:
+def test_force_reports_a_failed_probe_and_installs(root: Path, host: FakeHost, deps: Deps) -> None:
     orin_dev(root)
     host.probe_report = failed([{"path": "/dev/nvmap", "allowed": True, "error": "EACCES"}])
-    code, _, err = invoke(root, "install", "--profile", PROFILE, "--force")
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE, "--force")
     assert code == 0, err
     assert "CUDA probe FAILED" in err
     assert "/dev/nvmap (EACCES: its permissions: the service user lacks the node's group" in err

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from pathlib import Path
 
-import pytest
-import typer
 from typer.testing import CliRunner
 
-from orin.cli import install as install_cli
+from orin.cli.app import app
+from orin.cli.deps import Deps
 from orin.doctor.findings import Finding
 from orin.doctor.runner import Report
 from orin.install.layout import ENV_FILE, PROFILE_FILE, SERVICE, TUNE_SERVICE
@@ -17,12 +16,6 @@ from orin.install.probe import HttpResult
 from orin.system.commands import CommandResult
 from tests.unit.install.conftest import doctor_report
 from tests.unit.install.fakehost import FakeHost
-
-# Registered the way orin/cli/app.py registers them.
-cli = typer.Typer()
-cli.command("install")(install_cli.install)
-cli.command("uninstall")(install_cli.uninstall)
-cli.command("status")(install_cli.status)
 
 PROFILE = "llama3.1-8b-q4_k_m"
 UNIT_DIR = "/etc/systemd/system"
@@ -47,8 +40,8 @@ FRESH_INSTALL = [
 ]
 
 
-def invoke(root: Path, *args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(cli, [*args, "--root", str(root)], env={"COLUMNS": "200"})
+def invoke(deps: Deps, root: Path, *args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, [*args, "--root", str(root)], env={"COLUMNS": "200"}, obj=deps)
     return result.exit_code, result.stdout, result.stderr
 
 
@@ -59,8 +52,8 @@ def snapshot(root: Path) -> dict[str, bytes | None]:
     }
 
 
-def test_fresh_install_runs_the_exact_steps(root: Path, host: FakeHost, patched: object) -> None:
-    code, out, err = invoke(root, "install", "--profile", PROFILE)
+def test_fresh_install_runs_the_exact_steps(root: Path, host: FakeHost, deps: Deps) -> None:
+    code, out, err = invoke(deps, root, "install", "--profile", PROFILE)
     assert code == 0, err
     assert host.changes() == FRESH_INSTALL
     for path in (PROFILE_FILE, ENV_FILE, f"{UNIT_DIR}/{SERVICE}", f"{UNIT_DIR}/{TUNE_SERVICE}"):
@@ -72,9 +65,9 @@ def test_fresh_install_runs_the_exact_steps(root: Path, host: FakeHost, patched:
     assert "healthy after" in out
 
 
-def test_dry_run_changes_nothing(root: Path, host: FakeHost, patched: object) -> None:
+def test_dry_run_changes_nothing(root: Path, host: FakeHost, deps: Deps) -> None:
     before = snapshot(root)
-    code, out, err = invoke(root, "install", "--profile", PROFILE, "--dry-run")
+    code, out, err = invoke(deps, root, "install", "--profile", PROFILE, "--dry-run")
     assert code == 0, err
     assert snapshot(root) == before
     assert host.changes() == []
@@ -84,11 +77,11 @@ def test_dry_run_changes_nothing(root: Path, host: FakeHost, patched: object) ->
     assert "ExecStart=/opt/orin-llm/venv/bin/orin-llm serve" in out  # the diff is shown
 
 
-def test_second_install_is_a_noop(root: Path, host: FakeHost, patched: object) -> None:
-    assert invoke(root, "install", "--profile", PROFILE)[0] == 0
+def test_second_install_is_a_noop(root: Path, host: FakeHost, deps: Deps) -> None:
+    assert invoke(deps, root, "install", "--profile", PROFILE)[0] == 0
     host.calls.clear()
     before = snapshot(root)
-    code, out, err = invoke(root, "install", "--profile", PROFILE)
+    code, out, err = invoke(deps, root, "install", "--profile", PROFILE)
     assert code == 0, err
     assert host.changes() == []
     assert snapshot(root) == before
@@ -96,11 +89,11 @@ def test_second_install_is_a_noop(root: Path, host: FakeHost, patched: object) -
 
 
 def test_a_changed_port_rewrites_the_unit_and_restarts_both(
-    root: Path, host: FakeHost, patched: object
+    root: Path, host: FakeHost, deps: Deps
 ) -> None:
-    assert invoke(root, "install", "--profile", PROFILE)[0] == 0
+    assert invoke(deps, root, "install", "--profile", PROFILE)[0] == 0
     host.calls.clear()
-    code, out, err = invoke(root, "install", "--profile", PROFILE, "--port", "9000")
+    code, out, err = invoke(deps, root, "install", "--profile", PROFILE, "--port", "9000")
     assert code == 0, err
     assert host.changes() == [
         ("systemctl", "daemon-reload"),
@@ -111,13 +104,13 @@ def test_a_changed_port_rewrites_the_unit_and_restarts_both(
 
 
 def test_failing_systemctl_is_reported_and_rolled_back(
-    root: Path, host: FakeHost, patched: object
+    root: Path, host: FakeHost, deps: Deps
 ) -> None:
     host.fail_on[("systemctl", "enable")] = CommandResult(
         (), 1, "", "Failed to enable unit: Unit file orin-llm.service is masked.\nsecond line"
     )
     before = {p: v for p, v in snapshot(root).items() if "etc/" in p}
-    code, _, err = invoke(root, "install", "--profile", PROFILE)
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
     assert code == 1
     assert "install failed at `systemctl enable --now --no-block" in err
     assert "Unit file orin-llm.service is masked." in err and "second line" in err
@@ -135,37 +128,31 @@ def test_failing_systemctl_is_reported_and_rolled_back(
     assert "rolled back:" in err
 
 
-def test_failure_before_enable_does_not_disable(
-    root: Path, host: FakeHost, patched: object
-) -> None:
+def test_failure_before_enable_does_not_disable(root: Path, host: FakeHost, deps: Deps) -> None:
     host.fail_on[("chown",)] = CommandResult((), 1, "", "chown: invalid group: 'root:orin-llm'")
-    code, _, err = invoke(root, "install", "--profile", PROFILE)
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
     assert code == 1 and "invalid group" in err
     assert not any(c[:2] == ("systemctl", "disable") for c in host.changes())
     assert not any(c[:2] == ("systemctl", "enable") for c in host.changes())
     assert not (root / UNIT_DIR.lstrip("/") / SERVICE).exists()
 
 
-def test_failed_upgrade_restores_the_previous_units(
-    root: Path, host: FakeHost, patched: object
-) -> None:
-    assert invoke(root, "install", "--profile", PROFILE)[0] == 0
+def test_failed_upgrade_restores_the_previous_units(root: Path, host: FakeHost, deps: Deps) -> None:
+    assert invoke(deps, root, "install", "--profile", PROFILE)[0] == 0
     unit = root / UNIT_DIR.lstrip("/") / SERVICE
     old = unit.read_text()
     host.fail_on[("systemctl", "restart")] = CommandResult((), 1, "", "Job failed.")
-    code, _, err = invoke(root, "install", "--profile", PROFILE, "--port", "9001")
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE, "--port", "9001")
     assert code == 1
     assert "Job failed." in err
     assert unit.read_text() == old
     assert ("systemctl", "disable", TUNE_SERVICE, SERVICE) not in host.changes()  # was enabled
 
 
-def test_not_root_names_the_steps(
-    root: Path, host: FakeHost, patched: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(install_cli, "effective_uid", lambda: 1000)
+def test_not_root_names_the_steps(root: Path, host: FakeHost, deps: Deps) -> None:
+    user = dataclasses.replace(deps, effective_uid=lambda: 1000)
     before = snapshot(root)
-    code, _, err = invoke(root, "install", "--profile", PROFILE)
+    code, _, err = invoke(user, root, "install", "--profile", PROFILE)
     assert code == 1
     assert "install needs root for these steps:" in err
     assert "useradd --system" in err and "systemctl daemon-reload" in err
@@ -175,65 +162,60 @@ def test_not_root_names_the_steps(
 
 
 def test_doctor_fail_refuses_unless_forced(
-    root: Path, host: FakeHost, patched: Callable[[Report], None]
+    root: Path, host: FakeHost, deps: Deps, report: list[Report]
 ) -> None:
-    patched(doctor_report(Finding("llama-build", "fail", "CPU-only build", fix="rebuild")))
-    code, _, err = invoke(root, "install", "--profile", PROFILE)
+    report[0] = doctor_report(Finding("llama-build", "fail", "CPU-only build", fix="rebuild"))
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
     assert code == 1
     assert "doctor found problems" in err and "llama-build: CPU-only build" in err
     assert host.changes() == []
-    code, _, err = invoke(root, "install", "--profile", PROFILE, "--force")
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE, "--force")
     assert code == 0, err
     assert "ignoring (--force)" in err
 
 
 def test_running_service_excuses_memory_fit_and_port(
-    root: Path, host: FakeHost, patched: Callable[[Report], None]
+    root: Path, host: FakeHost, deps: Deps, report: list[Report]
 ) -> None:
-    assert invoke(root, "install", "--profile", PROFILE)[0] == 0
-    patched(
-        doctor_report(
-            Finding("memory-fit", "fail", "the running server holds the memory"),
-            Finding("port", "warn", "127.0.0.1:8080: already in use"),
-        )
+    assert invoke(deps, root, "install", "--profile", PROFILE)[0] == 0
+    report[0] = doctor_report(
+        Finding("memory-fit", "fail", "the running server holds the memory"),
+        Finding("port", "warn", "127.0.0.1:8080: already in use"),
     )
-    assert invoke(root, "install", "--profile", PROFILE)[0] == 0
+    assert invoke(deps, root, "install", "--profile", PROFILE)[0] == 0
 
 
 def test_no_start_enables_without_starting_or_waiting(
-    root: Path, host: FakeHost, patched: object
+    root: Path, host: FakeHost, deps: Deps
 ) -> None:
-    code, out, err = invoke(root, "install", "--profile", PROFILE, "--no-start")
+    code, out, err = invoke(deps, root, "install", "--profile", PROFILE, "--no-start")
     assert code == 0, err
     assert host.changes()[-1] == ("systemctl", "enable", TUNE_SERVICE, SERVICE)
     assert "waiting for" not in out
 
 
-def test_unit_dir_and_user_options(root: Path, host: FakeHost, patched: object) -> None:
-    code, _, err = invoke(
-        root, "install", "--profile", PROFILE, "--unit-dir", "/run/systemd/system", "--user", "llm"
-    )
+def test_unit_dir_and_user_options(root: Path, host: FakeHost, deps: Deps) -> None:
+    args = ("install", "--profile", PROFILE, "--unit-dir", "/run/systemd/system", "--user", "llm")
+    code, _, err = invoke(deps, root, *args)
     assert code == 0, err
     unit = (root / "run/systemd/system" / SERVICE).read_text()
     assert "User=llm" in unit
     assert host.changes()[0][-1] == "llm"
 
 
-def test_existing_user_missing_a_group_is_added(
-    root: Path, host: FakeHost, patched: object
-) -> None:
+def test_existing_user_missing_a_group_is_added(root: Path, host: FakeHost, deps: Deps) -> None:
     host.users["orin-llm"] = {"video"}
-    assert invoke(root, "install", "--profile", PROFILE)[0] == 0
+    assert invoke(deps, root, "install", "--profile", PROFILE)[0] == 0
     assert host.changes()[0] == ("usermod", "--append", "--groups", "render", "orin-llm")
 
 
 def test_unhealthy_service_reports_the_journal(
-    root: Path, host: FakeHost, patched: object, health: list[HttpResult]
+    root: Path, host: FakeHost, deps: Deps, health: list[HttpResult]
 ) -> None:
     health[:] = [HttpResult(None, error="connection refused")]
     host.failed.add(SERVICE)
     host.journal = "orin-llm[7]: model file not found\n"
-    code, _, err = invoke(root, "install", "--profile", PROFILE)
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
     assert code == 1
     assert "installed but not healthy" in err
     assert "model file not found" in err
@@ -241,19 +223,19 @@ def test_unhealthy_service_reports_the_journal(
 
 
 def test_waits_while_the_model_loads(
-    root: Path, host: FakeHost, patched: object, health: list[HttpResult]
+    root: Path, host: FakeHost, deps: Deps, health: list[HttpResult]
 ) -> None:
     health[:] = [
         HttpResult(None, error="connection refused"),
         HttpResult(503, '{"status": "loading"}'),
         HttpResult(200, '{"status": "ok"}'),
     ]
-    code, out, err = invoke(root, "install", "--profile", PROFILE)
+    code, out, err = invoke(deps, root, "install", "--profile", PROFILE)
     assert code == 0, err
     assert 'healthy after 0 s: {"status": "ok"}' in out
 
 
-def test_missing_model_is_a_clear_error(tmp_path: Path, host: FakeHost, patched: object) -> None:
-    code, _, err = invoke(tmp_path, "install", "--profile", PROFILE)
+def test_missing_model_is_a_clear_error(tmp_path: Path, host: FakeHost, deps: Deps) -> None:
+    code, _, err = invoke(deps, tmp_path, "install", "--profile", PROFILE)
     assert code == 3  # ModelFileError
     assert "Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf: no such file" in err

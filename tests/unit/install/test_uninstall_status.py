@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
-import pytest
 from prometheus_client import CollectorRegistry
 
-from orin.cli import install as install_cli
+from orin.cli.deps import Deps
 from orin.engine.types import RequestTimings
 from orin.install.layout import SERVICE, TUNE_SERVICE
 from orin.install.probe import HttpResult
@@ -20,15 +20,15 @@ from tests.unit.install.fakehost import FakeHost
 from tests.unit.install.test_install import PROFILE, UNIT_DIR, invoke
 
 
-def installed(root: Path, host: FakeHost) -> None:
-    code, _, err = invoke(root, "install", "--profile", PROFILE)
+def installed(deps: Deps, root: Path, host: FakeHost) -> None:
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
     assert code == 0, err
     host.calls.clear()
 
 
-def test_uninstall_keeps_models_and_state(root: Path, host: FakeHost, patched: object) -> None:
-    installed(root, host)
-    code, out, err = invoke(root, "uninstall")
+def test_uninstall_keeps_models_and_state(root: Path, host: FakeHost, deps: Deps) -> None:
+    installed(deps, root, host)
+    code, out, err = invoke(deps, root, "uninstall")
     assert code == 0, err
     assert host.changes() == [
         ("systemctl", "disable", "--now", TUNE_SERVICE, SERVICE),
@@ -42,13 +42,13 @@ def test_uninstall_keeps_models_and_state(root: Path, host: FakeHost, patched: o
 
 
 def test_uninstall_purge_reverts_tuning_and_removes_everything(
-    root: Path, host: FakeHost, patched: object
+    root: Path, host: FakeHost, deps: Deps
 ) -> None:
-    installed(root, host)
+    installed(deps, root, host)
     (root / "var/lib/orin-llm-root").mkdir(mode=0o700)
     (root / "var/lib/orin-llm-root/state.json").write_text("{}")
     (root / "var/cache/orin-llm").mkdir(parents=True)
-    code, out, err = invoke(root, "uninstall", "--purge")
+    code, out, err = invoke(deps, root, "uninstall", "--purge")
     assert code == 0, err
     assert host.changes() == [
         ("systemctl", "disable", "--now", TUNE_SERVICE, SERVICE),
@@ -62,15 +62,13 @@ def test_uninstall_purge_reverts_tuning_and_removes_everything(
     assert "orin-llm" not in host.users
 
 
-def test_uninstall_dry_run_and_nothing_installed(
-    root: Path, host: FakeHost, patched: object
-) -> None:
-    installed(root, host)
-    code, out, _ = invoke(root, "uninstall", "--purge", "--dry-run")
+def test_uninstall_dry_run_and_nothing_installed(root: Path, host: FakeHost, deps: Deps) -> None:
+    installed(deps, root, host)
+    code, out, _ = invoke(deps, root, "uninstall", "--purge", "--dry-run")
     assert code == 0 and host.changes() == []
     assert "rm -rf /var/lib/orin-llm" in out and (root / "var/lib/orin-llm").is_dir()
-    assert invoke(root, "uninstall")[0] == 0
-    code, out, _ = invoke(root, "uninstall")
+    assert invoke(deps, root, "uninstall")[0] == 0
+    code, out, _ = invoke(deps, root, "uninstall")
     assert code == 0 and "not installed: nothing to remove" in out
 
 
@@ -117,32 +115,31 @@ def test_histogram_quantile_edges() -> None:
 def test_status_shows_units_health_and_latency(
     root: Path,
     host: FakeHost,
-    patched: object,
-    monkeypatch: pytest.MonkeyPatch,
+    deps: Deps,
     health: list[HttpResult],
 ) -> None:
-    installed(root, host)
+    installed(deps, root, host)
     body = metrics_body()
 
     def get(url: str, timeout: float) -> HttpResult:
         assert url.startswith("http://127.0.0.1:8080/")
         return HttpResult(200, body if url.endswith("/metrics") else '{"status": "ok"}')
 
-    monkeypatch.setattr(install_cli, "http_get", get)
-    code, out, err = invoke(root, "status")
+    serving = dataclasses.replace(deps, http_get=get)
+    code, out, err = invoke(serving, root, "status")
     assert code == 0, err
     assert "orin-llm.service" in out and "active/running" in out
     assert "TTFT" in out and "TPOT" in out and "200.0 ms" in out
-    code, out, _ = invoke(root, "status", "--json")
+    code, out, _ = invoke(serving, root, "status", "--json")
     data = json.loads(out)
     assert data["healthy"] and data["latency"]["ttft"]["count"] == 4
     assert host.changes() == []
 
 
 def test_status_reads_the_port_with_serves_precedence(
-    root: Path, host: FakeHost, patched: object, monkeypatch: pytest.MonkeyPatch
+    root: Path, host: FakeHost, deps: Deps
 ) -> None:
-    installed(root, host)
+    installed(deps, root, host)
     env = root / "etc/orin-llm/orin-llm.env"
     env.write_text(env.read_text() + "ORIN_LLM_PORT=8181\nORIN_LLM_HOST=0.0.0.0\n")
     seen: list[str] = []
@@ -151,14 +148,13 @@ def test_status_reads_the_port_with_serves_precedence(
         seen.append(url)
         return HttpResult(None, error="connection refused")
 
-    monkeypatch.setattr(install_cli, "http_get", get)
-    code, out, _ = invoke(root, "status")
+    code, out, _ = invoke(dataclasses.replace(deps, http_get=get), root, "status")
     assert code == 1
     assert seen == ["http://127.0.0.1:8181/health"]
     assert "connection refused" in out
 
 
-def test_status_when_not_installed(tmp_path: Path, host: FakeHost, patched: object) -> None:
-    code, out, _ = invoke(tmp_path, "status")
+def test_status_when_not_installed(tmp_path: Path, host: FakeHost, deps: Deps) -> None:
+    code, out, _ = invoke(deps, tmp_path, "status")
     assert code == 1
     assert "not installed" in out
