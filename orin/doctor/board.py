@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from orin.doctor.context import DoctorContext
-from orin.doctor.findings import Finding, Severity, worst
+from orin.doctor.findings import Finding
 from orin.profile.loader import builtin_profiles
+from orin.severity import Severity, worst
 from orin.system.services import unit_active_state
 from orin.system.settings import STATE_DIR, SWAPPINESS_FILE
 

@@ -2,8 +2,8 @@
 
 The board's checks (swappiness, zram, power mode, ...) are in
 ``orin.doctor.board``; ``CHECKS`` at the end lists every check in the order
-the report shows them. The KV rules and the memory planner are reused from
-the profile and model packages, never restated here.
+the report shows them. The KV rules, the memory fit and the mmap policy are
+reused from the profile and system packages, never restated here.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ from collections.abc import Callable
 
 from orin.doctor import board
 from orin.doctor.context import DoctorContext
-from orin.doctor.findings import Finding, Severity, worst
-from orin.errors import KVConfigError
-from orin.model.plan import max_context, plan_memory
+from orin.doctor.findings import Finding
+from orin.profile.board import load_settings
+from orin.profile.fit import gib, memory_fit
+from orin.severity import worst
 from orin.system.loadmode import mmap_policy
 
 INSTALL = "scripts/install-llama-cpp.sh"
-HEADROOM = 0.10  # below this share of available memory left over, memory-fit warns
-KV_SEVERITY: dict[str, Severity] = {"error": "fail", "warning": "warn", "info": "ok"}
 KV_FIXES = {
     "kv-quant-v-needs-fa": "engine.flash_attn: on (or auto), or engine.type_v: f16",
     "kv-cuda-fa-kernels": "engine.type_k and engine.type_v: types CUDA flash attention "
@@ -29,10 +28,6 @@ KV_FIXES = {
     "(GGML_CUDA_FA_QUANTS=all)",
     "kv-below-weights": "engine.type_k: auto and engine.type_v: auto (matched to the weights)",
 }
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def skipped(check_id: str, ctx: DoctorContext) -> Finding:
@@ -166,7 +161,7 @@ def check_kv_type(ctx: DoctorContext) -> Finding:
     """The profile's KV types against the weights and the build (kvmatch's rules)."""
     d = ctx.kv
     rules = [f for f in d.findings if f.rule != "kv-auto"]
-    severity = worst([KV_SEVERITY[f.severity] for f in rules])
+    severity = worst(f.severity for f in rules)
     found = f"K={d.type_k} V={d.type_v} flash_attn={d.flash_attn}"
     notes = [f.message for f in d.findings]
     if ctx.build is None:
@@ -196,33 +191,9 @@ def check_memory_fit(ctx: DoctorContext) -> Finding:
         return skipped("memory-fit", ctx)
     if avail is None:
         return Finding("memory-fit", "warn", "cannot read /proc/meminfo", fix="check /proc")
-    e, d = ctx.profile.engine, ctx.kv
-    flash = d.flash_attn != "off"
-    try:
-        plan = plan_memory(info, e.n_ctx, e.slots, d.type_k, d.type_v, avail, e.n_ubatch, flash)
-    except KVConfigError as exc:
-        return Finding("memory-fit", "fail", str(exc), fix="engine.type_k/type_v: f16 or q8_0")
-    best = max_context(info, e.slots, d.type_k, d.type_v, avail, e.n_ubatch, flash)
-    found = (
-        f"weights {gib(plan.weights_bytes)} + KV {gib(plan.kv_bytes)} + compute "
-        f"~{gib(plan.compute_bytes)} = {gib(plan.total_bytes)} at n_ctx={e.n_ctx} x "
-        f"{e.slots} slots (K={d.type_k}, V={d.type_v}); available {gib(avail)}; "
-        f"largest per-slot context that fits: {best if best is not None else 'none'}"
-    )
-    why = (
-        "the KV cache for every slot is allocated at load: a model that fits at load but "
-        "not at full context fails with cudaMalloc errors or pushes the board into swap"
-    )
-    if best is None:
-        fix = "a smaller quantization or model, or fewer slots"
-    else:
-        fix = f"engine.n_ctx: {best} (or fewer slots, or a smaller KV type)"
-    if plan.total_bytes > avail:
-        return Finding("memory-fit", "fail", found, why=why, fix=fix)
-    if plan.total_bytes > avail * (1 - HEADROOM):
-        why = f"less than {HEADROOM:.0%} of available memory is left for the CUDA runtime"
-        return Finding("memory-fit", "warn", found, why=why, fix=fix)
-    return Finding("memory-fit", "ok", found)
+    d = ctx.kv
+    fit = memory_fit(info, ctx.profile.engine, d.type_k, d.type_v, d.flash_attn != "off", avail)
+    return Finding("memory-fit", fit.severity, fit.found, why=fit.why, fix=fit.fix)
 
 
 def check_context(ctx: DoctorContext) -> Finding:
@@ -271,7 +242,7 @@ def check_mmap(ctx: DoctorContext) -> Finding:
     """mmap while every layer is on the GPU of a unified-memory board."""
     p, info, build = ctx.platform, ctx.model, ctx.build
     d = mmap_policy(
-        ctx.profile,
+        load_settings(ctx.profile),
         p.unified_memory,
         info.n_layer if info else None,
         build.gpu_offload if build else None,

@@ -1,12 +1,14 @@
-"""A doctor finding: what was found, why it matters, and the exact fix."""
+"""A doctor finding: what was found, why it matters, and the exact fix.
+
+Severities are ``orin.severity``'s, shared with `profile validate`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
-Severity = Literal["ok", "info", "warn", "fail"]
-SEVERITY_RANK: dict[str, int] = {"ok": 0, "info": 1, "warn": 2, "fail": 3}
+from orin.severity import Severity
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,3 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def worst(severities: list[Severity]) -> Severity:
-    return max(severities, key=SEVERITY_RANK.__getitem__, default="ok")

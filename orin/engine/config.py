@@ -18,6 +18,7 @@ from orin.errors import KVConfigError
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo
 from orin.model.plan import kv_cells_per_seq
+from orin.profile.board import load_settings
 from orin.profile.kvmatch import resolve_kv
 from orin.profile.schema import Profile
 from orin.system.loadmode import mmap_policy
@@ -50,6 +51,7 @@ class EngineConfig:
     rope_freq_base: float | None = None  # None: llama.cpp takes it from the metadata
     max_backlog: int = 4096  # unread events before a slow client's request is cut off
     prefill_chunk: int = 0  # prompt tokens per step, all slots together; 0: n_batch
+    chat_template: str | None = None  # the profile's; None: the model's own
 
     def with_(self, **changes: object) -> EngineConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -80,7 +82,7 @@ def engine_config(
     window = min(c.window or e.n_ctx, kv_cells_per_seq(e.n_ctx, e.slots))
     threads = e.threads or default_threads()
     gpu = build.gpu_offload if build is not None else None
-    load = mmap_policy(profile, is_jetson(root or SysRoot()), info.n_layer, gpu)
+    load = mmap_policy(load_settings(profile), is_jetson(root or SysRoot()), info.n_layer, gpu)
     offloaded = bool(gpu) and e.gpu_layers != 0
     return EngineConfig(
         model_path=model_path,
@@ -107,6 +109,7 @@ def engine_config(
         rope_freq_base=e.rope_freq_base,
         max_backlog=profile.server.max_stream_backlog,
         prefill_chunk=prefill_chunk(e.prefill_chunk, e.n_batch, offloaded),
+        chat_template=profile.model.chat_template,
     )
 
 

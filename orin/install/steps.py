@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from orin.errors import OrinError
 from orin.install.sandbox import PROBE_TIMEOUT_S, CudaProbe, ProbeOutcome, interpret
 from orin.system.actions import COMMAND_TIMEOUT, Action, StepError, execute
+from orin.system.changes import RootRequiredError
 from orin.system.commands import CommandRunner
 from orin.system.root import SysRoot
-from orin.system.tuner import RootRequiredError
 
 MAX_OUTPUT_LINES = 20
 

@@ -24,8 +24,7 @@ from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, weight_bits
 from orin.model.plan import kv_cache_bytes, kv_cells_per_seq
 from orin.profile.schema import EngineSection
-
-Severity = Literal["info", "warning", "error"]
+from orin.severity import Severity
 
 QUANTIZED_KV = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"})
 # ggml-cuda fattn.cu ggml_cuda_fattn_kv_type_supported(): types with CUDA flash attention
@@ -64,7 +63,8 @@ class KVDecision:
 
     @property
     def errors(self) -> list[KVFinding]:
-        return [f for f in self.findings if f.severity == "error"]
+        """The findings that make llama.cpp refuse or misrun this configuration."""
+        return [f for f in self.findings if f.severity == "fail"]
 
 
 def auto_kv_type(
@@ -145,7 +145,7 @@ def check_kv(
         out.append(
             KVFinding(
                 "kv-quant-v-needs-fa",
-                "error",
+                "fail",
                 f"a quantized V cache ({type_v}) needs flash attention: llama.cpp refuses to "
                 "create the context with flash_attn off; set engine.flash_attn to on or auto, "
                 "or type_v to f16",
@@ -191,7 +191,7 @@ def cuda_fa_finding(
         if flash_attn == "auto" and type_v not in QUANTIZED_KV:
             return KVFinding(
                 "kv-cuda-fa-kernels",
-                "warning",
+                "warn",
                 f"CUDA has no flash-attention kernel for {names} (supported: "
                 f"{', '.join(CUDA_FA_ORDER)}): with flash_attn auto llama.cpp turns flash "
                 f"attention off for K={type_k}/V={type_v}, and attention runs on the GPU "
@@ -199,7 +199,7 @@ def cuda_fa_finding(
             )
         return KVFinding(
             "kv-cuda-fa-kernels",
-            "error",
+            "fail",
             f"CUDA has no flash-attention kernel for {names} (supported: "
             f"{', '.join(CUDA_FA_ORDER)}): with K={type_k}/V={type_v} llama.cpp runs "
             "attention on the CPU, copying K and V from the GPU every layer of every step",
@@ -210,7 +210,7 @@ def cuda_fa_finding(
     compiled = ", ".join(f"{k}/{v}" for k, v in sorted(fa_quants | {ALWAYS_COMPILED}))
     return KVFinding(
         "kv-cuda-fa-kernels",
-        "warning",
+        "warn",
         f"this CUDA build has no flash-attention vector kernel for K={pair[0]}/V={pair[1]} "
         f"(compiled: {compiled}): decode steps convert K and V to f16 first; attention "
         "stays on the GPU, slower, with a larger compute buffer. Use a compiled pair or "
@@ -238,7 +238,7 @@ def _precision_findings(
     return [
         KVFinding(
             "kv-below-weights",
-            "warning",
+            "warn",
             f"the KV cache (K={type_k}, V={type_v}) has lower precision than the "
             f"{quantization} weights, adding error on top of the quantization{saved}",
         )

@@ -1,4 +1,10 @@
-"""profile validate: a profile, optionally with its model file, against every rule."""
+"""profile validate: a profile, optionally with its model file, against every rule.
+
+Findings use the severity scale doctor uses (``orin.severity``); the profile
+is invalid when one of them is ``fail``. The memory fit is doctor's check
+(``orin.profile.fit``), reported here as a warning at most: the memory read is
+this machine's, and a profile is often validated elsewhere than on its board.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,10 @@ from typing import Any
 from orin.errors import OrinError
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, read_model_info
-from orin.model.plan import total_bytes
-from orin.profile.kvmatch import KVFinding, resolve_kv
+from orin.profile.fit import memory_fit
+from orin.profile.kvmatch import KVDecision, KVFinding, resolve_kv
 from orin.profile.schema import Profile
+from orin.severity import Severity
 from orin.system.memory import read_meminfo
 from orin.system.root import SysRoot
 
@@ -27,7 +34,7 @@ class ValidationReport:
 
     @property
     def ok(self) -> bool:
-        return not any(f.severity == "error" for f in self.findings)
+        return not any(f.severity == "fail" for f in self.findings)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -66,7 +73,7 @@ def validate_profile(
             KVFinding("llama-build", "info", "llama-cpp-python not importable: CUDA rules skipped")
         )
     if info is not None and available is not None:
-        findings += _memory_findings(profile, info, decision.type_k, decision.type_v, available)
+        findings += _memory_findings(profile, info, decision, available)
     return ValidationReport(
         profile=profile.name,
         model=str(model) if model is not None else None,
@@ -83,7 +90,7 @@ def _quantization_findings(profile: Profile, info: ModelInfo) -> list[KVFinding]
         return [
             KVFinding(
                 "model-quantization",
-                "warning",
+                "warn",
                 f"profile was written for {expected} but the file is {info.quantization}: "
                 "its KV and memory settings may not suit this file",
             )
@@ -92,19 +99,14 @@ def _quantization_findings(profile: Profile, info: ModelInfo) -> list[KVFinding]
 
 
 def _memory_findings(
-    profile: Profile, info: ModelInfo, type_k: str, type_v: str, available: int
+    profile: Profile, info: ModelInfo, kv: KVDecision, available: int
 ) -> list[KVFinding]:
-    e = profile.engine
-    flash = e.flash_attn != "off"
-    need = total_bytes(info, e.n_ctx, e.slots, type_k, type_v, e.n_ubatch, flash)
-    if need <= available:
+    fit = memory_fit(info, profile.engine, kv.type_k, kv.type_v, kv.flash_attn != "off", available)
+    if fit.severity == "ok":
         return []
-    return [
-        KVFinding(
-            "memory-fit",
-            "warning",
-            f"weights + KV + compute need {need / 2**30:.2f} GiB at n_ctx={e.n_ctx} x "
-            f"{e.slots} slots, more than the {available / 2**30:.2f} GiB available here; "
-            "see `orin-llm model plan`",
-        )
-    ]
+    # A KV type this model cannot hold fails anywhere; a shortage of memory is this machine's.
+    severity: Severity = "fail" if fit.plan is None else "warn"
+    message = (
+        fit.found + (f": {fit.why}" if fit.why else "") + (f"; fix: {fit.fix}" if fit.fix else "")
+    )
+    return [KVFinding("memory-fit", severity, message)]

@@ -8,9 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orin.profile.schema import Profile
-
 MMAP_MODES = frozenset({"mmap", "mmap+mlock"})
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """What a profile says about loading the model, as plain values.
+
+    Built from a profile by ``orin.profile.board.load_settings``; the board layer
+    never sees the profile itself.
+    """
+
+    load_mode: str = "auto"  # engine.load_mode: auto, or a mode to use as is
+    mmap: str = "auto"  # system.mmap: auto, on or off
+    gpu_layers: int = -1  # engine.gpu_layers: -1 = all
 
 
 @dataclass(frozen=True)
@@ -25,7 +36,7 @@ class MmapDecision:
 
 
 def mmap_policy(
-    profile: Profile,
+    load: LoadSettings,
     unified_memory: bool,
     n_layer: int | None = None,
     gpu_offload: bool | None = None,
@@ -38,9 +49,9 @@ def mmap_policy(
     layer is on the GPU of a Jetson, and maps it otherwise (CPU layers then
     read the mapping directly and nothing is copied).
     """
-    layers = profile.engine.gpu_layers
+    layers = load.gpu_layers
     full = gpu_offload is not False and (layers < 0 or (n_layer is not None and layers > n_layer))
-    explicit, policy = profile.engine.load_mode, profile.system.mmap
+    explicit, policy = load.load_mode, load.mmap
     if explicit != "auto":
         return MmapDecision(explicit, full, f"engine.load_mode is set to {explicit}")
     if policy != "auto":

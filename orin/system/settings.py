@@ -6,7 +6,11 @@ needs to restore the current value. ``apply`` runs the steps; ``revert``
 restores the saved values. Plans only read, so they can be printed before
 anything changes, and a setting already at its target plans no steps, which
 is what makes applying twice a no-op. Orchestration (root check, state file,
-rollback on failure) lives in ``orin.system.tuner``.
+rollback on failure) lives in ``orin.system.changes``.
+
+Settings plan against ``BoardSettings``, plain values a caller builds from a
+profile (``orin.profile.board.board_settings``): the board layer sits below
+the profiles and never imports them.
 """
 
 from __future__ import annotations
@@ -17,10 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from orin.errors import OrinError
-from orin.profile.schema import Profile
 from orin.system.actions import Action, StepError, execute_all
 from orin.system.commands import CommandRunner
-from orin.system.loadmode import mmap_policy
+from orin.system.loadmode import LoadSettings, mmap_policy
 from orin.system.platform import Platform, query_power_mode
 from orin.system.root import SysRoot
 from orin.system.services import unit_file_state
@@ -68,13 +71,26 @@ class Change:
 
 
 @dataclass(frozen=True)
-class TuneContext:
+class BoardSettings:
+    """What a profile asks of the board, as plain values; the defaults change nothing."""
+
+    swappiness: int | None = None  # system.swappiness; None = leave unchanged
+    disable_zram: bool = False  # system.disable_zram
+    power_mode: int | None = None  # system.power_mode (nvpmodel id); None = unchanged
+    lock_clocks: bool = False  # system.lock_clocks
+    drop_caches: bool = False  # system.drop_caches
+    numa: str = "disabled"  # engine.numa, reported against the NUMA nodes
+    load: LoadSettings = field(default_factory=LoadSettings)  # for the mmap report
+
+
+@dataclass(frozen=True)
+class BoardContext:
     """What every setting plans against; ``recorded`` is the state file's saved values."""
 
     root: SysRoot
     runner: CommandRunner
     platform: Platform
-    profile: Profile
+    settings: BoardSettings
     n_layer: int | None = None
     gpu_offload: bool | None = None
     recorded: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -84,16 +100,16 @@ class Setting(ABC):
     id: ClassVar[str]
 
     @abstractmethod
-    def plan(self, ctx: TuneContext) -> Change: ...
+    def plan(self, ctx: BoardContext) -> Change: ...
 
-    def apply(self, ctx: TuneContext, change: Change) -> None:
+    def apply(self, ctx: BoardContext, change: Change) -> None:
         execute_all(change.actions, ctx.root, ctx.runner)
 
-    def revert_actions(self, ctx: TuneContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
+    def revert_actions(self, ctx: BoardContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
         """The steps that put back what ``saved`` recorded; none for report-only settings."""
         return ()
 
-    def revert(self, ctx: TuneContext, saved: Mapping[str, Any]) -> None:
+    def revert(self, ctx: BoardContext, saved: Mapping[str, Any]) -> None:
         execute_all(self.revert_actions(ctx, saved), ctx.root, ctx.runner)
 
     def describe_saved(self, saved: Mapping[str, Any]) -> str:
@@ -144,9 +160,9 @@ class Swappiness(Setting):
 
     id = "swappiness"
 
-    def plan(self, ctx: TuneContext) -> Change:
+    def plan(self, ctx: BoardContext) -> Change:
         current = (ctx.root.read_text(SWAPPINESS_FILE) or "").strip()
-        target = ctx.profile.system.swappiness
+        target = ctx.settings.swappiness
         if not current.isdigit():
             return self.report("unknown", "-", f"cannot read {SWAPPINESS_FILE}")
         if target is None:
@@ -167,7 +183,7 @@ class Swappiness(Setting):
             "pages to swap under memory pressure",
         )
 
-    def revert_actions(self, ctx: TuneContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
+    def revert_actions(self, ctx: BoardContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
         """Only numbers reach the files: the state file's values were checked on load."""
         previous = saved.get("sysctl_swappiness")
         persist = (
@@ -188,14 +204,14 @@ class Zram(Setting):
 
     id = "zram"
 
-    def plan(self, ctx: TuneContext) -> Change:
+    def plan(self, ctx: BoardContext) -> Change:
         devices = ctx.platform.zram_devices
         size = sum(d.size_bytes for d in devices) / 2**30
         service = unit_file_state(ctx.runner, ZRAM_SERVICE) if ctx.platform.is_jetson else None
         current = f"{len(devices)} zram swap device(s), {size:.1f} GiB; {ZRAM_SERVICE} " + (
             service or "not installed"
         )
-        if not ctx.profile.system.disable_zram:
+        if not ctx.settings.disable_zram:
             return self.report(current, "unchanged", "set system.disable_zram: true to disable")
         actions = []
         if service == "enabled":
@@ -213,7 +229,7 @@ class Zram(Setting):
             note="zram takes its compressed pages from the same DRAM the model needs",
         )
 
-    def revert_actions(self, ctx: TuneContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
+    def revert_actions(self, ctx: BoardContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
         actions = []
         if saved.get("service") == "enabled":
             actions.append(Action.run("systemctl", "enable", ZRAM_SERVICE))
@@ -231,8 +247,8 @@ class PowerModeSetting(Setting):
 
     id = "power-mode"
 
-    def plan(self, ctx: TuneContext) -> Change:
-        p, target = ctx.platform, ctx.profile.system.power_mode
+    def plan(self, ctx: BoardContext) -> Change:
+        p, target = ctx.platform, ctx.settings.power_mode
         mode = p.power_mode
         current = f"{mode.name} ({mode.id})" if mode else "unknown"
         if not p.is_jetson:
@@ -256,9 +272,9 @@ class PowerModeSetting(Setting):
             note="the default 30 W mode caps GPU and memory clocks",
         )
 
-    def apply(self, ctx: TuneContext, change: Change) -> None:
+    def apply(self, ctx: BoardContext, change: Change) -> None:
         super().apply(ctx, change)
-        target = ctx.profile.system.power_mode
+        target = ctx.settings.power_mode
         now = query_power_mode(ctx.runner)
         if change.actions and (now is None or now.id != target):
             seen = f"{now.name} ({now.id})" if now else "no answer from nvpmodel -q"
@@ -266,7 +282,7 @@ class PowerModeSetting(Setting):
                 change.actions[0], f"the mode did not change ({seen}); it may need a reboot"
             )
 
-    def revert_actions(self, ctx: TuneContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
+    def revert_actions(self, ctx: BoardContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
         actions = [power_mode_action(int(saved["mode_id"]))]
         if saved.get("clocks_locked"):
             actions.append(Action.run("jetson_clocks"))  # a mode switch resets the clocks
@@ -285,7 +301,7 @@ class Clocks(Setting):
 
     id = "clocks"
 
-    def plan(self, ctx: TuneContext) -> Change:
+    def plan(self, ctx: BoardContext) -> Change:
         p = ctx.platform
         if not p.is_jetson:
             return self.report("not a Jetson", "-", "no jetson_clocks on this machine")
@@ -294,7 +310,7 @@ class Clocks(Setting):
         current = {True: "locked", False: "not locked", None: "unknown"}[locked]
         if state is not None and state.unlocked:
             current += f" ({', '.join(state.unlocked)})"
-        if not ctx.profile.system.lock_clocks:
+        if not ctx.settings.lock_clocks:
             return self.report(current, "unchanged", "set system.lock_clocks: true to lock")
         if locked and state is not None and state.complete and not _power_mode_changes(ctx):
             # Locked by someone else (jtop, a boot script): nothing stored, so revert
@@ -318,7 +334,7 @@ class Clocks(Setting):
             note="no frequency ramp at each request: steadier TTFT and TPOT",
         )
 
-    def revert_actions(self, ctx: TuneContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
+    def revert_actions(self, ctx: BoardContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
         restore = Action.run("jetson_clocks", "--restore", _store(ctx.root))
         if saved.get("stored_before"):  # a rolled-back re-apply: the first apply's file stays
             return (restore,)
@@ -332,9 +348,9 @@ def _store(root: SysRoot) -> str:
     return str(root.path(CLOCKS_STORE))
 
 
-def _power_mode_changes(ctx: TuneContext) -> bool:
+def _power_mode_changes(ctx: BoardContext) -> bool:
     """A mode switch resets the clocks, so a lock taken before it does not last."""
-    target, mode = ctx.profile.system.power_mode, ctx.platform.power_mode
+    target, mode = ctx.settings.power_mode, ctx.platform.power_mode
     return target is not None and mode is not None and mode.id != target
 
 
@@ -343,8 +359,8 @@ class Numa(Setting):
 
     id = "numa"
 
-    def plan(self, ctx: TuneContext) -> Change:
-        nodes, strategy = ctx.platform.numa_nodes, ctx.profile.engine.numa
+    def plan(self, ctx: BoardContext) -> Change:
+        nodes, strategy = ctx.platform.numa_nodes, ctx.settings.numa
         if nodes == 1 and strategy != "disabled":
             note = (
                 f"one NUMA node: numa={strategy} changes nothing here; "
@@ -362,10 +378,10 @@ class Mmap(Setting):
 
     id = "mmap"
 
-    def plan(self, ctx: TuneContext) -> Change:
-        p = ctx.profile
-        d = mmap_policy(p, ctx.platform.unified_memory, ctx.n_layer, ctx.gpu_offload)
-        current = f"engine.load_mode={p.engine.load_mode}, system.mmap={p.system.mmap}"
+    def plan(self, ctx: BoardContext) -> Change:
+        load = ctx.settings.load
+        d = mmap_policy(load, ctx.platform.unified_memory, ctx.n_layer, ctx.gpu_offload)
+        current = f"engine.load_mode={load.load_mode}, system.mmap={load.mmap}"
         return self.report(current, f"load_mode={d.load_mode}", d.reason)
 
 
@@ -374,8 +390,8 @@ class DropCaches(Setting):
 
     id = "drop-caches"
 
-    def plan(self, ctx: TuneContext) -> Change:
-        if not ctx.profile.system.drop_caches:
+    def plan(self, ctx: BoardContext) -> Change:
+        if not ctx.settings.drop_caches:
             return self.report("-", "unchanged", "set system.drop_caches: true to drop")
         return Change(
             self.id,

@@ -113,7 +113,7 @@ def _allowed_kv(
     out = []
     for k, v in KV_PAIRS:
         findings = check_kv(k, v, flash, profile.engine, info.quantization, info, build)
-        if not any(f.severity == "error" or f.rule == "kv-below-weights" for f in findings):
+        if not any(f.severity == "fail" or f.rule == "kv-below-weights" for f in findings):
             out.append((k, v))
     return out
 

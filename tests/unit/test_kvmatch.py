@@ -103,7 +103,7 @@ def test_a_compiled_pair_is_fine(info: str, pair: tuple[str, str]) -> None:
      ("bf16", "f16"), ("f32", "q8_0")],
 )  # fmt: skip
 def test_a_supported_pair_without_its_kernel_runs_converted_to_f16(pair: tuple[str, str]) -> None:
-    assert cuda_findings(*pair) == [("kv-cuda-fa-kernels", "warning")]
+    assert cuda_findings(*pair) == [("kv-cuda-fa-kernels", "warn")]
     d = resolve_kv(EngineSection(type_k=pair[0], type_v=pair[1], flash_attn="on"), "F16",
                    build=build(CUDA_DEFAULT))  # fmt: skip
     message = next(f.message for f in d.findings if f.rule == "kv-cuda-fa-kernels")
@@ -119,7 +119,7 @@ def test_f32_looks_for_the_f16_kernel_and_f16_f16_is_always_compiled() -> None:
     assert cuda_findings("f32", "f32") == []
     assert cuda_findings("f32", "f16", CUDA_ONE_PAIR) == []  # f16-f16 is added to any list
     assert cuda_findings("q8_0", "q4_0", CUDA_ONE_PAIR) == []
-    assert cuda_findings("q8_0", "q8_0", CUDA_ONE_PAIR) == [("kv-cuda-fa-kernels", "warning")]
+    assert cuda_findings("q8_0", "q8_0", CUDA_ONE_PAIR) == [("kv-cuda-fa-kernels", "warn")]
 
 
 @pytest.mark.parametrize("info", [CUDA_DEFAULT, CUDA_ALL])
@@ -127,7 +127,7 @@ def test_f32_looks_for_the_f16_kernel_and_f16_f16_is_always_compiled() -> None:
 def test_a_type_outside_the_cuda_set_runs_attention_on_the_cpu(
     info: str, pair: tuple[str, str]
 ) -> None:
-    assert cuda_findings(*pair, info) == [("kv-cuda-fa-kernels", "error")]
+    assert cuda_findings(*pair, info) == [("kv-cuda-fa-kernels", "fail")]
     d = resolve_kv(EngineSection(type_k=pair[0], type_v=pair[1], flash_attn="on"), "F16",
                    build=build(info))  # fmt: skip
     assert "iq4_nl" in d.errors[0].message and "on the CPU" in d.errors[0].message
@@ -135,7 +135,7 @@ def test_a_type_outside_the_cuda_set_runs_attention_on_the_cpu(
 
 def test_a_type_outside_the_set_with_flash_attention_auto() -> None:
     # K alone: llama.cpp's auto probe sees the op leave the GPU and turns flash attention off
-    assert cuda_findings("iq4_nl", "f16", flash="auto") == [("kv-cuda-fa-kernels", "warning")]
+    assert cuda_findings("iq4_nl", "f16", flash="auto") == [("kv-cuda-fa-kernels", "warn")]
     # a quantized V forces flash attention on (llama.cpp does the same): the CPU again
     d = resolve_kv(EngineSection(type_k="q8_0", type_v="iq4_nl"), "F16", build=build(CUDA_ALL))
     assert d.flash_attn == "on" and [f.rule for f in d.errors] == ["kv-cuda-fa-kernels"]
@@ -153,12 +153,12 @@ def test_lower_precision_than_weights_warns_with_savings(tmp_path: Path) -> None
     info = read_model_info(write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=7))
     engine = EngineSection(n_ctx=512, slots=1, type_k="q4_0", type_v="q4_0", flash_attn="on")
     d = resolve_kv(engine, "Q8_0", info)
-    warnings = [f for f in d.findings if f.severity == "warning"]
+    warnings = [f for f in d.findings if f.severity == "warn"]
     assert [f.rule for f in warnings] == ["kv-below-weights"]
     # f16 256 MiB against q4_0 72 MiB at 512 tokens of Llama-2-7B
     assert "saves 184.0 MiB" in warnings[0].message
     same = EngineSection(type_k="q8_0", type_v="q8_0", flash_attn="on")
-    assert not [f for f in resolve_kv(same, "Q8_0").findings if f.severity == "warning"]
+    assert not [f for f in resolve_kv(same, "Q8_0").findings if f.severity == "warn"]
 
 
 def test_parse_system_info_and_fa_quants() -> None:

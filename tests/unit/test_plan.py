@@ -15,6 +15,8 @@ from orin.model.plan import (
     plan_memory,
     total_bytes,
 )
+from orin.profile.fit import HEADROOM, memory_fit
+from orin.profile.schema import EngineSection
 from tests.ggufutil import LLAMA2_7B, write_gguf
 
 MiB = 1 << 20
@@ -119,3 +121,31 @@ def test_flash_attention_off_needs_more_compute(llama2_7b: ModelInfo) -> None:
     on = plan_memory(llama2_7b, 4096, 1, flash_attn=True)
     off = plan_memory(llama2_7b, 4096, 1, flash_attn=False)
     assert off.compute_bytes > on.compute_bytes
+
+
+def test_memory_fit_grades_against_the_available_memory(tmp_path: Path) -> None:
+    info = read_model_info(write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15))
+    engine = EngineSection(n_ctx=4096, slots=4)
+    need = total_bytes(info, 4096, 4, "q8_0", "q8_0", engine.n_ubatch, True)
+
+    def fit(available: int) -> str:
+        return memory_fit(info, engine, "q8_0", "q8_0", True, available).severity
+
+    assert fit(2 * need) == "ok"
+    assert fit(int(need / (1 - HEADROOM / 2))) == "warn"  # fits, under 10% left
+    assert fit(need) == "warn"
+    assert fit(need - 1) == "fail"
+    roomy = memory_fit(info, engine, "q8_0", "q8_0", True, 2 * need)
+    assert roomy.plan is not None and roomy.plan.total_bytes == need
+    assert roomy.best_ctx is not None and roomy.best_ctx > 4096
+    assert f"largest per-slot context that fits: {roomy.best_ctx}" in roomy.found
+
+
+def test_memory_fit_fails_a_kv_type_the_model_cannot_hold(tmp_path: Path) -> None:
+    params = dict(
+        LLAMA2_7B, embedding_length=48, **{"attention.head_count": 3, "attention.head_count_kv": 3}
+    )
+    info = read_model_info(write_gguf(tmp_path / "odd.gguf", params=params))
+    fit = memory_fit(info, EngineSection(n_ctx=512, slots=1), "q8_0", "f16", True, 64 << 30)
+    assert (fit.severity, fit.plan) == ("fail", None)
+    assert "head dimension 16" in fit.found and fit.fix == "engine.type_k/type_v: f16 or q8_0"

@@ -14,8 +14,10 @@ from orin.doctor.findings import Finding
 from orin.doctor.runner import run_checks
 from orin.errors import LlamaCppError
 from orin.profile.schema import Profile
+from orin.profile.validate import validate_profile
 from tests.fakeboard import GiB
 from tests.fakeboards_system import (
+    CUDA_BUILD,
     CUDA_BUILD_DEFAULT_FA,
     agx_orin_64gb_jp6,
     thermal_zone,
@@ -91,6 +93,27 @@ def test_memory_fit_warns_without_headroom(tmp_path: Path, make_ctx: MakeCtx) ->
     f = checks.check_memory_fit(make_ctx(fake.board.root, fake.runner, model=model))
     assert f.severity == "warn" and "= 4.33 GiB at n_ctx=4096 x 4 slots" in f.found
     assert "CUDA runtime" in f.why
+
+
+def test_profile_validate_reports_doctors_memory_fit(tmp_path: Path, make_ctx: MakeCtx) -> None:
+    """One check: validate shows doctor's figures, as a warning at most (this machine's memory
+    is not necessarily the board's)."""
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    for available, doctor_severity in ((int(4.5 * GiB), "warn"), (3 * GiB, "fail")):
+        fake.board.meminfo(total=8 * GiB, available=available)
+        ctx = make_ctx(fake.board.root, fake.runner, model=model, type_k="q8_0", type_v="q8_0")
+        doctor = checks.check_memory_fit(ctx)
+        report = validate_profile(ctx.profile, model, CUDA_BUILD, fake.board.base)
+        [finding] = [f for f in report.findings if f.rule == "memory-fit"]
+        assert doctor.severity == doctor_severity
+        assert finding.severity == "warn" and finding.message.startswith(doctor.found)
+        assert doctor.fix in finding.message and report.ok
+    fake.board.meminfo(total=64 * GiB, available=48 * GiB)
+    ctx = make_ctx(fake.board.root, fake.runner, model=model)
+    assert checks.check_memory_fit(ctx).severity == "ok"
+    report = validate_profile(ctx.profile, model, CUDA_BUILD, fake.board.base)
+    assert "memory-fit" not in [f.rule for f in report.findings]
 
 
 def test_window_beyond_training_context_fails(jetson_ctx: MakeCtx) -> None:

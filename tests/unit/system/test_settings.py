@@ -7,17 +7,19 @@ from typing import Any
 
 import pytest
 
+from orin.profile.board import board_settings
 from orin.profile.schema import Profile
 from orin.system.actions import Action
-from orin.system.loadmode import mmap_policy
+from orin.system.changes import board_context, plan_apply
+from orin.system.loadmode import LoadSettings, mmap_policy
 from orin.system.settings import (
     SYSCTL_FILE,
+    BoardSettings,
     Change,
     SettingError,
     sysctl_text,
 )
 from orin.system.state import CLOCKS_STORE, ROOT_STATE_DIR, StateFile
-from orin.system.tuner import plan_apply, tune_context
 from tests.fakeboards_system import (
     FakeJetson,
     agx_orin_32gb_jp5_tuned,
@@ -28,13 +30,13 @@ from tests.fakeboards_system import (
 TUNED = {"swappiness": 10, "power_mode": 0, "lock_clocks": True, "disable_zram": True}
 
 
-def profile(**system: Any) -> Profile:
-    return Profile(name="t", system=system)
+def profile(**system: Any) -> BoardSettings:
+    return BoardSettings(**system)
 
 
-def plan(fake: FakeJetson, p: Profile) -> dict[str, Change]:
+def plan(fake: FakeJetson, settings: BoardSettings) -> dict[str, Change]:
     state = StateFile(fake.board.root)
-    ctx = tune_context(fake.board.root, fake.runner, p, state)
+    ctx = board_context(fake.board.root, fake.runner, settings, state)
     return {c.setting: c for c in plan_apply(ctx, state).changes}
 
 
@@ -82,7 +84,7 @@ def test_plan_on_a_tuned_board_changes_nothing(tmp_path: Path) -> None:
 def test_plan_on_x86_reports_jetson_settings_as_absent(tmp_path: Path) -> None:
     board, runner = x86_machine(tmp_path)
     state = StateFile(board.root)
-    ctx = tune_context(board.root, runner, profile(**TUNED), state)
+    ctx = board_context(board.root, runner, profile(**TUNED), state)
     changes = {c.setting: c for c in plan_apply(ctx, state).changes}
     assert [c.setting for c in changes.values() if c.needed] == ["swappiness"]
     assert changes["power-mode"].current == "not a Jetson"
@@ -144,7 +146,7 @@ def test_a_gpu_only_reading_does_not_skip_the_lock(tmp_path: Path) -> None:
 
 def test_numa_report_against_the_node_count(tmp_path: Path) -> None:
     fake = agx_orin_64gb_jp6(tmp_path)
-    p = Profile(name="t", engine={"numa": "distribute"})
+    p = BoardSettings(numa="distribute")
     numa = plan(fake, p)["numa"]
     assert not numa.needed
     assert numa.current == "1 node(s)" and "changes nothing" in numa.note
@@ -180,8 +182,9 @@ def test_mmap_policy(
     offload: bool | None,
     mode: str,
 ) -> None:
-    p = Profile(name="t", engine=engine, system=system)
-    assert mmap_policy(p, unified, n_layer, offload).load_mode == mode
+    assert (
+        mmap_policy(LoadSettings(**engine, **system), unified, n_layer, offload).load_mode == mode
+    )
 
 
 def test_zram_not_installed_plans_only_swapoff(tmp_path: Path) -> None:
@@ -190,3 +193,25 @@ def test_zram_not_installed_plans_only_swapoff(tmp_path: Path) -> None:
     change = plan(fake, profile(disable_zram=True))["zram"]
     assert describe(change) == ["swapoff /dev/zram0", "swapoff /dev/zram1"]
     assert change.saved["service"] is None
+
+
+def test_default_board_settings_change_nothing(tmp_path: Path) -> None:
+    changes = plan(agx_orin_64gb_jp6(tmp_path), BoardSettings())
+    assert [c.setting for c in changes.values() if c.needed] == []
+
+
+def test_board_settings_from_a_profile() -> None:
+    """The board layer gets a profile's system section and engine load/NUMA fields."""
+    p = Profile(
+        name="t",
+        system={"swappiness": 5, "power_mode": 0, "lock_clocks": True, "mmap": "on"},
+        engine={"numa": "distribute", "gpu_layers": 10, "load_mode": "mlock"},
+    )
+    assert board_settings(p) == BoardSettings(
+        swappiness=5,
+        power_mode=0,
+        lock_clocks=True,
+        numa="distribute",
+        load=LoadSettings(load_mode="mlock", mmap="on", gpu_layers=10),
+    )
+    assert board_settings(Profile(name="d")).swappiness == 10  # the schema's default

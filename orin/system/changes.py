@@ -1,4 +1,4 @@
-"""Plan, apply and revert the board settings as one transaction.
+"""Board settings changes: plan, apply and revert them as one transaction.
 
 The plan is computed (read-only) and shown first. Apply needs root, records
 each setting's previous values in the state file as soon as that setting is
@@ -15,13 +15,18 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from orin.errors import OrinError
-from orin.model.gguf import ModelInfo
-from orin.profile.schema import Profile
 from orin.system.actions import StepError, execute_all
 from orin.system.commands import CommandRunner
 from orin.system.platform import Platform, detect
 from orin.system.root import SysRoot
-from orin.system.settings import SETTINGS, SETTINGS_BY_ID, Change, SettingError, TuneContext
+from orin.system.settings import (
+    SETTINGS,
+    SETTINGS_BY_ID,
+    BoardContext,
+    BoardSettings,
+    Change,
+    SettingError,
+)
 from orin.system.state import (
     DEFAULT_STATE_PATH,
     LEGACY_STATE_PATH,
@@ -68,20 +73,22 @@ class Plan:
         }
 
 
-def tune_context(
+def board_context(
     root: SysRoot,
     runner: CommandRunner,
-    profile: Profile,
+    settings: BoardSettings,
     state: StateFile,
     platform: Platform | None = None,
-    model: ModelInfo | None = None,
-) -> TuneContext:
-    return TuneContext(
+    n_layer: int | None = None,
+) -> BoardContext:
+    """``n_layer``: the model's layer count, which decides the mmap report when only
+    some layers offload (None when there is no model to read)."""
+    return BoardContext(
         root=root,
         runner=runner,
         platform=platform if platform is not None else detect(root, runner),
-        profile=profile,
-        n_layer=model.n_layer if model is not None else None,
+        settings=settings,
+        n_layer=n_layer,
         recorded=_recorded(state),
     )
 
@@ -98,11 +105,11 @@ def _recorded(state: StateFile) -> dict[str, Any]:
         return {}
 
 
-def plan_apply(ctx: TuneContext, state: StateFile) -> Plan:
+def plan_apply(ctx: BoardContext, state: StateFile) -> Plan:
     return Plan("apply", tuple(s.plan(ctx) for s in SETTINGS), str(state.location))
 
 
-def plan_revert(ctx: TuneContext, state: StateFile) -> Plan:
+def plan_revert(ctx: BoardContext, state: StateFile) -> Plan:
     """The saved values, newest first, as the steps that restore them."""
     entries = state.load()
     if state.legacy_present():  # it holds the values from before the first apply
@@ -138,7 +145,7 @@ def require_root(plan: Plan, euid: int) -> None:
 
 
 def apply_plan(
-    ctx: TuneContext, plan: Plan, state: StateFile, euid: Callable[[], int] = os.geteuid
+    ctx: BoardContext, plan: Plan, state: StateFile, euid: Callable[[], int] = os.geteuid
 ) -> tuple[str, ...]:
     """Apply every pending change; the settings applied, in order."""
     require_root(plan, euid())
@@ -162,7 +169,7 @@ def apply_plan(
 
 
 def _rolled_back(
-    ctx: TuneContext,
+    ctx: BoardContext,
     state: StateFile,
     before: dict[str, StateEntry],
     done: list[Change],
@@ -198,7 +205,7 @@ def _rolled_back(
 
 
 def revert_plan(
-    ctx: TuneContext, plan: Plan, state: StateFile, euid: Callable[[], int] = os.geteuid
+    ctx: BoardContext, plan: Plan, state: StateFile, euid: Callable[[], int] = os.geteuid
 ) -> tuple[str, ...]:
     """Restore every saved setting; each restored one leaves the state file at once."""
     require_root(plan, euid())

@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from orin.profile.schema import Profile
+from orin.system.changes import (
+    ApplyError,
+    RevertError,
+    RootRequiredError,
+    apply_plan,
+    board_context,
+    plan_apply,
+    plan_revert,
+    revert_plan,
+)
 from orin.system.platform import detect
-from orin.system.settings import SYSCTL_FILE, SettingError, sysctl_text
+from orin.system.settings import SYSCTL_FILE, BoardSettings, SettingError, sysctl_text
 from orin.system.state import (
     CLOCKS_STORE,
     DEFAULT_STATE_PATH,
@@ -22,22 +32,9 @@ from orin.system.state import (
     StateFile,
     UnsafeStateError,
 )
-from orin.system.tuner import (
-    ApplyError,
-    RevertError,
-    RootRequiredError,
-    apply_plan,
-    plan_apply,
-    plan_revert,
-    revert_plan,
-    tune_context,
-)
 from tests.fakeboards_system import FakeJetson, agx_orin_64gb_jp6, x86_machine
 
-TUNED = Profile(
-    name="t",
-    system={"swappiness": 10, "power_mode": 0, "lock_clocks": True, "disable_zram": True},
-)
+TUNED = BoardSettings(swappiness=10, power_mode=0, lock_clocks=True, disable_zram=True)
 
 
 def root_uid() -> int:
@@ -48,15 +45,17 @@ def user_uid() -> int:
     return 1000
 
 
-def apply(fake: FakeJetson, profile: Profile = TUNED, uid: Any = root_uid) -> tuple[str, ...]:
+def apply(
+    fake: FakeJetson, settings: BoardSettings = TUNED, uid: Any = root_uid
+) -> tuple[str, ...]:
     state = StateFile(fake.board.root)
-    ctx = tune_context(fake.board.root, fake.runner, profile, state)
+    ctx = board_context(fake.board.root, fake.runner, settings, state)
     return apply_plan(ctx, plan_apply(ctx, state), state, uid)
 
 
 def revert(fake: FakeJetson, uid: Any = root_uid) -> tuple[str, ...]:
     state = StateFile(fake.board.root)
-    ctx = tune_context(fake.board.root, fake.runner, TUNED, state)
+    ctx = board_context(fake.board.root, fake.runner, TUNED, state)
     return revert_plan(ctx, plan_revert(ctx, state), state, uid)
 
 
@@ -138,7 +137,7 @@ def test_revert_restores_exactly_what_was_there(tmp_path: Path) -> None:
 def test_revert_restores_an_existing_sysctl_file(tmp_path: Path) -> None:
     fake = agx_orin_64gb_jp6(tmp_path)
     fake.board.write(SYSCTL_FILE, "vm.swappiness = 30\n")
-    apply(fake, Profile(name="t", system={"swappiness": 10}))
+    apply(fake, BoardSettings(swappiness=10))
     assert fake.board.root.read_text(SYSCTL_FILE) == sysctl_text(10)
     revert(fake)
     assert fake.board.root.read_text(SYSCTL_FILE) == sysctl_text(30, restored=True)
@@ -148,7 +147,7 @@ def test_a_sysctl_file_with_other_settings_is_refused(tmp_path: Path) -> None:
     fake = agx_orin_64gb_jp6(tmp_path)
     fake.board.write(SYSCTL_FILE, "vm.swappiness = 30\nkernel.panic = 10\n")
     with pytest.raises(SettingError, match=r"sets more than vm.swappiness \('kernel.panic"):
-        apply(fake, Profile(name="t", system={"swappiness": 10}))
+        apply(fake, BoardSettings(swappiness=10))
     assert fake.board.root.read_text("/proc/sys/vm/swappiness") == "60\n"
 
 
@@ -226,8 +225,8 @@ def test_revert_without_root_is_refused(tmp_path: Path) -> None:
 
 def test_reapply_with_another_target_keeps_the_first_saved_value(tmp_path: Path) -> None:
     fake = agx_orin_64gb_jp6(tmp_path)
-    apply(fake, Profile(name="t", system={"swappiness": 10}))
-    apply(fake, Profile(name="t", system={"swappiness": 5}))
+    apply(fake, BoardSettings(swappiness=10))
+    apply(fake, BoardSettings(swappiness=5))
     entries = StateFile(fake.board.root).entries()
     assert entries["swappiness"].saved["value"] == 60
     assert entries["swappiness"].target == "5"
@@ -237,7 +236,7 @@ def test_reapply_with_another_target_keeps_the_first_saved_value(tmp_path: Path)
 
 def test_drop_caches_runs_every_time_and_is_not_recorded(tmp_path: Path) -> None:
     fake = agx_orin_64gb_jp6(tmp_path)
-    p = Profile(name="t", system={"swappiness": None, "drop_caches": True})
+    p = BoardSettings(drop_caches=True)
     assert apply(fake, p) == ("drop-caches",)
     assert fake.changes() == [("sync",)]
     assert fake.board.root.read_text("/proc/sys/vm/drop_caches") == "3\n"
@@ -256,7 +255,7 @@ def test_a_failed_revert_step_keeps_its_entry(tmp_path: Path) -> None:
 def test_x86_apply_sets_swappiness_only(tmp_path: Path) -> None:
     board, runner = x86_machine(tmp_path)
     state = StateFile(board.root)
-    ctx = tune_context(board.root, runner, TUNED, state)
+    ctx = board_context(board.root, runner, TUNED, state)
     assert apply_plan(ctx, plan_apply(ctx, state), state, root_uid) == ("swappiness",)
     assert runner.calls == []
     assert board.root.read_text("/proc/sys/vm/swappiness") == "10\n"
@@ -278,7 +277,7 @@ def test_rolled_back_reapply_keeps_the_first_stored_clocks(tmp_path: Path) -> No
     apply(fake)
     fake.locked = False  # someone changed the clocks since
     fake.fail[("sync",)] = "sync: I/O error"
-    with_drop = Profile(name="t", system={**TUNED.system.model_dump(), "drop_caches": True})
+    with_drop = replace(TUNED, drop_caches=True)
     with pytest.raises(ApplyError, match=r"rolled back: clocks$"):
         apply(fake, with_drop)
     assert fake.board.root.exists(CLOCKS_STORE)
@@ -351,7 +350,7 @@ def test_a_tampered_clocks_store_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("change", ["group-writable folder", "symlink"])
 def test_a_folder_others_can_write_or_a_link_is_refused(tmp_path: Path, change: str) -> None:
     fake = agx_orin_64gb_jp6(tmp_path)
-    apply(fake, Profile(name="t", system={"swappiness": 10}))
+    apply(fake, BoardSettings(swappiness=10))
     state = fake.board.root.path(DEFAULT_STATE_PATH)
     if change == "symlink":
         elsewhere = fake.board.root.path("/var/lib/orin-llm/state.json")
