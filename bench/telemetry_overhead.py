@@ -33,7 +33,7 @@ from orin.telemetry.live import PhaseTracker
 from orin.telemetry.metrics import PhaseMetrics
 from orin.telemetry.sampler import Sampler
 from orin.telemetry.sources import select_source
-from tests.fakeboards_telemetry import agx_orin_64gb
+from tests.fakes.boards_telemetry import agx_orin_64gb
 
 
 def measure(

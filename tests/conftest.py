@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakeboard import FakeBoard
+from tests.fakes.board import FakeBoard
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from orin.llamacpp import BuildInfo
 from orin.profile.schema import Profile
 from orin.system.commands import CommandRunner
 from orin.system.root import SysRoot
-from tests.fakeboards_system import CUDA_BUILD
+from tests.fakes.boards_system import CUDA_BUILD
 from tests.ggufutil import LLAMA2_7B, write_gguf
 
 MakeCtx = Callable[..., DoctorContext]

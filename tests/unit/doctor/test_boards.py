@@ -11,7 +11,7 @@ from orin.doctor import board as board_checks
 from orin.doctor.checks import CHECK_IDS
 from orin.doctor.runner import Report, run_checks
 from orin.profile.loader import load_profile
-from tests.fakeboards_system import (
+from tests.fakes.boards_system import (
     CPU_BUILD,
     R35_LINE,
     agx_orin_32gb_devkit_tree_jp6,

@@ -15,8 +15,8 @@ from orin.doctor.runner import run_checks
 from orin.errors import LlamaCppError
 from orin.profile.schema import Profile
 from orin.profile.validate import validate_profile
-from tests.fakeboard import GiB
-from tests.fakeboards_system import (
+from tests.fakes.board import GiB
+from tests.fakes.boards_system import (
     CUDA_BUILD,
     CUDA_BUILD_DEFAULT_FA,
     agx_orin_64gb_jp6,

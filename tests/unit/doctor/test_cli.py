@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from orin.cli.app import app
 from orin.cli.deps import Deps
-from tests.fakeboards_system import CPU_BUILD, CUDA_BUILD, FakeJetson, agx_orin_64gb_jp6
+from tests.fakes.boards_system import CPU_BUILD, CUDA_BUILD, FakeJetson, agx_orin_64gb_jp6
 
 PROFILE = """\
 name: board-test

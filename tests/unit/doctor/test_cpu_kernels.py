@@ -12,7 +12,7 @@ from pathlib import Path
 from orin.doctor import checks
 from orin.errors import LlamaCppError
 from orin.llamacpp import BuildInfo, parse_system_info
-from tests.fakeboards_system import x86_machine
+from tests.fakes.boards_system import x86_machine
 from tests.unit.doctor.conftest import MakeCtx
 
 NATIVE_SPR = (

@@ -11,9 +11,9 @@ from orin.doctor.findings import Finding
 from orin.doctor.runner import Report
 from orin.install.probe import HttpResult
 from orin.profile.loader import load_profile
-from tests.fakeboard import FakeBoard, GiB
+from tests.fakes.board import FakeBoard, GiB
+from tests.fakes.host import FakeHost
 from tests.ggufutil import LLAMA2_7B, write_gguf
-from tests.unit.install.fakehost import FakeHost
 
 EXECUTABLE = "/opt/orin-llm/venv/bin/orin-llm"
 MOSTLY_Q4_K_M = 15  # GGUF general.file_type

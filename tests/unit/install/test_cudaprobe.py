@@ -20,8 +20,8 @@ from orin.install.sandbox import NOT_SANDBOX, interpret, probe_command, sandbox_
 from orin.install.units import find_gpu_devices, render_units
 from orin.system.commands import CommandResult
 from orin.system.root import SysRoot
+from tests.fakes.host import FakeHost
 from tests.unit.install.conftest import EXECUTABLE
-from tests.unit.install.fakehost import FakeHost
 from tests.unit.install.test_install import PROFILE, UNIT_DIR, invoke
 from tests.unit.install.test_units import config_for
 

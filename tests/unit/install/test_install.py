@@ -14,8 +14,8 @@ from orin.doctor.runner import Report
 from orin.install.layout import ENV_FILE, PROFILE_FILE, SERVICE, TUNE_SERVICE
 from orin.install.probe import HttpResult
 from orin.system.commands import CommandResult
+from tests.fakes.host import FakeHost
 from tests.unit.install.conftest import doctor_report
-from tests.unit.install.fakehost import FakeHost
 
 PROFILE = "llama3.1-8b-q4_k_m"
 UNIT_DIR = "/etc/systemd/system"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from orin.install.layout import SERVICE
 from orin.install.probe import HttpResult, wait_healthy
-from tests.unit.install.fakehost import FakeHost
+from tests.fakes.host import FakeHost
 
 
 class Clock:

@@ -15,8 +15,8 @@ from orin.install.layout import SERVICE, TUNE_SERVICE
 from orin.install.probe import HttpResult
 from orin.install.status import histogram_quantile, parse_latency
 from orin.server.metrics import ServerMetrics
+from tests.fakes.host import FakeHost
 from tests.unit.install.conftest import EXECUTABLE
-from tests.unit.install.fakehost import FakeHost
 from tests.unit.install.test_install import PROFILE, UNIT_DIR, invoke
 
 

@@ -32,7 +32,7 @@ from orin.system.state import (
     StateFile,
     UnsafeStateError,
 )
-from tests.fakeboards_system import FakeJetson, agx_orin_64gb_jp6, x86_machine
+from tests.fakes.boards_system import FakeJetson, agx_orin_64gb_jp6, x86_machine
 
 TUNED = BoardSettings(swappiness=10, power_mode=0, lock_clocks=True, disable_zram=True)
 

@@ -20,8 +20,8 @@ from orin.system.jetson import (
     parse_tegra_release,
 )
 from orin.system.platform import detect, is_jetson, numa_node_count, parse_swaps
-from tests.fakeboard import FakeBoard, GiB
-from tests.fakeboards_system import (
+from tests.fakes.board import FakeBoard, GiB
+from tests.fakes.boards_system import (
     R35_LINE,
     R36_LINE,
     agx_orin_32gb_devkit_tree_jp6,
@@ -298,7 +298,7 @@ def test_numa_nodes_counted(board: FakeBoard) -> None:
 
 
 def test_missing_sources_are_none_not_errors(board: FakeBoard) -> None:
-    from tests.fakerunner import FakeRunner
+    from tests.fakes.runner import FakeRunner
 
     board.write("/etc/nv_tegra_release", R36_LINE)
     p = detect(board.root, FakeRunner())

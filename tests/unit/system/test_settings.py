@@ -20,7 +20,7 @@ from orin.system.settings import (
     sysctl_text,
 )
 from orin.system.state import CLOCKS_STORE, ROOT_STATE_DIR, StateFile
-from tests.fakeboards_system import (
+from tests.fakes.boards_system import (
     FakeJetson,
     agx_orin_32gb_jp5_tuned,
     agx_orin_64gb_jp6,

@@ -11,7 +11,7 @@ import pytest
 
 from orin.telemetry.sources import jetson_sysfs as js
 from orin.telemetry.sources.base import read_file, realpath_in
-from tests.fakeboards_telemetry import (
+from tests.fakes.boards_telemetry import (
     EMC_ACTIVITY,
     EMC_ACTIVITY_BPMP,
     EMC_RATE,

@@ -17,7 +17,7 @@ from orin.telemetry.phases import Share, summarize
 from orin.telemetry.sampler import Sampler
 from orin.telemetry.service import Telemetry, engine_busy, running_step_start
 from orin.telemetry.sources.base import Sample
-from tests.fakeboards_telemetry import agx_orin_64gb
+from tests.fakes.boards_telemetry import agx_orin_64gb
 from tests.unit.telemetry.test_sampler import Counting
 
 S = 1_000_000_000  # ns

@@ -13,7 +13,7 @@ from orin.telemetry.sampler import Sampler
 from orin.telemetry.sources import cpu
 from orin.telemetry.sources import jetson_sysfs as js
 from orin.telemetry.sources.base import Availability, Sample, SplitSource, SplitTicks
-from tests.fakeboards_telemetry import LAYOUTS, FakeClock, FileReads, agx_orin_64gb
+from tests.fakes.boards_telemetry import LAYOUTS, FakeClock, FileReads, agx_orin_64gb
 
 
 class Counting(SplitTicks):

@@ -14,8 +14,8 @@ from orin.telemetry.sources import SOURCES, Source, TelemetryError, select_sourc
 from orin.telemetry.sources.cpu import CpuSource
 from orin.telemetry.sources.jetson_sysfs import JetsonSysfsSource
 from orin.telemetry.sources.tegrastats import TegrastatsSource
-from tests.fakeboards_telemetry import agx_orin_64gb, no_gpu_machine
-from tests.fakerunner import FakeRunner
+from tests.fakes.boards_telemetry import agx_orin_64gb, no_gpu_machine
+from tests.fakes.runner import FakeRunner
 
 JP6_LINE = (
     "10-05-2026 21:03:35 RAM 5137/62841MB (lfb 2x4MB) SWAP 0/31420MB (cached 0MB) "

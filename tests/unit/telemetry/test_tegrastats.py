@@ -19,7 +19,7 @@ import pytest
 from orin.system.commands import LineStream
 from orin.telemetry.sources import tegrastats as ts
 from orin.telemetry.sources.base import Availability
-from tests.fakerunner import FakeRunner
+from tests.fakes.runner import FakeRunner
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "tegrastats"
 MB = 1 << 20

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "install-llama-cpp.sh"
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "install-llama-cpp.sh"
 
 
 # /proc/cpuinfo flags of real CPUs (one "flags" line each, trimmed to what matters)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from orin.cli.app import app
-from tests.fakeboard import FakeBoard, GiB
+from tests.fakes.board import FakeBoard, GiB
 from tests.ggufutil import LLAMA2_7B, write_gguf
 
 runner = CliRunner()

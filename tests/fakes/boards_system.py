@@ -15,8 +15,8 @@ from pathlib import Path
 from orin.llamacpp import BuildInfo
 from orin.system.commands import CommandResult
 from orin.system.settings import sysctl_text
-from tests.fakeboard import FakeBoard, GiB
-from tests.fakerunner import FakeRunner
+from tests.fakes.board import FakeBoard, GiB
+from tests.fakes.runner import FakeRunner
 
 R36_LINE = (
     "# R36 (release), REVISION: 4.0, GCID: 37537400, BOARD: generic, EABI: aarch64, "

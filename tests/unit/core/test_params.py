@@ -181,7 +181,7 @@ def doc_row(p: params.Param[Any]) -> str:
 def test_the_server_docs_show_the_table() -> None:
     from pathlib import Path
 
-    doc = (Path(__file__).parents[2] / "docs" / "server.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).parents[3] / "docs" / "server.md").read_text(encoding="utf-8")
     rows = [doc_row(p) for p in params.SAMPLING if p.name != "penalty_last_n"]
     missing = [r for r in rows if r not in doc.splitlines()]
     assert not missing, "docs/server.md's parameter table differs from orin.params:\n" + "\n".join(

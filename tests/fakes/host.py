@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orin.system.commands import CommandResult
-from tests.fakerunner import FakeRunner
+from tests.fakes.runner import FakeRunner
 
 NOT_FOUND = 2  # getent's exit status for a missing key
 QUERIES = {"getent", "id", "journalctl", "systemd-run"}  # the probe changes nothing

@@ -9,7 +9,7 @@ from orin.errors import KVConfigError
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.profile.loader import parse_profile
-from tests.fakeboard import FakeBoard
+from tests.fakes.board import FakeBoard
 from tests.ggufutil import LLAMA2_7B, write_gguf
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakeboard import FakeBoard
+from tests.fakes.board import FakeBoard
 
 EMC_ACTIVITY = "/sys/kernel/debug/cactmon/mc_all"
 EMC_ACTIVITY_BPMP = "/sys/kernel/debug/bpmp/debug/actmon/mc_all_avg_activity"

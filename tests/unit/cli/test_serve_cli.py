@@ -74,10 +74,16 @@ def test_http_stack_prefers_uvloop_and_httptools_and_falls_back(
 ) -> None:
     import importlib.util
 
-    assert http_stack() == ("uvloop", "httptools")  # both are dependencies
     real = importlib.util.find_spec
-    missing = {"uvloop", "httptools"}
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a)
-    )
+    fast = {"uvloop", "httptools"}
+    here = {"uvloop", "httptools"}
+
+    def find_spec(name: str, *a: object) -> object:
+        if name in fast:
+            return real("json") if name in here else None  # any spec stands for "installed"
+        return real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert http_stack() == ("uvloop", "httptools")
+    here.clear()
     assert http_stack() == ("asyncio", "h11")
