@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 help:
 	@echo "make serve    set everything up and serve SmolLM2-135M-Instruct on 127.0.0.1:8000"
 	@echo "make test     create $(VENV), build llama-cpp-python, install orin-llm[dev], lint, run the tests"
-	@echo "make lint     ruff and mypy"
+	@echo "make lint     ruff, mypy and the import contracts"
 	@echo "make install  only set up $(VENV)"
 	@echo "make test-gpu on a machine with an NVIDIA GPU: CUDA build, offloaded llama tests, NVML"
 
@@ -33,6 +33,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/ruff format --check
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(VENV)/bin/pytest -q

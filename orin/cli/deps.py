@@ -18,7 +18,7 @@ import typer
 
 from orin.doctor.context import DiskFree, DoctorContext, PortProbe, free_bytes, model_path_for
 from orin.doctor.context import probe_port as _probe_port
-from orin.doctor.runner import Report, run_checks
+from orin.doctor.report import Report, run_checks
 from orin.install import probe
 from orin.install.steps import InstallError
 from orin.llamacpp import BuildInfo, build_info

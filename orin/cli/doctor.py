@@ -16,7 +16,7 @@ from orin.cli.deps import deps
 from orin.cli.errors import fail
 from orin.cli.options import JsonOpt, ProfileOpt, RootOpt
 from orin.cli.output import Output
-from orin.doctor.runner import EXIT_DOCTOR_FAILED, Report
+from orin.doctor.report import EXIT_DOCTOR_FAILED, Report
 from orin.errors import OrinError
 from orin.profile.schema import Profile
 from orin.profile.select import serve_profile

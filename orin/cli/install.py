@@ -17,7 +17,7 @@ from orin.cli.deps import HttpGet, deps
 from orin.cli.errors import handle_errors
 from orin.cli.options import JsonOpt, RootOpt
 from orin.cli.output import Output, human_bytes
-from orin.doctor.runner import Report
+from orin.doctor.report import Report
 from orin.install import probe
 from orin.install.apply import apply_install, apply_uninstall
 from orin.install.host import HostFacts, gather

@@ -12,7 +12,7 @@ from orin.cli.options import JsonOpt, RootOpt
 from orin.cli.output import Output, human_bytes
 from orin.errors import OrinError
 from orin.model.gguf import ModelInfo, read_model_info
-from orin.model.plan import KV_TYPES, MemoryPlan, plan_memory
+from orin.model.memplan import KV_TYPES, MemoryPlan, plan_memory
 from orin.system.memory import read_meminfo
 from orin.system.root import SysRoot
 

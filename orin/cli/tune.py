@@ -34,7 +34,7 @@ from orin.system.changes import (
 )
 from orin.system.platform import Platform
 from orin.system.root import SysRoot
-from orin.system.state import DEFAULT_STATE_PATH, StateFile
+from orin.system.statefile import DEFAULT_STATE_PATH, StateFile
 
 if TYPE_CHECKING:
     from orin.tune.run import TuneResult, TuneSettings

@@ -17,7 +17,7 @@ from orin.engine.scheduler import ContextPolicy
 from orin.errors import KVConfigError
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo
-from orin.model.plan import kv_cells_per_seq
+from orin.model.memplan import kv_cells_per_seq
 from orin.profile.board import load_settings
 from orin.profile.kvmatch import resolve_kv
 from orin.profile.schema import Profile

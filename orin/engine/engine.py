@@ -296,7 +296,7 @@ class Engine:
     @property
     def kv_cells_total(self) -> int:
         """Cells of all slots' KV streams (llama.cpp pads each to 256)."""
-        from orin.model.plan import kv_cells_per_seq
+        from orin.model.memplan import kv_cells_per_seq
 
         return kv_cells_per_seq(self.cfg.n_ctx, self.cfg.slots) * self.cfg.slots
 

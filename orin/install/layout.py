@@ -7,7 +7,7 @@ All are system paths, reached through SysRoot.
 
 from __future__ import annotations
 
-from orin.system.state import DEFAULT_STATE_PATH, ROOT_STATE_DIR
+from orin.system.statefile import DEFAULT_STATE_PATH, ROOT_STATE_DIR
 
 SERVICE = "orin-llm.service"
 TUNE_SERVICE = "orin-llm-tune.service"

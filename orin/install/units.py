@@ -20,7 +20,7 @@ from typing import Literal
 from orin.errors import KVConfigError, OrinError
 from orin.install.layout import HOME_PREFIXES, PROFILE_FILE, SERVICE, TUNE_SERVICE
 from orin.model.gguf import ModelInfo
-from orin.model.plan import MemoryPlan, plan_memory
+from orin.model.memplan import MemoryPlan, plan_memory
 from orin.profile.kvmatch import resolve_kv
 from orin.profile.schema import Profile
 from orin.system.root import SysRoot

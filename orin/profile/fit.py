@@ -1,7 +1,7 @@
 """Memory fit: a profile's context for every slot, beside the weights, in the memory there is.
 
 The one check behind doctor's ``memory-fit`` and ``profile validate``'s: the
-memory planner's figures (``orin.model.plan``: weights + KV cache at full
+memory planner's figures (``orin.model.memplan``: weights + KV cache at full
 context for every slot + compute buffers) against the memory available, graded
 on the shared severity scale, with the largest per-slot context that fits.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from orin.errors import KVConfigError
 from orin.model.gguf import ModelInfo
-from orin.model.plan import MemoryPlan, max_context, plan_memory
+from orin.model.memplan import MemoryPlan, max_context, plan_memory
 from orin.profile.schema import EngineSection
 from orin.severity import Severity
 

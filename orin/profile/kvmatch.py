@@ -22,7 +22,7 @@ from typing import Literal
 
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, weight_bits
-from orin.model.plan import kv_cache_bytes, kv_cells_per_seq
+from orin.model.memplan import kv_cache_bytes, kv_cells_per_seq
 from orin.profile.schema import EngineSection
 from orin.severity import Severity
 
@@ -122,7 +122,7 @@ def _q8_fits(
         return None
 
     def fits() -> bool:
-        from orin.model.plan import total_bytes
+        from orin.model.memplan import total_bytes
 
         need = total_bytes(info, engine.n_ctx, engine.slots, "q8_0", "q8_0", engine.n_ubatch, True)
         return need <= available

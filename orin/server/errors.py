@@ -48,10 +48,6 @@ class ModelNotFound(ApiError):
     status, type, code = 404, "invalid_request_error", "model_not_found"
 
 
-class NotFound(ApiError):
-    status, type, code = 404, "invalid_request_error", "not_found"
-
-
 class BodyTooLarge(ApiError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 

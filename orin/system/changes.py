@@ -27,7 +27,7 @@ from orin.system.settings import (
     Change,
     SettingError,
 )
-from orin.system.state import (
+from orin.system.statefile import (
     DEFAULT_STATE_PATH,
     LEGACY_STATE_PATH,
     StateAccessError,

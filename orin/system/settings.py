@@ -27,14 +27,14 @@ from orin.system.loadmode import LoadSettings, mmap_policy
 from orin.system.platform import Platform, query_power_mode
 from orin.system.root import SysRoot
 from orin.system.services import unit_file_state
-from orin.system.state import CLOCKS_STORE as CLOCKS_STORE
-from orin.system.state import ROOT_STATE_DIR
+from orin.system.statefile import CLOCKS_STORE as CLOCKS_STORE
+from orin.system.statefile import ROOT_STATE_DIR
 
 SWAPPINESS_FILE = "/proc/sys/vm/swappiness"
 SYSCTL_FILE = "/etc/sysctl.d/99-orin-llm.conf"
 DROP_CACHES_FILE = "/proc/sys/vm/drop_caches"
 # Root's own folder (0700), never the service user's /var/lib/orin-llm: root reads
-# the clocks store back (orin.system.state).
+# the clocks store back (orin.system.statefile).
 STATE_DIR = ROOT_STATE_DIR
 ZRAM_SERVICE = "nvzramconfig"
 NVPMODEL_ANSWER = "no\n"  # nvpmodel may ask to reboot; never reboot from here

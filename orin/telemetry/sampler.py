@@ -5,7 +5,7 @@ with, so samples line up with phases. The loop keeps to a fixed schedule (no
 drift from the read time) and skips missed ticks rather than bursting to catch up.
 
 At 50 Hz the cost of a tick is mostly the cold start of whatever Python it runs
-(measured in bench/telemetry_overhead.py), so a tick does as little as it can:
+(measured in benchmarks/telemetry_overhead.py), so a tick does as little as it can:
 it stamps the time and, for a ``SplitSource``, only captures the raw values
 (``capture_fast``, with ``capture_slow`` every ``slow_every`` ticks).
 Captures are decoded into Samples, stored and handed to the observers in

@@ -16,12 +16,12 @@ from orin.engine.client import EngineClient
 from orin.engine.types import FinishReason, RequestTimings
 from orin.system.commands import CommandRunner, SubprocessRunner
 from orin.system.root import SysRoot
-from orin.telemetry.live import PhaseTracker
 from orin.telemetry.metrics import PhaseMetrics
 from orin.telemetry.phases import summarize
 from orin.telemetry.record import Recorder
 from orin.telemetry.sampler import Sampler
 from orin.telemetry.sources import select_source
+from orin.telemetry.tracker import PhaseTracker
 
 log = logging.getLogger("orin.telemetry")
 

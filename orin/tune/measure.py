@@ -38,7 +38,6 @@ from orin.tune.figures import Grid, Measurement, PhaseFigures, Point, score
 from orin.tune.search import Evaluation
 from orin.tune.space import Candidate
 
-EngineFactory = Callable[..., Engine]
 LOAD_TIMEOUT_S = 120.0
 ALLOWANCE = 5.0  # a measurement may take this many times the median one before it is cut
 MIN_ALLOWANCE_S = 5.0
@@ -81,12 +80,10 @@ class EngineMeasurer:
         available: int | None = None,
         sampler: Sampler | None = None,
         seed: int = 0,
-        engine_factory: EngineFactory = Engine,
         rate_clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.profile, self.model_path, self.info, self.grid = profile, model_path, info, grid
         self.build, self.available, self.sampler = build, available, sampler
-        self.engine_factory = engine_factory
         # what a repetition's duration is read from for throughput: wall time, or (for
         # benchmarks of the search on a shared CPU) the process's CPU time
         self.rate_clock = rate_clock
@@ -130,7 +127,7 @@ class EngineMeasurer:
                 candidate.apply(self.profile), self.model_path, self.info, self.build,
                 self.available,
             )  # fmt: skip
-            engine = self.engine_factory(cfg)
+            engine = Engine(cfg)
             engine.add_step_observer(steps.append)
             engine.start().wait_ready(LOAD_TIMEOUT_S)
         except (OrinError, TimeoutError, ValueError) as exc:

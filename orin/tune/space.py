@@ -28,7 +28,7 @@ from typing import Any
 from orin.engine.config import default_threads
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo
-from orin.model.plan import total_bytes
+from orin.model.memplan import total_bytes
 from orin.profile.kvmatch import check_kv, resolve_kv
 from orin.profile.schema import EngineSection, Profile
 

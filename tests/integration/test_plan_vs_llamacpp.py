@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 
 from orin.llamacpp import capture_log, llama
 from orin.model.gguf import read_model_info
-from orin.model.plan import compute_bytes_estimate, kv_cache_bytes, kv_cells_per_seq
+from orin.model.memplan import compute_bytes_estimate, kv_cache_bytes, kv_cells_per_seq
 
 pytestmark = pytest.mark.llama
 

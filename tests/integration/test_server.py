@@ -196,7 +196,7 @@ def test_metrics_pass_promtool(server: tuple[str, ServerState], tmp_path: Path) 
 def test_the_benchmarks_lean_client_counts_what_the_server_streams(
     server: tuple[str, ServerState],
 ) -> None:
-    from bench.leanclient import stream, streams
+    from orin.bench.client import stream, streams
 
     base, _ = server
     one = stream(base, "lean client", 12)

@@ -13,6 +13,7 @@ import pytest
 from orin.bench.client import StreamParser, http_error
 from orin.bench.loadgen import LoadSpec, arrival_offsets, plan, run
 from orin.bench.prompts import TokenPool, fit_word_count, special_prefix
+from orin.bench.sse import SSEDecoder
 
 WORDS_PER_TOKEN = 1  # the fakes "tokenize" one token per word
 
@@ -163,17 +164,21 @@ def test_spec_rejects_impossible_settings() -> None:
 
 
 def test_stream_parser_orin_chunks_and_errors() -> None:
+    def feed(parser: StreamParser, line: str, t: float) -> None:
+        for payload in SSEDecoder().feed(f"{line}\n\n".encode()):
+            parser.feed(payload, t)
+
     p = StreamParser(t0=0.0)
     for i, ids in enumerate(([5], [], [6], [7])):  # [] = held-back text, not a token
-        p.feed(f"data: {json.dumps({'choices': [{'text': 'a', 'token_ids': ids}]})}", 0.01 * i)
-    p.feed('data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}', 0.05)
-    p.feed("data: [DONE]", 0.06)
+        feed(p, f"data: {json.dumps({'choices': [{'text': 'a', 'token_ids': ids}]})}", 0.01 * i)
+    feed(p, 'data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}', 0.05)
+    feed(p, "data: [DONE]", 0.06)
     r = p.result(0, 9, 0.0)
     assert r.ok and r.output_tokens == 3 and r.count_source == "usage"
     assert r.ttft_ms == pytest.approx(0.0) and r.e2el_ms == pytest.approx(30.0)
     assert r.itl_ms == pytest.approx((20.0, 10.0)) and r.tpot_ms == pytest.approx(15.0)
     bad = StreamParser(t0=0.0)
-    bad.feed('data: {"error": {"type": "server_error", "message": "boom"}}', 0.1)
+    feed(bad, 'data: {"error": {"type": "server_error", "message": "boom"}}', 0.1)
     assert bad.result(1, 9, 0.0).error == "stream error server_error"
     assert StreamParser(t0=0.0).result(2, 9, 0.0).error == "no tokens"
     resp = httpx.Response(400, json={"error": {"code": "context_length_exceeded"}})
@@ -192,3 +197,12 @@ def test_token_prompts_have_exact_lengths() -> None:
         assert len(prompt) == n and prompt[0] == 1
     assert special_prefix([1, 2, 3], [4, 2, 3]) == []
     assert fit_word_count(100, 50, 125) == 40
+
+
+def test_sse_framing_across_chunks_crlf_comments_and_a_missing_last_separator() -> None:
+    d = SSEDecoder()
+    assert d.feed(b'data: {"a"') == []  # an event split over chunks waits for its end
+    assert d.feed(b": 1}\n\n: ping\n\ndata: x\r") == [b'{"a": 1}']  # the comment gives nothing
+    assert d.feed(b"\n\r\nevent: e\ndata: one\ndata:two\n\n") == [b"x", b"one\ntwo"]
+    assert d.feed(b"data: [DONE]") == [] and d.close() == [b"[DONE]"]
+    assert d.close() == []

@@ -96,8 +96,8 @@ def test_the_defaults_are_the_tables() -> None:
 
 
 def test_a_profile_repeat_penalty_of_zero_is_refused_where_it_is_written() -> None:
-    # llama.cpp divides logits by the penalty: 0 has no meaning, and the engine
-    # used to refuse it on every request of a profile that set it
+    # llama.cpp divides logits by the penalty, so 0 has no meaning: the profile is
+    # refused when read, naming the field, and its lowest value the engine accepts
     with pytest.raises(ProfileError, match=r"sampling\.repeat_penalty"):
         parse_profile("name: t\nsampling: {repeat_penalty: 0.0}\n")
     lowest = parse_profile("name: t\nsampling: {repeat_penalty: 0.01}\n")

@@ -9,7 +9,7 @@ import pytest
 
 from orin.doctor import board as board_checks
 from orin.doctor.checks import CHECK_IDS
-from orin.doctor.runner import Report, run_checks
+from orin.doctor.report import Report, run_checks
 from orin.profile.loader import load_profile
 from tests.fakes.boards_system import (
     CPU_BUILD,

@@ -11,7 +11,7 @@ from orin.doctor import board as board_checks
 from orin.doctor import checks
 from orin.doctor.context import DoctorContext, model_path_for, probe_port
 from orin.doctor.findings import Finding
-from orin.doctor.runner import run_checks
+from orin.doctor.report import run_checks
 from orin.errors import LlamaCppError
 from orin.profile.schema import Profile
 from orin.profile.validate import validate_profile

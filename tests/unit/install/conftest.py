@@ -8,7 +8,7 @@ import pytest
 
 from orin.cli.deps import Deps
 from orin.doctor.findings import Finding
-from orin.doctor.runner import Report
+from orin.doctor.report import Report
 from orin.install.probe import HttpResult
 from orin.profile.loader import load_profile
 from tests.fakes.board import FakeBoard, GiB

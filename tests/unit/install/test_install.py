@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from orin.cli.app import app
 from orin.cli.deps import Deps
 from orin.doctor.findings import Finding
-from orin.doctor.runner import Report
+from orin.doctor.report import Report
 from orin.install.layout import ENV_FILE, PROFILE_FILE, SERVICE, TUNE_SERVICE
 from orin.install.probe import HttpResult
 from orin.system.commands import CommandResult

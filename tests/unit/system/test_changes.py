@@ -22,7 +22,7 @@ from orin.system.changes import (
 )
 from orin.system.platform import detect
 from orin.system.settings import SYSCTL_FILE, BoardSettings, SettingError, sysctl_text
-from orin.system.state import (
+from orin.system.statefile import (
     CLOCKS_STORE,
     DEFAULT_STATE_PATH,
     LEGACY_STATE_PATH,

@@ -19,7 +19,7 @@ from orin.system.settings import (
     SettingError,
     sysctl_text,
 )
-from orin.system.state import CLOCKS_STORE, ROOT_STATE_DIR, StateFile
+from orin.system.statefile import CLOCKS_STORE, ROOT_STATE_DIR, StateFile
 from tests.fakes.boards_system import (
     FakeJetson,
     agx_orin_32gb_jp5_tuned,

@@ -275,8 +275,8 @@ def process_cpu_s() -> float:
 def test_proc_cpu_util_is_this_process_cpu_time_over_the_interval() -> None:
     """The share a sample reports, times the wall time and the cores it covers, is the
     CPU time this process spent between the two samples, whatever else the machine
-    runs: other processes change neither side (an earlier version compared the share
-    with a threshold and failed while a compiler ran on the other core)."""
+    runs: other processes change neither side, so the test holds on a busy machine
+    (a fixed threshold on the share would not)."""
     source = cpu.CpuSource(machine_every=1)
     before_a = process_cpu_s()
     a = source.sample()

@@ -12,7 +12,7 @@ rails and EMC) built in tmpfs (/dev/shm), so the figure covers the Python
 side (file reads, parsing); on a board, reading INA3221 rails also costs I2C
 time in the kernel.
 
-    .venv/bin/python -m bench.telemetry_overhead [--seconds 10] [--reps 5] [--hz 50]
+    .venv/bin/python -m benchmarks.telemetry_overhead [--seconds 10] [--reps 5] [--hz 50]
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from orin.system.commands import SubprocessRunner
-from orin.telemetry.live import PhaseTracker
 from orin.telemetry.metrics import PhaseMetrics
 from orin.telemetry.sampler import Sampler
 from orin.telemetry.sources import select_source
+from orin.telemetry.tracker import PhaseTracker
 from tests.fakes.boards_telemetry import agx_orin_64gb
 
 

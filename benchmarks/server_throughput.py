@@ -9,7 +9,7 @@ against llama-cpp-python's own server on the same model.
    off, so a new request does not end the running one), runs interleaved.
 
     make install-bench
-    .venv/bin/python -m bench.server_throughput [--size medium] [--quant f16] [--reps 3]
+    .venv/bin/python -m benchmarks.server_throughput [--size medium] [--quant f16] [--reps 3]
 
 Both servers get the same GGUF file, context, threads and batch size; requests
 are greedy (temperature 0) with a fixed output length: the generated demo
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.leanclient import Timed, stream, streams
+from orin.bench.client import Timed, stream, streams
 from orin.engine.config import default_threads
 from orin.model import demo
 from tests.serverutil import free_port
@@ -137,7 +137,7 @@ def engine_tpot_subprocess(
 ) -> list[float]:
     """engine_tpot in a process of its own, like the server it is compared with."""
     code = (
-        "import json, sys; from pathlib import Path; from bench.server_throughput import *; "
+        "import json, sys; from pathlib import Path; from benchmarks.server_throughput import *; "
         f"print(json.dumps(engine_tpot(Path({str(model)!r}), prompts(1)[0], {n}, {reps}, "
         f"{threads!r})))"
     )

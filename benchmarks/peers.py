@@ -1,7 +1,7 @@
 """orin-llm against the servers people would otherwise wire up by hand.
 
     make install-bench
-    .venv/bin/python -m bench.peers [--quant f16,q4_k_m] [--reps 3] [--json FILE]
+    .venv/bin/python -m benchmarks.peers [--quant f16,q4_k_m] [--reps 3] [--json FILE]
 
 1. Builds llama.cpp's own `llama-server` from the llama.cpp sources vendored in
    the llama-cpp-python source distribution the project pins (so all three
@@ -34,8 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.leanclient import stream, streams
-from bench.server_throughput import stop, wait_up
+from benchmarks.server_throughput import stop, wait_up
+from orin.bench.client import stream, streams
 from orin.engine.backend import ggml_type
 from orin.engine.config import default_threads
 from orin.model import demo

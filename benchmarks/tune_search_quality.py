@@ -34,7 +34,7 @@ the wall-clock throughput the same configuration has on an idle core, and other
 jobs on a shared machine barely move it; costs (the time ratio) stay wall time.
 With more threads, spinning threads count as busy, so use it with ``--threads 1``.
 
-Run: ``.venv/bin/python -m bench.tune_search_quality [--size medium] [--quant q4_k_m]
+Run: ``.venv/bin/python -m benchmarks.tune_search_quality [--size medium] [--quant q4_k_m]
 [--threads 1] [--prompt-tokens 16,64] [--concurrency 1,4] [--output-tokens 16]
 [--max-fidelity 9] [--eta 3] [--recheck 2] [--json FILE]``
 """

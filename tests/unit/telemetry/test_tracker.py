@@ -12,11 +12,11 @@ from prometheus_client import CollectorRegistry
 
 from orin.engine.client import EngineStatus
 from orin.engine.types import StepStats
-from orin.telemetry.live import PhaseTracker
 from orin.telemetry.phases import Share, summarize
 from orin.telemetry.sampler import Sampler
 from orin.telemetry.service import Telemetry, engine_busy, running_step_start
 from orin.telemetry.sources.base import Sample
+from orin.telemetry.tracker import PhaseTracker
 from tests.fakes.boards_telemetry import agx_orin_64gb
 from tests.unit.telemetry.test_sampler import Counting
 

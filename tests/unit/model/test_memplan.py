@@ -6,7 +6,7 @@ import pytest
 
 from orin.errors import KVConfigError
 from orin.model.gguf import ModelInfo, read_model_info
-from orin.model.plan import (
+from orin.model.memplan import (
     KV_TYPES,
     bytes_per_element,
     kv_cache_bytes,

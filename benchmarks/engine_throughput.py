@@ -19,7 +19,7 @@ repetition. A step breakdown pass at the end splits each side's time per generat
 into llama_decode and everything else, and counts the llama.cpp micro-batches per engine
 step (see ``seq_runs``).
 
-Run: ``.venv/bin/python -m bench.engine_throughput [--quant f16,q4_k_m] [--size medium]
+Run: ``.venv/bin/python -m benchmarks.engine_throughput [--quant f16,q4_k_m] [--size medium]
 [--streams 1,4,8] [--tokens 64] [--reps 5] [--tpot-pairs 5] [--breakdown-runs 3]
 [--json FILE]``
 """
@@ -678,7 +678,7 @@ def _csv(cast: Callable[[str], Any]) -> Callable[[str], list[Any]]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.engine_throughput",
+        prog="python -m benchmarks.engine_throughput",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -729,7 +729,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     result: dict[str, Any] = {
-        "command": " ".join([".venv/bin/python -m bench.engine_throughput", *sys.argv[1:]]),
+        "command": " ".join([".venv/bin/python -m benchmarks.engine_throughput", *sys.argv[1:]]),
         "date": started.isoformat(timespec="seconds"),
         "machine": machine(),
         "settings": {

@@ -5,7 +5,7 @@ description (CLI help and ``profile show`` read it too), so the reference is
 generated rather than written, and a test fails when the committed file and
 the schema disagree. Regenerate with::
 
-    python -m orin.install.docgen docs/profiles-reference.md
+    python -m orin.profile.reference docs/profiles-reference.md
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from orin.profile.schema import Profile
 HEADER = """\
 # Profile reference
 
-Generated from `orin/profile/schema.py` by `python -m orin.install.docgen
+Generated from `orin/profile/schema.py` by `python -m orin.profile.reference
 docs/profiles-reference.md`; do not edit by hand. Every field of a profile
 YAML file, section by section, with its type, default, bounds and meaning.
 Unknown fields are an error (the loader names the file, the line and the

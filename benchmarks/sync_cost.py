@@ -7,7 +7,7 @@ overhead: this measures it. Single-token decodes (the cheapest real step) on
 a generated model; after each one, the first ``llama_synchronize`` is timed
 alone, then ``--calls`` more in a loop.
 
-    .venv/bin/python -m bench.sync_cost [--size tiny] [--rounds 2000] [--calls 200]
+    .venv/bin/python -m benchmarks.sync_cost [--size tiny] [--rounds 2000] [--calls 200]
 """
 
 from __future__ import annotations
