@@ -8,34 +8,37 @@ one chunk. The stream's chunk times give TTFT, E2EL and the inter-token gaps;
 with orin-llm's ``return_token_ids`` every token arrives in its own chunk, so
 the gaps are per token.
 
-Two clients share this module and its SSE framing (sse.py). ``send`` is the load
-generator's: async httpx, many requests on one event loop, every field the
-server reports. ``stream`` and ``streams`` are the repository's benchmarks'
-(benchmarks/): they run the client on the same small machine as the server
-they measure, and on two cores an httpx streaming client (async stack, a line
-iterator, a JSON parse per event) costs about 1 ms of CPU per token, measured
-against llama-server, against 0.25 ms for ``stream``; that CPU is taken from
-the server's decode threads and charged to whichever server loses most when a
-core is taken from it. ``stream`` reads each chunk as it arrives (http.client,
-blocking, one thread per stream), stamps it, and parses JSON only for the
+One client for the load generator (``send``) and the repository's benchmarks
+(``stream`` and ``streams``, benchmarks/): blocking http.client, one thread per
+stream, each chunk stamped as it arrives and split by one SSE decoder (sse.py).
+Both run on the same small machine as the server they measure, and on two
+cores an httpx streaming client (async stack, a line iterator) cost about 1 ms
+of CPU per token, measured against llama-server, against 0.25 ms for this one;
+that CPU is taken from the server's decode threads and charged to whichever
+server loses most when a core is taken from it. ``send`` parses every event
+(it counts orin-llm's ``token_ids``); ``stream`` parses JSON only for the
 events that carry usage or timings. Every server gets the same client.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import itertools
 import json
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
-
 from orin.bench.sse import SSEDecoder
 from orin.bench.stats import RequestResult
+
+CONNECT_TIMEOUT_S = 10.0
+READ_SIZE = 65536
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 SERVER_TIMING_KEYS = (
     "queue_ms",
@@ -55,13 +58,15 @@ SERVER_TIMING_KEYS = (
 
 @dataclass(frozen=True)
 class Target:
-    """Where and how to send: the base URL, model name, headers and the extra body
-    fields this server understands (``ignore_eos``, ``return_token_ids``)."""
+    """Where and how to send: the base URL, model name, headers, the extra body
+    fields this server understands (``ignore_eos``, ``return_token_ids``) and the
+    read timeout."""
 
     base_url: str
     model: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 600.0  # per connection read, as --timeout
 
     def body(self, prompt: str | list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -155,21 +160,89 @@ class StreamParser:
         )
 
 
-def http_error(response: httpx.Response) -> str:
+# -- HTTP: blocking http.client, one connection per request -----------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A whole (non-streaming) response: the probes' and /metrics'."""
+
+    status: int
+    data: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.data)
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8", "replace")
+
+
+def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+    """An unopened connection to the URL's host and the path to ask for; the read
+    timeout applies once connected (connecting has its own, shorter one)."""
+    parts = urlsplit(url)
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = cls(parts.hostname or "127.0.0.1", parts.port, timeout=min(CONNECT_TIMEOUT_S, timeout))
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return conn, path
+
+
+@contextlib.contextmanager
+def _exchange(
+    method: str, url: str, body: dict[str, Any] | None, headers: dict[str, str], timeout: float
+) -> Iterator[http.client.HTTPResponse]:
+    """Send one request and yield its response, unread; the connection closes after."""
+    conn, path = _connection(url, timeout)
+    try:
+        conn.connect()
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        data = json.dumps(body) if body is not None else None
+        conn.request(method, path, data, {**JSON_HEADERS, **headers} if data else headers)
+        yield conn.getresponse()
+    finally:
+        conn.close()
+
+
+def request(
+    method: str,
+    url: str,
+    body: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 600.0,
+) -> Reply:
+    """One whole request; a refused connection or a timeout raises (OSError,
+    http.client.HTTPException)."""
+    with _exchange(method, url, body, headers or {}, timeout) as resp:
+        return Reply(resp.status, resp.read())
+
+
+def _events(resp: http.client.HTTPResponse) -> Iterator[tuple[bytes, float]]:
+    """(event data, perf_counter when its chunk arrived), as the bytes come in."""
+    decoder = SSEDecoder()
+    while chunk := resp.read1(READ_SIZE):
+        now = time.perf_counter()
+        for data in decoder.feed(chunk):
+            yield data, now
+    for data in decoder.close():
+        yield data, time.perf_counter()
+
+
+def http_error(status: int, data: bytes) -> str:
     """``http 400 context_length_exceeded``: the status and the OpenAI error code,
     never the message text (it changes between server versions)."""
     code = None
     try:
-        err = response.json().get("error")
+        err = json.loads(data).get("error")
         if isinstance(err, dict):
             code = err.get("code") or err.get("type")
     except (ValueError, AttributeError):
         pass
-    return f"http {response.status_code}" + (f" {code}" if code else "")
+    return f"http {status}" + (f" {code}" if code else "")
 
 
-async def send(
-    client: httpx.AsyncClient,
+def send(
     target: Target,
     prompt: str | list[int],
     max_tokens: int,
@@ -177,37 +250,32 @@ async def send(
     input_len: int,
     run_start: float,
 ) -> RequestResult:
-    """Stream one request; every failure becomes a failed result, never an exception."""
+    """Stream one request (blocking: the load generator runs it on a worker thread);
+    every failure becomes a failed result, never an exception."""
     t0 = time.perf_counter()
     parser = StreamParser(t0)
-    decoder = SSEDecoder()
     start_s = t0 - run_start
     url = f"{target.base_url}/v1/completions"
     body = target.body(prompt, max_tokens, stream=True)
     try:
-        async with client.stream("POST", url, json=body, headers=target.headers) as resp:
-            if resp.status_code >= 400:
-                await resp.aread()
-                return RequestResult(index, input_len, False, http_error(resp), start_s=start_s)
-            async for chunk in resp.aiter_bytes():
-                now = time.perf_counter()
-                for payload in decoder.feed(chunk):
-                    parser.feed(payload, now)
+        with _exchange("POST", url, body, target.headers, target.timeout_s) as resp:
+            if resp.status >= 400:
+                error = http_error(resp.status, resp.read())
+                return RequestResult(index, input_len, False, error, start_s=start_s)
+            for data, t in _events(resp):
+                parser.feed(data, t)
                 if parser.done:
                     break
-            else:
-                for payload in decoder.close():
-                    parser.feed(payload, time.perf_counter())
-    except httpx.TimeoutException:
+    except TimeoutError:
         return RequestResult(index, input_len, False, "timeout", start_s=start_s)
-    except httpx.HTTPError as exc:
+    except (OSError, http.client.HTTPException) as exc:
         return RequestResult(index, input_len, False, type(exc).__name__, start_s=start_s)
     except (ValueError, KeyError, TypeError):
         return RequestResult(index, input_len, False, "malformed stream", start_s=start_s)
     return parser.result(index, input_len, start_s)
 
 
-# The benchmarks' client: blocking, lean (see the module docstring).
+# The benchmarks' results: the token times and the server's counts, nothing more.
 
 
 @dataclass
@@ -250,27 +318,18 @@ def stream(url: str, prompt: str, n: int, timeout: float = 900.0) -> Timed:
     parts = urlsplit(url)
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
     out = Timed(time.perf_counter())
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})  # fmt: skip
-        resp = conn.getresponse()
-        if resp.status != 200:
-            out.error = f"http {resp.status}"
-            resp.read()
-            return out
-        decoder = SSEDecoder()
-        while chunk := resp.read1(65536):
-            now = time.perf_counter()
-            for event in decoder.feed(chunk):
+        with _exchange("POST", f"{parts.scheme or 'http'}://{parts.netloc}/v1/completions",
+                       body, {}, timeout) as resp:  # fmt: skip
+            if resp.status != 200:
+                out.error = f"http {resp.status}"
+                resp.read()
+                return out
+            for event, now in _events(resp):
                 _lean_event(out, event, now)
-        for event in decoder.close():
-            _lean_event(out, event, time.perf_counter())
     except (OSError, http.client.HTTPException, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        conn.close()
     return out
 
 

@@ -6,21 +6,25 @@ order. ``t0`` of a request is when it is sent, after any client-side
 concurrency limit; server-side queueing is then part of TTFT, as
 docs/metrics.md defines it. The run's duration is from the first send to the
 last response. Warm-up requests run first and are not measured.
+
+The schedule is asyncio's; each request is one blocking stream (client.py's
+lean client) on a worker thread of a pool sized so that the pool is never the
+limit: N threads for a closed loop of N, and for an open loop one per request
+(up to OPEN_LOOP_THREADS), so an arrival never waits for a free worker.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import math
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import numpy as np
 
 from orin.bench.client import Target, send
@@ -29,6 +33,7 @@ from orin.bench.stats import SLO, RequestResult, by_bucket, summarize
 
 ResultCallback = Callable[[RequestResult], None]
 UTIL_KEYS = ("prefill_gpu_util", "decode_gpu_util", "prefill_cpu_util", "decode_cpu_util")
+OPEN_LOOP_THREADS = 1024  # streams in flight at most, with a rate and no --concurrency
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,14 @@ class LoadSpec:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def workers(self) -> int:
+        """Client threads: the concurrency (closed loop, or an open loop's cap), else
+        one per request, warm-up included, so that arrivals are never held back."""
+        if self.concurrency is not None:
+            return self.concurrency
+        return max(1, min(max(self.num_requests, self.warmup), OPEN_LOOP_THREADS))
 
 
 @dataclass
@@ -150,22 +163,35 @@ def plan(spec: LoadSpec) -> list[int]:
     return lens
 
 
+@dataclass
+class _Held:
+    """Arrivals of an uncapped open loop that found every client thread busy (only
+    past OPEN_LOOP_THREADS streams in flight): they left late, and the notes say so."""
+
+    count: int = 0
+
+
 async def _fire(
-    client: httpx.AsyncClient,
+    pool: ThreadPoolExecutor,
     target: Target,
     jobs: list[tuple[int, int, str | list[int], float]],
-    output_len: int,
-    concurrency: int | None,
+    spec: LoadSpec,
     on_result: ResultCallback | None,
+    held: _Held,
 ) -> tuple[list[RequestResult], float]:
     """Send (index, input_len, prompt, offset_s) jobs; returns results and duration."""
-    limit = asyncio.Semaphore(concurrency) if concurrency else None
+    loop = asyncio.get_running_loop()
+    limit = asyncio.Semaphore(spec.workers)  # the concurrency, or the pool's size
     start = time.perf_counter()
 
     async def one(index: int, length: int, prompt: str | list[int], at: float) -> RequestResult:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-        async with limit if limit is not None else contextlib.nullcontext():
-            result = await send(client, target, prompt, output_len, index, length, start)
+        if spec.concurrency is None and limit.locked():
+            held.count += 1
+        async with limit:
+            result = await loop.run_in_executor(
+                pool, send, target, prompt, spec.output_len, index, length, start
+            )
         if on_result is not None:
             on_result(result)
         return result
@@ -174,38 +200,46 @@ async def _fire(
     return sorted(results, key=lambda r: r.index), time.perf_counter() - start
 
 
-async def run_bench(
-    spec: LoadSpec,
-    transport: httpx.AsyncBaseTransport | None = None,
-    on_result: ResultCallback | None = None,
-) -> BenchRun:
+async def run_bench(spec: LoadSpec, on_result: ResultCallback | None = None) -> BenchRun:
     """Probe the server, warm it up, run the load and collect everything."""
     spec.check()
-    limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=None)
-    timeout = httpx.Timeout(spec.timeout_s, connect=10.0)
-    async with httpx.AsyncClient(transport=transport, limits=limits, timeout=timeout) as client:
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=spec.workers, thread_name_prefix="orin-bench")
+    held = _Held()
+    try:
         base, headers = spec.base_url, spec.headers
-        server = await probe(client, base, spec.model, headers, spec.input_lens, spec.seed)
-        target = server.target(base, headers)
+        server = await loop.run_in_executor(
+            pool, probe, base, spec.model, headers, spec.input_lens, spec.seed, spec.timeout_s
+        )
+        target = server.target(base, headers, spec.timeout_s)
         if spec.warmup:
             rng = random.Random(f"warmup:{spec.seed}")
             length = spec.input_lens[0]
             warm = [(-1 - i, length, server.prompt(rng, length), 0.0) for i in range(spec.warmup)]
-            await _fire(client, target, warm, spec.output_len, spec.concurrency, None)
+            await _fire(pool, target, warm, spec, None, _Held())
         rng = random.Random(f"prompts:{spec.seed}")
         offsets = arrival_offsets(spec.num_requests, spec.request_rate, spec.burstiness, spec.seed)
         jobs = [
             (i, length, server.prompt(rng, length), offsets[i])
             for i, length in enumerate(plan(spec))
         ]
-        before = await scrape(client, base) if server.kind == "orin-llm" else None
+        orin = server.kind == "orin-llm"
+        before = await loop.run_in_executor(pool, scrape, base, spec.timeout_s) if orin else None
         started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        results, duration = await _fire(
-            client, target, jobs, spec.output_len, spec.concurrency, on_result
+        results, duration = await _fire(pool, target, jobs, spec, on_result, held)
+        after = (
+            await loop.run_in_executor(pool, scrape, base, spec.timeout_s)
+            if before is not None
+            else None
         )
-        after = await scrape(client, base) if before is not None else None
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     telemetry = _telemetry(before, after, results, server)
     server.notes += run_notes(results, spec.output_len)
+    if held.count:
+        server.notes.append(
+            f"{held.count} arrivals found all {spec.workers} client threads busy and were sent late"
+        )
     return BenchRun(spec, server, results, duration, started, telemetry)
 
 
@@ -251,10 +285,6 @@ def _telemetry(
     return {**(phases or {}), "per_request_mean": per_request}
 
 
-def run(
-    spec: LoadSpec,
-    transport: httpx.AsyncBaseTransport | None = None,
-    on_result: ResultCallback | None = None,
-) -> BenchRun:
+def run(spec: LoadSpec, on_result: ResultCallback | None = None) -> BenchRun:
     """Blocking wrapper for the CLI and tests."""
-    return asyncio.run(run_bench(spec, transport, on_result))
+    return asyncio.run(run_bench(spec, on_result))

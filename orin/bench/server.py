@@ -5,19 +5,20 @@
 an exact length for it. ``scrape`` reads orin-llm's ``/metrics`` counters; two
 scrapes around a run give the time the engine spent in prefill and decode and
 the GPU (or process CPU) utilization in each phase over exactly that run.
+Both are blocking, over the load generator's own client (client.py).
 """
 
 from __future__ import annotations
 
+import http.client
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from orin.bench.client import Target, http_error
+from orin.bench.client import Reply, Target, http_error, request
 from orin.bench.prompts import WORDS, TokenPool, fit_word_count, words
 from orin.errors import OrinError
 
@@ -40,11 +41,11 @@ class ServerInfo:
     word_counts: dict[int, int] = field(default_factory=dict)  # text prompts otherwise
     notes: list[str] = field(default_factory=list)
 
-    def target(self, base_url: str, headers: dict[str, str]) -> Target:
+    def target(self, base_url: str, headers: dict[str, str], timeout_s: float = 600.0) -> Target:
         extra: dict[str, Any] = {"ignore_eos": True} if self.ignore_eos else {}
         if self.kind == "orin-llm":
             extra["return_token_ids"] = True  # one chunk per token: exact per-token gaps
-        return Target(base_url, self.model, headers, extra)
+        return Target(base_url, self.model, headers, extra, timeout_s)
 
     def prompt(self, rng: random.Random, length: int) -> str | list[int]:
         if self.pool is not None:
@@ -52,62 +53,60 @@ class ServerInfo:
         return words(rng, self.word_counts.get(length, fit_word_count(length, 0, 0)))
 
 
-async def _models(client: httpx.AsyncClient, base: str, headers: dict[str, str]) -> list[Any]:
+def _models(base: str, headers: dict[str, str], timeout: float) -> list[Any]:
     try:
-        resp = await client.get(f"{base}/v1/models", headers=headers)
-        data = resp.json().get("data") if resp.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, AttributeError):
+        resp = request("GET", f"{base}/v1/models", headers=headers, timeout=timeout)
+        data = resp.json().get("data") if resp.status == 200 else None
+    except (OSError, http.client.HTTPException, ValueError, AttributeError):
         return []
     return data if isinstance(data, list) else []
 
 
-async def _complete(
-    client: httpx.AsyncClient, target: Target, prompt: str | list[int]
-) -> httpx.Response:
+def _complete(target: Target, prompt: str | list[int]) -> Reply:
     body = target.body(prompt, 1, stream=False)
+    url = f"{target.base_url}/v1/completions"
     try:
-        return await client.post(
-            f"{target.base_url}/v1/completions", json=body, headers=target.headers
-        )
-    except httpx.HTTPError as exc:
+        return request("POST", url, body, target.headers, target.timeout_s)
+    except (OSError, http.client.HTTPException) as exc:
         raise BenchError(f"{target.base_url}: {type(exc).__name__}: {exc}") from exc
 
 
-async def probe(
-    client: httpx.AsyncClient,
+def probe(
     base: str,
     model: str | None,
     headers: dict[str, str],
     lengths: Sequence[int],
     seed: int,
+    timeout: float = 600.0,
 ) -> ServerInfo:
     """Identify the server and prepare prompts for every input length."""
-    listed = await _models(client, base, headers)
+    listed = _models(base, headers, timeout)
     first = listed[0] if listed and isinstance(listed[0], dict) else {}
     kind = "orin-llm" if first.get("owned_by") == "orin-llm" else "openai"
     info = ServerInfo(kind, model or first.get("id"), ignore_eos=True)
-    resp = await _complete(client, info.target(base, headers), PROBE_TEXT)
-    if 400 <= resp.status_code < 500:
+    resp = _complete(info.target(base, headers, timeout), PROBE_TEXT)
+    if 400 <= resp.status < 500:
         info.ignore_eos = False
-        resp = await _complete(client, info.target(base, headers), PROBE_TEXT)
-        if resp.status_code < 400:
+        resp = _complete(info.target(base, headers, timeout), PROBE_TEXT)
+        if resp.status < 400:
             info.notes.append("the server refused ignore_eos: output lengths rely on max_tokens")
-    if resp.status_code >= 400:
-        raise BenchError(f"{base}: a probe completion failed with {http_error(resp)}")
+    if resp.status >= 400:
+        error = http_error(resp.status, resp.data)
+        raise BenchError(f"{base}: a probe completion failed with {error}")
     if _prompt_ids(resp) is not None:
-        info.pool = await _token_pool(client, info.target(base, headers))
+        info.pool = _token_pool(info.target(base, headers, timeout))
         info.notes.append("token-id prompts: input lengths are exact")
     else:
-        await _calibrate(client, info, base, headers, lengths, seed)
+        _calibrate(info, info.target(base, headers, timeout), lengths, seed)
     return info
 
 
-async def _token_pool(client: httpx.AsyncClient, target: Target) -> TokenPool:
+def _token_pool(target: Target) -> TokenPool:
     """Real token ids of ordinary words, learnt from short probes that fit any context."""
     tokenizations = []
     for i in range(0, len(WORDS), POOL_CHUNK):
-        resp = await _complete(client, target, " ".join(WORDS[i : i + POOL_CHUNK]))
-        ids = _prompt_ids(resp) if resp.status_code < 400 else None
+        resp = _complete(target, " ".join(WORDS[i : i + POOL_CHUNK]))
+        ids = _prompt_ids(resp) if resp.status < 400 else None
         if ids is not None:
             tokenizations.append(ids)
     if len(tokenizations) < 2:
@@ -117,7 +116,7 @@ async def _token_pool(client: httpx.AsyncClient, target: Target) -> TokenPool:
     return TokenPool(pool.prefix, tuple(sorted(body)))
 
 
-def _prompt_ids(resp: httpx.Response) -> list[int] | None:
+def _prompt_ids(resp: Reply) -> list[int] | None:
     try:
         ids = resp.json()["choices"][0].get("prompt_token_ids")
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
@@ -125,7 +124,7 @@ def _prompt_ids(resp: httpx.Response) -> list[int] | None:
     return [int(i) for i in ids] if isinstance(ids, list) and ids else None
 
 
-def _usage_prompt_tokens(resp: httpx.Response) -> int | None:
+def _usage_prompt_tokens(resp: Reply) -> int | None:
     try:
         n = resp.json()["usage"]["prompt_tokens"]
     except (ValueError, KeyError, TypeError):
@@ -133,22 +132,14 @@ def _usage_prompt_tokens(resp: httpx.Response) -> int | None:
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
-async def _calibrate(
-    client: httpx.AsyncClient,
-    info: ServerInfo,
-    base: str,
-    headers: dict[str, str],
-    lengths: Sequence[int],
-    seed: int,
-) -> None:
+def _calibrate(info: ServerInfo, target: Target, lengths: Sequence[int], seed: int) -> None:
     """Fit a word count per input length from the server's own prompt token counts."""
     rng = random.Random(f"calibrate:{seed}")
-    target = info.target(base, headers)
     for length in lengths:
         n = fit_word_count(length, 0, 0)
         for _ in range(CALIBRATION_ROUNDS):
-            resp = await _complete(client, target, words(rng, n))
-            seen = _usage_prompt_tokens(resp) if resp.status_code < 400 else None
+            resp = _complete(target, words(rng, n))
+            seen = _usage_prompt_tokens(resp) if resp.status < 400 else None
             if seen is None:
                 info.notes.append(
                     f"no usage from the server: {length}-token prompts are estimated at {n} words"
@@ -170,13 +161,13 @@ async def _calibrate(
 Key = tuple[str, tuple[tuple[str, str], ...]]
 
 
-async def scrape(client: httpx.AsyncClient, base: str) -> dict[Key, float] | None:
+def scrape(base: str, timeout: float = 600.0) -> dict[Key, float] | None:
     """orin-llm's counters (name, sorted labels) -> value; None when unavailable."""
     try:
-        resp = await client.get(f"{base}/metrics")
-    except httpx.HTTPError:
+        resp = request("GET", f"{base}/metrics", timeout=timeout)
+    except (OSError, http.client.HTTPException):
         return None
-    if resp.status_code != 200:
+    if resp.status != 200:
         return None
     return parse_metrics(resp.text)
 

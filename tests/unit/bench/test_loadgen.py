@@ -1,31 +1,116 @@
-"""The load generator against fake OpenAI-compatible servers (httpx.MockTransport)."""
+"""The load generator against fake OpenAI-compatible servers: stand-ins on 127.0.0.1
+(http.server in a thread) that stream SSE with chunked or connection-close framing."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import httpx
 import pytest
 
 from orin.bench.client import StreamParser, http_error
-from orin.bench.loadgen import LoadSpec, arrival_offsets, plan, run
+from orin.bench.loadgen import BenchRun, LoadSpec, arrival_offsets, plan, run
 from orin.bench.prompts import TokenPool, fit_word_count, special_prefix
 from orin.bench.sse import SSEDecoder
 
 WORDS_PER_TOKEN = 1  # the fakes "tokenize" one token per word
+FRAMINGS = ("chunked", "close")
 
 
-def sse(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
-    async def gen() -> AsyncIterator[bytes]:
-        for c in chunks:
-            yield f"data: {json.dumps(c)}\n\n".encode()
-            await asyncio.sleep(0.001)
-        yield b"data: [DONE]\n\n"
+@dataclass
+class Answer:
+    """What a fake says: a JSON body, or (``events`` set) an SSE stream ending in
+    ``[DONE]``; ``stall`` is waited on before the stream's second event."""
 
-    return gen()
+    status: int = 200
+    body: Any = None
+    events: list[dict[str, Any]] | None = None
+    stall: threading.Event | None = None
+
+
+@dataclass
+class Seen:
+    """One request as the fake received it."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+App = Callable[[Seen], Answer]
+
+
+def _handler(app: App, framing: str) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self._answer(Seen(self.path, {}, dict(self.headers)))
+
+        def do_POST(self) -> None:
+            data = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._answer(Seen(self.path, json.loads(data), dict(self.headers)))
+
+        def _answer(self, seen: Seen) -> None:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                self._reply(app(seen))  # a client may hang up after [DONE] or a timeout
+
+        def _reply(self, answer: Answer) -> None:
+            self.send_response(answer.status)
+            if answer.events is None:
+                data = json.dumps(answer.body).encode() if answer.body is not None else b""
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
+            self.send_header("Content-Type", "text/event-stream")
+            if framing == "chunked":
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            events = [f"data: {json.dumps(e)}\n\n".encode() for e in answer.events]
+            for i, event in enumerate([*events, b"data: [DONE]\n\n"]):
+                if i == 1 and answer.stall is not None:
+                    answer.stall.wait(30)
+                self._write(event, framing)
+                time.sleep(0.001)
+            if framing == "chunked":
+                self.wfile.write(b"0\r\n\r\n")
+
+        def _write(self, data: bytes, framing: str) -> None:
+            if framing == "chunked":
+                data = b"%x\r\n%s\r\n" % (len(data), data)
+            self.wfile.write(data)
+            self.wfile.flush()
+
+    return Handler
+
+
+@contextlib.contextmanager
+def serving(app: App, framing: str = "chunked") -> Iterator[str]:
+    """The app on an ephemeral port of 127.0.0.1; yields its URL (with /v1)."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(app, framing))
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
 
 
 class FakeServer:
@@ -35,26 +120,30 @@ class FakeServer:
     def __init__(self, usage: bool, per_chunk: int = 1, refuse_ignore_eos: bool = False) -> None:
         self.usage, self.per_chunk, self.refuse = usage, per_chunk, refuse_ignore_eos
         self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self._lock = threading.Lock()
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "fake", "owned_by": "someone"}]})
-        body = json.loads(request.content)
-        self.bodies.append(body)
+    def __call__(self, seen: Seen) -> Answer:
+        if seen.path == "/v1/models":
+            return Answer(body={"data": [{"id": "fake", "owned_by": "someone"}]})
+        body = seen.body
+        with self._lock:
+            self.bodies.append(body)
+            self.headers.append(seen.headers)
         if self.refuse and "ignore_eos" in body:
-            return httpx.Response(400, json={"error": {"code": "unknown_field"}})
+            return Answer(400, {"error": {"code": "unknown_field"}})
         n_in = len(str(body["prompt"]).split()) * WORDS_PER_TOKEN
         n_out = body["max_tokens"]
         usage = {"prompt_tokens": n_in, "completion_tokens": n_out}
         if not body.get("stream"):
             out: dict[str, Any] = {"choices": [{"text": "x"}]}
-            return httpx.Response(200, json={**out, **({"usage": usage} if self.usage else {})})
+            return Answer(body={**out, **({"usage": usage} if self.usage else {})})
         chunks: list[dict[str, Any]] = [
             {"choices": [{"text": "tok " * self.per_chunk}]} for _ in range(n_out // self.per_chunk)
         ]
         if self.usage:
             chunks.append({"choices": [], "usage": usage})
-        return httpx.Response(200, content=sse(chunks))
+        return Answer(events=chunks)
 
 
 def spec(**kw: Any) -> LoadSpec:
@@ -64,9 +153,15 @@ def spec(**kw: Any) -> LoadSpec:
     return LoadSpec(**{**base, **kw})
 
 
-def test_no_usage_falls_back_to_counting_chunks() -> None:
+def bench(app: App, framing: str = "chunked", **kw: Any) -> BenchRun:
+    with serving(app, framing) as url:
+        return run(spec(url=url, **kw))
+
+
+@pytest.mark.parametrize("framing", FRAMINGS)
+def test_no_usage_falls_back_to_counting_chunks(framing: str) -> None:
     fake = FakeServer(usage=False)
-    r = run(spec(), transport=httpx.MockTransport(fake))
+    r = bench(fake, framing)
     s = r.summary()
     assert (s["completed"], s["failed"]) == (6, 0)
     assert s["total_output_tokens"] == 36 and s["count_sources"] == {"chunks": 6}
@@ -78,11 +173,14 @@ def test_no_usage_falls_back_to_counting_chunks() -> None:
     assert len(streamed) == 6 + 1  # the measured requests and one warm-up
     assert all(b["ignore_eos"] is True and b["temperature"] == 0 for b in streamed)
     assert all(b["model"] == "fake" and "return_token_ids" not in b for b in streamed)
+    assert all(b["stream_options"] == {"include_usage": True} for b in streamed)
+    assert all(b["max_tokens"] == 6 for b in streamed)
 
 
-def test_server_counts_win_over_chunk_counts() -> None:
+@pytest.mark.parametrize("framing", FRAMINGS)
+def test_server_counts_win_over_chunk_counts(framing: str) -> None:
     # two tokens per chunk: counting chunks would say 3, usage says 6
-    r = run(spec(), transport=httpx.MockTransport(FakeServer(usage=True, per_chunk=2)))
+    r = bench(FakeServer(usage=True, per_chunk=2), framing)
     assert [x.output_tokens for x in r.results] == [6] * 6
     assert {x.count_source for x in r.results} == {"usage"}
     assert all(len(x.itl_ms) == 2 for x in r.results)  # gaps between the 3 chunks
@@ -92,23 +190,31 @@ def test_server_counts_win_over_chunk_counts() -> None:
 
 def test_a_server_refusing_ignore_eos_is_still_measured() -> None:
     fake = FakeServer(usage=True, refuse_ignore_eos=True)
-    r = run(spec(), transport=httpx.MockTransport(fake))
+    r = bench(fake)
     assert r.summary()["completed"] == 6 and not r.server.ignore_eos
     assert any("ignore_eos" in n for n in r.server.notes)
 
 
+def test_the_api_key_and_the_model_go_with_every_request() -> None:
+    fake = FakeServer(usage=True)
+    r = bench(fake, api_key="sekrit", model="named")
+    assert r.summary()["completed"] == 6 and r.server.model == "named"
+    assert fake.headers and all(h["Authorization"] == "Bearer sekrit" for h in fake.headers)
+    assert all(b["model"] == "named" for b in fake.bodies)
+
+
 def test_outputs_that_end_early_are_reported() -> None:
     class Cut(FakeServer):
-        def __call__(self, request: httpx.Request) -> httpx.Response:
-            if request.content and json.loads(request.content).get("stream"):
-                body = json.loads(request.content)
+        def __call__(self, seen: Seen) -> Answer:
+            if seen.body.get("stream"):
+                body = seen.body
                 n = 2 if len(str(body["prompt"]).split()) > 20 else body["max_tokens"]
                 chunks: list[dict[str, Any]] = [{"choices": [{"text": "t "}]}] * n
                 usage = {"prompt_tokens": 1, "completion_tokens": n}
-                return httpx.Response(200, content=sse([*chunks, {"choices": [], "usage": usage}]))
-            return super().__call__(request)
+                return Answer(events=[*chunks, {"choices": [], "usage": usage}])
+            return super().__call__(seen)
 
-    r = run(spec(), transport=httpx.MockTransport(Cut(usage=True)))
+    r = bench(Cut(usage=True))
     assert r.to_json()["short_outputs"] == 3
     assert any(
         "3 of 6 completed requests produced fewer than 6 tokens" in n for n in r.server.notes
@@ -116,25 +222,41 @@ def test_outputs_that_end_early_are_reported() -> None:
 
 
 def test_errors_are_counted_not_raised() -> None:
-    def broken(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(404)
-        body = json.loads(request.content)
+    def broken(seen: Seen) -> Answer:
+        if seen.path == "/v1/models":
+            return Answer(404)
+        body = seen.body
         if body.get("stream") and len(str(body["prompt"]).split()) > 20:
-            return httpx.Response(500, json={"error": {"type": "server_error"}})
-        return FakeServer(usage=True)(request)
+            return Answer(500, {"error": {"type": "server_error"}})
+        return FakeServer(usage=True)(seen)
 
-    r = run(spec(num_requests=8), transport=httpx.MockTransport(broken))
+    r = bench(broken, num_requests=8)
     s = r.summary()
     assert (s["completed"], s["failed"]) == (4, 4)
     assert s["errors"] == {"http 500 server_error": 4}
 
 
+def test_a_stalled_stream_times_out() -> None:
+    release = threading.Event()
+    fake = FakeServer(usage=True)
+
+    def stalling(seen: Seen) -> Answer:
+        answer = fake(seen)
+        if answer.events is not None:
+            answer.stall = release
+        return answer
+
+    try:
+        r = bench(stalling, timeout_s=1.0, warmup=0, concurrency=6)
+    finally:
+        release.set()
+    s = r.summary()
+    assert (s["completed"], s["failed"]) == (0, 6)
+    assert s["errors"] == {"timeout": 6}
+
+
 def test_the_open_loop_sends_every_request() -> None:
-    r = run(
-        spec(concurrency=None, request_rate=200.0, num_requests=5),
-        transport=httpx.MockTransport(FakeServer(usage=True)),
-    )
+    r = bench(FakeServer(usage=True), concurrency=None, request_rate=200.0, num_requests=5)
     assert [x.index for x in r.results] == [0, 1, 2, 3, 4]
     assert all(x.ok for x in r.results)
     # Each request leaves on its Poisson schedule, never before its arrival time
@@ -144,6 +266,62 @@ def test_the_open_loop_sends_every_request() -> None:
     assert offsets[-1] > 0.0
     for result, at in zip(r.results, offsets, strict=True):
         assert result.start_s >= at - 1e-3
+
+
+def test_open_loop_arrivals_never_wait_for_a_free_worker() -> None:
+    # Every stream is held open until all of them have arrived: a pool smaller than
+    # the number of requests would leave the barrier short and the streams failing.
+    n = 6
+    barrier = threading.Barrier(n)
+    fake = FakeServer(usage=True)
+
+    def gathering(seen: Seen) -> Answer:
+        if seen.body.get("stream"):
+            try:
+                barrier.wait(30)
+            except threading.BrokenBarrierError:
+                return Answer(503, {"error": {"code": "barrier_broken"}})
+        return fake(seen)
+
+    r = bench(gathering, concurrency=None, request_rate=100.0, num_requests=n, warmup=0)
+    assert [x.error for x in r.results] == [None] * n
+    offsets = arrival_offsets(n, 100.0, 1.0, 0)
+    assert offsets[-1] > 0.0
+    for result, at in zip(r.results, offsets, strict=True):
+        assert result.start_s >= at - 1e-3  # sent no earlier than its arrival time
+    assert not any("client threads busy" in note for note in r.server.notes)
+    assert spec(concurrency=None, request_rate=1.0, num_requests=300).workers == 300
+    assert spec(concurrency=3, request_rate=1.0).workers == 3
+
+
+def test_arrivals_past_the_thread_cap_are_sent_late_and_noted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("orin.bench.loadgen.OPEN_LOOP_THREADS", 3)
+    r = bench(FakeServer(usage=True), concurrency=None, request_rate=float("inf"), warmup=0)
+    assert r.summary()["completed"] == 6 and r.spec.workers == 3
+    assert "3 arrivals found all 3 client threads busy and were sent late" in r.server.notes
+
+
+def test_the_closed_loop_keeps_at_most_n_streams_in_flight() -> None:
+    fake = FakeServer(usage=True)
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def counting(seen: Seen) -> Answer:
+        if not seen.body.get("stream"):
+            return fake(seen)
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        try:
+            time.sleep(0.005)
+            return fake(seen)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    r = bench(counting, num_requests=8, concurrency=2)
+    assert r.summary()["completed"] == 8 and 1 <= most[0] <= 2
 
 
 def test_arrivals_and_plan_are_seeded() -> None:
@@ -181,9 +359,9 @@ def test_stream_parser_orin_chunks_and_errors() -> None:
     feed(bad, 'data: {"error": {"type": "server_error", "message": "boom"}}', 0.1)
     assert bad.result(1, 9, 0.0).error == "stream error server_error"
     assert StreamParser(t0=0.0).result(2, 9, 0.0).error == "no tokens"
-    resp = httpx.Response(400, json={"error": {"code": "context_length_exceeded"}})
-    assert http_error(resp) == "http 400 context_length_exceeded"
-    assert http_error(httpx.Response(502, text="bad gateway")) == "http 502"
+    body = json.dumps({"error": {"code": "context_length_exceeded"}}).encode()
+    assert http_error(400, body) == "http 400 context_length_exceeded"
+    assert http_error(502, b"bad gateway") == "http 502"
 
 
 def test_token_prompts_have_exact_lengths() -> None:
