@@ -57,4 +57,4 @@ test-gpu: $(STAMP)
 	$(VENV)/bin/pytest -q -m 'gpu or llama' tests/gpu tests/integration
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .hypothesis
