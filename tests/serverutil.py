@@ -23,12 +23,18 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(model: Path, profile_yaml: str = "") -> Iterator[tuple[str, ServerState]]:
+def live_server(
+    model: Path, profile_yaml: str = "", telemetry: str = "off", record: Path | None = None
+) -> Iterator[tuple[str, ServerState]]:
+    """build_server's server on a free port, healthy; ``telemetry`` and ``record`` as
+    `serve --telemetry/--record` take them."""
     port = free_port()
     profile = parse_profile(f"name: test\n{profile_yaml}")
     profile.server.port = port
-    server, state = build_server(profile, model)
+    server, state = build_server(profile, model, telemetry, record)
     state.engine.start()
+    if state.telemetry is not None:
+        state.telemetry.start()
     server.announce_when_ready()
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
@@ -49,6 +55,8 @@ def live_server(model: Path, profile_yaml: str = "") -> Iterator[tuple[str, Serv
         server.should_exit = True
         thread.join(timeout=10)
         state.engine.stop(drain=False, timeout=5)
+        if state.telemetry is not None:
+            state.telemetry.stop()
 
 
 def wait_idle(base: str, timeout: float = 10.0) -> dict[str, int]:

@@ -22,7 +22,7 @@ from orin.llamacpp import build_info, capture_log
 from orin.model import demo
 from orin.model.gguf import read_model_info
 from orin.profile.loader import parse_profile
-from tests.serverutil import free_port
+from tests.serverutil import live_server
 
 pytestmark = pytest.mark.gpu
 
@@ -78,33 +78,9 @@ def test_flash_attention_with_quantized_kv_keeps_greedy_output(small: Path, kv: 
 
 @pytest.fixture(scope="module")
 def nvml_server(small: Path) -> Iterator[str]:
-    import threading
-
-    from orin.server.main import build_server
-
-    profile = parse_profile("name: nvml\nengine: {n_ctx: 512, slots: 2}\n")
-    profile.server.port = free_port()
-    server, state = build_server(profile, small, "nvml")
-    assert state.telemetry is not None
-    state.engine.start()
-    state.telemetry.start()
-    server.announce_when_ready()
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{profile.server.port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            threading.Event().wait(0.05)
-    try:
+    with live_server(small, "engine: {n_ctx: 512, slots: 2}\n", "nvml") as (base, state):
+        assert state.telemetry is not None
         yield base
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        state.engine.stop(drain=False)
-        state.telemetry.stop()
 
 
 def test_serve_with_the_nvml_source(nvml_server: str) -> None:

