@@ -222,6 +222,12 @@ class ServerSection(_Section):
     model_name: str | None = Field(
         None, description="Model name served on /v1/models; default = the profile's name."
     )
+    model_match: Literal["any", "strict"] = Field(
+        "any",
+        description="A request naming another model: 'any' serves it with this model (the "
+        "response names the served one; clients often hard-code a name such as gpt-3.5-turbo), "
+        "'strict' answers 404.",
+    )
     max_queue: int = Field(
         64, ge=0, le=100_000, description="Requests waiting for a slot before 429/503."
     )

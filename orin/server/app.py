@@ -107,7 +107,7 @@ def _register(app: FastAPI, state: ServerState) -> None:
 def _check_model(state: ServerState, name: str | None) -> None:
     if state.engine.state in ("new", "loading"):
         raise Loading("the model is still loading; retry shortly")
-    if name is not None and name != state.model_name:
+    if name is not None and name != state.model_name and state.model_match == "strict":
         raise ModelNotFound(
             f"model '{name}' is not served here; this server serves '{state.model_name}'",
             param="model",

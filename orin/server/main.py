@@ -6,18 +6,22 @@ themselves."""
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from orin import __version__
 from orin.errors import OrinError
 from orin.profile.loader import resolve_model_path
 from orin.profile.schema import Profile
 from orin.system.commands import SubprocessRunner
 
 if TYPE_CHECKING:
+    from orin.engine.config import EngineConfig
+    from orin.model.gguf import ModelInfo
     from orin.server.lifecycle import OrinServer
     from orin.server.state import ServerState
 
@@ -69,12 +73,15 @@ def build_server(
 
     path = resolve_model_path(profile, model)
     info = read_model_info(path)
-    cfg = engine_config(profile, path, info, build_info(), _available())
+    build = build_info()
+    cfg = engine_config(profile, path, info, build, _available())
     engine = Engine(cfg)
     name = profile.server.model_name or profile.name
     state = ServerState(
         engine=engine,
         model_name=name,
+        model_match=profile.server.model_match,
+        system_fingerprint=fingerprint(build.version, build.system_info, info, cfg),
         metrics=ServerMetrics(cfg.slots, engine.kv_cells_total, name),
         sampling_defaults=profile.sampling,
         api_key=_api_key(profile),
@@ -155,6 +162,26 @@ def _available() -> int | None:
         return read_meminfo(SysRoot()).available
     except OrinError:
         return None
+
+
+def fingerprint(llama_version: str, system_info: str, info: ModelInfo, cfg: EngineConfig) -> str:
+    """OpenAI's ``system_fingerprint``: changes when anything that can change the
+    output for the same request and seed does (the server and llama.cpp builds,
+    the model file, the KV types and the context layout)."""
+    parts = (
+        __version__,
+        llama_version,
+        system_info,
+        Path(cfg.model_path).name,
+        str(info.file_size),
+        info.quantization,
+        cfg.type_k,
+        cfg.type_v,
+        str(cfg.n_ctx),
+        str(cfg.slots),
+        cfg.flash_attn,
+    )
+    return "fp_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 
 def _api_key(profile: Profile) -> str | None:

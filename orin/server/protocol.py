@@ -282,6 +282,7 @@ class Envelope(TypedDict):
     object: str
     created: int
     model: str
+    system_fingerprint: str | None
 
 
 class Figures(TypedDict, total=False):  # in full responses; a stream's final chunk

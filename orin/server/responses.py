@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -46,6 +47,9 @@ class Served(Protocol):
     @property
     def model_name(self) -> str: ...
 
+    @property
+    def system_fingerprint(self) -> str | None: ...
+
     def engine_piece(self, token: int) -> bytes: ...
 
     def detokenize(self, tokens: list[int]) -> str: ...
@@ -62,23 +66,32 @@ def encode(chunk: Chunk) -> bytes:
 
 
 class Formatter(ABC):
-    """One request's answer on the wire; the same calls for either endpoint."""
+    """One request's answer on the wire; the same calls for either endpoint.
+
+    The response id is OpenAI's kind (``chatcmpl-…``, ``cmpl-…``), new for every
+    response; the request id (``x-request-id``, which a client may choose, so two
+    requests may share it) stays in the header, the logs and error bodies.
+    """
+
+    ID_PREFIX = ""
 
     def __init__(
         self, served: Served, body: ChatCompletionRequest | CompletionRequest, request_id: str
     ) -> None:
         self.served = served
         self.request_id = request_id
+        self.response_id = self.ID_PREFIX + uuid.uuid4().hex
         self.token_ids = body.return_token_ids
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.created = int(time.time())  # one instant for every chunk, as OpenAI does
 
     def _envelope(self, kind: str) -> Envelope:
         return {
-            "id": self.request_id,
+            "id": self.response_id,
             "object": kind,
             "created": self.created,
             "model": self.served.model_name,
+            "system_fingerprint": self.served.system_fingerprint,
         }
 
     def _figures(self, c: Completion, out: Figures, final_chunk: bool = False) -> None:
@@ -110,6 +123,7 @@ class Formatter(ABC):
 
 class ChatFormatter(Formatter):
     OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
+    ID_PREFIX = "chatcmpl-"
 
     def response(self, c: Completion, prompt: list[int]) -> ChatCompletion:
         lp = chat_logprobs(c.logprobs, self.served.engine_piece) if c.logprobs else None
@@ -158,6 +172,7 @@ class ChatFormatter(Formatter):
 
 class CompletionFormatter(Formatter):
     OBJECT = "text_completion"  # full responses and chunks alike, as OpenAI has it
+    ID_PREFIX = "cmpl-"
 
     def __init__(self, served: Served, body: CompletionRequest, request_id: str) -> None:
         super().__init__(served, body, request_id)

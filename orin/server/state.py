@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from orin import __version__
 from orin.engine.client import EngineClient, EngineStatus
@@ -26,6 +26,8 @@ class ServerState:
     engine: EngineClient
     model_name: str
     metrics: ServerMetrics
+    model_match: Literal["any", "strict"] = "any"
+    system_fingerprint: str | None = None
     sampling_defaults: SamplingSection = field(default_factory=SamplingSection)
     api_key: str | None = None
     max_body_bytes: int = 2 * 1024 * 1024

@@ -43,6 +43,13 @@ def test_models_list(client: openai.OpenAI) -> None:
     assert [m.id for m in models.data] == ["demo"]
 
 
+def test_a_request_naming_another_model_is_served_by_this_one(client: openai.OpenAI) -> None:
+    """The default model_match 'any': clients that hard-code a model name still work,
+    and the response names the model that answered."""
+    r = client.completions.create(model="gpt-3.5-turbo", prompt="x", max_tokens=2)
+    assert r.model == "demo" and r.usage is not None and r.usage.completion_tokens == 2
+
+
 def test_chat_and_streamed_chat_agree(client: openai.OpenAI) -> None:
     messages: Any = [{"role": "user", "content": "Say something about Orin."}]
     full = client.chat.completions.create(
@@ -88,7 +95,17 @@ def test_completions_with_timings_and_token_ids(server: tuple[str, ServerState])
     t = data["timings"]
     assert t["predicted_n"] == 8 and t["prompt_n"] + t["cache_n"] == data["usage"]["prompt_tokens"]
     assert t["ttft_ms"] > 0 and t["tpot_ms"] > 0 and t["predicted_per_second"] > 0
-    assert r.headers["x-request-id"] == data["id"]
+    # OpenAI's id kind, new for every response; the request id stays in the header
+    assert data["id"].startswith("cmpl-") and r.headers["x-request-id"] not in data["id"]
+    again = httpx.post(
+        f"{server[0]}/v1/completions",
+        json=body,
+        headers={"x-request-id": r.headers["x-request-id"]},
+        timeout=60,
+    ).json()
+    assert again["id"] != data["id"]
+    assert data["system_fingerprint"].startswith("fp_")
+    assert again["system_fingerprint"] == data["system_fingerprint"]
 
 
 def test_json_schema_response_format(client: openai.OpenAI) -> None:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.llama
 PROFILE = """
 engine: {n_ctx: 256, slots: 1, n_batch: 64, n_ubatch: 64}
 server:
-  {model_name: demo, max_queue: 0, max_body_bytes: 4096, max_tokens_limit: 50,
+  {model_name: demo, model_match: strict, max_queue: 0, max_body_bytes: 4096, max_tokens_limit: 50,
    api_key_env: ORIN_TEST_KEY}
 """
 KEY = {"Authorization": "Bearer s3cret"}
@@ -122,7 +122,7 @@ def test_auth(server: tuple[str, ServerState]) -> None:
     assert httpx.get(f"{base}/health").status_code == 200  # probes need no key
 
 
-def test_unknown_model_is_404_never_another_model(server: tuple[str, ServerState]) -> None:
+def test_strict_model_match_answers_404_for_another_model(server: tuple[str, ServerState]) -> None:
     r = post(server[0], "/v1/completions", {"model": "gpt-4", "prompt": "x"})
     assert r.status_code == 404
     err = error_of(r)

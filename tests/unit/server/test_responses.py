@@ -40,6 +40,7 @@ TIMINGS = RequestTimings(
 def served() -> Any:
     return SimpleNamespace(
         model_name='demo "tiny" ü',
+        system_fingerprint="fp_test",
         engine_piece=lambda t: "é".encode() if t == 9 else b"a",
         detokenize=lambda ids: "<prompt>",
         timings=protocol.timings,
@@ -83,7 +84,8 @@ def test_token_chunks_carry_the_envelope_of_their_endpoint() -> None:
     text = parsed(TokenChunks(formatter("text")).token(TokenEvent("req-1", 7, "x")))
     assert chat["object"] == "chat.completion.chunk" and text["object"] == "text_completion"
     for chunk in (chat, text):
-        assert chunk["id"] == "req-1" and chunk["model"] == 'demo "tiny" ü'
+        assert chunk["id"].startswith(("chatcmpl-", "cmpl-")) and chunk["model"] == 'demo "tiny" ü'
+        assert chunk["system_fingerprint"] == "fp_test"
         assert chunk["choices"][0]["finish_reason"] is None
 
 
