@@ -89,6 +89,7 @@ def _register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", dependencies=[auth])
     async def chat(body: protocol.ChatCompletionRequest, request: Request) -> Any:
         _check_model(state, body.model)
+        protocol.check_message_order(body.messages)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         text, add_bos = state.engine.render_chat(messages)
         prompt = state.engine.tokenize(text, add_special=add_bos)
@@ -121,6 +122,7 @@ async def _run(
     prompt: list[int],
     fmt: Formatter,
 ) -> Any:
+    body.refuse_unsupported()
     ignored = body.ignored_fields()
     if ignored:
         protocol.log.info("request %s: ignoring unknown fields %s", _rid(request), ignored)

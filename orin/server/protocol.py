@@ -45,6 +45,8 @@ class JsonSchemaFormat(_Lenient):
 class ResponseFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: JsonSchemaFormat | None = None
+    # llama.cpp's form: {"type": "json_object", "schema": {...}}
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
 
 
 class TextPart(_Lenient):
@@ -90,6 +92,27 @@ class _Common(_Lenient):
     return_token_ids: bool = False
     grammar: str | None = Field(None, description="A GBNF grammar constraining the output.")
     response_format: ResponseFormat | None = None
+    json_schema: dict[str, Any] | None = Field(
+        None, description="llama.cpp's form: JSON following this schema."
+    )
+    penalty_last_n: int | None = _optional(params.PENALTY_LAST_N)
+    repeat_last_n: int | None = _optional(params.PENALTY_LAST_N)  # llama.cpp's name
+    n_predict: int | None = Field(None, ge=-1, description="llama.cpp's name for max_tokens.")
+
+    def refuse_unsupported(self) -> None:
+        """A field that would change the output but is not implemented is a 400 naming
+        it, never ignored (unknown fields that cannot change the output are logged)."""
+        extra = self.model_extra or {}
+        for name, why in UNSUPPORTED.items():
+            value = extra.get(name)
+            if value is not None and value is not False and value != []:
+                raise InvalidRequest(name, f"{name} is not supported by this server: {why}")
+        best_of = extra.get("best_of")
+        if best_of is not None and best_of != getattr(self, "n", 1):
+            raise InvalidRequest("best_of", "best_of is not supported; it may only equal n")
+        modalities = extra.get("modalities")
+        if isinstance(modalities, list) and set(modalities) - {"text"}:
+            raise InvalidRequest("modalities", "this server answers with text only")
 
     def max_new_tokens(self) -> int | None:
         raise NotImplementedError
@@ -101,6 +124,9 @@ class _Common(_Lenient):
         """Engine parameters; the profile supplies what the request leaves out
         (``max_tokens`` too, on both endpoints), and ``cap`` bounds the length."""
         requested = self.max_new_tokens()
+        if requested is None and self.n_predict is not None and self.n_predict >= 0:
+            requested = max(self.n_predict, 1)
+        last_n = _pick(self.penalty_last_n, self.repeat_last_n)
         return SamplingParams(
             max_tokens=min(defaults.max_tokens if requested is None else requested, cap),
             temperature=_pick(self.temperature, defaults.temperature),
@@ -110,6 +136,7 @@ class _Common(_Lenient):
             repeat_penalty=_pick(self.repeat_penalty, defaults.repeat_penalty),
             presence_penalty=_pick(self.presence_penalty, params.PRESENCE_PENALTY.default),
             frequency_penalty=_pick(self.frequency_penalty, params.FREQUENCY_PENALTY.default),
+            penalty_last_n=_pick(last_n, params.PENALTY_LAST_N.default),
             seed=self.seed if self.seed is not None else defaults.seed,
             logit_bias=_logit_bias(self.logit_bias),
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
@@ -120,15 +147,87 @@ class _Common(_Lenient):
         )
 
     def _grammar(self) -> str | None:
+        """The one grammar of ``grammar``, ``json_schema`` and ``response_format``
+        (OpenAI's and llama.cpp's forms); more than one of them is a 400."""
         fmt = self.response_format
+        given = [
+            name
+            for name, on in (
+                ("grammar", bool(self.grammar)),
+                ("json_schema", self.json_schema is not None),
+                ("response_format", fmt is not None and fmt.type != "text"),
+            )
+            if on
+        ]
+        if len(given) > 1:
+            raise InvalidRequest(given[1], f"give only one of {' and '.join(given)}")
+        if self.json_schema is not None:
+            return grammar.json_schema_grammar(self.json_schema, "json_schema")
         if fmt is None or fmt.type == "text":
             return self.grammar
-        if self.grammar:
-            raise InvalidRequest("grammar", "give either grammar or response_format, not both")
         if fmt.type == "json_object":
+            if fmt.schema_:
+                return grammar.json_schema_grammar(fmt.schema_, "response_format.schema")
             return grammar.json_grammar()
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else {}
         return grammar.json_schema_grammar(schema, "response_format.json_schema")
+
+
+# Fields of OpenAI's, llama.cpp's or vLLM's APIs that change the output and that this
+# server does not implement: a request setting one is refused (with why), not served
+# as if it had not asked.
+UNSUPPORTED: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "mirostat",
+            "mirostat_tau",
+            "mirostat_eta",
+            "typical_p",
+            "tfs_z",
+            "dynatemp_range",
+            "dynatemp_exponent",
+            "xtc_probability",
+            "xtc_threshold",
+            "dry_multiplier",
+            "dry_base",
+            "dry_allowed_length",
+            "dry_penalty_last_n",
+            "dry_sequence_breakers",
+            "top_n_sigma",
+            "samplers",
+            "min_keep",
+            "min_tokens",
+            "length_penalty",
+            "use_beam_search",
+            "bad_words",
+            "allowed_token_ids",
+        ),
+        "this sampler is not available here (docs/server.md lists the sampling parameters)",
+    ),
+    **dict.fromkeys(
+        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+        "use response_format, json_schema or grammar",
+    ),
+    "functions": "use tools",
+    "function_call": "use tool_choice",
+    "n_probs": "use logprobs",
+    "prompt_logprobs": "log-probabilities of prompt tokens are not computed",
+    "suffix": "fill-in-the-middle is not implemented",
+    "audio": "audio output is not implemented",
+    "web_search_options": "web search is not available",
+    "lora": "LoRA adapters are not loaded by this server",
+}
+
+
+def check_message_order(messages: Sequence[ChatMessage]) -> None:
+    """A conversation may not end with two assistant messages (llama-server refuses
+    it too): which one would the model be continuing?"""
+    if len(messages) >= 2 and messages[-1].role == messages[-2].role == "assistant":
+        raise InvalidRequest(
+            "messages",
+            "the conversation ends with two assistant messages; merge them or "
+            "end with a user message",
+        )
 
 
 def _pick(value: Any, default: Any) -> Any:

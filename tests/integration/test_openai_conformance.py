@@ -1,0 +1,338 @@
+"""The OpenAI surface, checked the way a drop-in client uses it.
+
+Written from OpenAI's API reference (chat completions, completions) and the
+llama.cpp server forms that clients also send: every sampling parameter has
+an effect a test can see, streaming chunks have OpenAI's shapes, structured
+output parses, and every bad parameter is a 400 naming it. The official
+``openai`` client sends the requests wherever it can express them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from orin.model import demo
+from orin.server.state import ServerState
+from tests.serverutil import live_server
+
+pytestmark = pytest.mark.llama
+
+PROFILE = """
+engine: {n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128}
+server: {model_name: demo, max_tokens_limit: 200}
+"""
+USER = [{"role": "user", "content": "Tell me about the board."}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, ServerState]]:
+    with live_server(demo.ensure("small", "f16"), PROFILE) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: tuple[str, ServerState]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def post(server: tuple[str, ServerState], path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server[0] + path, json=body, timeout=60)
+
+
+def chat_text(client: openai.OpenAI, **fields: Any) -> str:
+    r = client.chat.completions.create(model="demo", messages=USER, **fields)  # type: ignore[call-overload]
+    return str(r.choices[0].message.content)
+
+
+def text_of(client: openai.OpenAI, **fields: Any) -> str:
+    r = client.completions.create(model="demo", prompt="The board boots and", **fields)
+    return r.choices[0].text
+
+
+# -- sampling parameters --------------------------------------------------------------
+
+
+def test_greedy_is_deterministic_and_top_k_1_is_greedy(client: openai.OpenAI) -> None:
+    greedy = chat_text(client, temperature=0, max_tokens=16)
+    assert greedy == chat_text(client, temperature=0, max_tokens=16)
+    assert chat_text(client, temperature=1.0, extra_body={"top_k": 1}, max_tokens=16) == greedy
+
+
+def test_seed_fixes_a_sampled_answer_and_another_seed_changes_it(client: openai.OpenAI) -> None:
+    fields: dict[str, Any] = {"temperature": 1.5, "top_p": 1.0, "max_tokens": 24}
+    extra = {"top_k": 0, "min_p": 0.0}
+    a = [text_of(client, seed=s, extra_body=extra, **fields) for s in (1, 1, 2, 3)]
+    assert a[0] == a[1]
+    assert len({a[0], a[2], a[3]}) > 1
+
+
+def test_max_tokens_and_its_other_names(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="demo", messages=USER, max_completion_tokens=5, temperature=0
+    )
+    assert r.usage is not None and r.usage.completion_tokens == 5
+    assert r.choices[0].finish_reason == "length"
+    r2 = client.completions.create(
+        model="demo", prompt="x", extra_body={"n_predict": 7}, temperature=0
+    )
+    assert r2.usage is not None and r2.usage.completion_tokens == 7
+
+
+def test_stop_ends_the_text_before_the_stop_string(client: openai.OpenAI) -> None:
+    full = text_of(client, temperature=0, max_tokens=40)
+    words = full.split()
+    assert len(words) >= 4
+    stop = words[3]
+    r = client.completions.create(
+        model="demo", prompt="The board boots and", temperature=0, max_tokens=40, stop=[stop]
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[: full.index(stop)]
+
+
+def test_logit_bias_forces_and_bans_a_token(
+    client: openai.OpenAI, server: tuple[str, ServerState]
+) -> None:
+    token = server[1].engine.tokenize(" board", add_special=False)[0]
+    forced = client.completions.create(
+        model="demo",
+        prompt="x",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(token): 100},
+        extra_body={"return_token_ids": True},
+    )
+    assert forced.choices[0].model_extra is not None
+    assert forced.choices[0].model_extra["token_ids"] == [token] * 4
+    first = client.completions.create(
+        model="demo", prompt="x", max_tokens=1, temperature=0, extra_body={"return_token_ids": True}
+    )
+    first_id = first.choices[0].model_extra["token_ids"][0]  # type: ignore[index]
+    banned = client.completions.create(
+        model="demo",
+        prompt="x",
+        max_tokens=1,
+        temperature=0,
+        logit_bias={str(first_id): -100},
+        extra_body={"return_token_ids": True},
+    )
+    assert banned.choices[0].model_extra["token_ids"][0] != first_id  # type: ignore[index]
+
+
+def test_penalties_push_back_a_repeated_token(
+    client: openai.OpenAI, server: tuple[str, ServerState]
+) -> None:
+    """A logit bias makes one token win every step; the penalties count it in the
+    prompt and the output (llama.cpp feeds them both) until another token wins.
+    A look-back window of 0 (either name) turns them off."""
+    token = server[1].engine.tokenize(" board", add_special=False)[0]
+
+    def ids(**extra: Any) -> list[int]:
+        r = client.completions.create(
+            model="demo",
+            prompt=[token] * 20,
+            max_tokens=4,
+            temperature=0,
+            logit_bias={str(token): 30},
+            extra_body={"return_token_ids": True, **extra},
+        )
+        return list(r.choices[0].model_extra["token_ids"])  # type: ignore[index]
+
+    assert ids() == [token] * 4
+    assert token not in ids(frequency_penalty=2.0)
+    assert token not in ids(repeat_penalty=10.0)
+    assert ids(frequency_penalty=2.0, penalty_last_n=0) == [token] * 4
+    assert ids(frequency_penalty=2.0, repeat_last_n=0) == [token] * 4
+
+
+# -- streaming ---------------------------------------------------------------------------
+
+
+def test_streamed_chat_chunks_have_openais_shape(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model="demo",
+            messages=USER,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert len({c.created for c in chunks}) == 1
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert all(c.system_fingerprint and c.model == "demo" for c in chunks)
+    with_choice = [c for c in chunks if c.choices]
+    assert with_choice[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in with_choice][:-1] == [None] * (len(with_choice) - 1)
+    assert with_choice[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+    text = "".join(c.choices[0].delta.content or "" for c in with_choice)
+    assert text == chat_text(client, max_tokens=10, temperature=0)
+
+
+def test_streamed_completion_without_include_usage(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.completions.create(
+            model="demo", prompt="x", max_tokens=6, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].id.startswith("cmpl-") and {c.object for c in chunks} == {"text_completion"}
+    assert all(c.choices for c in chunks)  # no usage-only chunk unless asked
+    assert chunks[-1].choices[0].finish_reason == "length"
+    whole = client.completions.create(model="demo", prompt="x", max_tokens=6, temperature=0)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+# -- logprobs ---------------------------------------------------------------------------
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="demo", messages=USER, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.content is not None and len(lp.content) == 6
+    assert "".join(t.token for t in lp.content) == r.choices[0].message.content
+    for t in lp.content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob
+        assert t.top_logprobs[0].token == t.token  # greedy: the chosen token is the top one
+        assert bytes(t.bytes or []) == t.token.encode()
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="demo", prompt="x", max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+
+
+# -- structured output ------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "door": {"type": "string", "enum": ["open", "closed"]},
+        "n": {"type": "integer"},
+    },
+    "required": ["door", "n"],
+}
+
+
+def _valid(text: str) -> None:
+    value = json.loads(text)
+    assert value["door"] in ("open", "closed") and isinstance(value["n"], int)
+
+
+def test_response_format_json_object(client: openai.OpenAI) -> None:
+    """Random weights fill a JSON string until max_tokens, so what is checked is
+    that the grammar took hold: the answer starts a JSON value, the same request
+    without it does not."""
+    free = chat_text(client, max_tokens=8, seed=3)
+    text = chat_text(client, response_format={"type": "json_object"}, max_tokens=8, seed=3)
+    assert text.lstrip()[0] in '{["-0123456789tfn' and text != free
+    assert free.lstrip()[0] not in '{["'
+
+
+def test_response_format_json_schema(client: openai.OpenAI) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "door", "schema": SCHEMA}}
+    _valid(chat_text(client, response_format=fmt, max_tokens=60, seed=3))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"response_format": {"type": "json_object", "schema": SCHEMA}},
+        {"json_schema": SCHEMA},
+    ],
+    ids=["json_object-with-schema", "top-level-json_schema"],
+)
+def test_llama_cpp_structured_output_forms(
+    server: tuple[str, ServerState], extra: dict[str, Any]
+) -> None:
+    body = {"messages": USER, "max_tokens": 60, "seed": 3, **extra}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    _valid(r.json()["choices"][0]["message"]["content"])
+
+
+# -- errors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": USER, "temperature": -1}, "temperature"),
+        ("/v1/chat/completions", {"messages": USER, "top_p": 1.5}, "top_p"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "top_logprobs": 50, "logprobs": True},
+            "top_logprobs",
+        ),
+        ("/v1/chat/completions", {"messages": USER, "presence_penalty": 3}, "presence_penalty"),
+        ("/v1/chat/completions", {"messages": USER, "frequency_penalty": -3}, "frequency_penalty"),
+        ("/v1/chat/completions", {"messages": USER, "seed": -1}, "seed"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": USER, "stop": [""]}, "stop"),
+        ("/v1/chat/completions", {"messages": USER, "logit_bias": {"1": 101}}, "logit_bias"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "response_format": {"type": "xml"}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"messages": USER, "grammar": "root ::= ("}, "grammar"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "grammar": 'root ::= "a"', "json_schema": SCHEMA},
+            "json_schema",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    *USER,
+                    {"role": "assistant", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                ]
+            },
+            "messages",
+        ),
+        ("/v1/chat/completions", {"messages": USER, "mirostat": 2}, "mirostat"),
+        ("/v1/chat/completions", {"messages": USER, "typical_p": 0.5}, "typical_p"),
+        ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "echo": "maybe"}, "echo"),
+        ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**9]}, "stop_token_ids"),
+    ],
+)
+def test_each_bad_parameter_is_a_400_naming_it(
+    server: tuple[str, ServerState], path: str, body: dict[str, Any], param: str
+) -> None:
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] is not None and err["param"].split(".")[0] == param, err
+
+
+def test_the_client_raises_its_bad_request_error(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="demo", messages=USER, temperature=9)  # type: ignore[arg-type]
+    assert info.value.status_code == 400
