@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from orin.engine.backend import Backend
 from orin.engine.errors import BackendError
-from orin.engine.scheduler import Batch, KVOp, Remove
+from orin.engine.scheduler import Batch, Copy, KVOp, Remove
 
 DECODE_ABORTED = 2  # llama_decode's return value when the abort callback fired
 
@@ -56,6 +56,8 @@ class Runner:
         for op in ops:
             if isinstance(op, Remove):
                 lib.llama_memory_seq_rm(mem, op.seq, op.p0, op.p1)
+            elif isinstance(op, Copy):
+                lib.llama_memory_seq_cp(mem, op.src, op.dst, -1, -1)
             else:
                 start = op.keep + op.n_discard
                 lib.llama_memory_seq_rm(mem, op.seq, op.keep, start)

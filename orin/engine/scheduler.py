@@ -60,7 +60,26 @@ class Shift:
     n_past: int
 
 
-KVOp = Remove | Shift
+@dataclass(frozen=True)
+class Copy:
+    """llama_memory_seq_cp(src, dst): ``dst`` takes a copy of every cell of ``src``.
+
+    With one KV stream per slot llama.cpp copies the whole stream's buffers before
+    the next decode (and the cell bookkeeping at once), so the copy is followed by
+    a ``Remove`` of what ``dst`` does not share.
+    """
+
+    src: int
+    dst: int
+
+
+KVOp = Remove | Shift | Copy
+
+SHARE_MIN = 16
+"""Prompt tokens another slot must hold beyond what the chosen slot has before the
+scheduler copies its cells (or holds a request back for a prefill in progress):
+a copy moves a whole KV stream, worth it only when it saves a prefill. Shorter
+prompts share when the other slot holds all of it but the last token."""
 
 
 @dataclass(frozen=True)
@@ -172,13 +191,22 @@ class Scheduler:
         self.queue.append(request)
 
     def _admit(self) -> None:
+        """Start queued requests in arrival order while slots are idle. A request
+        whose prompt prefix another slot is prefilling right now waits for that
+        prefill to end and then copies its cells (``n`` > 1 choices, users of one
+        system prompt arriving together); the requests behind it go first."""
+        held: list[SchedRequest] = []
         while self.queue:
             idle = [s for s in self.slots if not s.busy]
             if not idle:
-                return
+                break
             request = self.queue.popleft()
+            if self._prefix_in_progress(request.prompt_tokens):
+                held.append(request)
+                continue
             slot = self._pick_slot(idle, request.prompt_tokens)
             self._start(slot, request)
+        self.queue.extendleft(reversed(held))
 
     def _pick_slot(self, idle: list[Slot], prompt: list[int]) -> Slot:
         """The idle slot whose cache shares the longest prefix; ties: the lowest id.
@@ -189,10 +217,38 @@ class Scheduler:
         """
         return max(idle, key=lambda s: (_common_prefix(s.cache[: s.reusable], prompt), -s.id))
 
+    def _worth_sharing(self, gain: int, prompt: Sequence[int]) -> bool:
+        return gain > 0 and gain >= min(SHARE_MIN, len(prompt) - 1)
+
+    def _prefix_in_progress(self, prompt: list[int]) -> bool:
+        """Whether a prefilling slot will soon hold more of ``prompt`` than any slot
+        holds now, enough to be worth a copy. Waiting costs nothing: the prompt
+        tokens of a step are one budget, so prefilling the same tokens alongside
+        would not end sooner."""
+        limit = len(prompt) - 1
+        now = max((_common_prefix(s.cache[: s.reusable], prompt) for s in self.slots), default=0)
+        for s in self.slots:
+            if s.state is SlotState.PREFILL and s.shifts == 0:
+                soon = min(_common_prefix(s.cache + s.pending, prompt), limit)
+                if soon > min(now, limit) and self._worth_sharing(soon, prompt):
+                    return True
+        return False
+
     def _start(self, slot: Slot, request: SchedRequest) -> None:
         prompt = request.prompt_tokens
         # at least the last prompt token is fed again: its logits start the generation
-        reuse = min(_common_prefix(slot.cache[: slot.reusable], prompt), len(prompt) - 1)
+        limit = len(prompt) - 1
+        reuse = min(_common_prefix(slot.cache[: slot.reusable], prompt), limit)
+        donor, shared = None, reuse
+        for other in self.slots:
+            if other is not slot:
+                n = min(_common_prefix(other.cache[: other.reusable], prompt), limit)
+                if n > shared:
+                    donor, shared = other, n
+        if donor is not None and self._worth_sharing(shared - reuse, prompt):
+            self._ops.append(Copy(donor.id, slot.id))
+            slot.cache = list(donor.cache)
+            reuse = shared
         if reuse < len(slot.cache):
             self._ops.append(Remove(slot.id, reuse, -1))
         self._admissions += 1

@@ -110,6 +110,33 @@ def test_prefix_reuse_reports_cached_tokens(engine: Engine) -> None:
     assert alone.token_ids == second.token_ids
 
 
+def test_identical_prompts_share_one_prefill(engine: Engine, small: Path) -> None:
+    """n choices of one prompt: one prefill, the others copy its cells (one KV
+    stream to another) and feed only the last prompt token. A wrong copy would
+    move the log-probabilities away from a run alone."""
+    prompt = random_prompts(engine, 1, seed=7)[0] + list(range(300, 340))
+    params = SamplingParams(max_tokens=12, logprobs=0, **GREEDY)
+    results = [s.result() for s in [engine.submit(prompt, params) for _ in range(4)]]
+    want_tokens, want_logps = reference(small, prompt, 12)
+    for got in results:
+        assert list(got.token_ids) == want_tokens
+        np.testing.assert_allclose([lp.logprob for lp in got.logprobs], want_logps, atol=2e-3)
+    cached = sorted(r.timings.cached_tokens for r in results if r.timings)
+    assert cached[1:] == [len(prompt) - 1] * 3
+
+
+def test_a_busy_slots_prompt_cells_serve_a_new_prompt(engine: Engine, small: Path) -> None:
+    system = random_prompts(engine, 1, seed=8)[0] + list(range(400, 450))
+    first = engine.submit([*system, 500, 501], SamplingParams(max_tokens=200, **GREEDY))
+    next(iter(first))  # decoding: its slot holds the system prompt
+    second = engine.generate([*system, 600], SamplingParams(max_tokens=8, logprobs=0, **GREEDY))
+    first.cancel()
+    assert second.timings is not None and second.timings.cached_tokens >= len(system)
+    want_tokens, want_logps = reference(small, [*system, 600], 8)
+    assert list(second.token_ids) == want_tokens
+    np.testing.assert_allclose([lp.logprob for lp in second.logprobs], want_logps, atol=2e-3)
+
+
 def test_sliding_window_runs_far_past_the_context(small: Path) -> None:
     cfg = config(small, "{n_ctx: 256, slots: 2, n_batch: 64, n_ubatch: 64}", "{keep: 8}")
     positions: list[int] = []

@@ -12,6 +12,7 @@ from orin.engine.scheduler import (
     Batch,
     BatchItem,
     ContextPolicy,
+    Copy,
     Remove,
     Scheduler,
     Shift,
@@ -33,6 +34,9 @@ class FakeRunner:
 
     def run(self, batch: Batch) -> dict[int, int]:
         for op in batch.ops:
+            if isinstance(op, Copy):  # llama.cpp copies the whole stream
+                self.kv[op.dst] = list(self.kv.get(op.src, []))
+                continue
             cells = self.kv.setdefault(op.seq, [])
             if isinstance(op, Remove):
                 end = len(cells) if op.p1 < 0 else op.p1
@@ -290,3 +294,56 @@ def test_without_a_shared_prefix_the_lowest_idle_slot_is_taken() -> None:
     step(s, r)
     slot = s.slot_of("e")
     assert slot is not None and slot.id == 0
+
+
+def test_a_prompt_another_slot_holds_is_copied_not_prefilled() -> None:
+    """A busy slot's prompt cells serve a new request with the same prefix: one
+    copy of its stream, then only the tokens that differ are fed."""
+    s, r = make(slots=2, n_batch=64, window=512), FakeRunner()
+    system = list(range(100, 140))
+    s.add(Req("a", [*system, 1, 2]))
+    step(s, r)
+    step(s, r)  # "a" decodes: its slot is busy
+    s.add(Req("b", [*system, 3]))
+    b = step(s, r)
+    slot = s.slot_of("b")
+    assert slot is not None and slot.id == 1
+    assert b.ops == (Copy(0, 1), Remove(1, 40, -1))
+    assert slot.cached_prompt == 40
+    assert [i for i in b.items if i.slot == 1] == [BatchItem(1, (3,), 40, True, prefill=True)]
+
+
+def test_identical_prompts_wait_for_one_prefill_and_share_it() -> None:
+    """n choices of one prompt: the first prefills, the others wait for it and take
+    its cells, each feeding the last prompt token again for its own logits."""
+    s, r = make(slots=3, n_batch=16, window=512), FakeRunner()
+    prompt = list(range(1, 41))
+    for rid in ("c0", "c1", "c2"):
+        s.add(Req(rid, prompt))
+    fed = 0
+    while any(sl.state is not SlotState.DECODE for sl in s.slots):
+        fed += step(s, r).n_prefill
+    assert fed == 40 + 2  # one prefill, then one token per other choice
+    assert sorted(sl.cached_prompt for sl in s.slots) == [0, 39, 39]
+
+
+def test_a_short_shared_gain_is_not_worth_a_copy() -> None:
+    s, r = make(slots=2, n_batch=64, window=512), FakeRunner()
+    s.add(Req("a", list(range(100, 140))))
+    step(s, r)
+    s.add(Req("b", [100, 101, *range(1, 40)]))  # 2 tokens in common
+    b = step(s, r)
+    assert not any(isinstance(op, Copy) for op in b.ops)
+    assert s.slot_of("b").cached_prompt == 0  # type: ignore[union-attr]
+
+
+def test_requests_behind_a_held_one_are_not_blocked() -> None:
+    s, r = make(slots=3, n_batch=8, window=512), FakeRunner()
+    prompt = list(range(1, 41))
+    s.add(Req("a", prompt))
+    step(s, r)  # "a" is prefilling
+    s.add(Req("same", prompt))
+    s.add(Req("other", list(range(500, 504))))
+    step(s, r)
+    assert s.slot_of("same") is None and s.slot_of("other") is not None
+    assert [q.id for q in s.queue] == ["same"]
