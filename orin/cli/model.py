@@ -62,7 +62,56 @@ def _summary_rows(info: ModelInfo) -> list[tuple[str, Any]]:
         ("BOS", f"{info.bos_token_id} {info.bos_token!r}"),
         ("EOS", f"{info.eos_token_id} {info.eos_token!r}"),
         ("chat template", "yes" if info.has_chat_template else "no"),
+        *_kv_rows(info),
     ]
+
+
+def _kv_rows(info: ModelInfo) -> list[tuple[str, Any]]:
+    """What decides the KV cache: layout, sliding window, experts, recurrent state."""
+    rows: list[tuple[str, Any]] = [
+        ("KV layout", info.kv_layout + ("" if info.kv_exact else " (planner estimates)"))
+    ]
+    if info.n_swa_layers:
+        swa = [i for i, s in enumerate(info.swa_layers) if s]
+        rows.append(
+            (
+                "sliding window",
+                f"{info.sliding_window} tokens on {len(swa)} of {info.n_layer} layers "
+                f"({_ranges(swa)})",
+            )
+        )
+        if info.head_dim_k_swa is not None or info.head_dim_v_swa is not None:
+            k, v = info.head_dims(swa[0])
+            rows.append(("head dim on window layers (K/V)", f"{k}/{v}"))
+    elif "sliding_window_metadata" in info.extra:
+        window = info.extra["sliding_window_metadata"]
+        if info.kv_exact:
+            rows.append(("sliding window", f"none (llama.cpp ignores the file's {window})"))
+        else:
+            rows.append(("sliding window", f"{window} tokens (layers not known to the planner)"))
+    if info.is_moe:
+        ff = f", {info.n_ff_exp} FFN each" if info.n_ff_exp else ""
+        rows.append(("experts", f"{info.n_expert_used} of {info.n_expert} per token{ff}"))
+    if info.recurrent_state is not None:
+        st = info.recurrent_state
+        rows.append(("recurrent state per layer", f"r {st.r} + s {st.s} values (f32)"))
+    if info.kv_note:
+        rows.append(("KV note", info.kv_note))
+    return rows
+
+
+def _ranges(layers: list[int]) -> str:
+    """``[0, 1, 2, 4]`` -> ``0-2, 4``."""
+    parts: list[str] = []
+    start = prev = layers[0]
+    for il in [*layers[1:], None]:
+        if il is not None and il == prev + 1:
+            prev = il
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if il is not None:
+            start = prev = il
+    return ", ".join(parts)
 
 
 def _kv_type(value: str) -> str:
@@ -84,8 +133,19 @@ def plan(
     kv_type_k: KVTypeOpt = "f16",
     kv_type_v: KVTypeOpt = "f16",
     n_ubatch: Annotated[int, typer.Option("--ubatch", min=1, help="Micro-batch size.")] = 512,
+    n_batch: Annotated[
+        int | None, typer.Option("--batch", min=1, help="Batch size (default: the micro-batch).")
+    ] = None,
     flash_attn: Annotated[
         bool, typer.Option("--flash-attn/--no-flash-attn", help="Flash attention.")
+    ] = True,
+    swa_full: Annotated[
+        bool,
+        typer.Option(
+            "--swa-full/--no-swa-full",
+            help="Sliding-window layers cache the whole context (llama.cpp's default, "
+            "as the engine runs) or only the window.",
+        ),
     ] = True,
     as_json: JsonOpt = False,
     root: RootOpt = Path("/"),
@@ -96,29 +156,66 @@ def plan(
         available: int | None = read_meminfo(SysRoot(root)).available
     except OrinError:
         available = None
-    p = plan_memory(info, ctx, slots, kv_type_k, kv_type_v, available, n_ubatch, flash_attn)
+    p = plan_memory(
+        info, ctx, slots, kv_type_k, kv_type_v, available, n_ubatch, flash_attn, n_batch, swa_full
+    )
     out = Output(as_json)
     if as_json:
-        out.json({"model": str(path), **p.to_dict()})
+        model = {
+            "architecture": info.architecture,
+            "kv_layout": info.kv_layout,
+            "sliding_window": info.sliding_window,
+            "swa_layers": info.n_swa_layers,
+            "n_expert": info.n_expert,
+            "n_expert_used": info.n_expert_used,
+        }
+        out.json({"model": str(path), "model_info": model, **p.to_dict()})
         return
-    _print_plan(out, p)
+    _print_plan(out, info, p)
+    if info.n_swa_layers:
+        other = plan_memory(
+            info,
+            ctx,
+            slots,
+            kv_type_k,
+            kv_type_v,
+            None,
+            n_ubatch,
+            flash_attn,
+            n_batch,
+            not swa_full,
+        )
+        _note_swa(out, p, other)
 
 
-def _print_plan(out: Output, p: MemoryPlan) -> None:
+def _print_plan(out: Output, info: ModelInfo, p: MemoryPlan) -> None:
     fits = {True: "yes", False: "NO", None: "unknown (no /proc/meminfo)"}[p.fits]
-    out.pairs(
-        f"{p.ctx} tokens x {p.slots} slot(s), K={p.type_k} V={p.type_v}",
-        [
-            ("KV cells (llama.cpp padding)", p.cells),
-            ("weights", human_bytes(p.weights_bytes)),
-            ("KV cache K", human_bytes(p.kv_k_bytes)),
-            ("KV cache V", human_bytes(p.kv_v_bytes)),
-            ("compute buffers (estimate)", human_bytes(p.compute_bytes)),
-            ("total", human_bytes(p.total_bytes)),
-            ("available (MemAvailable)", human_bytes(p.available_bytes)),
-            ("fits", fits),
-        ],
-    )
+    kv_label = " (estimate)" if p.kv_estimated else ""
+    experts = f", all {info.n_expert} experts" if info.is_moe else ""
+    rows: list[tuple[str, Any]] = [("KV cells (llama.cpp padding)", p.cells)]
+    window = next((c for c in p.kv_caches if c.kind == "swa"), None)
+    if window is not None:
+        rows.append(
+            (
+                "KV cells per slot",
+                f"{p.cells // p.slots} on full-attention layers, {window.cells_per_seq} on "
+                f"{window.layers} sliding-window layers (window {info.sliding_window})",
+            )
+        )
+    rows += [
+        (f"weights (exact{experts})", human_bytes(p.weights_bytes)),
+        (f"KV cache K{kv_label}", human_bytes(p.kv_k_bytes)),
+        (f"KV cache V{kv_label}", human_bytes(p.kv_v_bytes)),
+    ]
+    if p.state_bytes or info.kv_layout in ("recurrent", "hybrid"):
+        rows.append(("recurrent state (estimate)", human_bytes(p.state_bytes)))
+    rows += [
+        ("compute buffers (estimate)", human_bytes(p.compute_bytes)),
+        ("total", human_bytes(p.total_bytes)),
+        ("available (MemAvailable)", human_bytes(p.available_bytes)),
+        ("fits", fits),
+    ]
+    out.pairs(f"{p.ctx} tokens x {p.slots} slot(s), K={p.type_k} V={p.type_v}", rows)
     if p.max_ctx_by_kv_type:
         out.table(
             f"largest context per slot that fits ({p.slots} slot(s))",
@@ -127,6 +224,24 @@ def _print_plan(out: Output, p: MemoryPlan) -> None:
         )
     for kv_type, reason in p.unsupported_kv_types.items():
         out.note(f"{kv_type}: not usable with this model ({reason})")
+    if p.kv_estimated:
+        out.note(f"KV figures are estimates for the '{info.kv_layout}' layout: {info.kv_note}")
+
+
+def _note_swa(out: Output, p: MemoryPlan, other: MemoryPlan) -> None:
+    """The sliding-window cache under the other swa_full setting, for comparison."""
+    if p.swa_full:
+        out.note(
+            f"sliding-window layers cache the whole context (swa_full, as the engine runs); "
+            f"with --no-swa-full llama.cpp would give them only the window: KV "
+            f"{human_bytes(other.kv_bytes)} instead of {human_bytes(p.kv_bytes)}"
+        )
+    else:
+        out.note(
+            f"without swa_full the window cache cannot shift positions or keep old prompt "
+            f"cells; the engine runs with swa_full on, which needs "
+            f"{human_bytes(other.kv_bytes)} of KV"
+        )
 
 
 @app.command()

@@ -3,6 +3,12 @@
 Reads the header, key/value metadata and tensor table through the ``gguf``
 package (memory-mapped, no tensor data touched) and turns them into a
 ``ModelInfo`` that the planner, the profile rules and doctor share.
+
+Any architecture is read. What llama.cpp will keep per context differs between
+architectures (plain per-layer K/V, an extra sliding-window cache, a recurrent
+state, a compressed MLA cache), so the info also says which layout the file
+gets, taken from the same metadata llama.cpp's loader reads; the planner is
+exact for the layouts it knows and labels the rest as estimates.
 """
 
 from __future__ import annotations
@@ -18,22 +24,27 @@ from orin.errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 
-# Decoder-only architectures whose KV cache follows the plain formula (every
-# layer caches K and V for n_head_kv heads of head_dim). Others (recurrent,
-# MLA, hybrid) need their own accounting and are refused rather than misplanned.
-SUPPORTED_ARCHITECTURES = frozenset(
+# How llama.cpp keeps the context of an architecture (llama-model.cpp create_memory and
+# llama-arch.cpp llm_arch_is_recurrent / llm_arch_is_hybrid). Every architecture is read;
+# these sets decide whether the planner's KV figures are exact or an estimate.
+
+# One K and one V tensor per layer of n_head_kv(layer) x head_dim values per cell, no
+# sliding window: the planner matches llama.cpp's allocation byte for byte.
+PLAIN_KV_ARCHITECTURES = frozenset(
     {
         "llama",
-        "mistral",
+        "deci",
         "qwen2",
+        "qwen2moe",
         "qwen3",
-        "phi3",
+        "qwen3moe",
+        "qwen2vl",
+        "phi3",  # llama.cpp ignores phi3's attention.sliding_window (phi3.cpp)
         "gemma",
         "granite",
         "internlm2",
         "stablelm",
         "starcoder2",
-        "olmo2",
         "exaone",
         "deepseek",
         "baichuan",
@@ -42,6 +53,90 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "smollm3",
     }
 )
+
+
+@dataclass(frozen=True)
+class SwaRule:
+    """How an architecture's loader marks sliding-window layers (its load_arch_hparams).
+
+    Without an ``attention.sliding_window_pattern`` array in the file, llama.cpp's
+    ``set_swa_pattern(n_pattern, dense_first)`` makes every ``n_pattern``-th layer a
+    full-attention layer (the last of each group, or the first with ``dense_first``);
+    a scalar pattern key replaces ``n_pattern``.
+    """
+
+    n_pattern: int
+    dense_first: bool = False
+    default_window: int | None = None  # the window when the file names none
+    needs_window: bool = False  # without a window (or with 0) no layer slides
+
+
+# Architectures with an interleaved sliding window whose layout the planner knows.
+SWA_RULES: dict[str, SwaRule] = {
+    "gemma2": SwaRule(n_pattern=2, default_window=4096),  # alternating, local first
+    "gemma3": SwaRule(n_pattern=6, needs_window=True),  # 5 local, then 1 global
+    "cohere2": SwaRule(n_pattern=4),
+    "olmo2": SwaRule(n_pattern=4, needs_window=True),
+}
+
+EXACT_KV_ARCHITECTURES = PLAIN_KV_ARCHITECTURES | frozenset(SWA_RULES)
+
+# State-space / linear-attention models: a fixed recurrent state per sequence, no KV cells.
+RECURRENT_ARCHITECTURES = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+
+# Attention layers and recurrent layers in one model.
+HYBRID_ARCHITECTURES = frozenset(
+    {
+        "jamba",
+        "falcon-h1",
+        "plamo2",
+        "granitehybrid",
+        "lfm2",
+        "lfm2moe",
+        "nemotron_h",
+        "nemotron_h_moe",
+        "qwen3next",
+        "kimi-linear",
+        "bailingmoe3",
+        "kimi-k3",
+        "glm5-next",
+        "qwen35",
+        "qwen35moe",
+        "qwen4exp",
+        "deepseek4",
+        "minimax-01",
+    }
+)
+
+# Encoders, embedding and diffusion models: llama.cpp creates no KV memory for them.
+NO_KV_ARCHITECTURES = frozenset(
+    {
+        "bert",
+        "jina-bert-v2",
+        "jina-bert-v3",
+        "nomic-bert",
+        "nomic-bert-moe",
+        "neo-bert",
+        "eurobert",
+        "wavtokenizer-dec",
+        "modern-bert",
+        "gemma-embedding",
+        "dream",
+        "llada",
+        "llada-moe",
+        "rnd1",
+    }
+)
+
+# KV layouts. "standard" and "iswa" are computed exactly; the others are estimates.
+KV_LAYOUT_STANDARD = "standard"  # every layer caches every cell
+KV_LAYOUT_ISWA = "iswa"  # full-attention layers plus a separate sliding-window cache
+KV_LAYOUT_RECURRENT = "recurrent"
+KV_LAYOUT_HYBRID = "hybrid"
+KV_LAYOUT_MLA = "mla"  # compressed latent K, no V (multi-head latent attention)
+KV_LAYOUT_NONE = "none"
+KV_LAYOUT_UNKNOWN = "unknown"
+EXACT_KV_LAYOUTS = frozenset({KV_LAYOUT_STANDARD, KV_LAYOUT_ISWA})
 
 # Nominal bits per weight of each llama.cpp file type family, used to match
 # the KV-cache precision to the weights.
@@ -96,8 +191,29 @@ class RopeInfo:
 
 
 @dataclass(frozen=True)
+class RecurrentState:
+    """Sizes of the per-sequence state of recurrent layers (f32 rows in llama.cpp).
+
+    ``r`` is the rolling convolution or token-shift state, ``s`` the SSM or WKV
+    state, in values per layer (llama_hparams::n_embd_r and n_embd_s).
+    """
+
+    r: int
+    s: int
+
+
+@dataclass(frozen=True)
 class ModelInfo:
-    """Everything orin-llm needs to know about a GGUF file before loading it."""
+    """Everything orin-llm needs to know about a GGUF file before loading it.
+
+    The KV fields say what llama.cpp will allocate for the model: ``kv_layout`` is
+    ``standard`` or ``iswa`` where the planner computes the cache exactly, and
+    ``recurrent``, ``hybrid``, ``mla``, ``none`` or ``unknown`` where its figures are
+    estimates (``kv_note`` says why). ``swa_layers`` flags, per layer, the layers that
+    attend only to the last ``sliding_window`` positions, as llama.cpp decides it
+    (empty, and ``sliding_window`` None, where no layer slides or the layers are not
+    known; the file's own value is then ``extra["sliding_window_metadata"]``).
+    """
 
     path: str
     file_size: int
@@ -126,6 +242,16 @@ class ModelInfo:
     chat_template: str | None
     sliding_window: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    kv_layout: str = KV_LAYOUT_STANDARD
+    kv_note: str | None = None
+    swa_layers: tuple[bool, ...] = ()
+    head_dim_k_swa: int | None = None  # None: the same as head_dim_k
+    head_dim_v_swa: int | None = None
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int | None = None
+    n_layer_nextn: int = 0  # trailing next-token-prediction layers the main context skips
+    recurrent_state: RecurrentState | None = None
 
     @property
     def has_chat_template(self) -> bool:
@@ -138,6 +264,30 @@ class ModelInfo:
     @property
     def kv_heads_uniform(self) -> bool:
         return len(set(self.n_head_kv)) <= 1
+
+    @property
+    def kv_exact(self) -> bool:
+        """Whether the planner's KV figures match llama.cpp's allocation exactly."""
+        return self.kv_layout in EXACT_KV_LAYOUTS
+
+    @property
+    def n_swa_layers(self) -> int:
+        return sum(self.swa_layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    def is_swa(self, layer: int) -> bool:
+        return bool(self.swa_layers) and self.swa_layers[layer]
+
+    def head_dims(self, layer: int) -> tuple[int, int]:
+        """(K, V) head dimension of a layer; sliding-window layers may have their own."""
+        if self.is_swa(layer):
+            k = self.head_dim_k_swa if self.head_dim_k_swa is not None else self.head_dim_k
+            v = self.head_dim_v_swa if self.head_dim_v_swa is not None else self.head_dim_v
+            return k, v
+        return self.head_dim_k, self.head_dim_v
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready view (the chat template itself is summarised, not dumped)."""
@@ -160,11 +310,23 @@ class ModelInfo:
             "n_head_kv_per_layer": list(self.n_head_kv),
             "head_dim_k": self.head_dim_k,
             "head_dim_v": self.head_dim_v,
+            "head_dim_k_swa": self.head_dim_k_swa,
+            "head_dim_v_swa": self.head_dim_v_swa,
             "n_embd": self.n_embd,
             "n_ff": self.n_ff,
             "n_ctx_train": self.n_ctx_train,
             "rope": vars(self.rope),
+            "kv_layout": self.kv_layout,
+            "kv_exact": self.kv_exact,
+            "kv_note": self.kv_note,
             "sliding_window": self.sliding_window,
+            "sliding_window_metadata": self.extra.get("sliding_window_metadata"),
+            "swa_layers": [i for i, swa in enumerate(self.swa_layers) if swa],
+            "n_expert": self.n_expert,
+            "n_expert_used": self.n_expert_used,
+            "n_ff_exp": self.n_ff_exp,
+            "n_layer_nextn": self.n_layer_nextn,
+            "recurrent_state": vars(self.recurrent_state) if self.recurrent_state else None,
             "vocab_size": self.vocab_size,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
@@ -304,9 +466,6 @@ def _build_info(p: Path, reader: Any) -> ModelInfo:
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ModelFileError(f"{p}: GGUF file has no general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-        raise ModelFileError(f"{p}: unsupported architecture '{arch}' (supported: {supported})")
     shares, n_params, n_bytes = _tensor_stats(p, reader)
     file_type = meta.get("general.file_type")
     file_type = int(file_type) if file_type is not None else None
@@ -315,15 +474,24 @@ def _build_info(p: Path, reader: Any) -> ModelInfo:
     n_layer = meta.require_int(f"{arch}.block_count")
     n_embd = meta.require_int(f"{arch}.embedding_length")
     n_head = _per_layer(meta, f"{arch}.attention.head_count", n_layer, 0)
-    if not any(n_head):
+    if not any(n_head) and arch in EXACT_KV_ARCHITECTURES:
         raise ModelFileError(f"{p}: missing metadata key {arch}.attention.head_count")
-    n_head_kv = _per_layer(meta, f"{arch}.attention.head_count_kv", n_layer, max(n_head))
-    head_ref = max(n_head)
-    head_k = int(meta.get(f"{arch}.attention.key_length", n_embd // head_ref))
-    head_v = int(meta.get(f"{arch}.attention.value_length", head_k))
+    # llama.cpp: n_head_kv defaults to n_head layer by layer; head sizes to n_embd / n_head(0)
+    n_head_kv = _per_layer_default(meta, f"{arch}.attention.head_count_kv", n_head)
+    head_ref = n_head[0] or max(n_head)
+    head_default = n_embd // head_ref if head_ref else 0
+    head_k = int(meta.get(f"{arch}.attention.key_length", head_default))
+    head_v = int(meta.get(f"{arch}.attention.value_length", head_default))
+    head_k_swa = meta.get(f"{arch}.attention.key_length_swa")
+    head_v_swa = meta.get(f"{arch}.attention.value_length_swa")
+    nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0))
+    layout = _kv_layout(meta, arch, n_layer, nextn)
     tokens = meta.get("tokenizer.ggml.tokens") or []
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    n_ff = meta.get(f"{arch}.feed_forward_length")
+    extra: dict[str, Any] = {}
+    window_meta = meta.get(f"{arch}.attention.sliding_window")
+    if window_meta is not None and not layout.swa_layers:
+        extra["sliding_window_metadata"] = window_meta
     return ModelInfo(
         path=str(p),
         file_size=p.stat().st_size,
@@ -341,7 +509,7 @@ def _build_info(p: Path, reader: Any) -> ModelInfo:
         head_dim_k=head_k,
         head_dim_v=head_v,
         n_embd=n_embd,
-        n_ff=max(n_ff) if isinstance(n_ff, list) else (int(n_ff) if n_ff is not None else None),
+        n_ff=_max_or_none(meta.get(f"{arch}.feed_forward_length")),
         n_ctx_train=meta.require_int(f"{arch}.context_length"),
         rope=_rope(meta, arch),
         vocab_size=int(meta.get(f"{arch}.vocab_size", len(tokens))),
@@ -350,7 +518,140 @@ def _build_info(p: Path, reader: Any) -> ModelInfo:
         bos_token=_token_text(tokens, bos),
         eos_token=_token_text(tokens, eos),
         chat_template=meta.get("tokenizer.chat_template"),
-        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+        sliding_window=layout.window,
+        extra=extra,
+        kv_layout=layout.layout,
+        kv_note=layout.note,
+        swa_layers=layout.swa_layers,
+        head_dim_k_swa=int(head_k_swa) if head_k_swa is not None else None,
+        head_dim_v_swa=int(head_v_swa) if head_v_swa is not None else None,
+        n_expert=int(meta.get(f"{arch}.expert_count", 0)),
+        n_expert_used=_max_or_none(meta.get(f"{arch}.expert_used_count")) or 0,
+        n_ff_exp=_max_or_none(meta.get(f"{arch}.expert_feed_forward_length")),
+        n_layer_nextn=nextn,
+        recurrent_state=(
+            _recurrent_state(meta, arch, n_embd)
+            if layout.layout in (KV_LAYOUT_RECURRENT, KV_LAYOUT_HYBRID)
+            else None
+        ),
+    )
+
+
+def _per_layer_default(meta: _Meta, key: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """Like _per_layer, but an absent key takes the per-layer default as it is."""
+    if meta.get(key) is None:
+        return default
+    return _per_layer(meta, key, len(default), 0)
+
+
+def _max_or_none(value: Any) -> int | None:
+    """A scalar, or the largest entry of a per-layer array."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return max((int(v) for v in value), default=None)
+    return int(value)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    layout: str
+    note: str | None = None
+    swa_layers: tuple[bool, ...] = ()
+    window: int | None = None
+
+
+def _kv_layout(meta: _Meta, arch: str, n_layer: int, n_layer_nextn: int) -> _Layout:
+    """The KV layout llama.cpp builds for this file (llama-model.cpp create_memory)."""
+    if arch in RECURRENT_ARCHITECTURES:
+        return _Layout(
+            KV_LAYOUT_RECURRENT,
+            "a recurrent model: llama.cpp keeps a fixed state per sequence instead of KV "
+            "cells; the state is estimated from the ssm/wkv metadata",
+        )
+    if arch in HYBRID_ARCHITECTURES:
+        return _Layout(
+            KV_LAYOUT_HYBRID,
+            "a hybrid model: attention layers cache K and V (counted where the metadata "
+            "gives them KV heads), recurrent layers keep a state per sequence",
+        )
+    if arch in NO_KV_ARCHITECTURES:
+        return _Layout(KV_LAYOUT_NONE, "llama.cpp keeps no KV cache for this architecture")
+    if meta.get(f"{arch}.attention.key_length_mla") is not None:
+        return _Layout(
+            KV_LAYOUT_MLA,
+            "multi-head latent attention: llama.cpp caches one compressed K row per layer "
+            "and no V; estimated from attention.key_length x head_count_kv",
+        )
+    window = meta.get(f"{arch}.attention.sliding_window")
+    rule = SWA_RULES.get(arch)
+    if rule is not None:
+        if window is None:
+            window = rule.default_window
+        if rule.needs_window and not window:
+            return _Layout(KV_LAYOUT_STANDARD)  # llama.cpp runs it without a window
+        if window is None:
+            return _Layout(
+                KV_LAYOUT_UNKNOWN,
+                f"{arch} needs attention.sliding_window, which this file lacks",
+            )
+        flags = _swa_flags(meta, arch, n_layer, n_layer_nextn, rule)
+        if not any(flags):
+            return _Layout(KV_LAYOUT_UNKNOWN, "the sliding-window pattern marks no layer")
+        return _Layout(KV_LAYOUT_ISWA, swa_layers=flags, window=int(window))
+    if arch in PLAIN_KV_ARCHITECTURES:
+        return _Layout(KV_LAYOUT_STANDARD)
+    note = (
+        f"llama.cpp's KV layout for '{arch}' is not known to the planner: the figures "
+        "assume every layer caches K and V for every cell"
+    )
+    if window:
+        note += " (the file names a sliding window; with swa_full llama.cpp sizes it the same)"
+    return _Layout(KV_LAYOUT_UNKNOWN, note)
+
+
+def _swa_flags(
+    meta: _Meta, arch: str, n_layer: int, n_layer_nextn: int, rule: SwaRule
+) -> tuple[bool, ...]:
+    """Per-layer sliding-window flags (llama_model_base::load_swa_pattern).
+
+    An array ``attention.sliding_window_pattern`` is taken as it is, layer by layer;
+    otherwise llama_hparams::set_swa_pattern applies ``n_pattern`` (the scalar key,
+    or the architecture's own) to the layers before the next-token-prediction ones.
+    """
+    raw = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(raw, list):
+        return tuple(bool(raw[i]) if i < len(raw) else False for i in range(n_layer))
+    n_pattern = int(raw) if raw is not None else rule.n_pattern
+    n_main = n_layer - n_layer_nextn
+    flags = []
+    for il in range(n_layer):
+        if il >= n_main:
+            flags.append(False)
+        elif n_pattern == 0:
+            flags.append(True)
+        elif rule.dense_first:
+            flags.append(il % n_pattern != 0)
+        else:
+            flags.append(il % n_pattern < n_pattern - 1)
+    return tuple(flags)
+
+
+def _recurrent_state(meta: _Meta, arch: str, n_embd: int) -> RecurrentState | None:
+    """State sizes per layer and sequence (llama_hparams::n_embd_r / n_embd_s)."""
+    wkv = meta.get(f"{arch}.wkv.head_size")
+    if wkv:
+        shift = int(meta.get(f"{arch}.token_shift_count", 2))
+        return RecurrentState(r=shift * n_embd, s=n_embd * int(wkv))
+    d_conv = meta.get(f"{arch}.ssm.conv_kernel")
+    d_inner = meta.get(f"{arch}.ssm.inner_size")
+    d_state = meta.get(f"{arch}.ssm.state_size")
+    if d_conv is None or d_inner is None or d_state is None:
+        return None
+    n_group = int(meta.get(f"{arch}.ssm.group_count", 0))
+    d_conv, d_inner, d_state = int(d_conv), int(d_inner), int(d_state)
+    return RecurrentState(
+        r=max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state), s=d_state * d_inner
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,45 @@ SIZE_LINE = re.compile(
 )
 MiB = 1 << 20
 
+# Every llama_kv_cache llama.cpp creates logs one line: a model with sliding-window
+# layers two (the full-attention cache, then the window cache).
+KV_LINE = re.compile(
+    r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers, +\d+/(\d+) seqs\), "
+    r"K \((\w+)\): +([\d.]+) MiB, "
+    r"V \((\w+)\): +([\d.]+) MiB"
+)
+# A recurrent model's state instead (llama_memory_recurrent), R and S rows in f32.
+RS_LINE = re.compile(
+    r"llama_memory_recurrent: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers, "
+    r"+(\d+) seqs +\d+ rs_seq\), R \(f32\): +([\d.]+) MiB, S \(f32\): +([\d.]+) MiB"
+)
+
+
+@dataclass(frozen=True)
+class ReportedCache:
+    """One ``llama_kv_cache: size = ...`` line: sizes as llama.cpp prints them (MiB, 2 decimals)."""
+
+    total_mib: str
+    cells: int
+    layers: int
+    streams: int
+    type_k: str
+    k_mib: str
+    type_v: str
+    v_mib: str
+
+
+def reported_kv_caches(text: str) -> list[ReportedCache]:
+    return [
+        ReportedCache(total, int(cells), int(layers), int(streams), tk, k, tv, v)
+        for total, cells, layers, streams, tk, k, tv, v in KV_LINE.findall(text)
+    ]
+
+
+def mib(n: int) -> str:
+    """Bytes the way llama.cpp prints a size: MiB with two decimals."""
+    return f"{n / MiB:.2f}"
+
 
 @contextmanager
 def llama_context(
@@ -34,6 +74,8 @@ def llama_context(
     type_v: str = "f16",
     n_ubatch: int = 32,
     flash_attn: bool = True,
+    swa_full: bool = True,
+    n_batch: int | None = None,
 ) -> Iterator[Any]:
     lib = llama()
     mp = lib.llama_model_default_params()
@@ -43,7 +85,9 @@ def llama_context(
     cp = lib.llama_context_default_params()
     cp.n_ctx = ctx * slots  # per-slot context, as the engine asks for it
     cp.n_seq_max = slots
-    cp.n_batch = cp.n_ubatch = n_ubatch
+    cp.n_ubatch = n_ubatch
+    cp.n_batch = n_batch if n_batch is not None else n_ubatch
+    cp.swa_full = swa_full  # llama.cpp's default is on, and the engine keeps it
     cp.type_k = GGMLQuantizationType[type_k.upper()].value
     cp.type_v = GGMLQuantizationType[type_v.upper()].value
     cp.flash_attn_type = int(flash_attn)  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from orin.errors import KVConfigError
@@ -10,9 +11,12 @@ from orin.model.memplan import (
     KV_TYPES,
     bytes_per_element,
     kv_cache_bytes,
+    kv_caches,
     kv_cells_per_seq,
     max_context,
     plan_memory,
+    recurrent_state_bytes,
+    swa_cells_per_seq,
     total_bytes,
 )
 from orin.profile.fit import HEADROOM, memory_fit
@@ -149,3 +153,170 @@ def test_memory_fit_fails_a_kv_type_the_model_cannot_hold(tmp_path: Path) -> Non
     fit = memory_fit(info, EngineSection(n_ctx=512, slots=1), "q8_0", "f16", True, 64 << 30)
     assert (fit.severity, fit.plan) == ("fail", None)
     assert "head dimension 16" in fit.found and fit.fix == "engine.type_k/type_v: f16 or q8_0"
+
+
+# -- layouts beyond the plain one ----------------------------------------------------
+
+GEMMA3_27B = {
+    "block_count": 62,
+    "embedding_length": 5376,
+    "feed_forward_length": 21504,
+    "attention.head_count": 32,
+    "attention.head_count_kv": 16,
+    "attention.key_length": 128,
+    "attention.value_length": 128,
+    "attention.sliding_window": 1024,
+    "context_length": 131072,
+}
+
+
+@pytest.fixture
+def gemma3_27b(tmp_path: Path) -> ModelInfo:
+    return read_model_info(write_gguf(tmp_path / "g3.gguf", arch="gemma3", params=GEMMA3_27B))
+
+
+def test_gemma3_27b_window_cache(gemma3_27b: ModelInfo) -> None:
+    """10 global layers hold the context, 52 window layers 1024 + one micro-batch."""
+    assert (gemma3_27b.n_swa_layers, gemma3_27b.sliding_window) == (52, 1024)
+    row = 16 * 128 * 2  # one cell's K (or V) row of one layer in f16
+    full, window = kv_caches(gemma3_27b, 32768, 1, "f16", "f16", swa_full=False)
+    assert (full.kind, full.layers, full.cells_per_seq) == ("full", 10, 32768)
+    assert (window.kind, window.layers, window.cells_per_seq) == ("swa", 52, 1536)
+    assert full.k_bytes == full.v_bytes == 10 * 32768 * row
+    assert window.k_bytes == window.v_bytes == 52 * 1536 * row
+    # swa_full (llama.cpp's default, the engine's setting): every layer holds the context
+    full, window = kv_caches(gemma3_27b, 32768, 1, "f16", "f16")
+    assert window.cells_per_seq == full.cells_per_seq == 32768
+    assert full.total + window.total == kv_cache_bytes(gemma3_27b, 32768, "f16", "f16").total
+
+
+@pytest.mark.parametrize(
+    ("ctx", "slots", "n_ubatch", "n_batch", "cells"),
+    [
+        (32768, 1, 512, None, 1536),  # window 1024 + 512, padded to 256
+        (32768, 4, 512, None, 1536),  # per KV stream: one stream per slot
+        (32768, 1, 100, None, 1280),  # 1124 -> 1280
+        (32768, 1, 512, 64, 1280),  # n_ubatch is capped by n_batch
+        (700, 1, 512, 2048, 768),  # capped by the context: min(768, 1024 + 512)
+        (60, 1, 512, None, 256),  # a context shorter than the window: all 256 cells
+    ],
+)
+def test_window_cells_follow_llama_cpp(
+    gemma3_27b: ModelInfo, ctx: int, slots: int, n_ubatch: int, n_batch: int | None, cells: int
+) -> None:
+    got = swa_cells_per_seq(gemma3_27b, ctx, slots, n_ubatch, n_batch, swa_full=False)
+    assert got == cells
+    assert swa_cells_per_seq(gemma3_27b, ctx, slots, n_ubatch, n_batch) == kv_cells_per_seq(
+        ctx, slots
+    )
+
+
+def test_window_plan_and_largest_context(gemma3_27b: ModelInfo) -> None:
+    full = plan_memory(gemma3_27b, 32768, 1, available=64 * 1024 * MiB)
+    windowed = plan_memory(gemma3_27b, 32768, 1, available=64 * 1024 * MiB, swa_full=False)
+    assert full.swa_full and not windowed.swa_full
+    assert windowed.kv_bytes < full.kv_bytes / 4
+    assert [c.kind for c in windowed.kv_caches] == ["full", "swa"]
+    assert not windowed.kv_estimated and windowed.estimated == ("compute_bytes",)
+    f16_full, f16_window = full.max_ctx_by_kv_type["f16"], windowed.max_ctx_by_kv_type["f16"]
+    assert f16_full is not None and f16_window is not None and f16_window > 4 * f16_full
+    d = windowed.to_dict()
+    assert d["kv_caches"][1] == {
+        "kind": "swa",
+        "layers": 52,
+        "cells_per_seq": 1536,
+        "k_bytes": 52 * 1536 * 4096,
+        "v_bytes": 52 * 1536 * 4096,
+    }
+    assert d["estimated"] == ["compute_bytes"] and d["kv_estimated"] is False
+
+
+def test_without_flash_attention_v_is_padded_to_the_widest_layer(tmp_path: Path) -> None:
+    params = dict(LLAMA2_7B, block_count=3, **{"attention.head_count_kv": [8, 4, 0]})
+    info = read_model_info(write_gguf(tmp_path / "d.gguf", arch="deci", params=params))
+    fa = kv_cache_bytes(info, 256, "f16", "f16")
+    no_fa = kv_cache_bytes(info, 256, "f16", "f16", flash_attn=False)
+    assert fa.k == no_fa.k == (8 + 4) * 128 * 2 * 256
+    assert fa.v == (8 + 4) * 128 * 2 * 256
+    assert no_fa.v == 3 * 8 * 128 * 2 * 256  # every layer, the empty one too
+    plan = plan_memory(info, 256, 1, flash_attn=False)
+    assert plan.kv_v_bytes == no_fa.v
+
+
+def test_experts_weights_are_the_tensor_table_and_compute_counts_them(tmp_path: Path) -> None:
+    moe = dict(
+        LLAMA2_7B,
+        **{"expert_count": 128, "expert_used_count": 8, "expert_feed_forward_length": 2048},
+    )
+    tensors = {"blk.0.ffn_up_exps.weight": np.zeros((4, 8, 16), dtype=np.float16)}
+    info = read_model_info(write_gguf(tmp_path / "m.gguf", "qwen3moe", moe, tensors))
+    dense = read_model_info(write_gguf(tmp_path / "d.gguf", "qwen3", LLAMA2_7B, tensors))
+    plan = plan_memory(info, 4096, 1)
+    assert plan.weights_bytes == info.weights_bytes == 4 * 8 * 16 * 2  # every expert
+    assert plan.kv_bytes == plan_memory(dense, 4096, 1).kv_bytes
+    assert plan.compute_bytes > plan_memory(dense, 4096, 1).compute_bytes  # 8 x 2048 > 11008
+
+
+def test_recurrent_model_is_an_estimate(tmp_path: Path) -> None:
+    params = {
+        "block_count": 24,
+        "embedding_length": 768,
+        "context_length": 1 << 20,
+        "attention.head_count": 0,
+        "ssm.conv_kernel": 4,
+        "ssm.inner_size": 1536,
+        "ssm.state_size": 16,
+        "ssm.time_step_rank": 48,
+    }
+    info = read_model_info(write_gguf(tmp_path / "m.gguf", arch="mamba", params=params))
+    plan = plan_memory(info, 4096, 2, available=8 * 1024 * MiB)
+    assert plan.kv_bytes == 0 and plan.kv_caches == ()
+    assert plan.state_bytes == 24 * (3 * 1536 + 16 * 1536) * 4 * 2
+    assert plan.kv_estimated and plan.kv_note == info.kv_note
+    assert set(plan.estimated) == {"kv_k_bytes", "kv_v_bytes", "state_bytes", "compute_bytes"}
+    assert plan.total_bytes == (plan.weights_bytes + plan.state_bytes + plan.compute_bytes)
+    assert plan.to_dict()["kv_estimated"] is True
+
+
+def test_hybrid_model_counts_attention_layers_and_recurrent_state(tmp_path: Path) -> None:
+    params = {
+        "block_count": 4,
+        "embedding_length": 256,
+        "context_length": 4096,
+        "attention.head_count": 4,
+        "attention.head_count_kv": [0, 0, 0, 2],
+        "ssm.conv_kernel": 4,
+        "ssm.inner_size": 512,
+        "ssm.state_size": 16,
+    }
+    info = read_model_info(write_gguf(tmp_path / "j.gguf", arch="jamba", params=params))
+    (cache,) = kv_caches(info, 1024, 1, "f16", "f16")
+    assert cache.layers == 1 and cache.k_bytes == 1024 * 2 * 64 * 2
+    assert recurrent_state_bytes(info, 1) == 3 * (3 * 512 + 16 * 512) * 4
+    assert plan_memory(info, 1024).kv_estimated
+
+
+def test_mla_caches_k_only(tmp_path: Path) -> None:
+    params = {
+        "block_count": 2,
+        "embedding_length": 1024,
+        "context_length": 4096,
+        "attention.head_count": 16,
+        "attention.head_count_kv": 1,
+        "attention.key_length": 576,
+        "attention.value_length": 512,
+        "attention.key_length_mla": 192,
+        "attention.value_length_mla": 128,
+    }
+    info = read_model_info(write_gguf(tmp_path / "ds.gguf", arch="deepseek2", params=params))
+    kv = kv_cache_bytes(info, 256, "f16", "f16")
+    assert (kv.k, kv.v) == (2 * 256 * 576 * 2, 0)
+    assert plan_memory(info, 256).kv_estimated
+
+
+def test_next_token_prediction_layers_cache_nothing(tmp_path: Path) -> None:
+    params = dict(LLAMA2_7B, block_count=4, nextn_predict_layers=1)
+    info = read_model_info(write_gguf(tmp_path / "n.gguf", arch="glm4moe", params=params))
+    (cache,) = kv_caches(info, 256, 1, "f16", "f16")
+    assert cache.layers == 3
+    assert plan_memory(info, 256).kv_estimated
