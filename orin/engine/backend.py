@@ -10,7 +10,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from orin.engine.config import EngineConfig
 from orin.engine.errors import BackendError, ContextShiftUnsupported
@@ -71,6 +75,7 @@ class Backend:
             raise ContextShiftUnsupported(
                 f"{cfg.model_path}: this model's KV memory cannot shift positions, so the "
                 "sliding window is unavailable; set context.sliding: false (or --window off)"
+                + ("" if cfg.swa_full or not cfg.swa_window else ", or engine.swa_full: true")
             )
         self._pieces: dict[int, bytes] = {}
         self._eog: tuple[int, ...] | None = None
@@ -99,7 +104,14 @@ class Backend:
         cp.type_k = ggml_type(cfg.type_k)
         cp.type_v = ggml_type(cfg.type_v)
         cp.kv_unified = False  # one KV stream per slot: a slot never takes another's cells
+        cp.swa_full = cfg.swa_full
         cp.no_perf = True
+        # pooling for /v1/embeddings: the profile's, else the GGUF's ({arch}.pooling_type);
+        # embeddings output stays off except around embedding decodes (set_embeddings)
+        cp.pooling_type = getattr(
+            lib, f"LLAMA_POOLING_TYPE_{(cfg.pooling or 'unspecified').upper()}"
+        )
+        cp.embeddings = False
         if cfg.rope_freq_base is not None:
             cp.rope_freq_base = cfg.rope_freq_base
         with capture_log() as lines:
@@ -145,6 +157,17 @@ class Backend:
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
 
+    def special_piece(self, token: int) -> bytes:
+        """A token's bytes with control tokens rendered as their text (``<s>``), as
+        llama-server's /tokenize and /detokenize show them; not cached (not on the
+        generation path)."""
+        buf = ctypes.create_string_buffer(64)
+        n = self.lib.llama_token_to_piece(self.vocab, token, buf, 64, 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self.lib.llama_token_to_piece(self.vocab, token, buf, -n, 0, True)
+        return buf.raw[:n]
+
     def is_eog(self, token: int) -> bool:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
 
@@ -161,6 +184,66 @@ class Backend:
     def chat_template(self) -> str | None:
         raw = self.lib.llama_model_chat_template(self.model, None)
         return raw.decode("utf-8") if raw else None
+
+    # -- embeddings (engine thread) ----------------------------------------------
+
+    @property
+    def pooling(self) -> int:
+        """The context's pooling type (llama.cpp's enum llama_pooling_type): the
+        profile's model.pooling, else the model's own."""
+        return int(self.lib.llama_pooling_type(self.ctx))
+
+    @property
+    def n_embd_out(self) -> int:
+        """The width of a pooled embedding."""
+        return int(self.lib.llama_model_n_embd_out(self.model))
+
+    def embed(self, seqs: Sequence[tuple[int, Sequence[int]]]) -> list[npt.NDArray[np.float32]]:
+        """The pooled embedding of each (sequence id, tokens), from one llama_decode,
+        as raw (unnormalized) copies; every sequence must be empty and at most
+        n_ubatch tokens long.
+
+        Embeddings output is switched on for this decode only, and the sequences'
+        cells are removed before returning, whatever happens. Every token is marked
+        as an output (llama.cpp wants them all when embedding). The sequences go in
+        decreasing id order: with one KV stream per sequence llama.cpp splits a
+        batch into micro-batches of consecutive increasing ids and equal lengths,
+        and pools each sequence per micro-batch, so in this order every sequence is
+        pooled whole in a micro-batch of its own.
+        """
+        lib, ctx = self.lib, self.ctx
+        ordered = sorted(seqs, key=lambda s: -s[0])
+        n_tokens = sum(len(t) for _, t in ordered)
+        batch = lib.llama_batch_init(max(n_tokens, 1), 0, 1)
+        lib.llama_set_embeddings(ctx, True)
+        try:
+            n = 0
+            for seq, tokens in ordered:
+                for pos, token in enumerate(tokens):
+                    batch.token[n] = token
+                    batch.pos[n] = pos
+                    batch.n_seq_id[n] = 1
+                    batch.seq_id[n][0] = seq
+                    batch.logits[n] = True
+                    n += 1
+            batch.n_tokens = n
+            ret = lib.llama_decode(ctx, batch)
+            lib.llama_synchronize(ctx)
+            if ret != 0:
+                raise BackendError(f"llama_decode failed with status {ret} on an embedding pass")
+            width = self.n_embd_out
+            out = []
+            for seq, _ in seqs:
+                ptr = lib.llama_get_embeddings_seq(ctx, seq)
+                if not ptr:
+                    raise BackendError(f"llama.cpp returned no embedding for sequence {seq}")
+                out.append(np.ctypeslib.as_array(ptr, shape=(width,)).copy())
+            return out
+        finally:
+            lib.llama_set_embeddings(ctx, False)
+            for seq, _ in seqs:
+                lib.llama_memory_seq_rm(self.memory, seq, 0, -1)
+            lib.llama_batch_free(batch)
 
     def close(self) -> None:
         """Free the context and the model (idempotent)."""

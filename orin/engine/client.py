@@ -2,7 +2,7 @@
 
 The HTTP layer and the telemetry service depend on this protocol, never on the
 concrete ``Engine`` and its scheduler, backend or runner: submit and cancel,
-tokenize and detokenize, render a chat, a health and load snapshot
+embed, tokenize and detokenize, render a chat, a health and load snapshot
 (``status``), observers of steps and finished requests, and the lifecycle
 (start, wait until loaded, stop). Another engine (speculative, several
 boards) plugs in behind the same calls.
@@ -11,11 +11,13 @@ boards) plugs in behind the same calls.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
+from orin.engine.chat import RenderedChat, TemplateCaps
 from orin.engine.config import EngineConfig
+from orin.engine.embed import Embeddings
 from orin.engine.stream import RequestStream
 from orin.engine.types import FinishReason, RequestTimings, SamplingParams, StepStats
 from orin.model.gguf import ModelInfo
@@ -104,21 +106,61 @@ class EngineClient(Protocol):
 
     def cancel(self, request_id: str) -> None: ...
 
+    # -- embeddings ---------------------------------------------------------------
+
+    def embed(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        dimensions: int | None = None,
+        request_id: str | None = None,
+    ) -> Embeddings:
+        """One pooled, unit-norm vector per input (text, or token ids), blocking.
+        InvalidRequest when the model cannot embed (no pooling), for an empty or
+        over-long input, ids outside the vocabulary, too many inputs, or
+        ``dimensions`` other than the model's width; QueueFull, EngineStopped."""
+        ...
+
+    async def embed_async(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        dimensions: int | None = None,
+        request_id: str | None = None,
+    ) -> Embeddings:
+        """``embed`` for an asyncio caller: tokenizing runs off the event loop, and a
+        caller cancelled while the job waits or runs drops the job."""
+        ...
+
     # -- text -------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]: ...
 
-    def detokenize(self, tokens: list[int]) -> str:
-        """Empty once the model is unloaded."""
+    def detokenize(self, tokens: list[int], special: bool = False) -> str:
+        """Empty once the model is unloaded. ``special``: control tokens render as their
+        text; ids outside the vocabulary are an InvalidRequest naming ``tokens``."""
         ...
 
-    def piece(self, token: int) -> bytes:
-        """The raw bytes of one token; empty once the model is unloaded."""
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The raw bytes of one token (``special``: control tokens as their text);
+        empty once the model is unloaded."""
         ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> tuple[str, bool]:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> RenderedChat:
         """(prompt, whether tokenizing should still add BOS) from the model's chat
-        template; InvalidRequest when there is none or it rejects the messages."""
+        template, with the messages' tool calls and results, the request's ``tools``
+        and extra template variables (``chat_template_kwargs``); InvalidRequest when
+        there is no template, it rejects the messages, or it cannot take tools."""
+        ...
+
+    def chat_caps(self) -> TemplateCaps:
+        """What the chat template supports (tools, their call format, a thinking
+        block), decided when the model loaded."""
         ...
 
     # -- observers (called on the engine thread; keep them short) -------------

@@ -6,6 +6,7 @@ everywhere; nothing re-reads the profile later.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,7 +17,7 @@ import psutil
 from orin.engine.scheduler import ContextPolicy
 from orin.errors import KVConfigError
 from orin.llamacpp import BuildInfo
-from orin.model.gguf import ModelInfo
+from orin.model.gguf import KV_LAYOUT_HYBRID, KV_LAYOUT_ISWA, KV_LAYOUT_RECURRENT, ModelInfo
 from orin.model.memplan import kv_cells_per_seq
 from orin.profile.board import load_settings
 from orin.profile.kvmatch import resolve_kv
@@ -28,6 +29,8 @@ from orin.system.root import SysRoot
 # Prompt tokens per step when layers run on a GPU, where llama.cpp's abort callback
 # cannot stop a decode: a cancel waits for the chunk (docs/engine.md, Cancellation).
 GPU_PREFILL_CHUNK = 256
+
+log = logging.getLogger("orin.engine")
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,17 @@ class EngineConfig:
     context: ContextPolicy
     max_queue: int = 64
     prefix_cache: bool = True
+    # the model's memory can drop the tail of a sequence (a recurrent state cannot):
+    # reusing a prompt prefix, in a slot or copied from another, needs it
+    prefix_reuse: bool = True
+    swa_full: bool = False  # sliding-window layers cache the whole context
+    # tokens of attention window whose cells a reused prefix needs (0: no window cache)
+    swa_window: int = 0
     rope_freq_base: float | None = None  # None: llama.cpp takes it from the metadata
     max_backlog: int = 4096  # unread events before a slow client's request is cut off
     prefill_chunk: int = 0  # prompt tokens per step, all slots together; 0: n_batch
     chat_template: str | None = None  # the profile's; None: the model's own
+    pooling: str | None = None  # embeddings: the profile's mean|cls|last; None: the GGUF's
 
     def with_(self, **changes: object) -> EngineConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -84,6 +94,17 @@ def engine_config(
     gpu = build.gpu_offload if build is not None else None
     load = mmap_policy(load_settings(profile), is_jetson(root or SysRoot()), info.n_layer, gpu)
     offloaded = bool(gpu) and e.gpu_layers != 0
+    partial = info.kv_layout not in (KV_LAYOUT_RECURRENT, KV_LAYOUT_HYBRID)
+    windowed = info.kv_layout == KV_LAYOUT_ISWA and not e.swa_full
+    sliding = c.sliding
+    if windowed and sliding and "sliding" not in c.model_fields_set:
+        # a window-sized cache cannot shift positions: stop at the limit instead
+        log.info(
+            "%s has sliding-window layers and engine.swa_full is off: the context stops at "
+            "the window instead of sliding (engine.swa_full: true slides, with more memory)",
+            model_path.name,
+        )
+        sliding = False
     return EngineConfig(
         model_path=model_path,
         n_ctx=e.n_ctx,
@@ -102,14 +123,19 @@ def engine_config(
             window=window,
             keep=min(c.keep, window - 1),
             discard=c.discard,
-            sliding=c.sliding,
+            sliding=sliding,
             truncate_prompt=c.overflow == "truncate",
         ),
         max_queue=profile.server.max_queue,
+        prefix_cache=partial,
+        prefix_reuse=partial,
+        swa_full=e.swa_full,
+        swa_window=(info.sliding_window or 0) if windowed else 0,
         rope_freq_base=e.rope_freq_base,
         max_backlog=profile.server.max_stream_backlog,
         prefill_chunk=prefill_chunk(e.prefill_chunk, e.n_batch, offloaded),
         chat_template=profile.model.chat_template,
+        pooling=profile.model.pooling,
     )
 
 

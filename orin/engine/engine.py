@@ -20,11 +20,12 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from orin.engine.backend import Backend
-from orin.engine.chat import ChatTemplate
+from orin.engine.chat import ChatTemplate, RenderedChat, TemplateCaps
 from orin.engine.client import (
     EngineClient,
     EngineState,
@@ -34,10 +35,26 @@ from orin.engine.client import (
     StepObserver,
 )
 from orin.engine.config import EngineConfig
-from orin.engine.errors import BackendError, EngineError, EngineStopped, InvalidRequest
+from orin.engine.embed import (
+    MAX_INPUTS,
+    Embeddings,
+    EmbedJob,
+    PassItem,
+    can_embed,
+    normalize,
+    plan_pass,
+    pooling_name,
+)
+from orin.engine.errors import (
+    BackendError,
+    EngineError,
+    EngineStopped,
+    InvalidRequest,
+    QueueFull,
+)
 from orin.engine.request import ActiveRequest
 from orin.engine.runner import Aborted, Runner
-from orin.engine.scheduler import Batch, Scheduler, Shift, Slot
+from orin.engine.scheduler import Batch, KVOp, Scheduler, Shift, Slot
 from orin.engine.stream import Completion, RequestStream, batched_delivery
 from orin.engine.timings import now_ns
 from orin.engine.types import FinishReason, SamplingParams, StepStats, TokenEvent
@@ -46,6 +63,7 @@ from orin.model.gguf import ModelInfo
 log = logging.getLogger("orin.engine")
 
 _ids = itertools.count(1)
+_NO_BATCH = Batch((), ())  # a loop turn that runs an embedding pass instead
 
 
 class Engine:
@@ -59,7 +77,13 @@ class Engine:
         self.backend: Backend | None = None
         self.runner: Runner | None = None
         self.scheduler = Scheduler(
-            cfg.slots, cfg.n_batch, cfg.context, cfg.max_queue, cfg.prefill_chunk or None
+            cfg.slots,
+            cfg.n_batch,
+            cfg.context,
+            cfg.max_queue,
+            cfg.prefill_chunk or None,
+            prefix_reuse=cfg.prefix_reuse,
+            swa_window=cfg.swa_window,
         )
         self._lock = threading.Condition()
         self._requests: dict[str, ActiveRequest] = {}
@@ -76,6 +100,9 @@ class Engine:
         self.heartbeat_ns = now_ns()
         self.step_started_ns: int | None = None  # set while a step runs (telemetry waits)
         self._stepping = False  # a batch was taken and its step has not ended
+        self._embeds: deque[EmbedJob] = deque()  # jobs with inputs no pass has taken yet
+        self._embeds_waiting = 0  # of those, the jobs no pass has started (in ``waiting``)
+        self._embedded_last = False  # the last step was an embedding pass: generation next
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -108,7 +135,9 @@ class Engine:
         if drain:
             deadline = now_ns() + int(timeout * 1e9)
             with self._lock:
-                while self.scheduler.has_work() and now_ns() < deadline:
+                while (
+                    self.scheduler.has_work() or self._embeds or self._stepping
+                ) and now_ns() < deadline:
                     self._lock.wait(0.05)
         with self._lock:
             for rid in list(self._requests):
@@ -128,26 +157,56 @@ class Engine:
 
     # -- requests -------------------------------------------------------------
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return self._loaded().tokenize(text, add_special=add_special)
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        return self._loaded().tokenize(text, add_special=add_special, parse_special=parse_special)
 
-    def detokenize(self, tokens: list[int]) -> str:
-        """Empty once the model is unloaded (a response still being written)."""
+    def detokenize(self, tokens: list[int], special: bool = False) -> str:
+        """Empty once the model is unloaded (a response still being written).
+        ``special``: control tokens render as their text (llama-server's /detokenize).
+        An id outside the vocabulary is an InvalidRequest naming ``tokens``."""
         backend = self.backend
-        return backend.detokenize(tokens) if backend is not None else ""
+        if backend is None:
+            return ""
+        bad = next((t for t in tokens if not 0 <= t < backend.n_vocab), None)
+        if bad is not None:
+            raise InvalidRequest("tokens", f"token id {bad} is not in the vocabulary")
+        if not special:
+            return backend.detokenize(tokens)
+        text = b"".join(backend.special_piece(t) for t in tokens)
+        return text.decode("utf-8", errors="replace")
 
-    def piece(self, token: int) -> bytes:
-        """The raw bytes of one token; empty once the model is unloaded."""
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The raw bytes of one token (``special``: a control token as its text, and an
+        id outside the vocabulary an InvalidRequest); empty once the model is unloaded."""
         backend = self.backend
-        return backend.piece(token) if backend is not None else b""
+        if backend is None:
+            return b""
+        if not special:
+            return backend.piece(token)
+        if not 0 <= token < backend.n_vocab:
+            raise InvalidRequest("tokens", f"token id {token} is not in the vocabulary")
+        return backend.special_piece(token)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> tuple[str, bool]:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> RenderedChat:
         """(prompt, whether tokenizing should still add BOS), with the profile's chat
         template or else the model's (built when the model loads)."""
+        return self._chat_template().render(messages, tools, template_kwargs)
+
+    def chat_caps(self) -> TemplateCaps:
+        return self._chat_template().caps
+
+    def _chat_template(self) -> ChatTemplate:
         chat = self._chat
         if chat is None:
             raise EngineStopped(f"the engine is {self._state}; the model is not loaded")
-        return chat.render(messages)
+        return chat
 
     def submit(
         self,
@@ -228,6 +287,124 @@ class Engine:
                 self._abort_flag = True  # the CPU backend stops the chunk; a GPU finishes it
             self._lock.notify_all()
 
+    # -- embeddings -------------------------------------------------------------
+
+    def embed(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        dimensions: int | None = None,
+        request_id: str | None = None,
+    ) -> Embeddings:
+        """One pooled, unit-norm vector per input (text, or token ids), blocking; the
+        typed errors are raised before the job is queued (see ``_submit_embed``)."""
+        return self._submit_embed(inputs, dimensions, request_id).future.result()
+
+    async def embed_async(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        dimensions: int | None = None,
+        request_id: str | None = None,
+    ) -> Embeddings:
+        """``embed`` for an asyncio consumer: tokenizing runs on a worker thread and
+        the result is awaited without blocking the loop. A caller cancelled while the
+        job waits or runs drops it (a pass already running finishes without it)."""
+        loop = asyncio.get_running_loop()
+        prepared = loop.run_in_executor(
+            None, functools.partial(self._submit_embed, inputs, dimensions, request_id)
+        )
+        try:
+            job = await asyncio.shield(prepared)
+        except asyncio.CancelledError:
+            prepared.add_done_callback(self._drop_orphan_job)
+            raise
+        try:
+            return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            self._cancel_embed(job)
+            raise
+
+    def _submit_embed(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        dimensions: int | None,
+        request_id: str | None,
+    ) -> EmbedJob:
+        """Check and tokenize the inputs and queue the job. InvalidRequest when the
+        model has no pooling that embeds, ``dimensions`` is not its width, there are
+        no inputs or too many, an input is empty, has ids outside the vocabulary or
+        is longer than one embedding pass takes (a pooled sequence must fit one
+        micro-batch, n_ubatch, and a slot's context); QueueFull, EngineStopped."""
+        backend = self._loaded()
+        pooling = backend.pooling
+        if not can_embed(pooling):
+            raise InvalidRequest(
+                "model",
+                f"this model cannot embed: its pooling is {pooling_name(pooling)} (from the "
+                "GGUF metadata); set model.pooling (mean, cls or last) in the profile to "
+                "serve /v1/embeddings",
+            )
+        width = backend.n_embd_out
+        if dimensions is not None and dimensions != width:
+            raise InvalidRequest(
+                "dimensions",
+                f"this model's embeddings have {width} dimensions and cannot be shortened "
+                f"to {dimensions}; leave dimensions out or set it to {width}",
+            )
+        if not inputs:
+            raise InvalidRequest("input", "no input given")
+        if len(inputs) > MAX_INPUTS:
+            raise InvalidRequest("input", f"{len(inputs)} inputs; at most {MAX_INPUTS}")
+        limit = min(self.cfg.n_ubatch, backend.n_ctx_seq)
+        seqs: list[list[int]] = []
+        for i, item in enumerate(inputs):
+            if isinstance(item, str):
+                if not item:
+                    raise InvalidRequest("input", f"input {i} is an empty string")
+                tokens = backend.tokenize(item, add_special=True, parse_special=True)
+            else:
+                tokens = [int(t) for t in item]
+                bad = next((t for t in tokens if not 0 <= t < backend.n_vocab), None)
+                if bad is not None:
+                    raise InvalidRequest(
+                        "input", f"input {i}: token id {bad} is not in the vocabulary"
+                    )
+            if not tokens:
+                raise InvalidRequest("input", f"input {i} has no tokens")
+            if len(tokens) > limit:
+                raise InvalidRequest(
+                    "input",
+                    f"input {i} has {len(tokens)} tokens; one embedding pass takes at most "
+                    f"{limit} (engine.n_ubatch, within a slot's context)",
+                )
+            seqs.append(tokens)
+        job = EmbedJob(request_id or f"emb-{next(_ids)}", seqs)
+        with self._lock:
+            if self._state != "ready":
+                raise EngineStopped(f"the engine is {self._state}; not taking requests")
+            idle = sum(1 for s in self.scheduler.slots if not s.busy)
+            if self._embeds_waiting - idle >= self.cfg.max_queue:
+                raise QueueFull(self.cfg.max_queue)
+            self._embeds.append(job)
+            self._embeds_waiting += 1
+            self._lock.notify_all()
+        return job
+
+    def _cancel_embed(self, job: EmbedJob) -> None:
+        """Drop a job whose caller went away: out of the queue at once; the vectors of
+        a pass already running for it are thrown away."""
+        with self._lock:
+            job.cancelled = True
+            if job in self._embeds:
+                self._embeds.remove(job)
+                self._embeds_waiting = sum(1 for j in self._embeds if not j.started)
+            self._lock.notify_all()
+        job.future.cancel()
+
+    def _drop_orphan_job(self, prepared: asyncio.Future[EmbedJob]) -> None:
+        """The caller of embed_async went away while its job was being prepared."""
+        if not prepared.cancelled() and prepared.exception() is None:
+            self._cancel_embed(prepared.result())
+
     @contextlib.contextmanager
     def idle(self, timeout: float = 5.0) -> Iterator[None]:
         """Hold the engine thread between steps, with no work left (KV operations of
@@ -269,7 +446,7 @@ class Engine:
             error=None if error is None else str(error),
             slots_total=self.cfg.slots,
             slots_busy=busy,
-            waiting=self.scheduler.waiting,
+            waiting=self.waiting,
             kv_cells_used=cells,
             kv_cells_cached=self.scheduler.kv_cells_cached,
             kv_cells_total=self.kv_cells_total,
@@ -283,7 +460,8 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        return self.scheduler.waiting
+        """Requests queued for a slot, embedding jobs no pass has started included."""
+        return self.scheduler.waiting + self._embeds_waiting
 
     @property
     def kv_cells_used(self) -> int:
@@ -326,6 +504,7 @@ class Engine:
                     info.eos_token or "",
                 )
                 self.runner = self._runner_factory(backend, self.cfg.n_batch)
+                self.scheduler.pos_min = self.runner.seq_pos_min
             except BaseException:
                 backend.close()
                 raise
@@ -353,13 +532,17 @@ class Engine:
                 if self._state == "stopped" and not self._cancels:
                     return
                 self._apply_cancels()
-                batch = self.scheduler.schedule()
+                embed = self._embed_pass()  # an embedding pass is a step of its own
+                batch = self.scheduler.schedule() if embed is None else _NO_BATCH
                 for slot_id in batch.length_limited:
                     self._finish(self._request_in(slot_id), "length")
                 self._in_batch = {r.id for r in self._batch_requests(batch)}
                 self._abort_flag = False
-                self._stepping = bool(batch)
+                self._stepping = bool(batch) or embed is not None
             self.heartbeat_ns = now_ns()
+            if embed is not None:
+                self._run_embed_pass(*embed)
+                continue
             if batch:
                 try:
                     self._step(batch)
@@ -371,7 +554,77 @@ class Engine:
                     self._stepping = False
 
     def _has_work(self) -> bool:
-        return bool(self._cancels) or self.scheduler.has_work()
+        return bool(self._cancels) or self.scheduler.has_work() or bool(self._embeds)
+
+    def _embed_pass(self) -> tuple[list[PassItem], list[KVOp]] | None:
+        """The embedding pass to run in this turn of the loop, if any (the caller holds
+        the lock): the queued jobs' next inputs on the sequence ids of idle slots, and
+        the KV operations to run first (pending ones, and removing the borrowed slots'
+        cells). Generation and embedding steps alternate while both have work, so a
+        stream waits at most one pass; with no idle slot the jobs wait."""
+        last, self._embedded_last = self._embedded_last, False
+        if not self._embeds or (last and self.scheduler.has_work()):
+            return None
+        idle = self.scheduler.idle_slot_ids()
+        # a pass is as long as a prompt chunk at most: what running streams wait for
+        budget = self.cfg.prefill_chunk or self.cfg.n_batch
+        items = plan_pass(self._embeds, idle, budget) if idle else []
+        if not items:
+            return None
+        while self._embeds and self._embeds[0].scheduled:
+            self._embeds.popleft()
+        self._embeds_waiting = sum(1 for j in self._embeds if not j.started)
+        self._embedded_last = True
+        return items, self.scheduler.lend_idle([i.seq for i in items])
+
+    def _run_embed_pass(self, items: list[PassItem], ops: list[KVOp]) -> None:
+        """Run one embedding pass (engine thread, lock not held): store each input's
+        normalized vector, finish the jobs that are complete, fail them all if
+        llama.cpp fails, and report the step."""
+        assert self.runner is not None and self.backend is not None
+        start = now_ns()
+        self.step_started_ns = start
+        vectors: list[Any] = []
+        error: str | None = None
+        try:
+            self.runner.apply(ops)
+            raw = self.backend.embed([(i.seq, i.tokens) for i in items])
+            vectors = [normalize(v) for v in raw]
+        except BackendError as exc:
+            log.error("embedding pass failed: %s", exc)
+            error = str(exc)
+        except Exception as exc:  # a bug in one pass must not take the engine down
+            log.exception("embedding pass failed; failing its requests")
+            error = f"internal error: {type(exc).__name__}"
+        t = now_ns()
+        try:
+            with self._lock:
+                for item, vector in zip(items, vectors, strict=False):
+                    if not item.job.cancelled and item.job.store(item.index, vector):
+                        item.job.finish()
+                if error is not None:
+                    for job in {i.job for i in items}:
+                        if job in self._embeds:
+                            self._embeds.remove(job)
+                        job.finish(BackendError(error))
+                    self._embeds_waiting = sum(1 for j in self._embeds if not j.started)
+                busy, cells = self.scheduler.usage()
+                stats = StepStats(
+                    start_ns=start,
+                    end_ns=t,
+                    prefill_tokens=0,
+                    decode_tokens=0,
+                    slots_busy=busy,
+                    kv_cells_used=cells,
+                    waiting=self.waiting,
+                    embedded_tokens=sum(len(i.tokens) for i in items),
+                )
+                self._lock.notify_all()
+        finally:
+            self.step_started_ns = None
+            self._stepping = False
+        for observer in self.step_observers:
+            _safe(observer, stats)
 
     def _batch_requests(self, batch: Batch) -> list[ActiveRequest]:
         return [self._request_in(i.slot) for i in batch.items]
@@ -489,7 +742,7 @@ class Engine:
                 decode_tokens=batch.n_decode,
                 slots_busy=busy,
                 kv_cells_used=cells,
-                waiting=self.scheduler.waiting,
+                waiting=self.waiting,
                 context_shifts=sum(1 for op in batch.ops if isinstance(op, Shift)),
                 aborted=aborted,
             )
@@ -533,6 +786,10 @@ class Engine:
         with self._lock:
             for request in list(self._requests.values()):
                 self._emit_final(request, "cancelled")
+            for job in self._embeds:
+                job.finish(EngineStopped("the engine stopped before the embeddings were done"))
+            self._embeds.clear()
+            self._embeds_waiting = 0
             self._state = "stopped"
             self._lock.notify_all()
         runner, self.runner = self.runner, None

@@ -148,11 +148,14 @@ class StepStats:
     waiting: int
     context_shifts: int = 0
     aborted: bool = False
+    embedded_tokens: int = 0  # input tokens of an embedding pass (a step of its own)
 
     @property
     def phase(self) -> Literal["prefill", "decode", "mixed", "idle"]:
-        if self.prefill_tokens and self.decode_tokens:
+        """An embedding pass is prompt processing: it counts as prefill."""
+        prompt = self.prefill_tokens + self.embedded_tokens
+        if prompt and self.decode_tokens:
             return "mixed"
-        if self.prefill_tokens:
+        if prompt:
             return "prefill"
         return "decode" if self.decode_tokens else "idle"

@@ -50,6 +50,12 @@ class ModelSection(_Section):
     chat_template: str | None = Field(
         None, description="Jinja chat template overriding the one in the GGUF metadata."
     )
+    pooling: Literal["mean", "cls", "last"] | None = Field(
+        None,
+        description="Pooling of /v1/embeddings (mean, cls or last; llama-server's --pooling), "
+        "overriding the GGUF's {arch}.pooling_type; unset = the model's own. A model with "
+        "neither (or with pooling none) cannot embed.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -91,6 +97,14 @@ class EngineSection(_Section):
     )
     flash_attn: FlashAttn = Field(
         "auto", description="Flash attention: auto (on when the KV cache is quantized), on, off."
+    )
+    swa_full: bool = Field(
+        False,
+        description="Models with sliding-window layers (gemma2/3, cohere2, ...): give those "
+        "layers the whole context instead of only the window. Off (llama.cpp's server "
+        "default) saves most of their KV memory, but the cache cannot shift, so the sliding "
+        "window is off for such models unless this is on, and a prompt prefix is reused "
+        "only while the window's cells are still held.",
     )
     type_k: KVType = Field(
         "auto", description="K cache type; auto = chosen from the model's quantization."

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 
 from orin.engine.errors import EngineError
 from orin.engine.stream import Completion, RequestStream, collect
-from orin.server import errors, protocol
+from orin.server import errors, extras, protocol, tools
 from orin.server.errors import Loading, ModelNotFound, Unauthorized
 from orin.server.middleware import RequestContext
 from orin.server.responses import ChatFormatter, CompletionFormatter, Formatter, sse_events
@@ -90,10 +90,14 @@ def _register(app: FastAPI, state: ServerState) -> None:
     async def chat(body: protocol.ChatCompletionRequest, request: Request) -> Any:
         _check_model(state, body.model)
         protocol.check_message_order(body.messages)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text, add_bos = state.engine.render_chat(messages)
+        text, add_bos = state.engine.render_chat(
+            body.template_messages(), body.offered_tools(), body.chat_template_kwargs
+        )
         prompt = state.engine.tokenize(text, add_special=add_bos)
-        fmt = ChatFormatter(state, body, _rid(request))
+        caps = state.engine.chat_caps()
+        output = tools.output_spec(body, caps, text)
+        body.constrain(tools.required_grammar(body, output))
+        fmt = ChatFormatter(state, body, _rid(request), output)
         return await _run(state, request, body, prompt, fmt)
 
     @app.post("/v1/completions", dependencies=[auth])
@@ -103,6 +107,8 @@ def _register(app: FastAPI, state: ServerState) -> None:
         prompt = state.engine.tokenize(p) if isinstance(p, str) else p
         fmt = CompletionFormatter(state, body, _rid(request))
         return await _run(state, request, body, prompt, fmt)
+
+    extras.register(app, state, auth)  # embeddings, tokenize, detokenize, /v1/models/{id}
 
 
 def _check_model(state: ServerState, name: str | None) -> None:

@@ -199,6 +199,17 @@ class ServerMetrics:
             "engine_step_duration_seconds", "Duration of one engine step.", STEP_BUCKETS, ("phase",)
         )
         self._step_duration_by_phase = {p: self.engine_step_duration.labels(p) for p in STEP_PHASES}
+        self.embedding_requests = Counter(
+            PREFIX + "embedding_requests",
+            "Embedding requests answered (/v1/embeddings).",
+            registry=r,
+        )
+        self.embedding_tokens = Counter(
+            PREFIX + "embedding_tokens",
+            "Input tokens run through embedding passes (engine steps of their own, counted "
+            "as prefill in engine_steps_total).",
+            registry=r,
+        )
 
     def _init_gauges(self, slots_total: int, kv_cells_total: int, model_name: str) -> None:
         """Load gauges, refreshed after every engine step, and fixed capacities."""
@@ -262,6 +273,12 @@ class ServerMetrics:
             self._batch_prefill.inc(stats.prefill_tokens)
         if stats.decode_tokens:
             self._batch_decode.inc(stats.decode_tokens)
+        if stats.embedded_tokens:
+            self.embedding_tokens.inc(stats.embedded_tokens)
+
+    def on_embedding(self) -> None:
+        """One embeddings request answered (the HTTP route calls this)."""
+        self.embedding_requests.inc()
 
     def update_load(self, slots_busy: int, waiting: int, kv_cells_used: int) -> None:
         """Set the load gauges; the /metrics route calls this with the engine's

@@ -9,11 +9,20 @@ the formatters in ``responses.py``.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypedDict, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+)
 
 from orin import params
 from orin.engine import grammar
@@ -54,14 +63,109 @@ class TextPart(_Lenient):
     text: str
 
 
+class CalledFunction(_Lenient):
+    name: str
+    # a JSON string, as OpenAI sends it; an object is accepted and written as one
+    arguments: str | dict[str, Any] = ""
+
+    def arguments_json(self) -> str:
+        a = self.arguments
+        return a if isinstance(a, str) else json.dumps(a, ensure_ascii=False)
+
+
+class ToolCallIn(_Lenient):
+    """A call an assistant message made, in a conversation's history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant: its thinking, for templates that show it
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: content as one string, and the
+        tool fields only when set (templates test them with ``is defined``)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id or "",
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments_json()},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
+
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class FunctionDef(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; none: no arguments
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not _TOOL_NAME.match(name):
+            raise ValueError(
+                f"function name {name!r} must be 1 to 64 letters, digits, underscores or dashes"
+            )
+        return name
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is None:
+            return None
+        kind = schema.get("type", "object")
+        if kind != "object":
+            raise ValueError(f"parameters must be a JSON schema of an object, not of {kind!r}")
+        props = schema.get("properties", {})
+        if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
+            raise ValueError("parameters.properties must map each name to a JSON schema")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError("parameters.required must be a list of property names")
+        return schema
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionName(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 def _optional(p: params.Param[Any]) -> Any:
@@ -103,9 +207,9 @@ class _Common(_Lenient):
         """A field that would change the output but is not implemented is a 400 naming
         it, never ignored (unknown fields that cannot change the output are logged)."""
         extra = self.model_extra or {}
-        for name, why in UNSUPPORTED.items():
+        for name, (neutral, why) in UNSUPPORTED.items():
             value = extra.get(name)
-            if value is not None and value is not False and value != []:
+            if value is not None and not neutral(value):
                 raise InvalidRequest(name, f"{name} is not supported by this server: {why}")
         best_of = extra.get("best_of")
         if best_of is not None and best_of != getattr(self, "n", 1):
@@ -175,47 +279,53 @@ class _Common(_Lenient):
 
 # Fields of OpenAI's, llama.cpp's or vLLM's APIs that change the output and that this
 # server does not implement: a request setting one is refused (with why), not served
-# as if it had not asked.
-UNSUPPORTED: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "mirostat",
-            "mirostat_tau",
-            "mirostat_eta",
-            "typical_p",
-            "tfs_z",
-            "dynatemp_range",
-            "dynatemp_exponent",
-            "xtc_probability",
-            "xtc_threshold",
-            "dry_multiplier",
-            "dry_base",
-            "dry_allowed_length",
-            "dry_penalty_last_n",
-            "dry_sequence_breakers",
-            "top_n_sigma",
-            "samplers",
-            "min_keep",
-            "min_tokens",
-            "length_penalty",
-            "use_beam_search",
-            "bad_words",
-            "allowed_token_ids",
-        ),
-        "this sampler is not available here (docs/server.md lists the sampling parameters)",
-    ),
-    **dict.fromkeys(
-        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
-        "use response_format, json_schema or grammar",
-    ),
-    "functions": "use tools",
-    "function_call": "use tool_choice",
-    "n_probs": "use logprobs",
-    "prompt_logprobs": "log-probabilities of prompt tokens are not computed",
-    "suffix": "fill-in-the-middle is not implemented",
-    "audio": "audio output is not implemented",
-    "web_search_options": "web search is not available",
-    "lora": "LoRA adapters are not loaded by this server",
+# as if it had not asked. A value that leaves the feature off is accepted (clients
+# such as llama.cpp front ends send every sampler with its neutral value), and the
+# settings of a feature (mirostat_tau, dry_base, ...) matter only when it is on.
+_SAMPLER = "this sampler is not available here (docs/server.md lists the sampling parameters)"
+_OUR_ORDER = ["penalties", "top_k", "top_p", "min_p", "temperature"]
+
+
+def _neutral_samplers(value: Any) -> bool:
+    """llama.cpp's ``samplers`` order, when it runs this server's samplers in the
+    order this server runs them (the others named are off or refused on their own)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        return False
+    return [v for v in value if v in _OUR_ORDER] == _OUR_ORDER
+
+
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "mirostat": (lambda v: v == 0, _SAMPLER),
+    "typical_p": (lambda v: v == 1, _SAMPLER),
+    "tfs_z": (lambda v: v == 1, _SAMPLER),
+    "dynatemp_range": (lambda v: v == 0, _SAMPLER),
+    "xtc_probability": (lambda v: v == 0, _SAMPLER),
+    "dry_multiplier": (lambda v: v == 0, _SAMPLER),
+    "top_n_sigma": (lambda v: isinstance(v, (int, float)) and v <= 0, _SAMPLER),
+    "samplers": (_neutral_samplers, "the samplers run in a fixed order: " + ", ".join(_OUR_ORDER)),
+    "min_keep": (lambda v: v in (0, 1), _SAMPLER),
+    "min_tokens": (lambda v: v == 0, "a minimum length is not implemented"),
+    "use_beam_search": (lambda v: v is False, "beam search is not implemented"),
+    "bad_words": (lambda v: not v, "use logit_bias"),
+    "allowed_token_ids": (lambda v: not v, "use logit_bias"),
+    **{
+        name: ((lambda v: not v), "use response_format, json_schema or grammar")
+        for name in (
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "structured_outputs",
+        )
+    },
+    "functions": (lambda v: not v, "use tools"),
+    "function_call": (lambda v: not v, "use tool_choice"),
+    "n_probs": (lambda v: not v, "use logprobs"),
+    "prompt_logprobs": (lambda v: not v, "log-probabilities of prompt tokens are not computed"),
+    "suffix": (lambda v: not v, "fill-in-the-middle is not implemented"),
+    "audio": (lambda v: not v, "audio output is not implemented"),
+    "web_search_options": (lambda v: not v, "web search is not available"),
+    "lora": (lambda v: not v, "LoRA adapters are not loaded by this server"),
 }
 
 
@@ -262,13 +372,74 @@ class ChatCompletionRequest(_Common):
     )
     logprobs: bool = False
     top_logprobs: int | None = _optional(params.LOGPROBS)
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or a named function."
+    )
+    parallel_tool_calls: bool = True
+    reasoning_format: Literal["auto", "deepseek", "none"] = Field(
+        "auto", description="llama-server's: none keeps <think> blocks in the content."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (enable_thinking, ...)."
+    )
+    _tool_grammar: str | None = PrivateAttr(None)
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tool calling is not supported by this server")
-        return self
+    @field_validator("tools")
+    @classmethod
+    def _unique_tools(cls, tools: list[ToolDef] | None) -> list[ToolDef] | None:
+        names = [t.function.name for t in tools or []]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"function names must be unique; given more than once: {twice}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if choice is None or choice in ("none", "auto"):
+            return choice
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if not names:
+            raise ValueError("a tool_choice that requires a call needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"function {choice.function.name!r} is not among the tools {names}")
+        fmt = info.data.get("response_format")
+        for name, on in (
+            ("grammar", bool(info.data.get("grammar"))),
+            ("json_schema", info.data.get("json_schema") is not None),
+            ("response_format", fmt is not None and fmt.type != "text"),
+        ):
+            if on:
+                raise ValueError(
+                    f"a tool_choice that requires a call constrains the output itself; "
+                    f"it cannot be combined with {name}"
+                )
+        return choice
+
+    def effective_tool_choice(self) -> ToolChoice:
+        """What the request asks of the tools: none without any, auto by default."""
+        if not self.tools:
+            return "none"
+        return self.tool_choice or "auto"
+
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders; none with ``tool_choice: "none"``."""
+        if self.effective_tool_choice() == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
+
+    def constrain(self, tool_grammar: str | None) -> None:
+        """The grammar that a required or named tool_choice puts on the output."""
+        self._tool_grammar = tool_grammar
+
+    def _grammar(self) -> str | None:
+        if self._tool_grammar is not None:  # the validator refused any other grammar
+            return self._tool_grammar
+        return super()._grammar()
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -343,7 +514,7 @@ class CompletionLogprobs(TypedDict):
 
 class _Choice(TypedDict):
     index: int
-    finish_reason: FinishReason | None
+    finish_reason: FinishReason | Literal["tool_calls"] | None
 
 
 class _TokenIds(TypedDict, total=False):  # with return_token_ids
@@ -351,14 +522,44 @@ class _TokenIds(TypedDict, total=False):  # with return_token_ids
     prompt_token_ids: list[int]  # full responses only
 
 
-class AssistantMessage(TypedDict):
+class FunctionCall(TypedDict):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class FunctionCallDelta(TypedDict, total=False):
+    name: str  # the call's first delta only
+    arguments: str  # a fragment; the fragments of a call add up to its arguments
+
+
+class ToolCallDelta(TypedDict, total=False):
+    index: int  # always present: which call of the message the delta continues
+    id: str  # with type and name, the first delta only
+    type: Literal["function"]
+    function: FunctionCallDelta
+
+
+class _MessageParts(TypedDict, total=False):
+    tool_calls: list[ToolCall]  # when the model called tools
+    reasoning_content: str  # the text of the model's <think> block
+
+
+class AssistantMessage(_MessageParts):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the model only called tools
 
 
 class Delta(TypedDict, total=False):
     role: Literal["assistant"]
     content: str
+    reasoning_content: str
+    tool_calls: list[ToolCallDelta]
 
 
 class ChatChoice(_Choice, _TokenIds):

@@ -5,7 +5,9 @@ same calls: the full response, a token's stream chunk, the final chunk and the
 usage chunk. ``TokenChunks`` is the streaming fast path: a plain token chunk
 differs from the next only in its text, so its bytes are built around the
 encoded text from a template the formatter made once; a test holds the two
-equal. ``sse_events`` drives a streamed answer.
+equal. A chat answer parsed for tool calls or reasoning streams through
+``ParsedChunks`` instead (one ``OutputParser`` per choice, orin/server/tools.py).
+``sse_events`` drives a streamed answer.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from orin.engine.stream import Completion, RequestStream, collect
-from orin.engine.types import RequestTimings, TokenEvent
+from orin.engine.types import FinishReason, RequestTimings, TokenEvent
 from orin.server.errors import error_body
 from orin.server.protocol import (
+    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -34,11 +37,13 @@ from orin.server.protocol import (
     FullResponse,
     TextChoice,
     TextCompletion,
+    ToolCallDelta,
     chat_logprobs,
     completion_logprobs,
     usage,
 )
 from orin.server.sse import event
+from orin.server.tools import CallArgs, CallStart, OutputParser, OutputSpec, Part, Text
 
 
 class Served(Protocol):
@@ -112,6 +117,10 @@ class Formatter(ABC):
     def chunk(self, e: TokenEvent) -> Chunk:
         """One token's chunk, built in full (``TokenChunks`` takes a faster path)."""
 
+    def token_stream(self) -> TokenStream:
+        """What turns a stream's tokens into SSE bytes: the fast path by default."""
+        return TokenChunks(self)
+
     @abstractmethod
     def final_chunk(self, c: Completion) -> Chunk:
         """The finish reason and the figures (usage unless a usage chunk follows)."""
@@ -122,16 +131,65 @@ class Formatter(ABC):
 
 
 class ChatFormatter(Formatter):
+    """Chat answers; with an ``OutputSpec`` (tools offered, or a template with a
+    thinking block) the text is parsed into content, ``reasoning_content`` and
+    ``tool_calls``, by one ``OutputParser`` per choice."""
+
     OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
     ID_PREFIX = "chatcmpl-"
 
+    def __init__(
+        self,
+        served: Served,
+        body: ChatCompletionRequest,
+        request_id: str,
+        output: OutputSpec | None = None,
+    ) -> None:
+        super().__init__(served, body, request_id)
+        self.output = None if output is None or output.plain else output
+        self._parsers: dict[int, OutputParser] = {}
+
+    def parser(self, index: int = 0) -> OutputParser:
+        """The streaming parser of choice ``index``."""
+        assert self.output is not None
+        p = self._parsers.get(index)
+        if p is None:
+            p = self._parsers[index] = self.output.parser()
+        return p
+
+    def _message(self, text: str) -> tuple[AssistantMessage, bool]:
+        """The message of a whole answer, and whether it called tools."""
+        if self.output is None:
+            return {"role": "assistant", "content": text}, False
+        parser = self.output.parser(eager=False)
+        parser.feed(text)
+        parser.finish()
+        parsed = parser.result()
+        msg: AssistantMessage = {
+            "role": "assistant",
+            "content": parsed.content if parsed.content or not parsed.calls else None,
+        }
+        if parsed.reasoning:
+            msg["reasoning_content"] = parsed.reasoning
+        if parsed.calls:
+            msg["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in parsed.calls
+            ]
+        return msg, bool(parsed.calls)
+
     def response(self, c: Completion, prompt: list[int]) -> ChatCompletion:
         lp = chat_logprobs(c.logprobs, self.served.engine_piece) if c.logprobs else None
+        message, called = self._message(c.text)
         choice: ChatChoice = {
             "index": 0,
-            "finish_reason": c.finish_reason,
+            "finish_reason": _finish_reason(c, called),
             "logprobs": lp,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
         }
         if self.token_ids:
             choice["token_ids"] = list(c.token_ids)
@@ -159,15 +217,67 @@ class ChatFormatter(Formatter):
             choice["token_ids"] = [] if e.token_id is None else [e.token_id]
         return self._chunk(choice)
 
+    def token_stream(self) -> TokenStream:
+        if self.output is None:
+            return TokenChunks(self)
+        return ParsedChunks(self, self.parser(0))
+
+    def part_chunks(self, parts: list[Part], e: TokenEvent | None) -> bytes:
+        """The chunks of a choice's parsed parts; the first carries the token's
+        logprobs and id (alone, with an empty delta, when the parser held its text)."""
+        deltas = [_delta(p) for p in parts]
+        if not deltas and e is not None and (self.token_ids or e.logprob is not None):
+            deltas = [{}]
+        out = []
+        for i, delta in enumerate(deltas):
+            choice: ChatChunkChoice = {
+                "index": 0,
+                "finish_reason": None,
+                "logprobs": None,
+                "delta": delta,
+            }
+            if i == 0 and e is not None:
+                if e.logprob is not None:
+                    choice["logprobs"] = chat_logprobs([e.logprob], self.served.engine_piece)
+                if self.token_ids:
+                    choice["token_ids"] = [] if e.token_id is None else [e.token_id]
+            out.append(encode(self._chunk(choice)))
+        return b"".join(out)
+
     def final_chunk(self, c: Completion) -> ChatCompletionChunk:
-        out = self._chunk(
-            {"index": 0, "finish_reason": c.finish_reason, "logprobs": None, "delta": {}}
-        )
+        parser = self._parsers.get(0)
+        reason = _finish_reason(c, parser is not None and bool(parser.calls))
+        out = self._chunk({"index": 0, "finish_reason": reason, "logprobs": None, "delta": {}})
         self._figures(c, out, final_chunk=True)
         return out
 
     def usage_chunk(self, c: Completion) -> ChatCompletionChunk:
         return {**self._envelope(self.CHUNK_OBJECT), "choices": [], "usage": usage(c)}
+
+
+def _finish_reason(c: Completion, called: bool) -> FinishReason | Literal["tool_calls"]:
+    """OpenAI's ``tool_calls`` for an answer that ended by itself after calling tools."""
+    return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+
+
+def _delta(part: Part) -> Delta:
+    """A parsed part as OpenAI streams it."""
+    if isinstance(part, Text):
+        return (
+            {"content": part.text} if part.kind == "content" else {"reasoning_content": part.text}
+        )
+    call: ToolCallDelta
+    if isinstance(part, CallStart):
+        call = {
+            "index": part.index,
+            "id": part.id,
+            "type": "function",
+            "function": {"name": part.name, "arguments": ""},
+        }
+    else:
+        assert isinstance(part, CallArgs)
+        call = {"index": part.index, "function": {"arguments": part.text}}
+    return {"tool_calls": [call]}
 
 
 class CompletionFormatter(Formatter):
@@ -221,6 +331,16 @@ _TEXT_MARK = "\u0000orin-text\u0000"
 _json_string = json.encoder.encode_basestring  # json.dumps(text, ensure_ascii=False), in C
 
 
+class TokenStream(Protocol):
+    """A stream's tokens -> SSE bytes (empty while the text is held back)."""
+
+    def token(self, e: TokenEvent) -> bytes: ...
+
+    def flush(self) -> bytes:
+        """What was held back, once the last token is in."""
+        ...
+
+
 class TokenChunks:
     """The SSE bytes of a request's token chunks.
 
@@ -243,6 +363,23 @@ class TokenChunks:
             return b"".join((self._head, _json_string(e.text).encode(), self._tail))
         return encode(self.fmt.chunk(e))
 
+    def flush(self) -> bytes:
+        return b""
+
+
+class ParsedChunks:
+    """The SSE bytes of a chat choice whose text is parsed (tools, reasoning): each
+    token's text goes through the choice's parser, and its parts become deltas."""
+
+    def __init__(self, fmt: ChatFormatter, parser: OutputParser) -> None:
+        self.fmt, self.parser = fmt, parser
+
+    def token(self, e: TokenEvent) -> bytes:
+        return self.fmt.part_chunks(self.parser.feed(e.text), e)
+
+    def flush(self) -> bytes:
+        return self.fmt.part_chunks(self.parser.finish(), None)
+
 
 async def sse_events(
     fmt: Formatter, stream: RequestStream, on_finish: Callable[[Completion], None]
@@ -255,7 +392,7 @@ async def sse_events(
     The events that are ready together (a client or loop that fell behind) go
     out in one write.
     """
-    chunks = TokenChunks(fmt)
+    chunks = fmt.token_stream()
     with_ids = fmt.token_ids
     events: list[TokenEvent] = []
     try:
@@ -265,15 +402,17 @@ async def sse_events(
         while ready := await stream.next_batch():
             events += ready
             out = [
-                chunks.token(e)
+                b
                 for e in ready
                 if e.finish_reason is None and (e.text or with_ids or e.logprob is not None)
+                if (b := chunks.token(e))
             ]
             if out:
                 yield out[0] if len(out) == 1 else b"".join(out)
         final = events[-1]
-        if final.text:
-            yield chunks.token(final)
+        tail = (chunks.token(final) if final.text else b"") + chunks.flush()
+        if tail:
+            yield tail
         c = collect(stream.request_id, events)
         on_finish(c)
         if c.finish_reason == "error":

@@ -64,11 +64,18 @@ class Share:
     mixed: bool = False
 
 
+def prompt_tokens(step: StepLike) -> int:
+    """A step's prompt processing: its prefill tokens plus the inputs of an embedding
+    pass (``embedded_tokens``, which a step from an older recording lacks)."""
+    return step.prefill_tokens + int(getattr(step, "embedded_tokens", 0))
+
+
 def phase_shares(step: StepLike | None) -> tuple[Share, ...]:
-    """How one sample taken during ``step`` (None: between steps) divides among phases."""
+    """How one sample taken during ``step`` (None: between steps) divides among phases;
+    an embedding pass counts as prefill."""
     if step is None:
         return (Share("idle", 1.0),)
-    p, d = step.prefill_tokens, step.decode_tokens
+    p, d = prompt_tokens(step), step.decode_tokens
     if p and d:
         w = p / (p + d)
         return (Share("prefill", w, True), Share("decode", 1.0 - w, True))
@@ -204,7 +211,7 @@ def summarize(
     for phase in PHASES:
         if weight_total[phase]:
             out[phase].mixed_share = weight_mixed[phase] / weight_total[phase]
-    out["prefill"].tokens = sum(s.prefill_tokens for s in index.steps)
+    out["prefill"].tokens = sum(prompt_tokens(s) for s in index.steps)
     out["decode"].tokens = sum(s.decode_tokens for s in index.steps)
     return out
 

@@ -332,6 +332,30 @@ def test_each_bad_parameter_is_a_400_naming_it(
     assert err["param"] is not None and err["param"].split(".")[0] == param, err
 
 
+def test_samplers_sent_switched_off_are_accepted(server: tuple[str, ServerState]) -> None:
+    """llama.cpp front ends send every sampler with its neutral value."""
+    off = {
+        "mirostat": 0,
+        "mirostat_tau": 5,
+        "typical_p": 1.0,
+        "tfs_z": 1.0,
+        "xtc_probability": 0,
+        "dry_multiplier": 0.0,
+        "dry_sequence_breakers": ["\n"],
+        "top_n_sigma": -1,
+        "dynatemp_range": 0,
+        "min_keep": 0,
+        "n_probs": 0,
+        "samplers": ["penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"],
+    }
+    plain = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 0})
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, "temperature": 0, **off})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    reordered = {"prompt": "x", "samplers": ["temperature", "top_k", "top_p", "min_p"]}
+    assert post(server, "/v1/completions", reordered).status_code == 400
+
+
 def test_the_client_raises_its_bad_request_error(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="demo", messages=USER, temperature=9)  # type: ignore[arg-type]

@@ -83,7 +83,7 @@ def test_every_layer_takes_the_same_bounds(p: params.Param[Any]) -> None:
 
 def test_the_surfaces_cover_the_table() -> None:
     assert set(params.BY_NAME) >= PROFILE
-    assert set(params.BY_NAME) - {"max_tokens", "penalty_last_n"} == REQUEST
+    assert set(params.BY_NAME) - {"max_tokens"} == REQUEST
 
 
 def test_the_defaults_are_the_tables() -> None:

@@ -1,0 +1,144 @@
+"""Routes beside chat and completions: ``POST /v1/embeddings`` (OpenAI's shapes),
+``POST /tokenize`` and ``POST /detokenize`` (llama-server's), and
+``GET /v1/models/{id}``; all behind the API key like ``/v1/models``.
+
+The engine is reached through ``EngineClient`` only: ``embed_async`` queues an
+embedding job that the engine loop runs as steps of its own, and the vocabulary
+calls answer on a worker thread (these routes are plain functions, which FastAPI
+runs in its thread pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from orin.engine.client import EngineClient
+from orin.engine.embed import Embeddings
+from orin.engine.errors import InvalidRequest
+from orin.server.errors import ModelNotFound
+from orin.server.protocol_embed import (
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+    embedding_response,
+    piece_json,
+)
+from orin.server.state import ServerState
+
+log = logging.getLogger("orin.server")
+
+# nginx's "client closed request": the access log's status for a request whose
+# client left before the answer (nothing reaches the client)
+CLIENT_GONE = 499
+
+
+def register(app: FastAPI, state: ServerState, auth: Any) -> None:
+    """Add the routes to ``app``; ``auth`` is the API-key dependency of /v1/models."""
+    from orin.server.app import _check_model  # app imports this module: look it up now
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[auth])
+    def model(model_id: str) -> dict[str, Any]:
+        if model_id != state.model_name:
+            raise ModelNotFound(
+                f"model '{model_id}' is not served here; this server serves '{state.model_name}'",
+                param="model",
+            )
+        return model_object(state)
+
+    @app.post("/v1/embeddings", dependencies=[auth])
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        _check_model(state, body.model)
+        rid = str(request.state.request_id)
+        ignored = body.ignored_fields()
+        if ignored:
+            log.info("request %s: ignoring unknown fields %s", rid, ignored)
+        job = state.engine.embed_async(body.inputs(), body.dimensions, request_id=rid)
+        result = await _embed_or_cancel(request, job)
+        if result is None:
+            return Response(status_code=CLIENT_GONE)
+        state.metrics.on_embedding()
+        # thousands of vectors take a while to encode: not on the event loop's thread
+        return await run_in_threadpool(_response, result, state.model_name, body.encoding_format)
+
+    @app.post("/tokenize", dependencies=[auth])
+    def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        _check_model(state, None)
+        tokens = tokenize_mixed(state.engine, body)
+        if not body.with_pieces:
+            return {"tokens": tokens}
+        piece = state.engine.piece
+        return {"tokens": [{"id": t, "piece": piece_json(piece(t, special=True))} for t in tokens]}
+
+    @app.post("/detokenize", dependencies=[auth])
+    def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        _check_model(state, None)
+        return {"content": state.engine.detokenize(body.tokens, special=True)}
+
+
+def _response(result: Embeddings, model: str, encoding: str) -> JSONResponse:
+    return JSONResponse(embedding_response(result, model, encoding))
+
+
+def model_object(state: ServerState) -> dict[str, Any]:
+    """The served model as /v1/models lists it."""
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "orin-llm",
+        "meta": state.model_meta(),
+    }
+
+
+def tokenize_mixed(engine: EngineClient, body: TokenizeRequest) -> list[int]:
+    """llama-server's ``tokenize_mixed``: text is tokenized (``add_special`` applies to
+    a leading text part only), token ids pass through after a vocabulary check."""
+    content = body.content
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return engine.tokenize(content, body.add_special, body.parse_special)
+    out: list[int] = []
+    for i, part in enumerate(content):
+        if isinstance(part, str):
+            out += engine.tokenize(part, body.add_special and i == 0, body.parse_special)
+        else:
+            out.append(part)
+    ids = [p for p in content if not isinstance(p, str)]
+    try:
+        engine.detokenize(ids)  # raises for an id outside the vocabulary
+    except InvalidRequest as exc:
+        raise InvalidRequest("content", str(exc).removeprefix(f"{exc.param}: ")) from None
+    return out
+
+
+async def _embed_or_cancel(request: Request, job: Awaitable[Embeddings]) -> Embeddings | None:
+    """Wait for the embeddings; a client that leaves first drops the job (queued or
+    running) and gets nothing (None)."""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(job)
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await work
+        return None
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()

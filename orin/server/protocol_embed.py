@@ -1,0 +1,124 @@
+"""Wire models of /v1/embeddings (OpenAI's shapes) and of llama-server's /tokenize and
+/detokenize, and the response bodies built from engine results.
+
+Requests are lenient like the other routes' (unknown fields are accepted and
+logged), but the known ones are checked here with the field named in the 400:
+an input that is not one of OpenAI's four shapes, an ``encoding_format`` other
+than float or base64, a ``dimensions`` below 1. What depends on the model (the
+vocabulary, the width, the pooling, the longest input) the engine checks.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal, cast
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from orin.engine.embed import Embeddings
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+def _is_id(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class EmbeddingRequest(_Lenient):
+    """OpenAI's embeddings request."""
+
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="A string, a list of strings, token ids, or lists of token ids."
+    )
+    model: str | None = Field(None, description="Must name the served model when given.")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: JSON numbers; base64: little-endian float32 bytes."
+    )
+    dimensions: int | None = Field(
+        None, ge=1, description="Must equal the model's width when given (no truncation)."
+    )
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _shape(cls, value: Any) -> Any:
+        """One of OpenAI's four shapes, named ``input`` in the error (pydantic's own
+        union errors would name each alternative)."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("input is empty")
+            if all(isinstance(x, str) for x in value) or all(_is_id(x) for x in value):
+                return value
+            if all(isinstance(x, list) and all(_is_id(t) for t in x) for x in value):
+                return value
+        raise ValueError(
+            "input must be a string, a list of strings, a list of token ids "
+            "or a list of token-id lists"
+        )
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The inputs, one per embedding: a lone string or token list becomes a list of one."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if value and _is_id(value[0]):
+            return [cast(list[int], value)]
+        return cast("list[str] | list[list[int]]", value)
+
+
+def encode_vector(vector: npt.NDArray[np.float32], encoding: str) -> list[float] | str:
+    """A vector as JSON numbers, or as base64 of little-endian float32 (what OpenAI's
+    client decodes with ``np.frombuffer(base64.b64decode(s), dtype="float32")``)."""
+    if encoding == "base64":
+        data = vector.astype("<f4", copy=False).tobytes()
+        return base64.b64encode(data).decode("ascii")
+    values: list[float] = vector.tolist()
+    return values
+
+
+def embedding_response(result: Embeddings, model: str, encoding: str) -> dict[str, Any]:
+    """OpenAI's embeddings response: a list of embedding objects in input order."""
+    n = result.prompt_tokens
+    return {
+        "object": "list",
+        "data": [
+            {"object": "embedding", "index": i, "embedding": encode_vector(v, encoding)}
+            for i, v in enumerate(result.vectors)
+        ],
+        "model": model,
+        "usage": {"prompt_tokens": n, "total_tokens": n},
+    }
+
+
+class TokenizeRequest(_Lenient):
+    """llama-server's /tokenize: ``content`` is text, or a list mixing text and token
+    ids (``tokenize_mixed``); without it the answer is an empty list."""
+
+    content: str | list[str | int] | None = None
+    add_special: bool = Field(False, description="Add BOS (and EOS where the model does).")
+    parse_special: bool = Field(True, description="Parse control tokens written as text.")
+    with_pieces: bool = Field(False, description="Return {id, piece} objects.")
+
+
+class DetokenizeRequest(_Lenient):
+    """llama-server's /detokenize."""
+
+    tokens: list[int] = Field(default_factory=list)
+
+
+def piece_json(piece: bytes) -> str | list[int]:
+    """A token's piece as llama-server shows it: the text when it is valid UTF-8,
+    else the list of its byte values (a token that holds part of a character)."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
