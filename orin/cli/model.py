@@ -143,10 +143,10 @@ def plan(
         bool,
         typer.Option(
             "--swa-full/--no-swa-full",
-            help="Sliding-window layers cache the whole context (llama.cpp's default, "
-            "as the engine runs) or only the window.",
+            help="Sliding-window layers cache the whole context or only the window "
+            "(the default, as the engine runs unless the profile sets engine.swa_full).",
         ),
-    ] = True,
+    ] = False,
     as_json: JsonOpt = False,
     root: RootOpt = Path("/"),
 ) -> None:
@@ -232,14 +232,15 @@ def _note_swa(out: Output, p: MemoryPlan, other: MemoryPlan) -> None:
     """The sliding-window cache under the other swa_full setting, for comparison."""
     if p.swa_full:
         out.note(
-            f"sliding-window layers cache the whole context (swa_full, as the engine runs); "
-            f"with --no-swa-full llama.cpp would give them only the window: KV "
+            f"sliding-window layers cache the whole context (engine.swa_full: true); "
+            f"without it (--no-swa-full, the default) they hold only the window: KV "
             f"{human_bytes(other.kv_bytes)} instead of {human_bytes(p.kv_bytes)}"
         )
     else:
         out.note(
-            f"without swa_full the window cache cannot shift positions or keep old prompt "
-            f"cells; the engine runs with swa_full on, which needs "
+            f"sliding-window layers hold only the window (the default): that cache cannot "
+            f"shift positions (the context stops at its end instead of sliding) or keep old "
+            f"prompt cells; engine.swa_full: true (--swa-full) slides, with "
             f"{human_bytes(other.kv_bytes)} of KV"
         )
 

@@ -55,7 +55,11 @@ class Runner:
         lib, mem = self.lib, self.backend.memory
         for op in ops:
             if isinstance(op, Remove):
-                lib.llama_memory_seq_rm(mem, op.seq, op.p0, op.p1)
+                if not lib.llama_memory_seq_rm(mem, op.seq, op.p0, op.p1):
+                    raise BackendError(
+                        f"llama.cpp could not remove cells {op.p0}..{op.p1} of sequence "
+                        f"{op.seq} (a recurrent state only drops whole sequences)"
+                    )
             elif isinstance(op, Copy):
                 lib.llama_memory_seq_cp(mem, op.src, op.dst, -1, -1)
             else:
@@ -137,6 +141,11 @@ class Runner:
         if order != list(range(len(outputs))):
             outputs = outputs[order]
         return [int(t) for t in outputs.argmax(axis=1)]
+
+    def seq_pos_min(self, seq: int) -> int:
+        """The lowest position a sequence still holds (-1 when empty); with a window
+        cache, older cells may be gone."""
+        return int(self.lib.llama_memory_seq_pos_min(self.backend.memory, seq))
 
     def seq_pos_max(self, seq: int) -> int:
         return int(self.lib.llama_memory_seq_pos_max(self.backend.memory, seq))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
@@ -153,7 +153,14 @@ class Scheduler:
         context: ContextPolicy,
         max_queue: int = 64,
         prefill_chunk: int | None = None,
+        prefix_reuse: bool = True,
+        swa_window: int = 0,
     ) -> None:
+        """``prefix_reuse`` off (a recurrent model, whose state cannot lose its tail):
+        every prompt is prefilled from its start, in a slot whose cells are cleared.
+        ``swa_window`` (a window-sized cache of sliding-window layers): a prefix of n
+        tokens is reused only while the sequence still holds the cells from n minus
+        the window on, which ``pos_min`` (the runner's, set by the engine) tells."""
         if n_batch < n_slots:
             raise ValueError(f"n_batch ({n_batch}) must be at least the slot count ({n_slots})")
         if prefill_chunk is not None and not 1 <= prefill_chunk <= n_batch:
@@ -166,6 +173,9 @@ class Scheduler:
         self.context = context
         self.max_queue = max_queue
         self.queue: deque[SchedRequest] = deque()
+        self.prefix_reuse = prefix_reuse
+        self.swa_window = swa_window
+        self.pos_min: Callable[[int], int] = lambda seq: -1
         self._ops: list[KVOp] = []
         self._admissions = 0
 
@@ -225,6 +235,8 @@ class Scheduler:
         holds now, enough to be worth a copy. Waiting costs nothing: the prompt
         tokens of a step are one budget, so prefilling the same tokens alongside
         would not end sooner."""
+        if not self.prefix_reuse:
+            return False
         limit = len(prompt) - 1
         now = max((_common_prefix(s.cache[: s.reusable], prompt) for s in self.slots), default=0)
         for s in self.slots:
@@ -234,16 +246,23 @@ class Scheduler:
                     return True
         return False
 
+    def _usable(self, slot: Slot, n: int) -> int:
+        """``n`` cached tokens of ``slot`` as a prefix, or 0 when a window cache has
+        dropped cells the last window of them needs (llama-server's rule)."""
+        if n and self.swa_window and self.pos_min(slot.id) > max(0, n - self.swa_window):
+            return 0
+        return n
+
     def _start(self, slot: Slot, request: SchedRequest) -> None:
         prompt = request.prompt_tokens
         # at least the last prompt token is fed again: its logits start the generation
-        limit = len(prompt) - 1
-        reuse = min(_common_prefix(slot.cache[: slot.reusable], prompt), limit)
+        limit = len(prompt) - 1 if self.prefix_reuse else 0
+        reuse = self._usable(slot, min(_common_prefix(slot.cache[: slot.reusable], prompt), limit))
         donor, shared = None, reuse
-        for other in self.slots:
+        for other in self.slots if self.prefix_reuse else ():
             if other is not slot:
                 n = min(_common_prefix(other.cache[: other.reusable], prompt), limit)
-                if n > shared:
+                if n > shared and self._usable(other, n) == n:
                     donor, shared = other, n
         if donor is not None and self._worth_sharing(shared - reuse, prompt):
             self._ops.append(Copy(donor.id, slot.id))
@@ -403,6 +422,29 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.queue or self._ops or any(s.busy for s in self.slots))
+
+    # -- embeddings
+
+    def idle_slot_ids(self) -> list[int]:
+        """The idle slots an embedding pass may borrow, those keeping the fewest cells
+        for prefix reuse first (the least reuse lost), then by id."""
+        idle = [s for s in self.slots if not s.busy]
+        return [s.id for s in sorted(idle, key=lambda s: (len(s.cache), s.id))]
+
+    def lend_idle(self, slot_ids: Sequence[int]) -> list[KVOp]:
+        """Hand idle slots to an embedding pass for one step; the KV operations to run
+        before it: the pending ones, then the removal of every cell of each borrowed
+        slot (an embedding starts on an empty sequence). Their prefix cache is
+        forgotten, so the next prompt does not reuse cells that are gone; the slots
+        stay idle, and the pass removes its own cells when it ends."""
+        for slot_id in slot_ids:
+            slot = self.slots[slot_id]
+            if slot.busy:
+                raise ValueError(f"slot {slot_id} is busy; only idle slots can be lent")
+            self._ops.append(Remove(slot_id, 0, -1))
+            slot.cache = []
+            slot.reusable = 0
+        return self.take_ops()
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -140,7 +140,16 @@ def service_plan(profile: Profile, info: ModelInfo) -> MemoryPlan:
         raise KVConfigError("; ".join(f"{f.rule}: {f.message}" for f in decision.errors))
     flash = decision.flash_attn != "off"
     return plan_memory(
-        info, e.n_ctx, e.slots, decision.type_k, decision.type_v, None, e.n_ubatch, flash
+        info,
+        e.n_ctx,
+        e.slots,
+        decision.type_k,
+        decision.type_v,
+        None,
+        e.n_ubatch,
+        flash,
+        e.n_batch,
+        e.swa_full,
     )
 
 

@@ -92,14 +92,15 @@ def swa_cells_per_seq(
     slots: int,
     n_ubatch: int = 512,
     n_batch: int | None = None,
-    swa_full: bool = True,
+    swa_full: bool = False,
 ) -> int:
     """Cells per sequence of the sliding-window cache (llama_kv_cache_iswa).
 
-    With ``swa_full`` (llama_context_default_params' default, which the engine keeps)
-    the window layers get as many cells as the others. Without it llama.cpp gives
-    each KV stream ``pad256(min(n_ctx_seq, n_swa + n_ubatch))`` cells: the window
-    plus room for one micro-batch (n_swa x n_seq_max only for a unified cache, which
+    With ``swa_full`` (the profile's engine.swa_full; off by default, as in
+    llama.cpp's server) the window layers get as many cells as the others.
+    Without it llama.cpp gives each KV stream
+    ``pad256(min(n_ctx_seq, n_swa + n_ubatch))`` cells: the window plus room for one
+    micro-batch (n_swa x n_seq_max only for a unified cache, which
     the engine never uses).
     """
     cells = kv_cells_per_seq(ctx, slots)
@@ -199,7 +200,7 @@ def kv_caches(
     n_ubatch: int = 512,
     n_batch: int | None = None,
     flash_attn: bool = True,
-    swa_full: bool = True,
+    swa_full: bool = False,
 ) -> tuple[KVCachePlan, ...]:
     """The caches llama.cpp creates for a configuration, in the order it logs them.
 
@@ -298,7 +299,7 @@ class MemoryPlan:
     available_bytes: int | None
     max_ctx_by_kv_type: dict[str, int | None]
     unsupported_kv_types: dict[str, str]
-    swa_full: bool = True
+    swa_full: bool = False
     kv_caches: tuple[KVCachePlan, ...] = ()
     state_bytes: int = 0
     kv_estimated: bool = False
@@ -344,7 +345,7 @@ def total_bytes(
     n_ubatch: int,
     flash_attn: bool,
     n_batch: int | None = None,
-    swa_full: bool = True,
+    swa_full: bool = False,
 ) -> int:
     caches = kv_caches(info, ctx, slots, type_k, type_v, n_ubatch, n_batch, flash_attn, swa_full)
     kv = sum(c.total for c in caches)
@@ -377,7 +378,7 @@ def max_context(
     n_ubatch: int = 512,
     flash_attn: bool = True,
     n_batch: int | None = None,
-    swa_full: bool = True,
+    swa_full: bool = False,
 ) -> int | None:
     """Largest per-slot context (a multiple of 256) that fits; None if even 256 does not."""
 
@@ -409,12 +410,12 @@ def plan_memory(
     n_ubatch: int = 512,
     flash_attn: bool = True,
     n_batch: int | None = None,
-    swa_full: bool = True,
+    swa_full: bool = False,
 ) -> MemoryPlan:
     """The memory a configuration needs, and the largest context per KV type.
 
-    ``swa_full`` follows llama.cpp's context parameter of that name (default on, as
-    the engine runs it); ``n_batch`` (default: n_ubatch) only matters for the
+    ``swa_full`` follows llama.cpp's context parameter of that name (the profile's
+    engine.swa_full, off by default); ``n_batch`` (default: n_ubatch) only matters for the
     window cache, whose size includes one micro-batch.
     """
     type_k, type_v = type_k.lower(), type_v.lower()

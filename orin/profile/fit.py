@@ -56,10 +56,23 @@ def memory_fit(
     """
     e = engine
     try:
-        plan = plan_memory(info, e.n_ctx, e.slots, type_k, type_v, None, e.n_ubatch, flash_attn)
+        plan = plan_memory(
+            info,
+            e.n_ctx,
+            e.slots,
+            type_k,
+            type_v,
+            None,
+            e.n_ubatch,
+            flash_attn,
+            e.n_batch,
+            e.swa_full,
+        )
     except KVConfigError as exc:
         return MemoryFit("fail", str(exc), fix="engine.type_k/type_v: f16 or q8_0")
-    best = max_context(info, e.slots, type_k, type_v, available, e.n_ubatch, flash_attn)
+    best = max_context(
+        info, e.slots, type_k, type_v, available, e.n_ubatch, flash_attn, e.n_batch, e.swa_full
+    )
     found = (
         f"weights {gib(plan.weights_bytes)} + KV {gib(plan.kv_bytes)} + compute "
         f"~{gib(plan.compute_bytes)} = {gib(plan.total_bytes)} at n_ctx={e.n_ctx} x "

@@ -124,7 +124,17 @@ def _q8_fits(
     def fits() -> bool:
         from orin.model.memplan import total_bytes
 
-        need = total_bytes(info, engine.n_ctx, engine.slots, "q8_0", "q8_0", engine.n_ubatch, True)
+        need = total_bytes(
+            info,
+            engine.n_ctx,
+            engine.slots,
+            "q8_0",
+            "q8_0",
+            engine.n_ubatch,
+            True,
+            engine.n_batch,
+            engine.swa_full,
+        )
         return need <= available
 
     return fits

@@ -124,7 +124,9 @@ def _layer_options(
     e = profile.engine
     if build is None or not build.gpu_offload or available is None:
         return [e.gpu_layers], [e.load_mode], None
-    full = total_bytes(info, e.n_ctx, e.slots, "f16", "f16", e.n_ubatch, True)
+    full = total_bytes(
+        info, e.n_ctx, e.slots, "f16", "f16", e.n_ubatch, True, e.n_batch, e.swa_full
+    )
     if full <= available:
         return [e.gpu_layers], [e.load_mode], None
     layers = sorted({max(1, round(info.n_layer * f)) for f in PARTIAL_OFFLOAD}, reverse=True)
@@ -176,4 +178,15 @@ def build_space(
 
 def _bytes(profile: Profile, info: ModelInfo, c: Candidate) -> int:
     n_ctx = profile.engine.n_ctx
-    return total_bytes(info, n_ctx, c.slots, c.type_k, c.type_v, c.n_ubatch, c.flash_attn != "off")
+    e = profile.engine
+    return total_bytes(
+        info,
+        n_ctx,
+        c.slots,
+        c.type_k,
+        c.type_v,
+        c.n_ubatch,
+        c.flash_attn != "off",
+        e.n_batch,
+        e.swa_full,
+    )

@@ -97,21 +97,23 @@ def test_plan_through_the_cli(models: dict[str, Path], arch: str, board: FakeBoa
     board.meminfo(total=64 * GiB, available=8 * GiB)
     info = read_model_info(models[arch])
     args = ("model", "plan", str(models[arch]), "--ctx", "1024", "--slots", "2")
-    code, out, err = invoke(*args, "--ubatch", "32", "--json", "--root", str(board.base))
+    code, out, err = invoke(
+        *args, "--ubatch", "32", "--swa-full", "--json", "--root", str(board.base)
+    )
     assert code == 0, err
     data = json.loads(out)
-    want = plan_memory(info, 1024, 2, available=8 * GiB, n_ubatch=32)
+    want = plan_memory(info, 1024, 2, available=8 * GiB, n_ubatch=32, swa_full=True)
     assert (data["kv_k_bytes"], data["kv_v_bytes"]) == (want.kv_k_bytes, want.kv_v_bytes)
     assert data["total_bytes"] == want.total_bytes and data["fits"] is True
     assert data["kv_estimated"] is (arch == "mamba")
     assert ("kv_k_bytes" in data["estimated"]) is (arch == "mamba")
     assert len(data["kv_caches"]) == {"mamba": 0, "gemma2": 2, "gemma3": 2}.get(arch, 1)
-    code, out, err = invoke(*args, "--ubatch", "32", "--root", str(board.base))
+    code, out, err = invoke(*args, "--ubatch", "32", "--swa-full", "--root", str(board.base))
     assert code == 0, err
     assert ("KV cache K (estimate)" in out) is (arch == "mamba")
     assert ("KV figures are estimates for the 'recurrent' layout" in err) is (arch == "mamba")
     if arch in SWA:
-        assert "with --no-swa-full llama.cpp would give them only the window" in err
+        assert "without it (--no-swa-full, the default) they hold only the window" in err
         code, out, err = invoke(*args, "--no-swa-full", "--root", str(board.base), "--json")
         assert code == 0, err
         windowed = json.loads(out)
@@ -204,13 +206,16 @@ def test_compute_estimate_covers_llama_cpp_buffers(
         pass
     reported = sum(float(x) for x in BUFFER_LINE.findall("".join(lines))) * MiB
     assert reported > 0
-    estimate = plan_memory(info, ctx, slots, n_ubatch=n_ubatch, flash_attn=flash_attn)
+    # llama_context keeps llama.cpp's own default, swa_full on
+    estimate = plan_memory(
+        info, ctx, slots, n_ubatch=n_ubatch, flash_attn=flash_attn, swa_full=True
+    )
     # an estimate that errs high, but not wildly
     assert reported <= estimate.compute_bytes <= 2.5 * reported + 0.01 * MiB
 
 
 def test_the_engine_allocates_what_the_plan_says(models: dict[str, Path]) -> None:
-    """The planner's defaults (swa_full on) are the engine's own context settings."""
+    """The planner's defaults (swa_full off) are the engine's own context settings."""
     path = models["gemma3"]
     cfg = config(path, "{n_ctx: 1024, slots: 2, n_batch: 64, n_ubatch: 32}")
     with capture_log() as lines, Engine(cfg):
@@ -223,7 +228,7 @@ def test_the_engine_allocates_what_the_plan_says(models: dict[str, Path]) -> Non
     assert [(r.cells, r.layers, r.k_mib, r.v_mib) for r in reported] == [
         (c.cells_per_seq, c.layers, mib(c.k_bytes), mib(c.v_bytes)) for c in planned
     ]
-    assert planned[1].cells_per_seq == planned[0].cells_per_seq  # the full-size window cache
+    assert planned[1].cells_per_seq < planned[0].cells_per_seq  # a window-sized cache
 
 
 # -- the engine -----------------------------------------------------------------------
@@ -275,16 +280,18 @@ def test_a_model_whose_cache_cannot_shift_needs_the_window_off(models: dict[str,
         pass
 
 
+FULL = "{n_ctx: 1024, slots: %d, n_batch: 64, n_ubatch: 64, swa_full: true}"
+WINDOW = "{n_ctx: 1024, slots: %d, n_batch: 64, n_ubatch: 64}"
+
+
 @pytest.mark.parametrize("arch", SWA)
 def test_prefix_reuse_beyond_the_window_equals_a_fresh_engine(
     models: dict[str, Path], arch: str
 ) -> None:
-    """A second prompt sharing 300 tokens (window 128) reuses the first one's cells.
-
-    The engine keeps llama.cpp's swa_full, so the window layers still hold every
-    cell of the shared prefix; their output must equal a fresh engine's.
-    """
-    cfg = config(models[arch], "{n_ctx: 1024, slots: 1, n_batch: 64, n_ubatch: 64}")
+    """With swa_full the window layers hold every cell of a 300-token prefix
+    (window 128), so a second prompt sharing it reuses the first one's cells and
+    its output must equal a fresh engine's."""
+    cfg = config(models[arch], FULL % 1)
     with Engine(cfg) as e:
         shared = prompts(e, 1, 300, seed=2)[0]
         first, second = (shared + tail for tail in prompts(e, 2, 20, seed=3))
@@ -295,12 +302,35 @@ def test_prefix_reuse_beyond_the_window_equals_a_fresh_engine(
 
 
 @pytest.mark.parametrize("arch", SWA)
+def test_a_window_cache_reuses_a_prefix_only_while_it_holds_its_cells(
+    models: dict[str, Path], arch: str
+) -> None:
+    """Without swa_full the window cache (window + one micro-batch, padded to 256
+    cells) drops old cells once a sequence runs past it: a prefix is reused while
+    its last window is still held, and prefilled again after that (llama-server's
+    rule), with the same output as a fresh engine either way."""
+    cfg = config(models[arch], WINDOW % 1)
+    assert cfg.swa_window == read_model_info(models[arch]).sliding_window
+    with Engine(cfg) as e:
+        shared = prompts(e, 1, 100, seed=2)[0]
+        first, second, third = (shared + tail for tail in prompts(e, 3, 20, seed=3))
+        e.generate(first, SamplingParams(max_tokens=4, temperature=0.0))
+        held = e.generate(second, GREEDY)  # ~130 positions: nothing dropped yet
+        e.generate(first, SamplingParams(max_tokens=400, temperature=0.0))
+        dropped = e.generate(third, GREEDY)
+    assert held.timings is not None and held.timings.cached_tokens >= len(shared)
+    assert dropped.timings is not None and dropped.timings.cached_tokens == 0
+    assert_same(held, run_alone(cfg, second))
+    assert_same(dropped, run_alone(cfg, third))
+
+
+@pytest.mark.parametrize("arch", SWA)
 def test_a_busy_slots_cells_beyond_the_window_serve_a_new_prompt(
     models: dict[str, Path], arch: str
 ) -> None:
     """The second prompt takes a copy of the first slot's cells (llama_memory_seq_cp)
     while that slot still decodes; its window layers must see the shared prefix."""
-    cfg = config(models[arch], "{n_ctx: 1024, slots: 2, n_batch: 64, n_ubatch: 64}")
+    cfg = config(models[arch], FULL % 2)
     with Engine(cfg) as e:
         system = prompts(e, 1, 300, seed=5)[0]
         first = e.submit([*system, 500, 501], SamplingParams(max_tokens=300, temperature=0.0))
@@ -338,8 +368,28 @@ def test_recurrent_model_prefills_identical_prompts_each_alone(
         assert_same(got, want)
 
 
-def test_window_model_slides_far_past_the_context(models: dict[str, Path]) -> None:
-    cfg = config(models["gemma3"], "{n_ctx: 256, slots: 2, n_batch: 64, n_ubatch: 32}")
+def test_window_model_slides_far_past_the_context_with_swa_full(
+    models: dict[str, Path],
+) -> None:
+    engine = "{n_ctx: 256, slots: 2, n_batch: 64, n_ubatch: 32, swa_full: true}"
+    cfg = config(models["gemma3"], engine)
+    assert cfg.context.sliding
     with Engine(cfg) as e:
         done = e.generate("Go on and on", SamplingParams(max_tokens=400, temperature=0.0))
     assert done.finish_reason == "length" and len(done.token_ids) == 400
+
+
+def test_a_window_cache_stops_at_the_window_unless_sliding_is_asked(
+    models: dict[str, Path],
+) -> None:
+    """A window-sized cache cannot shift: by default the context stops at its end;
+    asking for the sliding window explicitly is refused with both ways out."""
+    engine = "{n_ctx: 512, slots: 2, n_batch: 64, n_ubatch: 32}"  # window cache: 256 cells
+    cfg = config(models["gemma3"], engine)
+    assert not cfg.context.sliding and not cfg.swa_full
+    with Engine(cfg) as e:
+        done = e.generate("Go on and on", SamplingParams(max_tokens=800, temperature=0.0))
+    assert done.finish_reason == "length" and len(done.token_ids) < 512
+    explicit = config(models["gemma3"], engine, "{sliding: true}")
+    with pytest.raises(ContextShiftUnsupported, match=r"engine\.swa_full: true"), Engine(explicit):
+        pass

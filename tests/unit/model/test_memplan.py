@@ -179,13 +179,13 @@ def test_gemma3_27b_window_cache(gemma3_27b: ModelInfo) -> None:
     """10 global layers hold the context, 52 window layers 1024 + one micro-batch."""
     assert (gemma3_27b.n_swa_layers, gemma3_27b.sliding_window) == (52, 1024)
     row = 16 * 128 * 2  # one cell's K (or V) row of one layer in f16
-    full, window = kv_caches(gemma3_27b, 32768, 1, "f16", "f16", swa_full=False)
+    full, window = kv_caches(gemma3_27b, 32768, 1, "f16", "f16")  # the default
     assert (full.kind, full.layers, full.cells_per_seq) == ("full", 10, 32768)
     assert (window.kind, window.layers, window.cells_per_seq) == ("swa", 52, 1536)
     assert full.k_bytes == full.v_bytes == 10 * 32768 * row
     assert window.k_bytes == window.v_bytes == 52 * 1536 * row
-    # swa_full (llama.cpp's default, the engine's setting): every layer holds the context
-    full, window = kv_caches(gemma3_27b, 32768, 1, "f16", "f16")
+    # engine.swa_full: true: every layer holds the context
+    full, window = kv_caches(gemma3_27b, 32768, 1, "f16", "f16", swa_full=True)
     assert window.cells_per_seq == full.cells_per_seq == 32768
     assert full.total + window.total == kv_cache_bytes(gemma3_27b, 32768, "f16", "f16").total
 
@@ -204,16 +204,14 @@ def test_gemma3_27b_window_cache(gemma3_27b: ModelInfo) -> None:
 def test_window_cells_follow_llama_cpp(
     gemma3_27b: ModelInfo, ctx: int, slots: int, n_ubatch: int, n_batch: int | None, cells: int
 ) -> None:
-    got = swa_cells_per_seq(gemma3_27b, ctx, slots, n_ubatch, n_batch, swa_full=False)
-    assert got == cells
-    assert swa_cells_per_seq(gemma3_27b, ctx, slots, n_ubatch, n_batch) == kv_cells_per_seq(
-        ctx, slots
-    )
+    assert swa_cells_per_seq(gemma3_27b, ctx, slots, n_ubatch, n_batch) == cells
+    full = swa_cells_per_seq(gemma3_27b, ctx, slots, n_ubatch, n_batch, swa_full=True)
+    assert full == kv_cells_per_seq(ctx, slots)
 
 
 def test_window_plan_and_largest_context(gemma3_27b: ModelInfo) -> None:
-    full = plan_memory(gemma3_27b, 32768, 1, available=64 * 1024 * MiB)
-    windowed = plan_memory(gemma3_27b, 32768, 1, available=64 * 1024 * MiB, swa_full=False)
+    full = plan_memory(gemma3_27b, 32768, 1, available=64 * 1024 * MiB, swa_full=True)
+    windowed = plan_memory(gemma3_27b, 32768, 1, available=64 * 1024 * MiB)
     assert full.swa_full and not windowed.swa_full
     assert windowed.kv_bytes < full.kv_bytes / 4
     assert [c.kind for c in windowed.kv_caches] == ["full", "swa"]
