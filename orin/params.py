@@ -151,5 +151,6 @@ SAMPLING: tuple[Param[int] | Param[float] | Param[int | None], ...] = (
 )
 BY_NAME = {p.name: p for p in SAMPLING}
 
+MAX_CHOICES = 16  # n: choices of one request
 LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this (the engine also takes -inf: a ban)
 MAX_STOP_STRINGS = 16

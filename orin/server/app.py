@@ -132,40 +132,71 @@ async def _run(
     ignored = body.ignored_fields()
     if ignored:
         protocol.log.info("request %s: ignoring unknown fields %s", _rid(request), ignored)
-    params = body.to_sampling(state.sampling_defaults, state.max_tokens_cap)
-    stream = await state.engine.submit_async(
-        prompt, params, request_id=_rid(request), whole=not body.stream
-    )
+    streams = await _submit(state, request, body, prompt)
     if body.stream:
 
         def finished(c: Completion) -> None:
             request.state.timings = c.timings
 
-        return EventStream(sse_events(fmt, stream, finished), ping_s=15.0)
-    completion = await _collect_or_cancel(request, stream)
-    request.state.timings = completion.timings
-    if completion.finish_reason == "error":
-        raise RuntimeError(completion.error or "generation failed")
-    return fmt.response(completion, prompt)
+        return EventStream(sse_events(fmt, streams, finished), ping_s=15.0)
+    completions = await _collect_or_cancel(request, streams)
+    request.state.timings = completions[0].timings
+    failed = next((c for c in completions if c.finish_reason == "error"), None)
+    if failed is not None:
+        raise RuntimeError(failed.error or "generation failed")
+    return fmt.response(completions, prompt)
+
+
+async def _submit(
+    state: ServerState,
+    request: Request,
+    body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
+    prompt: list[int],
+) -> list[RequestStream]:
+    """One engine request per choice (``n``), all of the same prompt: the scheduler
+    prefills it once and the other choices copy its cells. A choice the engine
+    refuses (a full queue) withdraws those already queued."""
+    rid = _rid(request)
+    streams: list[RequestStream] = []
+    try:
+        for i, params in enumerate(
+            body.choice_params(state.sampling_defaults, state.max_tokens_cap)
+        ):
+            streams.append(
+                await state.engine.submit_async(
+                    prompt,
+                    params,
+                    request_id=rid if body.n == 1 else f"{rid}.{i}",
+                    whole=not body.stream,
+                )
+            )
+    except BaseException:
+        for stream in streams:
+            stream.cancel()
+        raise
+    return streams
 
 
 def _rid(request: Request) -> str:
     return str(request.state.request_id)
 
 
-async def _collect_or_cancel(request: Request, stream: RequestStream) -> Completion:
-    """Wait for the answer; a client that leaves first cancels the request at once."""
+async def _collect_or_cancel(request: Request, streams: list[RequestStream]) -> list[Completion]:
+    """Wait for every choice; a client that leaves first cancels them at once."""
 
     async def watch() -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                stream.cancel()
+                for stream in streams:
+                    stream.cancel()
                 return
+
+    async def one(stream: RequestStream) -> Completion:
+        return collect(stream.request_id, [e async for e in stream])
 
     watcher = asyncio.create_task(watch())
     try:
-        events = [e async for e in stream]
+        return list(await asyncio.gather(*(one(s) for s in streams)))
     finally:
         watcher.cancel()
-    return collect(stream.request_id, events)

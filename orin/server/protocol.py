@@ -9,6 +9,7 @@ the formatters in ``responses.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -188,7 +189,12 @@ class _Common(_Lenient):
     seed: int | None = _optional(params.SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    n: int = Field(
+        1,
+        ge=1,
+        le=params.MAX_CHOICES,
+        description="Choices to generate; they share the prompt's cells (one prefill).",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -223,6 +229,17 @@ class _Common(_Lenient):
 
     def top_n_logprobs(self) -> int | None:
         raise NotImplementedError
+
+    def choice_params(self, defaults: SamplingSection, cap: int) -> list[SamplingParams]:
+        """One SamplingParams per choice: with a seed, choice i samples with seed + i,
+        so the choices differ and the same request gives the same answer again."""
+        base = self.to_sampling(defaults, cap)
+        if self.n == 1 or base.seed is None:
+            return [base] * self.n
+        top = params.SEED.hi
+        return [
+            dataclasses.replace(base, seed=int((base.seed + i) % (top + 1))) for i in range(self.n)
+        ]
 
     def to_sampling(self, defaults: SamplingSection, cap: int) -> SamplingParams:
         """Engine parameters; the profile supplies what the request leaves out
@@ -612,15 +629,20 @@ Piece = Callable[[int], bytes]
 # -- response parts ---------------------------------------------------------------------------
 
 
-def usage(c: Completion) -> Usage:
-    t = c.timings
+def usage(cs: Completion | Sequence[Completion]) -> Usage:
+    """A response's usage: with ``n`` choices the prompt counts once (they share
+    its cells) and the completion tokens of every choice add up; the cached
+    tokens are the fewest any choice took from the cache, what the prompt cost."""
+    many = [cs] if isinstance(cs, Completion) else list(cs)
+    t = many[0].timings
     prompt = t.prompt_tokens if t else 0
-    out = len(c.token_ids)
+    out = sum(len(c.token_ids) for c in many)
+    cached = min((c.timings.cached_tokens for c in many if c.timings), default=0)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": out,
         "total_tokens": prompt + out,
-        "prompt_tokens_details": {"cached_tokens": t.cached_tokens if t else 0},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 

@@ -12,11 +12,12 @@ equal. A chat answer parsed for tool calls or reasoning streams through
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal, Protocol
 
 from orin.engine.stream import Completion, RequestStream, collect
@@ -26,7 +27,6 @@ from orin.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
-    ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     Chunk,
@@ -99,35 +99,65 @@ class Formatter(ABC):
             "system_fingerprint": self.served.system_fingerprint,
         }
 
-    def _figures(self, c: Completion, out: Figures, final_chunk: bool = False) -> None:
-        """usage and timings: a final chunk leaves usage to its own chunk when asked."""
-        out["timings"] = self.served.timings(c.timings)
+    def figures(self, cs: Sequence[Completion], out: Figures, final_chunk: bool = False) -> None:
+        """usage (of every choice) and timings (the first choice's): a final chunk
+        leaves usage to its own chunk when asked."""
+        out["timings"] = self.served.timings(cs[0].timings)
         if not (final_chunk and self.include_usage):
-            out["usage"] = usage(c)
+            out["usage"] = usage(cs)
+
+    def response(self, cs: Completion | Sequence[Completion], prompt: list[int]) -> FullResponse:
+        """The whole answer of a request that did not stream: one choice per completion."""
+        many = _many(cs)
+        out: Any = {
+            **self._envelope(self.OBJECT),
+            "choices": [self.choice(c, prompt, i) for i, c in enumerate(many)],
+        }
+        self.figures(many, out)
+        return out
 
     @abstractmethod
-    def response(self, c: Completion, prompt: list[int]) -> FullResponse:
-        """The whole answer of a request that did not stream."""
+    def choice(self, c: Completion, prompt: list[int], index: int) -> Any:
+        """One choice of a whole answer."""
 
-    def opening(self) -> Chunk | None:
-        """The chunk a stream starts with, before any token; None for none."""
+    def opening(self, index: int = 0) -> Chunk | None:
+        """The chunk choice ``index`` starts with, before any token; None for none."""
         return None
 
     @abstractmethod
-    def chunk(self, e: TokenEvent) -> Chunk:
+    def chunk(self, e: TokenEvent, index: int = 0) -> Chunk:
         """One token's chunk, built in full (``TokenChunks`` takes a faster path)."""
 
-    def token_stream(self) -> TokenStream:
-        """What turns a stream's tokens into SSE bytes: the fast path by default."""
-        return TokenChunks(self)
+    def token_stream(self, index: int = 0) -> TokenStream:
+        """What turns choice ``index``'s tokens into SSE bytes: the fast path by default."""
+        return TokenChunks(self, index)
+
+    def final_chunk(
+        self, c: Completion, index: int = 0, figures: Sequence[Completion] | None = None
+    ) -> Chunk:
+        """Choice ``index``'s finish reason; with ``figures`` (the last choice to end,
+        every choice's completion) the figures too: usage unless a usage chunk follows.
+        Called with only a completion: that one choice and its figures."""
+        out = self._final(c, index)
+        done = figures if figures is not None else ([c] if index == 0 else None)
+        if done:
+            self.figures(done, out, final_chunk=True)
+        return out
 
     @abstractmethod
-    def final_chunk(self, c: Completion) -> Chunk:
-        """The finish reason and the figures (usage unless a usage chunk follows)."""
+    def _final(self, c: Completion, index: int) -> Chunk:
+        """A choice's final chunk without figures."""
 
-    @abstractmethod
-    def usage_chunk(self, c: Completion) -> Chunk:
+    def usage_chunk(self, cs: Completion | Sequence[Completion]) -> Chunk:
         """The last chunk, with usage and no choice (``stream_options.include_usage``)."""
+        out: Any = {**self._envelope(self.CHUNK_OBJECT), "choices": [], "usage": usage(cs)}
+        return out
+
+    OBJECT = CHUNK_OBJECT = ""
+
+
+def _many(cs: Completion | Sequence[Completion]) -> list[Completion]:
+    return [cs] if isinstance(cs, Completion) else list(cs)
 
 
 class ChatFormatter(Formatter):
@@ -182,11 +212,11 @@ class ChatFormatter(Formatter):
             ]
         return msg, bool(parsed.calls)
 
-    def response(self, c: Completion, prompt: list[int]) -> ChatCompletion:
+    def choice(self, c: Completion, prompt: list[int], index: int) -> ChatChoice:
         lp = chat_logprobs(c.logprobs, self.served.engine_piece) if c.logprobs else None
         message, called = self._message(c.text)
         choice: ChatChoice = {
-            "index": 0,
+            "index": index,
             "finish_reason": _finish_reason(c, called),
             "logprobs": lp,
             "message": message,
@@ -194,21 +224,21 @@ class ChatFormatter(Formatter):
         if self.token_ids:
             choice["token_ids"] = list(c.token_ids)
             choice["prompt_token_ids"] = prompt
-        out: ChatCompletion = {**self._envelope(self.OBJECT), "choices": [choice]}
-        self._figures(c, out)
-        return out
+        return choice
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
         return {**self._envelope(self.CHUNK_OBJECT), "choices": [choice]}
 
-    def opening(self) -> ChatCompletionChunk:
+    def opening(self, index: int = 0) -> ChatCompletionChunk:
         delta: Delta = {"role": "assistant", "content": ""}
-        return self._chunk({"index": 0, "finish_reason": None, "logprobs": None, "delta": delta})
+        return self._chunk(
+            {"index": index, "finish_reason": None, "logprobs": None, "delta": delta}
+        )
 
-    def chunk(self, e: TokenEvent) -> ChatCompletionChunk:
+    def chunk(self, e: TokenEvent, index: int = 0) -> ChatCompletionChunk:
         lp = None if e.logprob is None else chat_logprobs([e.logprob], self.served.engine_piece)
         choice: ChatChunkChoice = {
-            "index": 0,
+            "index": index,
             "finish_reason": None,
             "logprobs": lp,
             "delta": {"content": e.text},
@@ -217,12 +247,12 @@ class ChatFormatter(Formatter):
             choice["token_ids"] = [] if e.token_id is None else [e.token_id]
         return self._chunk(choice)
 
-    def token_stream(self) -> TokenStream:
+    def token_stream(self, index: int = 0) -> TokenStream:
         if self.output is None:
-            return TokenChunks(self)
-        return ParsedChunks(self, self.parser(0))
+            return TokenChunks(self, index)
+        return ParsedChunks(self, self.parser(index), index)
 
-    def part_chunks(self, parts: list[Part], e: TokenEvent | None) -> bytes:
+    def part_chunks(self, parts: list[Part], e: TokenEvent | None, index: int = 0) -> bytes:
         """The chunks of a choice's parsed parts; the first carries the token's
         logprobs and id (alone, with an empty delta, when the parser held its text)."""
         deltas = [_delta(p) for p in parts]
@@ -231,7 +261,7 @@ class ChatFormatter(Formatter):
         out = []
         for i, delta in enumerate(deltas):
             choice: ChatChunkChoice = {
-                "index": 0,
+                "index": index,
                 "finish_reason": None,
                 "logprobs": None,
                 "delta": delta,
@@ -244,15 +274,10 @@ class ChatFormatter(Formatter):
             out.append(encode(self._chunk(choice)))
         return b"".join(out)
 
-    def final_chunk(self, c: Completion) -> ChatCompletionChunk:
-        parser = self._parsers.get(0)
+    def _final(self, c: Completion, index: int) -> ChatCompletionChunk:
+        parser = self._parsers.get(index)
         reason = _finish_reason(c, parser is not None and bool(parser.calls))
-        out = self._chunk({"index": 0, "finish_reason": reason, "logprobs": None, "delta": {}})
-        self._figures(c, out, final_chunk=True)
-        return out
-
-    def usage_chunk(self, c: Completion) -> ChatCompletionChunk:
-        return {**self._envelope(self.CHUNK_OBJECT), "choices": [], "usage": usage(c)}
+        return self._chunk({"index": index, "finish_reason": reason, "logprobs": None, "delta": {}})
 
 
 def _finish_reason(c: Completion, called: bool) -> FinishReason | Literal["tool_calls"]:
@@ -281,17 +306,17 @@ def _delta(part: Part) -> Delta:
 
 
 class CompletionFormatter(Formatter):
-    OBJECT = "text_completion"  # full responses and chunks alike, as OpenAI has it
+    OBJECT = CHUNK_OBJECT = "text_completion"  # full responses and chunks, as OpenAI has it
     ID_PREFIX = "cmpl-"
 
     def __init__(self, served: Served, body: CompletionRequest, request_id: str) -> None:
         super().__init__(served, body, request_id)
         self.echo = body.echo
 
-    def response(self, c: Completion, prompt: list[int]) -> TextCompletion:
+    def choice(self, c: Completion, prompt: list[int], index: int) -> TextChoice:
         piece = self.served.engine_piece
         choice: TextChoice = {
-            "index": 0,
+            "index": index,
             "finish_reason": c.finish_reason,
             "logprobs": completion_logprobs(c.logprobs, piece) if c.logprobs else None,
             "text": (self.served.detokenize(prompt) if self.echo else "") + c.text,
@@ -299,30 +324,28 @@ class CompletionFormatter(Formatter):
         if self.token_ids:
             choice["token_ids"] = list(c.token_ids)
             choice["prompt_token_ids"] = prompt
-        out: TextCompletion = {**self._envelope(self.OBJECT), "choices": [choice]}
-        self._figures(c, out)
-        return out
+        return choice
 
     def _chunk(self, choice: TextChoice) -> TextCompletion:
         return {**self._envelope(self.OBJECT), "choices": [choice]}
 
-    def chunk(self, e: TokenEvent) -> TextCompletion:
+    def chunk(self, e: TokenEvent, index: int = 0) -> TextCompletion:
         piece = self.served.engine_piece
         lp = None if e.logprob is None else completion_logprobs([e.logprob], piece)
-        choice: TextChoice = {"index": 0, "finish_reason": None, "logprobs": lp, "text": e.text}
+        choice: TextChoice = {
+            "index": index,
+            "finish_reason": None,
+            "logprobs": lp,
+            "text": e.text,
+        }
         if self.token_ids:
             choice["token_ids"] = [] if e.token_id is None else [e.token_id]
         return self._chunk(choice)
 
-    def final_chunk(self, c: Completion) -> TextCompletion:
-        out = self._chunk(
-            {"index": 0, "finish_reason": c.finish_reason, "logprobs": None, "text": ""}
+    def _final(self, c: Completion, index: int) -> TextCompletion:
+        return self._chunk(
+            {"index": index, "finish_reason": c.finish_reason, "logprobs": None, "text": ""}
         )
-        self._figures(c, out, final_chunk=True)
-        return out
-
-    def usage_chunk(self, c: Completion) -> TextCompletion:
-        return {**self._envelope(self.OBJECT), "choices": [], "usage": usage(c)}
 
 
 # -- streaming -----------------------------------------------------------------------
@@ -351,9 +374,9 @@ class TokenChunks:
     token ids or logprobs are built in full by the formatter.
     """
 
-    def __init__(self, fmt: Formatter) -> None:
-        self.fmt = fmt
-        template = encode(fmt.chunk(TokenEvent(fmt.request_id, None, _TEXT_MARK)))
+    def __init__(self, fmt: Formatter, index: int = 0) -> None:
+        self.fmt, self.index = fmt, index
+        template = encode(fmt.chunk(TokenEvent(fmt.request_id, None, _TEXT_MARK), index))
         head, tail = template.split(_json_string(_TEXT_MARK).encode())
         self._head, self._tail = head, tail
         self._plain = not fmt.token_ids
@@ -361,7 +384,7 @@ class TokenChunks:
     def token(self, e: TokenEvent) -> bytes:
         if self._plain and e.logprob is None:
             return b"".join((self._head, _json_string(e.text).encode(), self._tail))
-        return encode(self.fmt.chunk(e))
+        return encode(self.fmt.chunk(e, self.index))
 
     def flush(self) -> bytes:
         return b""
@@ -371,59 +394,93 @@ class ParsedChunks:
     """The SSE bytes of a chat choice whose text is parsed (tools, reasoning): each
     token's text goes through the choice's parser, and its parts become deltas."""
 
-    def __init__(self, fmt: ChatFormatter, parser: OutputParser) -> None:
-        self.fmt, self.parser = fmt, parser
+    def __init__(self, fmt: ChatFormatter, parser: OutputParser, index: int = 0) -> None:
+        self.fmt, self.parser, self.index = fmt, parser, index
 
     def token(self, e: TokenEvent) -> bytes:
-        return self.fmt.part_chunks(self.parser.feed(e.text), e)
+        return self.fmt.part_chunks(self.parser.feed(e.text), e, self.index)
 
     def flush(self) -> bytes:
-        return self.fmt.part_chunks(self.parser.finish(), None)
+        return self.fmt.part_chunks(self.parser.finish(), None, self.index)
 
 
 async def sse_events(
-    fmt: Formatter, stream: RequestStream, on_finish: Callable[[Completion], None]
+    fmt: Formatter,
+    streams: RequestStream | Sequence[RequestStream],
+    on_finish: Callable[[Completion], None],
 ) -> AsyncIterator[bytes]:
-    """A streamed answer's SSE events; ``on_finish`` sees the collected request
-    before the last events go out. If the client goes away, EventStream cancels
-    this generator and the ``finally`` cancels the request, freeing its slot
-    within one engine step.
+    """A streamed answer's SSE events, one request stream per choice (``n``);
+    ``on_finish`` sees the first choice's collected request before the last events
+    go out. Each choice's chunks carry its index and end with its finish reason;
+    the last choice to end carries the figures. If the client goes away,
+    EventStream cancels this generator and the ``finally`` cancels every choice,
+    freeing their slots within one engine step.
 
     The events that are ready together (a client or loop that fell behind) go
     out in one write.
     """
-    chunks = fmt.token_stream()
+    many = list(streams) if isinstance(streams, (list, tuple)) else [streams]
+    chunks = [fmt.token_stream(i) for i in range(len(many))]
     with_ids = fmt.token_ids
-    events: list[TokenEvent] = []
+    events: list[list[TokenEvent]] = [[] for _ in many]
+    done: dict[int, Completion] = {}
     try:
-        opening = fmt.opening()
-        if opening is not None:
-            yield encode(opening)
-        while ready := await stream.next_batch():
-            events += ready
+        for i in range(len(many)):
+            opening = fmt.opening(i)
+            if opening is not None:
+                yield encode(opening)
+        async for i, ready in _batches(many):
+            events[i] += ready
             out = [
                 b
                 for e in ready
                 if e.finish_reason is None and (e.text or with_ids or e.logprob is not None)
-                if (b := chunks.token(e))
+                if (b := chunks[i].token(e))
             ]
+            final = ready[-1]
+            if final.finish_reason is not None:
+                out.append((chunks[i].token(final) if final.text else b"") + chunks[i].flush())
+                c = done[i] = collect(many[i].request_id, events[i])
+                if c.finish_reason != "error":
+                    last = len(done) == len(many)
+                    figures = [done[j] for j in range(len(many))] if last else ()
+                    out.append(encode(fmt.final_chunk(c, i, figures)))
+            out = [b for b in out if b]
             if out:
                 yield out[0] if len(out) == 1 else b"".join(out)
-        final = events[-1]
-        tail = (chunks.token(final) if final.text else b"") + chunks.flush()
-        if tail:
-            yield tail
-        c = collect(stream.request_id, events)
-        on_finish(c)
-        if c.finish_reason == "error":
+        cs = [done[i] for i in range(len(many))]
+        on_finish(cs[0])
+        failed = next((c for c in cs if c.finish_reason == "error"), None)
+        if failed is not None:
             err = error_body(
-                c.error or "generation failed", "server_error", None, None, stream.request_id
+                failed.error or "generation failed", "server_error", None, None, failed.request_id
             )
             yield event(json.dumps(err))
-        else:
-            yield encode(fmt.final_chunk(c))
-            if fmt.include_usage:
-                yield encode(fmt.usage_chunk(c))
+        elif fmt.include_usage:
+            yield encode(fmt.usage_chunk(cs))
         yield event("[DONE]")
     finally:
-        stream.cancel()  # a no-op when the request already finished
+        for stream in many:
+            stream.cancel()  # a no-op when the request already finished
+
+
+async def _batches(streams: list[RequestStream]) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
+    """(choice, events ready together) from every stream as they come, until each
+    has delivered its final event."""
+    if len(streams) == 1:  # the common case: no task per batch
+        while ready := await streams[0].next_batch():
+            yield 0, ready
+        return
+    waiting = {asyncio.ensure_future(s.next_batch()): i for i, s in enumerate(streams)}
+    try:
+        while waiting:
+            finished, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in finished:
+                i = waiting.pop(task)
+                ready = task.result()
+                if ready:
+                    waiting[asyncio.ensure_future(streams[i].next_batch())] = i
+                    yield i, ready
+    finally:
+        for task in waiting:
+            task.cancel()

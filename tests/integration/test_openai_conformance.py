@@ -193,6 +193,65 @@ def test_streamed_completion_without_include_usage(client: openai.OpenAI) -> Non
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
 
 
+# -- n choices ---------------------------------------------------------------------------
+
+
+def _cached_counter(server: tuple[str, ServerState]) -> float:
+    text = httpx.get(server[0] + "/metrics", timeout=10).text
+    line = next(
+        ln for ln in text.splitlines() if ln.startswith("orin_llm_prompt_tokens_cached_total")
+    )
+    return float(line.split()[-1])
+
+
+def test_n_choices_share_one_prefill(
+    client: openai.OpenAI, server: tuple[str, ServerState]
+) -> None:
+    before = _cached_counter(server)
+    wide: dict[str, Any] = {
+        "temperature": 1.5,
+        "top_p": 1.0,
+        "extra_body": {"top_k": 0, "min_p": 0},
+    }
+    r = client.chat.completions.create(
+        model="demo", messages=USER, n=3, max_tokens=8, seed=11, **wide
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1  # seed, seed + 1, seed + 2
+    assert r.usage is not None and r.usage.completion_tokens == 24
+    prompt = r.usage.prompt_tokens
+    # two choices took the prompt's cells from the first (all but its last token)
+    assert _cached_counter(server) - before >= 2 * (prompt - 1)
+    again = client.chat.completions.create(
+        model="demo", messages=USER, n=3, max_tokens=8, seed=11, **wide
+    )
+    assert [c.message.content for c in again.choices] == texts
+    greedy = client.chat.completions.create(
+        model="demo", messages=USER, n=2, max_tokens=8, temperature=0
+    )
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
+def test_n_streamed_choices_reassemble_to_the_whole_answer(client: openai.OpenAI) -> None:
+    fields: dict[str, Any] = {"n": 2, "max_tokens": 6, "temperature": 1.5, "seed": 5, "top_p": 1.0}
+    fields["extra_body"] = {"top_k": 0, "min_p": 0}
+    whole = client.completions.create(model="demo", prompt="x", **fields)
+    chunks = list(
+        client.completions.create(
+            model="demo", prompt="x", stream=True, stream_options={"include_usage": True}, **fields
+        )
+    )
+    texts = ["", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in whole.choices]
+    reasons = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
+    assert reasons == ["length", "length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
 # -- logprobs ---------------------------------------------------------------------------
 
 

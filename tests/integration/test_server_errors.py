@@ -60,7 +60,7 @@ def error_of(r: httpx.Response) -> dict[str, Any]:
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": 5}, "prompt"),
         ({"prompt": "x", "stream": "yes please"}, "stream"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),
         ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"5": 300}}, "logit_bias"),
         ({"prompt": ["a", "b"]}, "prompt"),

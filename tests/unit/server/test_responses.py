@@ -178,3 +178,46 @@ def test_a_streamed_chat_from_opening_to_done() -> None:
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and "usage" not in chunks[-2]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
     assert finished[0].text == "abc!" and stream.cancelled
+
+
+def test_n_choices_stream_with_their_index_and_one_set_of_figures() -> None:
+    """Two choices' events interleave; each choice's chunks carry its index and end
+    with its finish reason, and the last to end carries the figures of both."""
+    fmt = formatter("text")
+    first = FakeStream(
+        [
+            [TokenEvent("req-1.0", 7, "a")],
+            [TokenEvent("req-1.0", None, "b", finish_reason="stop", timings=TIMINGS)],
+        ]
+    )
+    second = FakeStream(
+        [
+            [TokenEvent("req-1.1", 8, "x"), TokenEvent("req-1.1", 9, "y")],
+            [TokenEvent("req-1.1", None, "", finish_reason="length", timings=TIMINGS)],
+        ]
+    )
+
+    async def run() -> list[bytes]:
+        return [b async for b in sse_events(fmt, [first, second], lambda c: None)]  # type: ignore[list-item]
+
+    events = [e for e in b"".join(asyncio.run(run())).split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1
+    text = {
+        i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i)
+        for i in (0, 1)
+    }
+    assert text == {0: "ab", 1: "xy"}
+    finals = [c for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted(c["choices"][0]["finish_reason"] for c in finals) == ["length", "stop"]
+    assert "usage" not in finals[0] and finals[1]["usage"]["completion_tokens"] == 3
+    assert finals[1]["usage"]["prompt_tokens"] == 6  # the prompt counts once
+    assert first.cancelled and second.cancelled
+
+
+def test_a_full_response_has_a_choice_per_completion() -> None:
+    out = formatter("chat").response([completion("stop"), completion("length")], [1])
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert [c["finish_reason"] for c in out["choices"]] == ["stop", "length"]
+    assert out["usage"]["completion_tokens"] == 6 and out["usage"]["prompt_tokens"] == 6
