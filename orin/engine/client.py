@@ -136,6 +136,10 @@ class EngineClient(Protocol):
         self, text: str, add_special: bool = True, parse_special: bool = True
     ) -> list[int]: ...
 
+    def control_tokens(self, texts: tuple[str, ...]) -> tuple[int, ...]:
+        """The ids of those ``texts`` that the vocabulary has as one control token."""
+        ...
+
     def detokenize(self, tokens: list[int], special: bool = False) -> str:
         """Empty once the model is unloaded. ``special``: control tokens render as their
         text; ids outside the vocabulary are an InvalidRequest naming ``tokens``."""

@@ -162,6 +162,17 @@ class Engine:
     ) -> list[int]:
         return self._loaded().tokenize(text, add_special=add_special, parse_special=parse_special)
 
+    def control_tokens(self, texts: tuple[str, ...]) -> tuple[int, ...]:
+        """The ids of those ``texts`` that the vocabulary has as one control token
+        (rendered as nothing unless a request preserves them)."""
+        backend = self._loaded()
+        out = []
+        for text in texts:
+            ids = backend.tokenize(text, add_special=False, parse_special=True)
+            if len(ids) == 1 and not backend.piece(ids[0]):
+                out.append(ids[0])
+        return tuple(out)
+
     def detokenize(self, tokens: list[int], special: bool = False) -> str:
         """Empty once the model is unloaded (a response still being written).
         ``special``: control tokens render as their text (llama-server's /detokenize).

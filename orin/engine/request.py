@@ -35,7 +35,12 @@ class ActiveRequest:
         parse is the client's error (400), not a failure inside the engine loop."""
         if self.sampler is None:
             self.sampler = SlotSampler(backend, self.params, self.prompt_tokens)
-            self.detok = Detokenizer(backend.piece)
+            preserve = frozenset(self.params.preserve)
+
+            def piece(t: int) -> bytes:
+                return backend.special_piece(t) if t in preserve else backend.piece(t)
+
+            self.detok = Detokenizer(piece if preserve else backend.piece)
             self.stop = StopMatcher(self.params.stop)
 
     def on_token(

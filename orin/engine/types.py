@@ -36,6 +36,9 @@ class SamplingParams:
     ignore_eos: bool = False
     grammar: str | None = None
     logprobs: int | None = params.LOGPROBS.default  # top-N log-probabilities per token
+    # control tokens written out as their text (a tool-call format's markers, such as
+    # Mistral's [TOOL_CALLS], that the vocabulary has as control tokens)
+    preserve: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:

@@ -98,7 +98,8 @@ def _register(app: FastAPI, state: ServerState) -> None:
         output = tools.output_spec(body, caps, text)
         body.constrain(tools.required_grammar(body, output))
         fmt = ChatFormatter(state, body, _rid(request), output)
-        return await _run(state, request, body, prompt, fmt)
+        preserve = state.engine.control_tokens(output.marker_texts())
+        return await _run(state, request, body, prompt, fmt, preserve)
 
     @app.post("/v1/completions", dependencies=[auth])
     async def completions(body: protocol.CompletionRequest, request: Request) -> Any:
@@ -127,12 +128,13 @@ async def _run(
     body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
     prompt: list[int],
     fmt: Formatter,
+    preserve: tuple[int, ...] = (),
 ) -> Any:
     body.refuse_unsupported()
     ignored = body.ignored_fields()
     if ignored:
         protocol.log.info("request %s: ignoring unknown fields %s", _rid(request), ignored)
-    streams = await _submit(state, request, body, prompt)
+    streams = await _submit(state, request, body, prompt, preserve)
     if body.stream:
 
         def finished(c: Completion) -> None:
@@ -152,6 +154,7 @@ async def _submit(
     request: Request,
     body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
     prompt: list[int],
+    preserve: tuple[int, ...],
 ) -> list[RequestStream]:
     """One engine request per choice (``n``), all of the same prompt: the scheduler
     prefills it once and the other choices copy its cells. A choice the engine
@@ -160,7 +163,7 @@ async def _submit(
     streams: list[RequestStream] = []
     try:
         for i, params in enumerate(
-            body.choice_params(state.sampling_defaults, state.max_tokens_cap)
+            body.choice_params(state.sampling_defaults, state.max_tokens_cap, preserve)
         ):
             streams.append(
                 await state.engine.submit_async(

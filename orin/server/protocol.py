@@ -230,10 +230,15 @@ class _Common(_Lenient):
     def top_n_logprobs(self) -> int | None:
         raise NotImplementedError
 
-    def choice_params(self, defaults: SamplingSection, cap: int) -> list[SamplingParams]:
+    def choice_params(
+        self, defaults: SamplingSection, cap: int, preserve: tuple[int, ...] = ()
+    ) -> list[SamplingParams]:
         """One SamplingParams per choice: with a seed, choice i samples with seed + i,
-        so the choices differ and the same request gives the same answer again."""
+        so the choices differ and the same request gives the same answer again.
+        ``preserve``: control tokens to write out as text."""
         base = self.to_sampling(defaults, cap)
+        if preserve:
+            base = dataclasses.replace(base, preserve=preserve)
         if self.n == 1 or base.seed is None:
             return [base] * self.n
         top = params.SEED.hi

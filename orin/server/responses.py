@@ -18,7 +18,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from orin.engine.stream import Completion, RequestStream, collect
 from orin.engine.types import FinishReason, RequestTimings, TokenEvent
@@ -419,7 +419,9 @@ async def sse_events(
     The events that are ready together (a client or loop that fell behind) go
     out in one write.
     """
-    many = list(streams) if isinstance(streams, (list, tuple)) else [streams]
+    many: list[RequestStream] = (
+        list(streams) if isinstance(streams, (list, tuple)) else [cast(RequestStream, streams)]
+    )
     chunks = [fmt.token_stream(i) for i in range(len(many))]
     with_ids = fmt.token_ids
     events: list[list[TokenEvent]] = [[] for _ in many]

@@ -96,6 +96,21 @@ class OutputSpec:
         """Nothing to look for: the text is the content, token for token."""
         return self.format is None and not self.reasoning
 
+    def marker_texts(self) -> tuple[str, ...]:
+        """The literals the parser looks for: a model whose vocabulary has them as
+        control tokens must have them written out (llama-server's preserved tokens),
+        or a Mistral model's ``[TOOL_CALLS]`` would vanish from the text."""
+        out: list[str] = []
+        if self.format is not None:
+            syntax = self.format.syntax
+            out += [*self.format.markers, *self.format.closers]
+            if self.format.id_last:
+                out.append(MISTRAL_CALL_ID)
+            out += [syntax.name_args or "", syntax.call_open.strip(), syntax.call_close.strip()]
+        if self.reasoning:
+            out += [THINK_OPEN, THINK_CLOSE]
+        return tuple(dict.fromkeys(t for t in out if t))
+
     def parser(self, eager: bool = True) -> OutputParser:
         """A new parser for one choice: ``eager`` streams a call as soon as its name
         is known; otherwise a call is reported once it is complete and valid."""

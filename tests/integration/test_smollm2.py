@@ -222,3 +222,19 @@ def test_the_smollm2_profile_serves_the_packaged_file(smol: Path) -> None:
     profile = load_profile("smollm2")
     assert resolve_model_path(profile) == smol
     assert profile.server.model_name == "smollm2-135m-instruct"
+
+
+def test_preserved_control_tokens_are_written_out(engine: Engine) -> None:
+    """A tool-call format's markers may be control tokens (Mistral's [TOOL_CALLS]),
+    which the text leaves out; a request that preserves them gets them written.
+    SmolLM2's <|im_start|> is one: forced with a logit bias, it shows only when
+    preserved."""
+    marker = "<|im_start|>"
+    ids = engine.control_tokens((marker, "<tool_call>", "plain words"))
+    assert len(ids) == 1  # the others are ordinary text
+    forced = {ids[0]: 100.0}
+    params = SamplingParams(max_tokens=3, logit_bias=forced, ignore_eos=True, **GREEDY)
+    hidden = engine.generate("Hi", params)
+    shown = engine.generate("Hi", SamplingParams(**{**params.__dict__, "preserve": ids}))
+    assert hidden.token_ids == shown.token_ids == (ids[0],) * 3
+    assert hidden.text == "" and shown.text == marker * 3

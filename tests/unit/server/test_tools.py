@@ -607,3 +607,18 @@ def test_without_tools_or_reasoning_the_fast_path_streams() -> None:
     assert isinstance(formatter(None).token_stream(), TokenChunks)
     assert isinstance(formatter(OutputSpec()).token_stream(), TokenChunks)  # nothing to parse
     assert not isinstance(formatter(HERMES).token_stream(), TokenChunks)
+
+
+def test_the_markers_a_request_preserves() -> None:
+    """The literals the parser looks for, as the engine is asked to write them out
+    when the vocabulary has them as control tokens."""
+    mistral = OutputSpec(format=FORMATS["mistral_args"])
+    assert set(mistral.marker_texts()) == {"[TOOL_CALLS]", "[ARGS]"}
+    hermes_thinking = OutputSpec(format=FORMATS["hermes"], reasoning=True)
+    assert set(hermes_thinking.marker_texts()) == {
+        "<tool_call>",
+        "</tool_call>",
+        "<think>",
+        "</think>",
+    }
+    assert OutputSpec().marker_texts() == ()
