@@ -17,7 +17,13 @@ import psutil
 from orin.engine.scheduler import ContextPolicy
 from orin.errors import KVConfigError
 from orin.llamacpp import BuildInfo
-from orin.model.gguf import KV_LAYOUT_HYBRID, KV_LAYOUT_ISWA, KV_LAYOUT_RECURRENT, ModelInfo
+from orin.model.gguf import (
+    KV_LAYOUT_HYBRID,
+    KV_LAYOUT_ISWA,
+    KV_LAYOUT_NONE,
+    KV_LAYOUT_RECURRENT,
+    ModelInfo,
+)
 from orin.model.memplan import kv_cells_per_seq
 from orin.profile.board import load_settings
 from orin.profile.kvmatch import resolve_kv
@@ -86,6 +92,11 @@ def engine_config(
     model on a Jetson's unified memory (the page cache would hold a second copy).
     """
     e, c = profile.engine, profile.context
+    if info.kv_layout == KV_LAYOUT_NONE:
+        raise KVConfigError(
+            f"{model_path.name}: {info.architecture} has no KV cache (an encoder such as an "
+            "embedding model); the engine serves decoder models, which generate text"
+        )
     decision = resolve_kv(e, info.quantization, info, build, available)
     if decision.errors:
         raise KVConfigError("; ".join(f"{f.rule}: {f.message}" for f in decision.errors))

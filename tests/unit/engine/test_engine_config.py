@@ -69,3 +69,26 @@ def test_prefill_chunk_is_smaller_when_layers_are_offloaded(tmp_path: Path) -> N
     assert chunk("{n_batch: 1024, prefill_chunk: 64}", cuda) == 64
     assert chunk("{n_batch: 1024, prefill_chunk: 64}", cpu) == 64
     assert chunk("{n_batch: 256, n_ubatch: 256, prefill_chunk: 512}", cpu) == 256
+
+
+def test_the_kv_layout_decides_prefix_reuse_and_serving(tmp_path: Path) -> None:
+    """A recurrent state cannot be cut back to a prefix (no reuse, no kept cache);
+    a window-sized cache of sliding-window layers cannot shift (no sliding unless
+    asked); an encoder has no KV cache to generate with (a clear error, no crash)."""
+    import dataclasses
+
+    path, info = model(tmp_path)
+    profile = parse_profile("name: p\n")
+    plain = engine_config(profile, path, info)
+    assert plain.prefix_reuse and plain.prefix_cache and plain.context.sliding
+    recurrent = engine_config(profile, path, dataclasses.replace(info, kv_layout="recurrent"))
+    assert not recurrent.prefix_reuse and not recurrent.prefix_cache
+    windowed = dataclasses.replace(info, kv_layout="iswa", sliding_window=512)
+    swa = engine_config(profile, path, windowed)
+    assert (swa.swa_window, swa.swa_full, swa.context.sliding) == (512, False, False)
+    full = engine_config(parse_profile("name: p\nengine: {swa_full: true}\n"), path, windowed)
+    assert (full.swa_window, full.context.sliding) == (0, True)
+    asked = engine_config(parse_profile("name: p\ncontext: {sliding: true}\n"), path, windowed)
+    assert asked.context.sliding  # the backend refuses it with both ways out
+    with pytest.raises(KVConfigError, match="no KV cache"):
+        engine_config(profile, path, dataclasses.replace(info, kv_layout="none"))
