@@ -361,8 +361,10 @@ def read_model_info(path: str | Path) -> ModelInfo:
     reader = _open_reader(p)
     try:
         return _build_info(p, reader)
-    except ModelFileError:
-        raise
+    except ModelFileError as exc:
+        if str(p) in str(exc):
+            raise
+        raise ModelFileError(f"{p}: {exc}") from exc  # which file, for every message
     except (KeyError, ValueError, TypeError, IndexError) as exc:
         raise ModelFileError(f"{p}: malformed GGUF metadata: {exc}") from exc
 

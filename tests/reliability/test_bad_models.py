@@ -27,7 +27,7 @@ def bad_models(tmp: Path) -> dict[str, Path]:
     out = {name: tmp / f"{name}.gguf" for name in files}
     for name, data in files.items():
         out[name].write_bytes(data)
-    out["wrong-architecture"] = write_gguf(
+    out["missing-metadata"] = write_gguf(
         tmp / "mamba.gguf", arch="mamba", params={"block_count": 2}
     )
     # a tensor table that declares far more data than the file holds
@@ -65,7 +65,7 @@ KINDS = [
     "zero-byte",
     "wrong-magic",
     "header-only",
-    "wrong-architecture",
+    "missing-metadata",
     "huge-declared-tensor",
 ]
 
