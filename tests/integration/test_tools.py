@@ -377,3 +377,21 @@ def test_smollm2_needs_a_template_with_tools(smol: Path) -> None:
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls or []
     assert valid_arguments(call.function.name, call.function.arguments)
+
+
+def test_smollm2_reasoning_is_split_from_the_content(smol: Path) -> None:
+    """The real model under a thinking template, its answer held to a think block
+    and a word by a grammar: the block is reasoning_content, streamed and whole."""
+    thinking = profile("qwen3").replace(ENGINE, "engine: {n_ctx: 2048, slots: 1}\n")
+    with live_server(smol, thinking) as (base, _):
+        c = client(base)
+        args: Any = {"model": "smol", "messages": ASK, **GREEDY, "extra_body": {"grammar": THINK}}
+        msg = c.chat.completions.create(**args).choices[0].message
+        reasoning = (msg.model_extra or {}).get("reasoning_content")
+        assert reasoning and msg.content and msg.content.isalpha()
+        chunks = list(c.chat.completions.create(**args, stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert (
+        "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == reasoning
+    )
+    assert "".join(d.content or "" for d in deltas) == msg.content
