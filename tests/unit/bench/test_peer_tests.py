@@ -258,7 +258,10 @@ def test_render_markdown() -> None:
     failures = md.split("### orin-llm failures")[1].split("<details>")[0]
     lines = [x for x in failures.splitlines() if x.startswith("- ")]
     assert lines[0].startswith("- `b`: 400 from POST /v1/chat/completions")
-    assert lines[1].startswith("- `e` *model*:")
+    assert lines[1].startswith("- `e` *model*: `assert match_regex(r, c)`")
+    own, shared = failures.split("#### ")[1:]
+    assert own.startswith("Where llama-server passes") and "`b`" in own and "`e`" not in own
+    assert shared.startswith("Where llama-server fails at the same assertion (1)")
     assert "| `c` | not offered: endpoint POST /completion | passed |" in md
 
 
@@ -284,3 +287,21 @@ def test_settings_noted() -> None:
     r = rec("failed", starts=[{"unsupported": {"debug": "x"}, "approximated": {"n_batch": "y"}},
                               {"approximated": {"n_batch": "y"}}])  # fmt: skip
     assert pt.settings_noted(r) == ["debug", "n_batch"]
+
+
+def test_a_passing_test_of_an_endpoint_orin_lacks_is_not_offered() -> None:
+    r = rec("passed", [event("/completion", 404)])
+    assert pt.outcome(pt.ORIN, r)["status"] == "not offered"
+    # an unsupported setting alone does not undo a pass
+    r = rec("passed", [event("/chat/completions", 200)], unsupported={"kv_unified": "x"})
+    assert pt.outcome(pt.ORIN, r)["status"] == "passed"
+
+
+def test_failure_cause_names_the_assertion() -> None:
+    r = rec(
+        "failed", line='assert body["fp"].startswith("b")', message="AssertionError: assert False"
+    )
+    assert pt.failure_cause(r, None) == '`assert body["fp"].startswith("b")`'
+    r = rec("failed", line="assert res.status_code == 400", message="assert 200 == 400")
+    assert pt.failure_cause(r, None) == "`assert res.status_code == 400`: assert 200 == 400"
+    assert pt.failure_cause(rec("error", message="TimeoutError: x"), None) == "TimeoutError: x"
