@@ -60,7 +60,8 @@ def register(app: FastAPI, state: ServerState, auth: Any) -> None:
         ignored = body.ignored_fields()
         if ignored:
             log.info("request %s: ignoring unknown fields %s", rid, ignored)
-        job = state.engine.embed_async(body.inputs(), body.dimensions, request_id=rid)
+        inputs = [_pieces_to_ids(state, p) for p in body.inputs()]
+        job = state.engine.embed_async(inputs, body.dimensions, request_id=rid)
         result = await _embed_or_cancel(request, job)
         if result is None:
             return Response(status_code=CLIENT_GONE)
@@ -117,6 +118,20 @@ def tokenize_mixed(engine: EngineClient, body: TokenizeRequest) -> list[int]:
         engine.detokenize(ids)  # raises for an id outside the vocabulary
     except InvalidRequest as exc:
         raise InvalidRequest("content", str(exc).removeprefix(f"{exc.param}: ")) from None
+    return out
+
+
+def _pieces_to_ids(state: ServerState, prompt: str | list[str | int]) -> str | list[int]:
+    """llama-server's mixed prompt (token ids with text pieces among them) as token
+    ids; a text piece is tokenized in place, with BOS only when it comes first."""
+    if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
+        return prompt  # type: ignore[return-value]
+    out: list[int] = []
+    for i, piece in enumerate(prompt):
+        if isinstance(piece, int):
+            out.append(piece)
+        else:
+            out += state.engine.tokenize(piece, add_special=i == 0)
     return out
 
 

@@ -348,6 +348,12 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "audio": (lambda v: not v, "audio output is not implemented"),
     "web_search_options": (lambda v: not v, "web search is not available"),
     "lora": (lambda v: not v, "LoRA adapters are not loaded by this server"),
+    "continue_final_message": (
+        lambda v: v is False,
+        "a final assistant message is rendered as a finished turn, not continued",
+    ),
+    "add_generation_prompt": (lambda v: v is True, "the template always adds it"),
+    "return_progress": (lambda v: v is False, "prompt progress chunks are not streamed"),
 }
 
 

@@ -31,11 +31,45 @@ def _is_id(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-class EmbeddingRequest(_Lenient):
-    """OpenAI's embeddings request."""
+Piece = str | int
+Prompt = str | list[Piece]  # text, or token ids with text pieces among them
 
-    input: str | list[str] | list[int] | list[list[int]] = Field(
-        ..., description="A string, a list of strings, token ids, or lists of token ids."
+
+def _prompt(value: Any) -> Prompt:
+    """One prompt in any of llama-server's forms: a string, token ids (with text
+    pieces among them), ``{"prompt_string": …}`` or ``{"content": [text parts]}``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(_is_id(x) or isinstance(x, str) for x in value):
+        return list(value)
+    if isinstance(value, dict):
+        if isinstance(value.get("prompt_string"), str):
+            return str(value["prompt_string"])
+        parts = value.get("content")
+        if isinstance(parts, list) and parts:
+            texts = [
+                p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == "text"
+            ]
+            if len(texts) == len(parts) and all(isinstance(t, str) for t in texts):
+                return "".join(cast(list[str], texts))
+            if any(isinstance(p, dict) and p.get("type") == "image_url" for p in parts):
+                raise ValueError("this model takes text only (an image_url part was given)")
+            raise ValueError("content parts must be text parts: {type: text, text: …}")
+    raise ValueError(
+        "input must be a string, a list of strings, a list of token ids or a list of "
+        "token-id lists (llama-server's forms too: ids with text pieces, "
+        "{prompt_string: …}, {content: [text parts]})"
+    )
+
+
+class EmbeddingRequest(_Lenient):
+    """OpenAI's embeddings request, with llama-server's forms of a prompt."""
+
+    input: Any = Field(
+        ...,
+        description="A string, a list of strings, token ids, or lists of token ids; also "
+        "llama-server's forms: ids with text pieces among them, {prompt_string: …}, "
+        "{content: [text parts]}.",
     )
     model: str | None = Field(None, description="Must name the served model when given.")
     encoding_format: Literal["float", "base64"] = Field(
@@ -51,28 +85,17 @@ class EmbeddingRequest(_Lenient):
     def _shape(cls, value: Any) -> Any:
         """One of OpenAI's four shapes, named ``input`` in the error (pydantic's own
         union errors would name each alternative)."""
-        if isinstance(value, str):
-            return value
+        if isinstance(value, list) and not value:
+            raise ValueError("input is empty")
+        if isinstance(value, list) and any(_is_id(x) for x in value):
+            return [_prompt(value)]  # token ids, perhaps with text pieces: one prompt
         if isinstance(value, list):
-            if not value:
-                raise ValueError("input is empty")
-            if all(isinstance(x, str) for x in value) or all(_is_id(x) for x in value):
-                return value
-            if all(isinstance(x, list) and all(_is_id(t) for t in x) for x in value):
-                return value
-        raise ValueError(
-            "input must be a string, a list of strings, a list of token ids "
-            "or a list of token-id lists"
-        )
+            return [_prompt(x) for x in value]
+        return [_prompt(value)]
 
-    def inputs(self) -> list[str] | list[list[int]]:
-        """The inputs, one per embedding: a lone string or token list becomes a list of one."""
-        value = self.input
-        if isinstance(value, str):
-            return [value]
-        if value and _is_id(value[0]):
-            return [cast(list[int], value)]
-        return cast("list[str] | list[list[int]]", value)
+    def inputs(self) -> list[Prompt]:
+        """The prompts, one per embedding (validation made a list of them)."""
+        return cast("list[Prompt]", self.input)
 
 
 def encode_vector(vector: npt.NDArray[np.float32], encoding: str) -> list[float] | str:

@@ -264,7 +264,9 @@ def test_every_input_shape_over_http(server: tuple[str, ServerState]) -> None:
     base, state = server
     ids = state.engine.tokenize(TEXTS[0])
     one = httpx.post(f"{base}/v1/embeddings", json={"input": TEXTS[0]}).json()
-    shapes = [TEXTS[0], [TEXTS[0]], ids, [ids]]
+    head, tail = TEXTS[0][:5], TEXTS[0][5:]
+    parts = [{"type": "text", "text": head}, {"type": "text", "text": tail}]
+    shapes = [TEXTS[0], [TEXTS[0]], ids, [ids], {"prompt_string": TEXTS[0]}, {"content": parts}]
     for given in shapes:
         r = httpx.post(f"{base}/v1/embeddings", json={"input": given})
         assert r.status_code == 200, r.text

@@ -373,6 +373,16 @@ def test_llama_cpp_structured_output_forms(
         ("/v1/chat/completions", {"messages": USER, "typical_p": 0.5}, "typical_p"),
         ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "continue_final_message": True},
+            "continue_final_message",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "add_generation_prompt": False},
+            "add_generation_prompt",
+        ),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),

@@ -305,3 +305,11 @@ def test_failure_cause_names_the_assertion() -> None:
     r = rec("failed", line="assert res.status_code == 400", message="assert 200 == 400")
     assert pt.failure_cause(r, None) == "`assert res.status_code == 400`: assert 200 == 400"
     assert pt.failure_cause(rec("error", message="TimeoutError: x"), None) == "TimeoutError: x"
+
+
+def test_causes_shared_by_several_failures_are_counted() -> None:
+    line = 'assert body["fp"].startswith("b")'
+    orin = [rec("failed", id=i, line=line, message="assert False") for i in ("x", "y")]
+    llama = [rec("passed", id=i) for i in ("x", "y")]
+    md = pt.render_markdown(pt.build_report({pt.ORIN: orin, pt.LLAMA: llama}, {}))
+    assert f"| `{line}` | 2 |" in md

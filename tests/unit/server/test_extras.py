@@ -141,6 +141,16 @@ def test_each_input_shape_is_one_embedding_per_input(
         (["a", "bb"], [[1, 11], [1, 12]]),
         ([5, 6, 7], [[5, 6, 7]]),
         ([[5], [6, 7]], [[5], [6, 7]]),
+        # llama-server's forms: ids with text pieces (BOS only before a leading text),
+        # {prompt_string}, {content: [text parts]}, and lists mixing them
+        ([5, "bb", 6], [[5, 12, 6]]),
+        (["a", 5], [[1, 11, 5]]),
+        ([[5], "a", [6, "bb"]], [[5], [1, 11], [6, 12]]),
+        ({"prompt_string": "a bb"}, [[1, 11, 12]]),
+        (
+            {"content": [{"type": "text", "text": "a "}, {"type": "text", "text": "bb"}]},
+            [[1, 11, 12]],
+        ),
     ]
     for given, seqs in shapes:
         engine.embedded.clear()
@@ -154,8 +164,9 @@ def test_each_input_shape_is_one_embedding_per_input(
     ("body", "param"),
     [
         ({"input": []}, "input"),
-        ({"input": [1, "a"]}, "input"),
-        ({"input": [[1], "a"]}, "input"),
+        ({"input": {"content": "a"}}, "input"),
+        ({"input": {"content": [{"type": "unknown"}]}}, "input"),
+        ({"input": {"content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}}, "input"),
         ({"input": [1.5]}, "input"),
         ({"input": {"text": "a"}}, "input"),
         ({}, "input"),
@@ -178,6 +189,7 @@ def test_dimensions_equal_to_the_width_is_accepted(client: TestClient) -> None:
 
 def test_a_lone_token_list_and_a_list_of_strings_parse_apart() -> None:
     assert EmbeddingRequest(input=[3, 4]).inputs() == [[3, 4]]
+    assert EmbeddingRequest(input=[3, "x"]).inputs() == [[3, "x"]]  # one mixed prompt
     assert EmbeddingRequest(input=["3", "4"]).inputs() == ["3", "4"]
     assert EmbeddingRequest(input=[[3], [4]]).inputs() == [[3], [4]]
     assert EmbeddingRequest(input="x").inputs() == ["x"]
