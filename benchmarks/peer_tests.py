@@ -1,6 +1,7 @@
 """llama.cpp's own server tests against `orin-llm serve` and `llama-server`, side by side.
 
-    .venv/bin/python -m benchmarks.peer_tests [--out FILE] [--json FILE] [--only orin|llama-server]
+    .venv/bin/python -m benchmarks.peer_tests [--out FILE] [--json FILE]
+        [--only orin|llama-server] [--threads N] [-k EXPR]
 
 1. Takes the tests of the OpenAI-compatible surface (``TEST_FILES``) from
    tools/server/tests/unit of the llama.cpp sources vendored in the llama-cpp-python
@@ -698,6 +699,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             if not group:
                 continue
             lines += ["", f"#### {title} ({len(group)})", ""]
+            causes = Counter(f["cause"] for f in group)
+            if len(causes) < len(group):
+                lines += ["| cause | tests |", "|---|---:|"]
+                lines += [f"| {_cell(c)} | {n} |" for c, n in causes.most_common()]
+                lines.append("")
             for f in sorted(group, key=lambda f: (f["model_dependent"], f["cause"], f["id"])):
                 tag = " *model*" if f["model_dependent"] else ""
                 noted = ", ".join(f.get("settings", ()))

@@ -13,15 +13,32 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import utils  # type: ignore[import-not-found]
 
 
-def _recording(send: Callable[..., Any]) -> Callable[..., Any]:
-    """``Client.send`` of an httpx-style client, recording each request and its answer."""
+def _recording(module: Any) -> None:
+    """Wraps ``module.Client.send`` (httpx or its fork) to record each request, its
+    status and its body (a streamed body as it is read)."""
+    send = module.Client.send
+
+    class Tee(module.SyncByteStream):
+        def __init__(self, inner: Any, event: dict[str, Any]) -> None:
+            self.inner = inner
+            self.event = event
+            self.seen = bytearray()
+
+        def __iter__(self) -> Iterator[bytes]:
+            for chunk in self.inner:
+                self.seen += chunk
+                self.event["response"] = utils.clip(self.seen.decode(errors="replace"))
+                yield chunk
+
+        def close(self) -> None:
+            self.inner.close()
 
     def recording_send(client: Any, request: Any, **kwargs: Any) -> Any:
         try:
@@ -38,18 +55,20 @@ def _recording(send: Callable[..., Any]) -> Callable[..., Any]:
         event["status"] = response.status_code
         if not kwargs.get("stream"):
             event["response"] = utils.clip(response.text)
+        else:
+            event["response"] = ""
+            response.stream = Tee(response.stream, event)
         return response
 
-    return recording_send
+    module.Client.send = recording_send
 
 
 # the openai client sends through httpx, or through its fork httpx2 in newer releases
 for _name in ("httpx", "httpx2"):
     try:
-        _client = importlib.import_module(_name).Client
+        _recording(importlib.import_module(_name))
     except (ImportError, AttributeError):
         continue
-    _client.send = _recording(_client.send)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

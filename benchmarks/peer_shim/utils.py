@@ -351,17 +351,19 @@ class ServerProcess:
                 body = response.text
             raise ServerError(response.status_code, body)
         seen: list[str] = []
+        event["response"] = ""
         try:
             for raw in response.iter_lines():
                 line = raw.decode("utf-8")
                 if line:
+                    # kept as it comes: a test that fails mid-stream never closes the generator
                     seen.append(line)
+                    event["response"] = clip("\n".join(seen))
                 if "[DONE]" in line:
                     break
                 if line.startswith("data: "):
                     yield json.loads(line[6:])
         finally:
-            event["response"] = clip("\n".join(seen))
             response.close()
 
     def make_any_request(
