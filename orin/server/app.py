@@ -73,18 +73,7 @@ def _register(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models", dependencies=[auth])
     def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "orin-llm",
-                    "meta": state.model_meta(),
-                }
-            ],
-        }
+        return {"object": "list", "data": [extras.model_object(state)]}
 
     @app.post("/v1/chat/completions", dependencies=[auth])
     async def chat(body: protocol.ChatCompletionRequest, request: Request) -> Any:

@@ -107,12 +107,7 @@ def tokenize_mixed(engine: EngineClient, body: TokenizeRequest) -> list[int]:
         return []
     if isinstance(content, str):
         return engine.tokenize(content, body.add_special, body.parse_special)
-    out: list[int] = []
-    for i, part in enumerate(content):
-        if isinstance(part, str):
-            out += engine.tokenize(part, body.add_special and i == 0, body.parse_special)
-        else:
-            out.append(part)
+    out = mixed_ids(engine, content, body.add_special, body.parse_special)
     ids = [p for p in content if not isinstance(p, str)]
     try:
         engine.detokenize(ids)  # raises for an id outside the vocabulary
@@ -121,18 +116,26 @@ def tokenize_mixed(engine: EngineClient, body: TokenizeRequest) -> list[int]:
     return out
 
 
+def mixed_ids(
+    engine: EngineClient, parts: list[str | int], add_special: bool, parse_special: bool
+) -> list[int]:
+    """Token ids with text pieces among them, as one list of ids: a text piece is
+    tokenized in place, ``add_special`` applying only to a leading one."""
+    out: list[int] = []
+    for i, part in enumerate(parts):
+        if isinstance(part, str):
+            out += engine.tokenize(part, add_special and i == 0, parse_special)
+        else:
+            out.append(part)
+    return out
+
+
 def _pieces_to_ids(state: ServerState, prompt: str | list[str | int]) -> str | list[int]:
-    """llama-server's mixed prompt (token ids with text pieces among them) as token
-    ids; a text piece is tokenized in place, with BOS only when it comes first."""
+    """An embedding input in llama-server's mixed form as token ids (text and plain
+    id lists go to the engine as they are)."""
     if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
         return prompt  # type: ignore[return-value]
-    out: list[int] = []
-    for i, piece in enumerate(prompt):
-        if isinstance(piece, int):
-            out.append(piece)
-        else:
-            out += state.engine.tokenize(piece, add_special=i == 0)
-    return out
+    return mixed_ids(state.engine, prompt, add_special=True, parse_special=True)
 
 
 async def _embed_or_cancel(request: Request, job: Awaitable[Embeddings]) -> Embeddings | None:

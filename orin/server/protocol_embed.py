@@ -15,16 +15,10 @@ from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from orin.engine.embed import Embeddings
-
-
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    def ignored_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
+from orin.server.protocol import _Lenient
 
 
 def _is_id(x: object) -> bool:
