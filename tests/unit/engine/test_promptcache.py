@@ -1,0 +1,482 @@
+"""The persistent prompt cache on real files; llama.cpp's per-sequence state calls are
+stood in for at the library boundary (tests/integration/test_promptcache_store.py
+runs the real ones)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orin.engine import promptcache
+from orin.engine.config import EngineConfig
+from orin.engine.promptcache import (
+    STALE_S,
+    CacheKey,
+    Entry,
+    PromptCache,
+    entry_name,
+    model_digest,
+    resolved_flash_attn,
+)
+from orin.engine.scheduler import ContextPolicy
+
+MAGIC = b"QSGG"  # llama.cpp's LLAMA_FILE_MAGIC_GGSQ, as a little-endian u32
+PAYLOAD_PER_TOKEN = 64
+
+KEY = CacheKey(
+    model_sha256="ab" * 32,
+    type_k="f16",
+    type_v="f16",
+    flash_attn="on",
+    swa_full=False,
+    kv_unified=False,
+    n_stream=2,
+    n_ctx_seq=512,
+    rope_freq_base=None,
+)
+
+
+class FakeLlama:
+    """The llama.cpp calls the cache makes. A sequence holds tokens at positions
+    0..n-1; a state file is laid out as llama.cpp's (magic, version, token count,
+    tokens) followed by a payload derived from the sequence's tokens."""
+
+    llama_token = ctypes.c_int32
+
+    def __init__(self) -> None:
+        self.seqs: dict[int, list[int]] = {}
+        self.loaded: list[bytes] = []  # the paths llama_state_seq_load_file was given
+        self.refuse = False
+
+    def llama_memory_seq_pos_max(self, _mem: Any, seq: int) -> int:
+        return len(self.seqs.get(seq, ())) - 1
+
+    def llama_memory_seq_rm(self, _mem: Any, seq: int, p0: int, p1: int) -> bool:
+        assert (p0, p1) == (0, -1)
+        self.seqs.pop(seq, None)
+        return True
+
+    def llama_state_seq_save_file(
+        self, _ctx: Any, path: bytes, seq: int, tokens: Any, n: int
+    ) -> int:
+        held = self.seqs[seq]
+        data = MAGIC + struct.pack(f"<II{n}i", 3, n, *tokens[:n]) + payload(held)
+        with open(path, "wb") as f:  # fopen(wb): truncates, keeps the mode
+            f.write(data)
+        return len(data)
+
+    def llama_state_seq_load_file(
+        self, _ctx: Any, path: bytes, seq: int, out: Any, capacity: int, n_out: Any
+    ) -> int:
+        self.loaded.append(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        magic, _version, n = struct.unpack_from("<4sII", data)
+        if self.refuse or magic != MAGIC or n > capacity:
+            self.seqs[seq] = [0]  # a failed load may leave cells behind
+            return 0
+        tokens = struct.unpack_from(f"<{n}i", data, 12)
+        for i, t in enumerate(tokens):
+            out[i] = t
+        n_out[0] = n
+        self.seqs[seq] = list(tokens)
+        return len(data)
+
+
+def payload(tokens: list[int]) -> bytes:
+    return b"".join(bytes([t % 251]) * PAYLOAD_PER_TOKEN for t in tokens)
+
+
+@dataclass
+class Handles:
+    lib: FakeLlama = field(default_factory=FakeLlama)
+    ctx: Any = None
+    memory: Any = None
+
+    def prefill(self, seq: int, tokens: list[int]) -> None:
+        self.lib.seqs[seq] = list(tokens)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def cache(tmp_path: Path, key: CacheKey = KEY, max_bytes: int = 1 << 20) -> PromptCache:
+    return PromptCache(tmp_path / "pc", key, max_bytes, clock=Clock())
+
+
+def saved(pc: PromptCache, kv: Handles, tokens: list[int], seq: int = 0) -> Entry:
+    kv.prefill(seq, tokens)
+    entry = pc.save(kv, seq, tokens)
+    assert entry is not None
+    kv.lib.seqs.pop(seq)
+    return entry
+
+
+# -- key and names ----------------------------------------------------------------------
+
+
+def test_each_key_field_changes_the_key_and_the_file_name() -> None:
+    tokens = [1, 2, 3]
+    other: dict[str, object] = {
+        "model_sha256": "cd" * 32,
+        "type_k": "q8_0",
+        "type_v": "q8_0",
+        "flash_attn": "off",
+        "swa_full": True,
+        "kv_unified": True,
+        "n_stream": 4,
+        "n_ctx_seq": 1024,
+        "rope_freq_base": 20000.0,
+        "format": 2,
+    }
+    assert set(other) == {f.name for f in fields(CacheKey)}
+    names = {entry_name(KEY, tokens)}
+    for name, value in other.items():
+        changed = replace(KEY, **{name: value})  # type: ignore[arg-type]
+        assert changed.digest != KEY.digest, name
+        names.add(entry_name(changed, tokens))
+    assert len(names) == len(other) + 1
+    assert entry_name(KEY, [1, 2, 4]) != entry_name(KEY, tokens)
+    assert entry_name(KEY, tokens) == entry_name(replace(KEY), list(tokens))
+    assert CacheKey.from_json(json.loads(json.dumps(KEY.to_json()))) == KEY
+
+
+def engine_cfg(**changes: Any) -> EngineConfig:
+    cfg = EngineConfig(
+        model_path=Path("m.gguf"),
+        n_ctx=512,
+        slots=4,
+        n_batch=64,
+        n_ubatch=64,
+        threads=1,
+        threads_batch=1,
+        gpu_layers=0,
+        flash_attn="auto",
+        type_k="q8_0",
+        type_v="q8_0",
+        load_mode="mmap",
+        numa="disabled",
+        context=ContextPolicy(window=512),
+    )
+    return cfg.with_(**changes)
+
+
+def test_key_from_config_counts_streams_and_takes_the_resolved_flash_attention() -> None:
+    key = CacheKey.from_config(engine_cfg(rope_freq_base=5e5), "ab" * 32, 512)
+    assert (key.n_stream, key.kv_unified, key.flash_attn) == (4, False, "auto")
+    assert (key.type_k, key.type_v, key.rope_freq_base, key.n_ctx_seq) == ("q8_0", "q8_0", 5e5, 512)
+    unified = CacheKey.from_config(engine_cfg(kv_unified=True), "ab" * 32, 2048)
+    assert (unified.n_stream, unified.kv_unified) == (1, True)
+    assert CacheKey.from_config(engine_cfg(), "ab" * 32, 512, flash_attn=False).flash_attn == "off"
+    assert CacheKey.from_config(engine_cfg(), "ab" * 32, 512, flash_attn=True).flash_attn == "on"
+
+
+def test_flash_attention_auto_is_resolved_from_the_context_log() -> None:
+    log = [
+        "llama_context: flash_attn            = auto\n",
+        "resolve_fused_ops: Flash Attention enabled\n",
+    ]
+    assert resolved_flash_attn(log, "auto") is True
+    off = ["resolve_fused_ops: Flash Attention not supported, set to disabled\n"]
+    assert resolved_flash_attn(off, "auto") is False
+    assert resolved_flash_attn([], "auto") is None
+    assert resolved_flash_attn(log, "off") is False and resolved_flash_attn([], "on") is True
+
+
+# -- lookup and save ----------------------------------------------------------------------
+
+
+def test_find_takes_the_longest_saved_prefix_and_get_the_exact_prompt(tmp_path: Path) -> None:
+    pc, kv = cache(tmp_path), Handles()
+    short = saved(pc, kv, [5, 6, 7])
+    long = saved(pc, kv, [5, 6, 7, 8, 9])
+    saved(pc, kv, [5, 6, 9, 9, 9, 9])
+    assert pc.find([5, 6, 7, 8, 9, 10, 11]) == long
+    assert pc.find([5, 6, 7, 8]) == short
+    assert pc.find([5, 6, 7, 8, 9]) == long  # the whole request is a prefix of itself
+    assert pc.find([5, 6]) is None and pc.find([]) is None
+    assert pc.get([5, 6, 7]) == short
+    assert pc.get([5, 6, 7, 8]) is None
+    assert (pc.counters.hits, pc.counters.misses, pc.counters.saves) == (4, 3, 3)
+    # a new instance (a restart) reads the same entries back from disk
+    assert cache(tmp_path).find([5, 6, 7, 8, 9, 10]) == long
+
+
+def test_save_writes_private_files_atomically(tmp_path: Path) -> None:
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3, 4])
+    assert os.stat(pc.directory).st_mode & 0o777 == 0o700
+    assert sorted(os.listdir(pc.directory)) == sorted(
+        [entry.name + ".state", entry.name + ".json"]
+    )  # no temporary file left
+    for path in (entry.state_path, entry.sidecar_path):
+        assert path.stat().st_mode & 0o777 == 0o600
+    doc = json.loads(entry.sidecar_path.read_text())
+    assert doc["tokens"] == [1, 2, 3, 4] and doc["key"] == KEY.to_json()
+    assert doc["state_bytes"] == entry.state_path.stat().st_size == 12 + 16 + 4 * 64
+    assert entry.disk_bytes == pc.total_bytes
+    # saving the same prompt again rewrites nothing
+    kv.prefill(0, [1, 2, 3, 4])
+    assert pc.save(kv, 0, [1, 2, 3, 4]) is not None and pc.counters.saves == 1
+
+
+def test_save_refuses_a_sequence_that_does_not_hold_the_prompt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pc, kv = cache(tmp_path), Handles()
+    kv.prefill(0, [1, 2, 3])
+    with caplog.at_level(logging.WARNING):
+        assert pc.save(kv, 0, [1, 2, 3, 4]) is None
+    assert "holds positions up to 2" in caplog.text
+    assert pc.save(kv, 0, []) is None
+    assert os.listdir(pc.directory) == []
+
+
+def test_least_recently_used_entries_go_first_to_stay_within_max_bytes(tmp_path: Path) -> None:
+    kv = Handles()
+    probe = saved(cache(tmp_path / "probe"), kv, [1] * 10)
+    pc = cache(tmp_path, max_bytes=int(probe.disk_bytes * 2.5))  # room for two
+    a = saved(pc, kv, [1] * 10)
+    b = saved(pc, kv, [2] * 10)
+    assert pc.load(kv, 3, a)  # a is now more recent than b
+    c = saved(pc, kv, [3] * 10)
+    assert [e.name for e in pc.entries()] == [c.name, a.name]
+    assert not b.state_path.exists() and not b.sidecar_path.exists()
+    assert pc.counters.evicted == 1 and pc.total_bytes <= pc.max_bytes
+    # the order survives a restart: last-used times are in the sidecars
+    again = cache(tmp_path, max_bytes=pc.max_bytes)
+    saved(again, kv, [4] * 10)
+    assert {e.tokens[0] for e in again.entries()} == {3, 4}
+
+
+def test_an_entry_larger_than_max_bytes_alone_is_not_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    kv = Handles()
+    probe = saved(cache(tmp_path / "probe"), kv, [1])
+    pc = cache(tmp_path, max_bytes=probe.disk_bytes + 100)
+    small = saved(pc, kv, [1])
+    kv.prefill(0, [2] * 10)
+    with caplog.at_level(logging.WARNING):
+        assert pc.save(kv, 0, [2] * 10) is None
+    assert "more than max_bytes" in caplog.text
+    assert pc.entries() == [small] and sorted(os.listdir(pc.directory)) == sorted(
+        [small.name + ".state", small.name + ".json"]
+    )
+
+
+# -- load and verification ----------------------------------------------------------------
+
+
+def test_load_restores_the_tokens_into_an_empty_sequence(tmp_path: Path) -> None:
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [7, 8, 9])
+    assert pc.load(kv, 1, entry)
+    assert kv.lib.seqs[1] == [7, 8, 9] and pc.counters.loads == 1
+    assert kv.lib.loaded[-1].startswith(b"/proc/self/fd/")  # the very file verified
+    assert pc.get([7, 8, 9]).last_used > entry.last_used  # type: ignore[union-attr]
+    # a sequence that holds cells is not overwritten
+    assert not pc.load(kv, 1, entry)
+    assert kv.lib.seqs[1] == [7, 8, 9]
+
+
+def test_altered_or_truncated_state_is_refused_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [7, 8, 9])
+    data = bytearray(entry.state_path.read_bytes())
+    data[-5] ^= 0x01  # same size, one bit off
+    entry.state_path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert not pc.load(kv, 0, entry)
+    assert str(entry.state_path) in caplog.text and "SHA-256" in caplog.text
+    assert kv.lib.loaded == [] and 0 not in kv.lib.seqs  # llama.cpp never saw it
+    assert not entry.state_path.exists() and pc.entries() == []  # ours: removed
+    assert pc.counters.rejected == 1
+
+    other = saved(pc, kv, [1, 2])
+    other.state_path.write_bytes(other.state_path.read_bytes()[:-10])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert not pc.load(kv, 0, other)
+    assert "bytes, the sidecar says" in caplog.text
+    # and a restart skips a truncated file without hashing it
+    third = saved(pc, kv, [3, 4])
+    third.state_path.write_bytes(b"short")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert cache(tmp_path).find([3, 4, 5]) is None
+    assert str(third.sidecar_path) in caplog.text
+
+
+def test_corrupt_sidecar_is_skipped_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pc, kv = cache(tmp_path), Handles()
+    good = saved(pc, kv, [1, 2, 3])
+    bad = saved(pc, kv, [4, 5, 6])
+    bad.sidecar_path.write_text('{"key": ')
+    forged = saved(pc, kv, [7, 8, 9])
+    doc = json.loads(forged.sidecar_path.read_text())
+    doc["tokens"] = [7, 8, 10]  # tokens that do not give the file's name
+    forged.sidecar_path.write_text(json.dumps(doc))
+    with caplog.at_level(logging.WARNING):
+        again = cache(tmp_path)
+    assert [e.tokens for e in again.entries()] == [good.tokens]
+    assert str(bad.sidecar_path) in caplog.text and str(forged.sidecar_path) in caplog.text
+    assert again.counters.rejected == 2
+    assert not bad.state_path.exists() and not forged.state_path.exists()
+    # a sidecar damaged after the scan is caught when the entry is loaded
+    good.sidecar_path.write_text("[]")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert not again.load(kv, 0, again.entries()[0])
+    assert "sidecar" in caplog.text and kv.lib.loaded == []
+
+
+def test_another_keys_entries_are_not_found_nor_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    kv = Handles()
+    mine = saved(cache(tmp_path), kv, [1, 2, 3])
+    other = cache(tmp_path, key=replace(KEY, type_k="q8_0", type_v="q8_0"))
+    assert other.find([1, 2, 3, 4]) is None and other.get([1, 2, 3]) is None
+    assert other.entries() == [] and other.total_bytes == mine.disk_bytes  # it still counts
+    with caplog.at_level(logging.WARNING):
+        assert not other.load(kv, 0, mine)
+    assert "another model or context" in caplog.text and kv.lib.loaded == []
+    assert mine.state_path.exists()  # not ours to judge: kept
+
+
+def test_entries_of_another_format_are_left_alone(tmp_path: Path) -> None:
+    kv = Handles()
+    entry = saved(cache(tmp_path), kv, [1, 2, 3])
+    doc = json.loads(entry.sidecar_path.read_text())
+    doc["key"]["format"] = 99
+    doc["extra"] = "from a newer version"
+    entry.sidecar_path.write_text(json.dumps(doc))
+    again = cache(tmp_path)
+    assert again.entries() == [] and again.counters.rejected == 0
+    assert entry.sidecar_path.exists() and entry.state_path.exists()
+
+
+@pytest.mark.parametrize("which", ["state", "sidecar"])
+@pytest.mark.parametrize("how", ["group-writable", "world-writable", "other-owner", "symlink"])
+def test_a_file_someone_else_could_write_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, which: str, how: str
+) -> None:
+    if how == "other-owner" and os.geteuid() != 0:
+        pytest.skip("only root can give a file to another user")
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+    path = entry.state_path if which == "state" else entry.sidecar_path
+    if how == "group-writable":
+        os.chmod(path, 0o620)
+    elif how == "world-writable":
+        os.chmod(path, 0o602)
+    elif how == "other-owner":
+        os.chown(path, 54321, 54321)
+    else:
+        real = tmp_path / "elsewhere"
+        path.rename(real)
+        path.symlink_to(real)
+    with caplog.at_level(logging.WARNING):
+        assert cache(tmp_path).entries() == []  # a restart skips it...
+        assert not pc.load(kv, 0, entry)  # ...and so does a load
+    assert kv.lib.loaded == [] and 0 not in kv.lib.seqs
+    assert str(path.parent) in caplog.text
+
+
+def test_a_directory_others_can_write_disables_the_cache(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    kv = Handles()
+    entry = saved(cache(tmp_path), kv, [1, 2, 3])
+    os.chmod(tmp_path / "pc", 0o777)
+    with caplog.at_level(logging.WARNING):
+        pc = cache(tmp_path)
+    assert pc.problem is not None and "writable by group or others" in pc.problem
+    assert pc.find([1, 2, 3]) is None and not pc.load(kv, 0, entry)
+    kv.prefill(0, [1, 2])
+    assert pc.save(kv, 0, [1, 2]) is None
+    assert "prompt cache disabled" in caplog.text
+
+
+def test_a_load_llama_cpp_refuses_leaves_the_sequence_empty(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+    kv.lib.refuse = True
+    with caplog.at_level(logging.WARNING):
+        assert not pc.load(kv, 2, entry)
+    assert "llama.cpp refused it" in caplog.text and 2 not in kv.lib.seqs
+    assert entry.state_path.exists()  # the file is fine: the context could not take it
+
+
+def test_files_an_interrupted_save_left_are_removed_once_stale(tmp_path: Path) -> None:
+    pc, kv = cache(tmp_path), Handles()
+    saved(pc, kv, [1, 2, 3])
+    orphan = pc.directory / (entry_name(KEY, [4, 5]) + ".state")
+    temp = pc.directory / ".tmp-x.state.1.ab"
+    fresh = pc.directory / ".tmp-y.state.1.cd"
+    for path in (orphan, temp, fresh):
+        path.write_bytes(b"x")
+    old = pc.clock() - STALE_S - 10
+    for path in (orphan, temp):
+        os.utime(path, (old, old))
+    pc.refresh()
+    assert not orphan.exists() and not temp.exists()
+    assert fresh.exists()  # perhaps a save in progress in another process
+    assert pc.get([1, 2, 3]) is not None
+
+
+# -- model digest -------------------------------------------------------------------------
+
+
+def test_model_digest_is_remembered_until_the_file_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    hashed: list[Path] = []
+    real = promptcache.file_sha256
+
+    def counting(path: Path) -> str:
+        hashed.append(path)
+        return real(path)
+
+    monkeypatch.setattr(promptcache, "file_sha256", counting)
+    memo_dir = tmp_path / "memo"
+    first = model_digest(model, memo_dir)
+    assert model_digest(model, memo_dir) == first and len(hashed) == 1
+    link = tmp_path / "link.gguf"
+    link.symlink_to(model)
+    assert model_digest(link, memo_dir) == first and len(hashed) == 1  # the resolved path
+    assert (memo_dir / "model-digests.json").stat().st_mode & 0o777 == 0o600
+
+    model.write_bytes(b"GGUF" + bytes(range(256)) * 64)  # same bytes, new mtime
+    st = model.stat()
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert model_digest(model, memo_dir) == first and len(hashed) == 2
+    model.write_bytes(b"GGUF changed")
+    assert model_digest(model, memo_dir) != first and len(hashed) == 3
+
+    # a memo someone else could have written is not believed
+    os.chmod(memo_dir / "model-digests.json", 0o666)
+    assert model_digest(model, memo_dir) == real(model) and len(hashed) == 4
