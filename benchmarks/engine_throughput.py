@@ -19,6 +19,13 @@ repetition. A step breakdown pass at the end splits each side's time per generat
 into llama_decode and everything else, and counts the llama.cpp micro-batches per engine
 step (see ``seq_runs``).
 
+Every rate is also shown as memory-bandwidth utilization (docs/bench.md, "Bandwidth
+utilization"): the bytes a decode step reads (the weights once, each stream's attended
+KV cells; orin.model.traffic) times decode steps per second, over this machine's memory
+bandwidth (orin.system.membw). Steps/s is 1000 / TPOT for one stream, tokens/s / S for
+S streams (prefill included), and 1000 / step period for the steady steps of the
+breakdown (decode only).
+
 Run: ``.venv/bin/python -m benchmarks.engine_throughput [--quant f16,q4_k_m] [--size medium]
 [--streams 1,4,8] [--tokens 64] [--reps 5] [--tpot-pairs 5] [--breakdown-runs 3]
 [--json FILE]``
@@ -44,14 +51,16 @@ from typing import Any
 
 import numpy as np
 
+from orin.bench.bandwidth import Utilization, at_rate
 from orin.engine.backend import ggml_type
 from orin.engine.config import EngineConfig, engine_config
 from orin.engine.engine import Engine
 from orin.engine.types import SamplingParams, StepStats
 from orin.model import demo
-from orin.model.gguf import read_model_info
+from orin.model.gguf import ModelInfo, read_model_info
 from orin.model.vocab import FIRST_NORMAL_ID
 from orin.profile.loader import parse_profile
+from orin.system.membw import Bandwidth, memory_bandwidth
 
 BOS = 1  # <s> of the demo vocabulary
 N_CTX = 512
@@ -464,6 +473,7 @@ def bench_quant(args: argparse.Namespace, quant: str) -> dict[str, Any]:
             breakdowns = [b for b in found if b is not None]
     plain.llm.close()
     layout = layout_check(cfg) if args.layout_check else None
+    summary = summarize(runs, singles, args.streams)
     return {
         "quant": quant,
         "model": path.name,
@@ -482,10 +492,47 @@ def bench_quant(args: argparse.Namespace, quant: str) -> dict[str, Any]:
         },
         "runs": runs,
         "single_stream": singles,
-        "summary": summarize(runs, singles, args.streams),
+        "summary": summary,
         "breakdown": [asdict(b) for b in breakdowns],
         "layout_check": layout,
+        "bandwidth": bandwidth(read_model_info(path), cfg, summary, breakdowns, n),
     }
+
+
+def bandwidth(
+    info: ModelInfo,
+    cfg: EngineConfig,
+    summary: dict[str, Any],
+    breakdowns: list[Breakdown],
+    n: int,
+    bw: Bandwidth | None = None,
+) -> dict[str, Any]:
+    """Each rate as decode memory traffic against this machine's memory bandwidth.
+
+    The KV cells a stream attends to average the mean prompt plus half the output."""
+    bw = bw or memory_bandwidth()
+    cells = (PROMPT_MIN + PROMPT_MAX) / 2 + n / 2
+
+    def at(streams: int, steps_per_s: float) -> dict[str, Any]:
+        u: Utilization = at_rate(info, streams, cells, steps_per_s, cfg.type_k, cfg.type_v, bw)
+        return u.to_json()
+
+    rows: list[dict[str, Any]] = []
+    tp = summary.get("tpot")
+    if tp:
+        for side, key in (("engine TPOT", "engine_ms"), ("plain TPOT", "plain_ms")):
+            rows.append({"what": side, **at(1, 1000 / tp[key]["median"])})
+    for s, row in summary["streams"].items():
+        streams = int(s)
+        rows.append(
+            {"what": "engine tok/s", **at(streams, row["engine_tok_s"]["median"] / streams)}
+        )
+        if streams == 1:
+            rows.append({"what": "sequential tok/s", **at(1, row["sequential_tok_s"]["median"])})
+    for b in breakdowns:
+        name = "engine steady step" if b.side == "engine" else "plain steady step"
+        rows.append({"what": name, **at(b.streams, 1000 / b.period_ms)})
+    return {"mem_bandwidth": bw.to_dict(), "mean_kv_cells": cells, "rows": rows}
 
 
 def _run_dict(r: Run) -> dict[str, Any]:
@@ -636,6 +683,8 @@ def markdown(result: dict[str, Any]) -> str:
                     f"| {b['other_ms']:.3f} ({100 * b['other_ms'] / b['period_ms']:.1f} %) "
                     f"| {1000 * b['streams'] / b['period_ms']:.0f} |"
                 )
+        if q.get("bandwidth"):
+            lines += ["", *bandwidth_table(q["bandwidth"])]
         if q.get("layout_check"):
             lc = q["layout_check"]
             lines += [
@@ -651,6 +700,27 @@ def markdown(result: dict[str, Any]) -> str:
                 )
         lines.append("")
     return "\n".join(lines)
+
+
+def bandwidth_table(bw: dict[str, Any]) -> list[str]:
+    m = bw["mem_bandwidth"]
+    known = m["gb_per_s"] is not None
+    lines = [
+        "| decode memory traffic | streams | MiB per step | steps/s | GB/s | of bandwidth |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in bw["rows"]:
+        util = f"{r['utilization_pct']:.1f} %" if r["utilization_pct"] is not None else "-"
+        lines.append(
+            f"| {r['what']} | {r['decode_streams']:g} | {r['decode_bytes_per_step'] / 2**20:.1f} "
+            f"| {r['decode_steps_per_s']:.1f} | {r['achieved_gb_per_s']:.2f} | {util} |"
+        )
+    where = f"{m['gb_per_s']:.1f} GB/s ({m['source']})" if known else "unknown"
+    lines += [
+        "",
+        f"Memory bandwidth: {where}; {bw['mean_kv_cells']:.0f} attended KV cells per stream.",
+    ]
+    return lines
 
 
 def targets(result: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,11 @@ Both servers get the same GGUF file, context, threads and batch size; requests
 are greedy (temperature 0) with a fixed output length: the generated demo
 models never emit EOS under greedy decoding, so max_tokens is what every
 request produces. Token counts come from each server's `usage`.
+
+Each figure also comes as memory-bandwidth utilization (docs/bench.md, "Bandwidth
+utilization"): the bytes a decode step reads (weights once, each stream's KV cells)
+times the decode steps per second, over this machine's memory bandwidth. Single
+stream: steps/s = 1000 / TPOT; 8 streams: steps/s = aggregate tokens/s / 8.
 """
 
 from __future__ import annotations
@@ -28,12 +33,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from orin.bench.bandwidth import at_rate, describe
 from orin.bench.client import Timed, stream, streams
 from orin.engine.config import default_threads
 from orin.model import demo
+from orin.model.gguf import read_model_info
+from orin.system.membw import memory_bandwidth
 from tests.serverutil import free_port
 
 N_CTX_PER_SLOT = 512
@@ -145,6 +154,25 @@ def engine_tpot_subprocess(
     return list(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def server_kv_types(url: str) -> tuple[str, str]:
+    """The KV cache types orin-llm reports in /v1/models; llama.cpp's f16 for others."""
+    try:
+        meta = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0].get("meta") or {}
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        meta = {}
+    return str(meta.get("type_k") or "f16"), str(meta.get("type_v") or "f16")
+
+
+def prompt_tokens(url: str, prompt: str) -> int:
+    """The prompt's token count by the server's /tokenize (BOS included); an estimate
+    of 1.3 tokens per word plus BOS where the server has none."""
+    try:
+        body = {"content": prompt, "add_special": True}
+        return len(httpx.post(f"{url}/tokenize", json=body, timeout=5).json()["tokens"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return round(1.3 * len(prompt.split())) + 1
+
+
 def prompts(k: int) -> list[str]:
     return [f"Request {i}: the edge board serves a model to robot number {i}." for i in range(k)]
 
@@ -165,6 +193,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     model = demo.ensure(args.size, args.quant)
+    info = read_model_info(model)
+    bw = memory_bandwidth()
     threads = default_threads()
     results: dict[str, object] = {
         "model": model.name,
@@ -177,6 +207,7 @@ def main() -> None:
     via_http: list[float | None] = []
     server_side: list[float | None] = []
     loop_cpu: list[float] = []  # ms of the server's event-loop thread per streamed token
+    orin_kv, cells = ("f16", "f16"), float(args.tokens)
     for _ in range(args.reps):  # interleaved, each in a fresh process, so drift hits both
         direct += engine_tpot_subprocess(model, args.tokens, 3, args.threads)
         port = free_port()
@@ -184,6 +215,8 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         try:
             wait_up(url, proc)
+            orin_kv = server_kv_types(url)
+            cells = prompt_tokens(url, prompts(1)[0]) + args.tokens / 2  # mean during decode
             concurrent(url, prompts(1), 8)  # warm-up
             cpu0, streamed = loop_cpu_ns(proc.pid), 0
             for _ in range(3):
@@ -212,6 +245,20 @@ def main() -> None:
     print(f"  as the server reports it while streaming: {statistics.median(served):.2f} ms")
     if loop_cpu:
         print(f"  event loop CPU per streamed token: {statistics.median(loop_cpu):.3f} ms")
+    single = {
+        "engine": at_rate(info, 1, cells, 1000 / e_ms, *orin_kv, bw),
+        "http": at_rate(info, 1, cells, 1000 / h_ms, *orin_kv, bw),
+    }
+    bandwidth: dict[str, Any] = {
+        "mem_bandwidth": bw.to_dict(),
+        "type_k": orin_kv[0],
+        "type_v": orin_kv[1],
+        "mean_kv_cells": cells,
+        "single_stream": {k: u.to_json() for k, u in single.items()},
+    }
+    results["bandwidth"] = bandwidth
+    for name, u in single.items():
+        print(f"  decode traffic at the {name} TPOT: {describe(u)}")
 
     if args.tpot_only:
         if args.json:
@@ -241,6 +288,14 @@ def main() -> None:
     print(f"8 streams: orin-llm {statistics.median(rates['orin-llm']):.1f} tok/s, "
           f"llama-cpp-python {statistics.median(rates['llama-cpp-python']):.1f} tok/s, "
           f"ratio {ratio:.2f}")  # fmt: skip
+    kv_of = {"orin-llm": orin_kv, "llama-cpp-python": ("f16", "f16")}
+    eight = {  # 8 streams decode together: a step yields 8 tokens
+        name: at_rate(info, 8, cells, statistics.median(r) / 8, *kv_of[name], bw)
+        for name, r in rates.items()
+    }
+    bandwidth["streams_8"] = {k: u.to_json() for k, u in eight.items()}
+    for name, u in eight.items():
+        print(f"  {name}, 8 streams, aggregate: {describe(u)}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

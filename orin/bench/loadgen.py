@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from orin.bench.bandwidth import BandwidthRequest, Utilization, run_utilization
 from orin.bench.client import Target, send
 from orin.bench.server import ServerInfo, phase_delta, probe, scrape
 from orin.bench.stats import SLO, RequestResult, by_bucket, summarize
@@ -53,6 +54,7 @@ class LoadSpec:
     api_key: str | None = None
     timeout_s: float = 600.0
     slo: SLO = field(default_factory=SLO)
+    bandwidth: BandwidthRequest = field(default_factory=BandwidthRequest)
 
     def check(self) -> None:
         """Reject impossible settings before anything is sent."""
@@ -95,6 +97,8 @@ class BenchRun:
     duration_s: float
     started_at: str
     telemetry: dict[str, Any] | None = None
+    bandwidth: Utilization | None = None  # decode traffic against memory bandwidth
+    bandwidth_note: str | None = None  # why there are no bandwidth figures
 
     def summary(self) -> dict[str, Any]:
         return summarize(self.results, self.duration_s, self.spec.slo)
@@ -124,8 +128,15 @@ class BenchRun:
             **self.summary(),
             "buckets": {str(k): v for k, v in by_bucket(self.results).items()},
             "server_telemetry": self.telemetry,
+            "bandwidth": self.bandwidth_json(),
             "requests": [_request_json(r) for r in self.results],
         }
+
+    def bandwidth_json(self) -> dict[str, Any]:
+        """The decode bandwidth figures (orin/bench/bandwidth.py), or a note why not."""
+        if self.bandwidth is None:
+            return {"note": self.bandwidth_note}
+        return {**self.bandwidth.to_json(), "note": self.bandwidth_note}
 
 
 def _request_json(r: RequestResult) -> dict[str, Any]:
@@ -201,7 +212,8 @@ async def _fire(
 
 
 async def run_bench(spec: LoadSpec, on_result: ResultCallback | None = None) -> BenchRun:
-    """Probe the server, warm it up, run the load and collect everything."""
+    """Probe the server, warm it up, run the load and collect everything; then count the
+    decode traffic against the memory bandwidth (bandwidth.py), outside the timed part."""
     spec.check()
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(max_workers=spec.workers, thread_name_prefix="orin-bench")
@@ -240,7 +252,8 @@ async def run_bench(spec: LoadSpec, on_result: ResultCallback | None = None) -> 
         server.notes.append(
             f"{held.count} arrivals found all {spec.workers} client threads busy and were sent late"
         )
-    return BenchRun(spec, server, results, duration, started, telemetry)
+    util, why = run_utilization(results, spec.base_url, server.meta, spec.bandwidth)
+    return BenchRun(spec, server, results, duration, started, telemetry, util, why)
 
 
 def run_notes(results: list[RequestResult], output_len: int) -> list[str]:

@@ -40,6 +40,7 @@ class ServerInfo:
     pool: TokenPool | None = None  # token-id prompts (exact lengths) when set
     word_counts: dict[int, int] = field(default_factory=dict)  # text prompts otherwise
     notes: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)  # orin-llm's model file and KV types
 
     def target(self, base_url: str, headers: dict[str, str], timeout_s: float = 600.0) -> Target:
         extra: dict[str, Any] = {"ignore_eos": True} if self.ignore_eos else {}
@@ -83,7 +84,9 @@ def probe(
     listed = _models(base, headers, timeout)
     first = listed[0] if listed and isinstance(listed[0], dict) else {}
     kind = "orin-llm" if first.get("owned_by") == "orin-llm" else "openai"
+    meta = first.get("meta") if kind == "orin-llm" else None
     info = ServerInfo(kind, model or first.get("id"), ignore_eos=True)
+    info.meta = meta if isinstance(meta, dict) else {}
     resp = _complete(info.target(base, headers, timeout), PROBE_TEXT)
     if 400 <= resp.status < 500:
         info.ignore_eos = False

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from orin.bench.bandwidth import BandwidthRequest
 from orin.bench.stats import SLO, RequestResult, by_bucket
 from orin.cli.errors import fail, handle_errors
-from orin.cli.output import Output
+from orin.cli.output import Output, human_bytes
 
 if TYPE_CHECKING:  # the HTTP client stack loads only when a benchmark runs
     from orin.bench.loadgen import BenchRun, LoadSpec
@@ -35,6 +36,14 @@ def _slo(text: str | None) -> SLO:
         return SLO.parse(text)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
+def _kv_type(value: str | None) -> str | None:
+    from orin.model.memplan import KV_TYPES
+
+    if value is not None and value.lower() not in KV_TYPES:
+        raise typer.BadParameter(f"one of {', '.join(KV_TYPES)}")
+    return value.lower() if value is not None else None
 
 
 @handle_errors
@@ -69,6 +78,34 @@ def bench(
         str | None, typer.Option(envvar="ORIN_LLM_API_KEY", help="Bearer token, if needed.")
     ] = None,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds per request.")] = 600.0,
+    model_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="The served GGUF file, for decode bytes per step and bandwidth utilization "
+            "(default: the file an orin-llm server names, when it is on this machine; "
+            "other servers report utilization only with this option)."
+        ),
+    ] = None,
+    cache_type_k: Annotated[
+        str | None,
+        typer.Option(
+            callback=_kv_type, help="The server's K cache type (default: orin-llm's, else f16)."
+        ),
+    ] = None,
+    cache_type_v: Annotated[
+        str | None,
+        typer.Option(
+            callback=_kv_type, help="The server's V cache type (default: orin-llm's, else f16)."
+        ),
+    ] = None,
+    mem_bandwidth: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="The server machine's memory bandwidth in GB/s (default: this machine's, "
+            "from the Jetson data sheet or a cached copy probe, for a server on this machine).",
+        ),
+    ] = None,
 ) -> None:
     """Measure a server under load: fixed input and output lengths, streaming, greedy."""
     from orin.bench.loadgen import LoadSpec
@@ -87,6 +124,7 @@ def bench(
         api_key=api_key,
         timeout_s=timeout,
         slo=_slo(slo),
+        bandwidth=BandwidthRequest(model_file, cache_type_k, cache_type_v, mem_bandwidth),
     )
     try:
         spec.check()
@@ -170,6 +208,7 @@ def show(out: Output, r: BenchRun) -> None:
             ),
         )
     _show_telemetry(out, r.telemetry)
+    show_bandwidth(out, r)
 
 
 def _show_buckets(out: Output, r: BenchRun) -> None:
@@ -215,6 +254,36 @@ def _show_telemetry(out: Output, t: dict[str, Any] | None) -> None:
     )
     for key, value in (t.get("per_request_mean") or {}).items():
         out.note(f"mean per-request {key}: {_pct(value)}")
+
+
+def show_bandwidth(out: Output, r: BenchRun) -> None:
+    """Decode bytes per step, achieved GB/s and their share of the memory bandwidth."""
+    u = r.bandwidth
+    if u is None:
+        if r.bandwidth_note:
+            out.note(r.bandwidth_note)
+        return
+    j = u.to_json()
+    bw, util = j["mem_bandwidth_gb_per_s"], j["utilization_pct"]
+    out.pairs(
+        "decode memory traffic",
+        [
+            ("model / KV types", f"{Path(u.model_file).name} / {u.type_k}, {u.type_v}"),
+            ("streams per step / attended cells", f"{u.streams:.2f} / {u.mean_kv_cells:.0f}"),
+            ("decode bytes per step", human_bytes(u.bytes_per_step)),
+            ("decode steps/s", f"{u.steps_per_s:.2f}"),
+            ("achieved GB/s", _sig(j["achieved_gb_per_s"])),
+            ("memory bandwidth GB/s", "-" if bw is None else f"{bw:.1f} ({u.bandwidth.source})"),
+            ("bandwidth utilization", "-" if util is None else f"{_sig(util)}%"),
+        ],
+    )
+    if not u.bandwidth.known and u.bandwidth.detail:
+        out.note(u.bandwidth.detail)
+
+
+def _sig(v: float) -> str:
+    """Two decimals, or three significant digits below 1 (a tiny model's GB/s)."""
+    return f"{v:.2f}" if abs(v) >= 1 else f"{v:.3g}"
 
 
 app = typer.Typer(help="Benchmark a running server.", add_completion=False)
