@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from orin.engine.config import EngineConfig
 from orin.engine.errors import BackendError, ContextShiftUnsupported
+from orin.engine.promptcache import resolved_flash_attn
 from orin.llamacpp import capture_log, llama
 from orin.model.gguf import ModelInfo, read_model_info
 
@@ -103,7 +104,9 @@ class Backend:
         cp.flash_attn_type = FLASH_ATTN[cfg.flash_attn]
         cp.type_k = ggml_type(cfg.type_k)
         cp.type_v = ggml_type(cfg.type_v)
-        cp.kv_unified = False  # one KV stream per slot: a slot never takes another's cells
+        # one KV stream per slot (a slot never takes another's cells), or one buffer for
+        # all (shared prefixes held once, one llama.cpp pass per step): docs/engine.md
+        cp.kv_unified = cfg.kv_unified
         cp.swa_full = cfg.swa_full
         cp.no_perf = True
         # pooling for /v1/embeddings: the profile's, else the GGUF's ({arch}.pooling_type);
@@ -121,6 +124,8 @@ class Backend:
                 f"llama.cpp could not create the context (n_ctx={cfg.n_ctx}x{cfg.slots}, "
                 f"K={cfg.type_k}, V={cfg.type_v}, flash_attn={cfg.flash_attn}): {_reason(lines)}"
             )
+        # how ``auto`` was resolved (llama.cpp only logs it): keys the prompt cache
+        self.flash_attn: bool | None = resolved_flash_attn(lines, cfg.flash_attn)
         return ctx
 
     # -- vocabulary (immutable after load: safe from any thread) ----------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from orin.engine.chat import RenderedChat, TemplateCaps
@@ -42,6 +42,10 @@ class EngineStatus:
     kv_cells_total: int
     step_started_ns: int | None  # set while a step runs (perf_counter_ns)
     heartbeat_ns: int  # the engine loop's latest sign of life (perf_counter_ns)
+    slot_moves: int = 0  # busy slots moved down to close a hole (one KV stream per slot)
+    # the persistent prompt cache's running totals (hits, misses, saves, loads, rejected,
+    # evicted); empty without one
+    prompt_cache: dict[str, int] = field(default_factory=dict)
 
     @property
     def busy(self) -> bool:

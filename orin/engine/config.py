@@ -15,7 +15,7 @@ from typing import Literal
 import psutil
 
 from orin.engine.scheduler import ContextPolicy
-from orin.errors import KVConfigError
+from orin.errors import KVConfigError, ProfileError
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import (
     KV_LAYOUT_HYBRID,
@@ -25,6 +25,7 @@ from orin.model.gguf import (
     ModelInfo,
 )
 from orin.model.memplan import kv_cells_per_seq
+from orin.paths import cache_dir
 from orin.profile.board import load_settings
 from orin.profile.kvmatch import resolve_kv
 from orin.profile.schema import Profile
@@ -37,6 +38,29 @@ from orin.system.root import SysRoot
 GPU_PREFILL_CHUNK = 256
 
 log = logging.getLogger("orin.engine")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (the profile's ``speculative`` section, paths resolved)."""
+
+    mode: Literal["off", "ngram", "draft"] = "off"
+    n_draft: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_model: Path | None = None
+    draft_gpu_layers: int = -1
+    min_acceptance: float = 0.2
+    probation: int = 32
+
+
+@dataclass(frozen=True)
+class PromptCacheConfig:
+    """The persistent prompt cache: system prompts (texts) and where their KV state goes."""
+
+    prompts: tuple[str, ...]
+    directory: Path
+    max_bytes: int = 2 * 1024**3
 
 
 @dataclass(frozen=True)
@@ -68,6 +92,11 @@ class EngineConfig:
     prefill_chunk: int = 0  # prompt tokens per step, all slots together; 0: n_batch
     chat_template: str | None = None  # the profile's; None: the model's own
     pooling: str | None = None  # embeddings: the profile's mean|cls|last; None: the GGUF's
+    kv_unified: bool = False  # one KV buffer for all slots instead of one stream each
+    # the profile's slo.tpot_p90_ms: prompt chunks shrink so running streams keep it
+    tpot_target_ms: float | None = None
+    speculative: SpecConfig = SpecConfig()
+    prompt_cache: PromptCacheConfig | None = None
 
     def with_(self, **changes: object) -> EngineConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -147,7 +176,58 @@ def engine_config(
         prefill_chunk=prefill_chunk(e.prefill_chunk, e.n_batch, offloaded),
         chat_template=profile.model.chat_template,
         pooling=profile.model.pooling,
+        # a recurrent state is split per sequence whatever the layout: keep streams
+        kv_unified=e.kv_unified and partial,
+        tpot_target_ms=profile.slo.tpot_p90_ms,
+        speculative=spec_config(profile),
+        prompt_cache=prompt_cache_config(profile),
     )
+
+
+def _relative(profile: Profile, path: Path) -> Path:
+    """A path from the profile, relative ones starting at the profile's directory."""
+    p = path.expanduser()
+    if not p.is_absolute() and profile.source is not None:
+        p = profile.source.parent / p
+    return p
+
+
+def spec_config(profile: Profile) -> SpecConfig:
+    s = profile.speculative
+    return SpecConfig(
+        mode=s.mode,
+        n_draft=s.n_draft,
+        ngram_min=s.ngram_min,
+        ngram_max=s.ngram_max,
+        draft_model=None if s.draft_model is None else _relative(profile, s.draft_model),
+        draft_gpu_layers=s.draft_gpu_layers,
+        min_acceptance=s.min_acceptance,
+        probation=s.probation,
+    )
+
+
+def prompt_cache_config(profile: Profile) -> PromptCacheConfig | None:
+    """The prompts to keep (the profile's, then each *.txt of prompt_dir in name order)
+    and where; None when the profile names none."""
+    pc = profile.prompt_cache
+    prompts = list(pc.prompts)
+    if pc.prompt_dir is not None:
+        folder = _relative(profile, pc.prompt_dir)
+        if not folder.is_dir():
+            raise ProfileError(f"prompt_cache.prompt_dir: {folder} is not a directory")
+        for f in sorted(folder.glob("*.txt")):
+            try:
+                prompts.append(f.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ProfileError(f"prompt_cache.prompt_dir: cannot read {f}: {exc}") from exc
+    if not prompts:
+        return None
+    directory = (
+        _relative(profile, pc.directory)
+        if pc.directory is not None
+        else cache_dir() / "prompt-cache"
+    )
+    return PromptCacheConfig(tuple(prompts), directory, pc.max_bytes)
 
 
 def prefill_chunk(asked: int, n_batch: int, offloaded: bool) -> int:

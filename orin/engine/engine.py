@@ -35,6 +35,7 @@ from orin.engine.client import (
     StepObserver,
 )
 from orin.engine.config import EngineConfig
+from orin.engine.costmodel import ChunkPolicy
 from orin.engine.embed import (
     MAX_INPUTS,
     Embeddings,
@@ -54,7 +55,8 @@ from orin.engine.errors import (
 )
 from orin.engine.request import ActiveRequest
 from orin.engine.runner import Aborted, Runner
-from orin.engine.scheduler import Batch, KVOp, Scheduler, Shift, Slot
+from orin.engine.scheduler import Batch, KVOp, LoadFailed, Scheduler, Shift, Slot
+from orin.engine.specrun import Speculation, WarmCache
 from orin.engine.stream import Completion, RequestStream, batched_delivery
 from orin.engine.timings import now_ns
 from orin.engine.types import FinishReason, SamplingParams, StepStats, TokenEvent
@@ -84,7 +86,16 @@ class Engine:
             cfg.prefill_chunk or None,
             prefix_reuse=cfg.prefix_reuse,
             swa_window=cfg.swa_window,
+            unified=cfg.kv_unified,
+            n_ubatch=cfg.n_ubatch,
         )
+        self.chunks = ChunkPolicy(
+            cfg.tpot_target_ms, self.scheduler.prefill_chunk, self.scheduler.passes_for
+        )
+        self.scheduler.chunk_budget = self.chunks.budget
+        self.scheduler.drafts = self._drafts
+        self.speculation: Speculation | None = None
+        self.prompt_cache: WarmCache | None = None
         self._lock = threading.Condition()
         self._requests: dict[str, ActiveRequest] = {}
         self._cancels: set[str] = set()
@@ -273,6 +284,8 @@ class Engine:
         stream = RequestStream(rid, self.cancel, loop, whole)
         request = ActiveRequest(rid, tokens, params, stream)
         request.start(backend)  # builds the sampler: a bad grammar is an InvalidRequest here
+        if self.speculation is not None:
+            request.spec = self.speculation.for_request(rid, tokens)
         with self._lock:
             try:
                 if self._state != "ready":
@@ -463,6 +476,8 @@ class Engine:
             kv_cells_total=self.kv_cells_total,
             step_started_ns=self.step_started_ns,
             heartbeat_ns=self.heartbeat_ns,
+            slot_moves=self.scheduler.moves,
+            prompt_cache=self.prompt_cache.counters() if self.prompt_cache is not None else {},
         )
 
     @property
@@ -516,10 +531,21 @@ class Engine:
                 )
                 self.runner = self._runner_factory(backend, self.cfg.n_batch)
                 self.scheduler.pos_min = self.runner.seq_pos_min
+                self._chat = chat
+                if self.cfg.speculative.mode != "off":
+                    self.speculation = Speculation(self.cfg, backend)
+                if self.cfg.prompt_cache is not None and self.cfg.prefix_reuse:
+                    self.prompt_cache = WarmCache(self.cfg, backend, self.runner, chat)
+                    self.prompt_cache.warm(self.scheduler)
+                    self.runner.load = self.prompt_cache.load
+                    self.scheduler.stored = self.prompt_cache.stored
             except BaseException:
+                self._chat = None
+                if self.speculation is not None:
+                    self.speculation.close()
                 backend.close()
                 raise
-            self.backend, self._chat = backend, chat
+            self.backend = backend
         except BaseException as exc:  # reported through wait_ready
             self._load_error = exc
             self._state = "failed"
@@ -543,6 +569,8 @@ class Engine:
                 if self._state == "stopped" and not self._cancels:
                     return
                 self._apply_cancels()
+                if self.speculation is not None:
+                    self.speculation.prepare(self.scheduler)  # a draft model drafts here
                 embed = self._embed_pass()  # an embedding pass is a step of its own
                 batch = self.scheduler.schedule() if embed is None else _NO_BATCH
                 for slot_id in batch.length_limited:
@@ -564,6 +592,16 @@ class Engine:
                     self.step_started_ns = None
                     self._stepping = False
 
+    def _drafts(self, slot: Slot, room: int) -> Sequence[int]:
+        """Speculative tokens for a decoding slot (the scheduler's hook): none when
+        speculation is off or has switched itself off for the request, and never
+        past the request's max_tokens."""
+        request = slot.request
+        if not isinstance(request, ActiveRequest) or request.spec is None:
+            return ()
+        room = min(room, request.params.max_tokens - request.generated - 1)
+        return request.spec.draft(room) if room > 0 else ()
+
     def _has_work(self) -> bool:
         return bool(self._cancels) or self.scheduler.has_work() or bool(self._embeds)
 
@@ -579,6 +617,8 @@ class Engine:
         idle = self.scheduler.idle_slot_ids()
         # a pass is as long as a prompt chunk at most: what running streams wait for
         budget = self.cfg.prefill_chunk or self.cfg.n_batch
+        if self.cfg.kv_unified:  # one buffer: llama.cpp cuts the batch every n_ubatch
+            budget = min(budget, self.cfg.n_ubatch)  # tokens, and a sequence pools whole
         items = plan_pass(self._embeds, idle, budget) if idle else []
         if not items:
             return None
@@ -658,7 +698,13 @@ class Engine:
         assert self.runner is not None and self.backend is not None
         start = now_ns()
         self.step_started_ns = start
-        self.runner.apply(batch.ops)
+        try:
+            self.runner.apply(batch.ops)
+        except LoadFailed as exc:  # the cache file went bad: prefill those prompts instead
+            log.warning("%s; prefilling them", exc)
+            with self._lock:
+                self.scheduler.load_failed(exc.seqs)
+            return  # the batch assumed the cells: schedule again
         if not batch.items:  # only cells to remove (a cancellation): nothing to decode
             return
         requests = self._batch_requests(batch)
@@ -667,18 +713,18 @@ class Engine:
             if item.prefill:
                 request.timings.prefill_started(start)
         aborted = False
-        rows: dict[int, int] = {}
-        sampled: dict[int, int] = {}
+        emitted: dict[int, list[tuple[int, int]]] = {}
+        accepted: dict[int, int] = {}
         try:
             rows = self.runner.decode(batch, self._abort_check if batch.n_prefill else None)
-            sampled = self._sample(rows)
+            emitted, accepted = self._sample(batch, rows)
         except Aborted:
             aborted = True
         except BackendError as exc:
             log.error("decode failed: %s", exc)
             self._fail_batch(batch, str(exc))
             return
-        self._record(batch, rows, sampled, aborted, start)
+        self._record(batch, emitted, accepted, aborted, start)
 
     def _fail_batch(self, batch: Batch, message: str) -> None:
         """Finish every request of a batch that could not run with ``error``."""
@@ -691,51 +737,90 @@ class Engine:
     def _abort_check(self) -> bool:
         return self._abort_flag
 
-    def _sample(self, rows: dict[int, int]) -> dict[int, int]:
-        """slot -> sampled token; every plain greedy slot in one argmax over the outputs."""
+    def _sample(
+        self, batch: Batch, rows: dict[int, int]
+    ) -> tuple[dict[int, list[tuple[int, int]]], dict[int, int]]:
+        """slot -> the tokens it emits this step, each with its batch position, and
+        slot -> drafted tokens accepted (speculating slots).
+
+        Every plain greedy row goes through one argmax over the outputs. A speculating
+        slot samples its positions in order with its own sampler and stops at the
+        first token that differs from the draft (llama-server's rule): each emitted
+        token is sampled once, from the context it follows, so the output is the one
+        decoding without speculation gives, greedy or seeded."""
         assert self.runner is not None
-        sampled: dict[int, int] = {}
+        drafts = {i.slot: i.tokens[len(i.tokens) - i.draft :] for i in batch.items if i.draft}
+        emitted: dict[int, list[tuple[int, int]]] = {}
         greedy_slots: list[int] = []
         greedy_rows: list[int] = []
         for slot_id, row in rows.items():
             sampler = self._request_in(slot_id).sampler
             assert sampler is not None
+            n = len(drafts.get(slot_id, ())) + 1
             if sampler.plain_greedy:
                 greedy_slots.append(slot_id)
-                greedy_rows.append(row)
-            elif sampler.chain is not None:  # llama.cpp's chain reads the logits itself
-                sampled[slot_id] = sampler.sample(row, None)
-            else:
-                sampled[slot_id] = sampler.sample(row, self.runner.logits(row))
+                greedy_rows.extend(range(row, row + n))
+                continue
+            draft = drafts.get(slot_id, ())
+            out: list[tuple[int, int]] = []
+            for j in range(n):
+                r = row + j
+                # llama.cpp's chain reads the logits itself
+                logits = None if sampler.chain is not None else self.runner.logits(r)
+                token = sampler.sample(r, logits)
+                out.append((token, r))
+                if j < len(draft) and token != draft[j]:
+                    break
+            emitted[slot_id] = out
         if greedy_rows:
-            sampled.update(zip(greedy_slots, self.runner.argmax(greedy_rows), strict=True))
-        return sampled
+            tokens = self.runner.argmax(greedy_rows)
+            k = 0
+            for slot_id in greedy_slots:
+                row, draft = rows[slot_id], drafts.get(slot_id, ())
+                out = []
+                for j in range(len(draft) + 1):
+                    out.append((tokens[k + j], row + j))
+                    if j < len(draft) and tokens[k + j] != draft[j]:
+                        break
+                emitted[slot_id] = out
+                k += len(draft) + 1
+        accepted = {slot_id: len(emitted[slot_id]) - 1 for slot_id in drafts}
+        return emitted, accepted
 
     def _record(
         self,
         batch: Batch,
-        rows: dict[int, int],
-        sampled: dict[int, int],
+        emitted: dict[int, list[tuple[int, int]]],
+        accepted: dict[int, int],
         aborted: bool,
         start: int,
     ) -> None:
         assert self.runner is not None and self.backend is not None
         t = now_ns()
+        if not aborted and batch.items:
+            self.chunks.observe(batch.passes, batch.n_decode, batch.n_prefill, (t - start) * 1e-6)
         with self._lock, batched_delivery():
             if aborted:
                 self.scheduler.discard(batch)
             else:
-                self.scheduler.update(batch, sampled)
-                for slot_id, token in sampled.items():
-                    request = self._request_in(slot_id)
+                drafted = {i.slot: i.draft for i in batch.items if i.draft}
+                last = {slot_id: out[-1][0] for slot_id, out in emitted.items()}
+                requests = {slot_id: self._request_in(slot_id) for slot_id in emitted}
+                self.scheduler.update(batch, last, accepted)
+                for slot_id, out in emitted.items():
+                    request = requests[slot_id]
                     if request.id in self._cancels:
                         continue
-                    logits = (
-                        self.runner.logits(rows[slot_id])
-                        if request.params.logprobs is not None
-                        else None
-                    )
-                    reason = request.on_token(self.backend, token, logits, t)
+                    if slot_id in drafted:
+                        request.verified(drafted[slot_id], accepted[slot_id])
+                    reason = None
+                    for token, row in out:
+                        logits = (
+                            self.runner.logits(row) if request.params.logprobs is not None else None
+                        )
+                        reason = request.on_token(self.backend, token, logits, t)
+                        if reason is not None:
+                            break
                     if reason is not None:
                         self._finish(request, reason)
                     elif request.stream.backlog > self.cfg.max_backlog:
@@ -756,6 +841,10 @@ class Engine:
                 waiting=self.waiting,
                 context_shifts=sum(1 for op in batch.ops if isinstance(op, Shift)),
                 aborted=aborted,
+                prefill_budget=batch.budget,
+                micro_batches=batch.passes,
+                drafted_tokens=0 if aborted else batch.n_drafted,
+                accepted_tokens=sum(accepted.values()),
             )
             self._lock.notify_all()
         for observer in self.step_observers:
@@ -786,6 +875,8 @@ class Engine:
             len(request.prompt_tokens),
             slot.cached_prompt if slot else 0,
             slot.shifts if slot else 0,
+            request.drafted,
+            request.accepted,
         )
         text = request.tail_text() if reason != "cancelled" else ""
         request.stream.put(TokenEvent(request.id, None, text, None, reason, timings, error))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -13,6 +15,16 @@ from orin.engine.sampling import SlotSampler
 from orin.engine.stream import RequestStream
 from orin.engine.timings import TimingRecorder
 from orin.engine.types import FinishReason, SamplingParams, TokenEvent
+
+
+class Drafter(Protocol):
+    """A request's speculative decoding state (orin.engine.specrun)."""
+
+    def draft(self, max_tokens: int) -> Sequence[int]: ...
+
+    def extend(self, token: int) -> None: ...
+
+    def verified(self, drafted: int, accepted: int) -> None: ...
 
 
 @dataclass
@@ -29,6 +41,16 @@ class ActiveRequest:
     stop: StopMatcher | None = None
     generated: int = 0
     stop_matched: bool = False
+    spec: Drafter | None = None  # speculative decoding, when the profile turns it on
+    drafted: int = 0
+    accepted: int = 0
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """A step checked ``drafted`` speculative tokens and kept ``accepted``."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if self.spec is not None:
+            self.spec.verified(drafted, accepted)
 
     def start(self, backend: Backend) -> None:
         """Builds the sampler and text state; runs at submit, so a grammar that does not
@@ -51,6 +73,8 @@ class ActiveRequest:
         assert self.detok is not None and self.stop is not None and self.sampler is not None
         self.timings.token(t_ns)
         self.generated += 1
+        if self.spec is not None:
+            self.spec.extend(token)
         logprob = None
         if self.params.logprobs is not None:
             assert logits is not None

@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from orin.engine.backend import Backend
 from orin.engine.errors import BackendError
-from orin.engine.scheduler import Batch, Copy, KVOp, Remove
+from orin.engine.scheduler import Batch, Copy, KVOp, Load, LoadFailed, Remove
 
 DECODE_ABORTED = 2  # llama_decode's return value when the abort callback fired
 
@@ -34,6 +34,9 @@ class Aborted(Exception):
 class Runner:
     def __init__(self, backend: Backend, n_batch: int) -> None:
         self.backend = backend
+        # restores a saved prompt into an empty sequence (the persistent prompt cache,
+        # set by the engine): (seq, entry) -> whether it worked
+        self.load: Callable[[int, object], bool] = lambda seq, entry: False
         self.lib = backend.lib
         self.n_batch = n_batch
         self.batch = self.lib.llama_batch_init(n_batch, 0, 1)
@@ -52,7 +55,10 @@ class Runner:
         return bool(check and check())
 
     def apply(self, ops: Iterable[KVOp]) -> None:
+        """Run the KV operations in order. A saved prompt that cannot be restored
+        leaves its sequence empty; the others still run, then LoadFailed names them."""
         lib, mem = self.lib, self.backend.memory
+        failed: list[int] = []
         for op in ops:
             if isinstance(op, Remove):
                 if not lib.llama_memory_seq_rm(mem, op.seq, op.p0, op.p1):
@@ -61,14 +67,21 @@ class Runner:
                         f"{op.seq} (a recurrent state only drops whole sequences)"
                     )
             elif isinstance(op, Copy):
-                lib.llama_memory_seq_cp(mem, op.src, op.dst, -1, -1)
+                lib.llama_memory_seq_cp(mem, op.src, op.dst, -1 if op.p1 < 0 else 0, op.p1)
+            elif isinstance(op, Load):
+                if not self.load(op.seq, op.entry):
+                    lib.llama_memory_seq_rm(mem, op.seq, 0, -1)
+                    failed.append(op.seq)
             else:
                 start = op.keep + op.n_discard
                 lib.llama_memory_seq_rm(mem, op.seq, op.keep, start)
                 lib.llama_memory_seq_add(mem, op.seq, start, op.n_past, -op.n_discard)
+        if failed:
+            raise LoadFailed(failed)
 
     def decode(self, batch: Batch, abort: Callable[[], bool] | None = None) -> dict[int, int]:
-        """Run the batch; return slot -> output row of the logits to sample from.
+        """Run the batch; return slot -> batch position of the logits to sample from
+        (a speculating item's first; its other outputs follow it).
 
         ``abort`` (checked between graph nodes) is only installed for steps that
         carry prompt chunks: those are the long ones worth interrupting. Only the
@@ -90,9 +103,11 @@ class Runner:
                 b.logits[n] = False
                 n += 1
             if item.sample:
-                b.logits[n - 1] = True
-                rows[item.slot] = n - 1
-                self._out_of_row[n - 1] = len(self._out_of_row)
+                first = n - item.outputs
+                rows[item.slot] = first
+                for pos in range(first, n):
+                    b.logits[pos] = True
+                    self._out_of_row[pos] = len(self._out_of_row)
         b.n_tokens = n
         self._set_abort(abort)
         ctx = self.backend.ctx

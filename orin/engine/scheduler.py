@@ -23,6 +23,7 @@ from functools import cached_property
 from typing import Protocol
 
 from orin.engine.errors import ContextLengthExceeded, InvalidRequest, QueueFull
+from orin.engine.ubatch import micro_batches
 
 
 class SchedRequest(Protocol):
@@ -62,18 +63,41 @@ class Shift:
 
 @dataclass(frozen=True)
 class Copy:
-    """llama_memory_seq_cp(src, dst): ``dst`` takes a copy of every cell of ``src``.
+    """llama_memory_seq_cp(src, dst, 0, p1): ``dst`` takes the cells of ``src`` below
+    ``p1`` (-1: all of them).
 
     With one KV stream per slot llama.cpp copies the whole stream's buffers before
-    the next decode (and the cell bookkeeping at once), so the copy is followed by
-    a ``Remove`` of what ``dst`` does not share.
+    the next decode (and the cell bookkeeping at once), so the copy is of everything
+    and is followed by a ``Remove`` of what ``dst`` does not share. With one buffer
+    for all slots a copy only tags the cells with the second sequence: they are
+    held once, shared.
     """
 
     src: int
     dst: int
+    p1: int = -1
 
 
-KVOp = Remove | Shift | Copy
+@dataclass(frozen=True)
+class Load:
+    """Restore a saved prompt's cells into the empty sequence ``seq`` (the persistent
+    prompt cache); ``entry`` is the cache's handle and ``n`` its token count."""
+
+    seq: int
+    entry: object
+    n: int
+
+
+KVOp = Remove | Shift | Copy | Load
+
+
+class LoadFailed(Exception):
+    """A saved prompt could not be restored into these sequences (now empty)."""
+
+    def __init__(self, seqs: list[int]) -> None:
+        super().__init__(f"could not restore saved prompts into sequences {seqs}")
+        self.seqs = seqs
+
 
 SHARE_MIN = 16
 """Prompt tokens another slot must hold beyond what the chosen slot has before the
@@ -91,6 +115,12 @@ class BatchItem:
     pos: int
     sample: bool  # logits wanted for the last token: a new token is sampled
     prefill: bool
+    draft: int = 0  # the last ``draft`` tokens are speculative: logits for each, and before
+
+    @property
+    def outputs(self) -> int:
+        """Positions whose logits are sampled (the last ones of ``tokens``)."""
+        return self.draft + 1 if self.sample else 0
 
 
 @dataclass(frozen=True)
@@ -98,11 +128,17 @@ class Batch:
     ops: tuple[KVOp, ...]
     items: tuple[BatchItem, ...]
     length_limited: tuple[int, ...] = ()  # slots at the window with sliding off
+    budget: int = 0  # prompt tokens this step could have carried (the chunk budget)
+    passes: int = 0  # llama.cpp micro-batches the items cost (ubatch.micro_batches)
 
     # counted once: the engine reads them several times per step
     @cached_property
     def n_decode(self) -> int:
         return sum(len(i.tokens) for i in self.items if not i.prefill)
+
+    @cached_property
+    def n_drafted(self) -> int:
+        return sum(i.draft for i in self.items)
 
     @cached_property
     def n_prefill(self) -> int:
@@ -155,12 +191,23 @@ class Scheduler:
         prefill_chunk: int | None = None,
         prefix_reuse: bool = True,
         swa_window: int = 0,
+        unified: bool = False,
+        n_ubatch: int | None = None,
     ) -> None:
         """``prefix_reuse`` off (a recurrent model, whose state cannot lose its tail):
         every prompt is prefilled from its start, in a slot whose cells are cleared.
         ``swa_window`` (a window-sized cache of sliding-window layers): a prefix of n
         tokens is reused only while the sequence still holds the cells from n minus
-        the window on, which ``pos_min`` (the runner's, set by the engine) tells."""
+        the window on, which ``pos_min`` (the runner's, set by the engine) tells.
+        ``unified``: one KV buffer for all slots (copies share cells, any slot ids make
+        one llama.cpp pass); otherwise one stream per slot, where busy slots are kept
+        at consecutive ids (a hole costs a pass of its own).
+
+        Hooks the engine sets: ``chunk_budget(rows)`` (prompt tokens a step with
+        ``rows`` decode tokens may carry: the SLO-aware chunking), ``drafts(slot,
+        room)`` (speculative tokens for a decoding slot, at most ``room``) and
+        ``stored(prompt)`` (the persistent prompt cache's longest saved prefix of a
+        prompt: (tokens, handle), or None)."""
         if n_batch < n_slots:
             raise ValueError(f"n_batch ({n_batch}) must be at least the slot count ({n_slots})")
         if prefill_chunk is not None and not 1 <= prefill_chunk <= n_batch:
@@ -176,6 +223,12 @@ class Scheduler:
         self.prefix_reuse = prefix_reuse
         self.swa_window = swa_window
         self.pos_min: Callable[[int], int] = lambda seq: -1
+        self.unified = unified
+        self.n_ubatch = n_ubatch or n_batch
+        self.chunk_budget: Callable[[int], int] = lambda rows: self.prefill_chunk
+        self.drafts: Callable[[Slot, int], Sequence[int]] = lambda slot, room: ()
+        self.stored: Callable[[list[int]], tuple[int, object] | None] = lambda prompt: None
+        self.moves = 0  # busy slots moved down to close a hole (one stream per slot)
         self._ops: list[KVOp] = []
         self._admissions = 0
 
@@ -222,9 +275,15 @@ class Scheduler:
         """The idle slot whose cache shares the longest prefix; ties: the lowest id.
 
         With one KV stream per slot, llama.cpp splits a batch into one pass per run
-        of consecutive sequence ids, and every pass reads all the weights again:
-        keeping busy slots packed at the low ids keeps a step to one pass.
+        of consecutive sequence ids, and every pass reads all the weights again: only
+        the idle slots that do not split the busy ones into more runs are candidates
+        (a better prefix elsewhere is copied in by ``_start``).
         """
+        if not self.unified:
+            busy = {s.id for s in self.slots if s.busy}
+            now = _runs(busy)
+            packed = [s for s in idle if _runs(busy | {s.id}) <= max(now, 1)]
+            idle = packed or idle
         return max(idle, key=lambda s: (_common_prefix(s.cache[: s.reusable], prompt), -s.id))
 
     def _worth_sharing(self, gain: int, prompt: Sequence[int]) -> bool:
@@ -264,9 +323,27 @@ class Scheduler:
                 n = min(_common_prefix(other.cache[: other.reusable], prompt), limit)
                 if n > shared and self._usable(other, n) == n:
                     donor, shared = other, n
-        if donor is not None and self._worth_sharing(shared - reuse, prompt):
-            self._ops.append(Copy(donor.id, slot.id))
-            slot.cache = list(donor.cache)
+        stored = self.stored(prompt) if self.prefix_reuse else None
+        if (
+            stored is not None
+            and min(stored[0], limit) > max(shared, reuse)
+            and (self._worth_sharing(min(stored[0], limit) - max(shared, reuse), prompt))
+        ):  # a saved prompt beats every slot's cells: restore it from disk
+            if slot.cache:
+                self._ops.append(Remove(slot.id, 0, -1))
+            n, handle = stored
+            self._ops.append(Load(slot.id, handle, n))
+            slot.cache = list(prompt[:n])
+            reuse = min(n, limit)
+        elif donor is not None and self._worth_sharing(shared - reuse, prompt):
+            if self.unified:  # cells are shared, not copied: tag the prefix only
+                if slot.cache:
+                    self._ops.append(Remove(slot.id, 0, -1))
+                self._ops.append(Copy(donor.id, slot.id, shared))
+                slot.cache = list(donor.cache[:shared])
+            else:
+                self._ops.append(Copy(donor.id, slot.id))
+                slot.cache = list(donor.cache)
             reuse = shared
         if reuse < len(slot.cache):
             self._ops.append(Remove(slot.id, reuse, -1))
@@ -328,7 +405,9 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         self._admit()
-        items: list[BatchItem] = []
+        if not self.unified:
+            self._close_holes()
+        decoding: list[Slot] = []
         finished_by_length: list[Slot] = []
         for slot in self.slots:
             if slot.state is not SlotState.DECODE:
@@ -336,22 +415,72 @@ class Scheduler:
             if len(slot.cache) + 1 > self.context.window and not self._make_room(slot):
                 finished_by_length.append(slot)
                 continue
+            decoding.append(slot)
+        items: list[BatchItem] = []
+        spare = self.n_batch - len(decoding)  # batch room for drafted tokens
+        for slot in decoding:
+            room = min(spare, self.context.window - len(slot.cache) - 1)
+            draft = tuple(self.drafts(slot, room)[:room]) if room > 0 else ()
+            spare -= len(draft)
+            tokens = (slot.pending[0], *draft)
             items.append(
-                BatchItem(slot.id, (slot.pending[0],), len(slot.cache), True, prefill=False)
+                BatchItem(slot.id, tokens, len(slot.cache), True, prefill=False, draft=len(draft))
             )
-        budget = min(self.n_batch - len(items), self.prefill_chunk)
+        rows = sum(len(i.tokens) for i in items)
+        allowed = min(self.prefill_chunk, max(0, self.chunk_budget(rows)))
+        budget = min(self.n_batch - rows, allowed)
         prefilling = sorted(
             (s for s in self.slots if s.state is SlotState.PREFILL),
             key=lambda s: s.admitted_seq,
         )
+        left = budget
         for slot in prefilling:
-            if budget <= 0:
+            if left <= 0:
                 break
-            chunk = slot.pending[:budget]
+            chunk = slot.pending[:left]
             done = len(chunk) == len(slot.pending)
             items.append(BatchItem(slot.id, tuple(chunk), len(slot.cache), done, prefill=True))
-            budget -= len(chunk)
-        return Batch(tuple(self.take_ops()), tuple(items), tuple(s.id for s in finished_by_length))
+            left -= len(chunk)
+        passes = micro_batches(
+            [(i.slot, len(i.tokens)) for i in items], self.n_ubatch, self.unified
+        )
+        return Batch(
+            tuple(self.take_ops()),
+            tuple(items),
+            tuple(s.id for s in finished_by_length),
+            budget=budget,
+            passes=passes,
+        )
+
+    def passes_for(self, rows: int, prompt: int) -> int:
+        """llama.cpp passes of a step with ``rows`` decode tokens (one per slot, at
+        consecutive ids) and a prompt chunk of ``prompt`` tokens in one other slot:
+        the shape the chunk budget is chosen for."""
+        items = [(i, 1) for i in range(rows)] + ([(rows, prompt)] if prompt else [])
+        return micro_batches(items, self.n_ubatch, self.unified)
+
+    def _close_holes(self) -> None:
+        """One KV stream per slot: while the busy slots do not have consecutive ids
+        (a slot between them finished), move the highest busy slot down into the
+        lowest hole, so a step stays one llama.cpp pass. The move copies the stream
+        (``Copy``); the slot it left keeps the same cells as an idle prefix cache."""
+        while True:
+            busy = [s for s in self.slots if s.busy]
+            if len(busy) < 2 or busy[-1].id - busy[0].id + 1 == len(busy):
+                return
+            ids = {s.id for s in busy}
+            hole = next(i for i in range(busy[0].id, busy[-1].id) if i not in ids)
+            self._move(busy[-1], self.slots[hole])
+
+    def _move(self, src: Slot, dst: Slot) -> None:
+        self._ops.append(Copy(src.id, dst.id))
+        dst.state, dst.request = src.state, src.request
+        dst.cache, dst.pending = list(src.cache), src.pending
+        dst.reusable, dst.cached_prompt = src.reusable, src.cached_prompt
+        dst.generated, dst.shifts, dst.admitted_seq = src.generated, src.shifts, src.admitted_seq
+        src.state, src.request, src.pending = SlotState.IDLE, None, []
+        src.reusable = min(src.reusable, len(src.cache))
+        self.moves += 1
 
     def _make_room(self, slot: Slot) -> bool:
         """Shift the slot's context to take one more token; False when sliding is off."""
@@ -368,13 +497,26 @@ class Scheduler:
         slot.shifts += 1
         return True
 
-    def update(self, batch: Batch, sampled: dict[int, int]) -> None:
-        """Record the decoded tokens and the token sampled for each ``sample`` item."""
+    def update(
+        self, batch: Batch, sampled: dict[int, int], accepted: dict[int, int] | None = None
+    ) -> None:
+        """Record the decoded tokens and the token sampled for each ``sample`` item.
+
+        A speculating item: ``accepted[slot]`` of its drafted tokens matched what the
+        model sampled, and ``sampled[slot]`` is the token sampled after the last of
+        them; the cells of the rejected drafts are removed before the next step."""
         for item in batch.items:
             slot = self.slots[item.slot]
             if not slot.busy:  # cancelled while the batch ran
                 continue
-            slot.cache.extend(item.tokens)
+            kept = len(item.tokens)
+            if item.draft:
+                ok = (accepted or {}).get(item.slot, 0)
+                kept = len(item.tokens) - item.draft + ok
+                if kept < len(item.tokens):
+                    self._ops.append(Remove(item.slot, item.pos + kept, -1))
+                slot.generated += ok
+            slot.cache.extend(item.tokens[:kept])
             slot.reusable = len(slot.cache) if slot.shifts == 0 else slot.reusable
             del slot.pending[: len(item.tokens)]
             if item.sample:
@@ -382,6 +524,15 @@ class Scheduler:
                 slot.state = SlotState.DECODE
                 slot.pending = [token]
                 slot.generated += 1
+
+    def load_failed(self, seqs: Sequence[int]) -> None:
+        """Saved prompts could not be restored into these slots' sequences (now empty):
+        their requests prefill the whole prompt instead."""
+        for seq in seqs:
+            slot = self.slots[seq]
+            slot.cache, slot.reusable, slot.cached_prompt = [], 0, 0
+            if slot.state is SlotState.PREFILL and slot.request is not None:
+                slot.pending = list(slot.request.prompt_tokens)
 
     def discard(self, batch: Batch) -> None:
         """Forget a batch whose decode was aborted: llama.cpp may have kept the cells
@@ -445,6 +596,11 @@ class Scheduler:
             slot.cache = []
             slot.reusable = 0
         return self.take_ops()
+
+
+def _runs(ids: set[int]) -> int:
+    """Runs of consecutive ids: llama.cpp's passes for one token per slot."""
+    return sum(1 for i in ids if i - 1 not in ids)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -28,7 +28,15 @@ class TimingRecorder:
     def token(self, t: int) -> None:
         self.token_ns.append(t)
 
-    def result(self, end_ns: int, prompt: int, cached: int, shifts: int) -> RequestTimings:
+    def result(
+        self,
+        end_ns: int,
+        prompt: int,
+        cached: int,
+        shifts: int,
+        drafted: int = 0,
+        accepted: int = 0,
+    ) -> RequestTimings:
         ms = 1e-6
         start = self.prefill_start_ns if self.prefill_start_ns is not None else end_ns
         first = self.token_ns[0] if self.token_ns else end_ns
@@ -46,6 +54,8 @@ class TimingRecorder:
             cached_tokens=cached,
             generated_tokens=n,
             context_shifts=shifts,
+            drafted_tokens=drafted,
+            accepted_tokens=accepted,
             arrival_ns=self.arrival_ns,
             prefill_start_ns=start,
             first_token_ns=first,

@@ -104,6 +104,8 @@ class RequestTimings:
     cached_tokens: int
     generated_tokens: int
     context_shifts: int
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted for this request
+    accepted_tokens: int = 0  # of those, the ones the model confirmed
     # the same instants on time.perf_counter_ns, for lining requests up with telemetry
     arrival_ns: int = 0
     prefill_start_ns: int = 0
@@ -117,6 +119,11 @@ class RequestTimings:
     @property
     def prefilled_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens; None when nothing was drafted."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
 
 @dataclass(frozen=True)
@@ -152,6 +159,10 @@ class StepStats:
     context_shifts: int = 0
     aborted: bool = False
     embedded_tokens: int = 0  # input tokens of an embedding pass (a step of its own)
+    prefill_budget: int = 0  # prompt tokens the step could carry (SLO-aware chunking)
+    micro_batches: int = 0  # llama.cpp passes the step cost (each reads every weight)
+    drafted_tokens: int = 0  # speculative tokens verified in the step
+    accepted_tokens: int = 0  # of those, the ones the model confirmed
 
     @property
     def phase(self) -> Literal["prefill", "decode", "mixed", "idle"]:

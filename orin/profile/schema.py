@@ -120,6 +120,13 @@ class EngineSection(_Section):
     numa: NumaStrategy = Field(
         "disabled", description="llama.cpp NUMA strategy (Orin has one node: no effect there)."
     )
+    kv_unified: bool = Field(
+        False,
+        description="One KV buffer shared by all slots instead of one stream per slot: a "
+        "shared prompt prefix is held once and a step is one llama.cpp pass whatever slots "
+        "are busy, but every slot's attention reads every slot's cells (docs/engine.md, "
+        "Shared prefixes, has the measurement behind the default).",
+    )
     rope_freq_base: float | None = Field(
         None,
         gt=0,
@@ -210,6 +217,83 @@ class SLOSection(_Section):
     )
 
 
+class SpeculativeSection(_Section):
+    mode: Literal["off", "ngram", "draft"] = Field(
+        "off",
+        description="Speculative decoding: off; ngram (drafts copied from the request's own "
+        "prompt and output where its last tokens occurred before: quoting, editing, code); "
+        "draft (a small draft model with the same vocabulary, speculative.draft_model).",
+    )
+    n_draft: int = Field(
+        8, ge=1, le=64, description="Tokens drafted per step for one request, at most."
+    )
+    ngram_min: int = Field(
+        2, ge=1, le=16, description="ngram: the shortest suffix looked up in the context."
+    )
+    ngram_max: int = Field(
+        4, ge=1, le=16, description="ngram: the longest suffix looked up (tried first)."
+    )
+    draft_model: Path | None = Field(
+        None,
+        description="draft: GGUF of the draft model (relative paths start at the profile's "
+        "directory); it must share the served model's vocabulary.",
+    )
+    draft_gpu_layers: int = Field(
+        -1, ge=-1, le=1000, description="draft: layers of the draft model offloaded; -1 = all."
+    )
+    min_acceptance: float = Field(
+        0.2,
+        ge=0.0,
+        le=1.0,
+        description="A request whose drafts are accepted at a lower rate (after "
+        "`probation` drafted tokens) stops speculating.",
+    )
+    probation: int = Field(
+        32, ge=1, le=100_000, description="Drafted tokens before the acceptance rate is judged."
+    )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        """YAML 1.1 reads a bare off as False."""
+        return "off" if value is False else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculativeSection:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})"
+            )
+        if self.mode == "draft" and self.draft_model is None:
+            raise ValueError("mode draft needs speculative.draft_model")
+        return self
+
+
+class PromptCacheSection(_Section):
+    prompts: list[str] = Field(
+        default_factory=list,
+        description="System prompts whose KV cells are computed once, saved to disk and "
+        "restored at start and whenever a request starts with one (each is rendered with the "
+        "chat template as a conversation's system message).",
+    )
+    prompt_dir: Path | None = Field(
+        None,
+        description="A directory of such prompts, one UTF-8 *.txt file each (relative paths "
+        "start at the profile's directory).",
+    )
+    directory: Path | None = Field(
+        None,
+        description="Where the saved KV state goes; default = the prompt-cache folder under "
+        "the user's cache directory (the service's state directory under systemd).",
+    )
+    max_bytes: int = Field(
+        2 * 1024**3,
+        ge=1024 * 1024,
+        le=1024**4,
+        description="Disk the saved states may take; the least recently used go first.",
+    )
+
+
 class SystemSection(_Section):
     swappiness: int | None = Field(
         10, ge=0, le=200, description="vm.swappiness to set; none = leave unchanged."
@@ -277,6 +361,12 @@ class Profile(_Section):
         default_factory=SamplingSection, description="Sampling defaults."
     )
     slo: SLOSection = Field(default_factory=SLOSection, description="Latency targets.")
+    speculative: SpeculativeSection = Field(
+        default_factory=SpeculativeSection, description="Speculative decoding."
+    )
+    prompt_cache: PromptCacheSection = Field(
+        default_factory=PromptCacheSection, description="Persistent prompt cache."
+    )
     system: SystemSection = Field(default_factory=SystemSection, description="Board settings.")
     server: ServerSection = Field(default_factory=ServerSection, description="HTTP server.")
     _source: Path | None = PrivateAttr(default=None)

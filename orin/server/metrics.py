@@ -17,9 +17,12 @@ the Prometheus base unit.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from orin.engine.types import FinishReason, RequestTimings, StepStats
 from orin.telemetry.metrics import PREFIX, PhaseMetrics
@@ -89,6 +92,39 @@ STEP_PHASES = ("prefill", "decode", "mixed")
 # Requests that ended this way ran to their natural end, so their E2E and
 # decode time describe a whole generation; cancelled and failed ones did not.
 COMPLETE_REASONS = frozenset({"stop", "length"})
+
+
+RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+PROMPT_CACHE_COUNTERS = {
+    "hits": "Requests whose prompt began with a saved prompt, or lookups that found one.",
+    "misses": "Lookups of the persistent prompt cache that found nothing.",
+    "saves": "Prompt states written to disk.",
+    "loads": "Prompt states restored from disk into a slot.",
+    "rejected": "Saved prompt states refused (damaged, foreign, unsafe file) and recomputed.",
+    "evicted": "Saved prompt states removed to stay within prompt_cache.max_bytes.",
+}
+
+
+class _EngineTotals(Collector):
+    """Counters the engine keeps itself, exported as they were at the last scrape."""
+
+    def __init__(self) -> None:
+        self.slot_moves = 0
+        self.prompt_cache: dict[str, int] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        moves = CounterMetricFamily(
+            PREFIX + "slot_moves",
+            "Busy slots moved down to close a hole left by a finished one (one KV stream "
+            "per slot: a hole splits a step into two llama.cpp passes).",
+        )
+        moves.add_metric([], self.slot_moves)
+        yield moves
+        for name, doc in PROMPT_CACHE_COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + "prompt_cache_" + name, doc)
+            family.add_metric([], self.prompt_cache.get(name, 0))
+            yield family
 
 
 class ServerMetrics:
@@ -178,6 +214,34 @@ class ServerMetrics:
         self.context_shifts = Counter(
             PREFIX + "context_shifts", "KV context shifts performed by engine steps.", registry=r
         )
+        self.micro_batches = Counter(
+            PREFIX + "engine_micro_batches",
+            "llama.cpp passes (micro-batches) run by engine steps; each reads every weight.",
+            registry=r,
+        )
+        self.prefill_budget = Gauge(
+            PREFIX + "prefill_budget_tokens",
+            "Prompt tokens the latest step beside running streams could carry (SLO-aware "
+            "chunking from slo.tpot_p90_ms; the whole chunk without a target).",
+            registry=r,
+        )
+        self.spec_drafted = Counter(
+            PREFIX + "spec_drafted_tokens",
+            "Speculative tokens verified by engine steps.",
+            registry=r,
+        )
+        self.spec_accepted = Counter(
+            PREFIX + "spec_accepted_tokens",
+            "Speculative tokens the model confirmed (emitted without a step of their own).",
+            registry=r,
+        )
+        self.spec_acceptance = self._histogram(
+            "spec_acceptance_ratio",
+            "Accepted / drafted speculative tokens, per finished request that drafted any.",
+            RATIO_BUCKETS,
+        )
+        self._engine_totals = _EngineTotals()
+        r.register(self._engine_totals)
         self.engine_steps = Counter(
             PREFIX + "engine_steps", "Engine steps by phase.", ["phase"], registry=r
         )
@@ -266,6 +330,10 @@ class ServerMetrics:
             self._step_duration_by_phase[phase].observe((stats.end_ns - stats.start_ns) * 1e-9)
         if stats.context_shifts:
             self.context_shifts.inc(stats.context_shifts)
+        if stats.micro_batches:
+            self.micro_batches.inc(stats.micro_batches)
+        if stats.decode_tokens:
+            self.prefill_budget.set(stats.prefill_budget)
         if stats.aborted:
             self.engine_aborted_steps.inc()
             return
@@ -275,10 +343,19 @@ class ServerMetrics:
             self._batch_decode.inc(stats.decode_tokens)
         if stats.embedded_tokens:
             self.embedding_tokens.inc(stats.embedded_tokens)
+        if stats.drafted_tokens:
+            self.spec_drafted.inc(stats.drafted_tokens)
+            self.spec_accepted.inc(stats.accepted_tokens)
 
     def on_embedding(self) -> None:
         """One embeddings request answered (the HTTP route calls this)."""
         self.embedding_requests.inc()
+
+    def update_engine_totals(self, slot_moves: int, prompt_cache: dict[str, int]) -> None:
+        """The engine's own running totals (slot moves, the prompt cache's counters), read
+        when /metrics is scraped and exported as counters."""
+        self._engine_totals.slot_moves = slot_moves
+        self._engine_totals.prompt_cache = dict(prompt_cache)
 
     def update_load(self, slots_busy: int, waiting: int, kv_cells_used: int) -> None:
         """Set the load gauges; the /metrics route calls this with the engine's
@@ -304,6 +381,8 @@ class ServerMetrics:
         (child if child is not None else self.requests.labels(reason)).inc()
         self.prompt_tokens.inc(timings.prompt_tokens)
         self.prompt_tokens_cached.inc(timings.cached_tokens)
+        if timings.acceptance_rate is not None:
+            self.spec_acceptance.observe(timings.acceptance_rate)
         self.generation_tokens.inc(timings.generated_tokens)
         if timings.generated_tokens < 1:
             return

@@ -678,6 +678,10 @@ def timings(t: RequestTimings | None) -> dict[str, Any] | None:
         "predicted_ms": t.decode_ms,
         "predicted_per_token_ms": t.tpot_ms,
         "predicted_per_second": 1e3 * decode_n / t.decode_ms if t.decode_ms else None,
+        # speculative decoding (llama-server's names): tokens drafted and accepted
+        "draft_n": t.drafted_tokens,
+        "draft_n_accepted": t.accepted_tokens,
+        "draft_acceptance": t.acceptance_rate,
     }
 
 

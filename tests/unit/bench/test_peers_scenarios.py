@@ -1,0 +1,335 @@
+"""benchmarks/peers.py and benchmarks/scenarios.py without servers: figures from token
+arrival times, stream parsing, the orin-llm profiles and llama-server flags each
+scenario starts with, and the ratio summaries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import peers
+from benchmarks import scenarios as sc
+from orin.profile.loader import load_profile
+
+MODEL = Path("/models/medium.gguf")
+SETTINGS = peers.Settings(
+    MODEL, slots=8, ctx_per_slot=2048, threads=2, type_k="q8_0", type_v="q8_0"
+)
+
+
+def streamed(times: list[float], *final: dict[str, Any], t0: float = 0.0) -> sc.Streamed:
+    """A stream whose token chunks arrived at ``times`` (one piece each), then ``final``."""
+    s = sc.Streamed(t0)
+    for i, t in enumerate(times):
+        s.feed(json.dumps({"choices": [{"delta": {"content": f"w{i} "}}]}).encode(), t)
+    for chunk in final:
+        s.feed(json.dumps(chunk).encode(), times[-1] if times else t0)
+    s.feed(b"[DONE]", times[-1] if times else t0)
+    return s
+
+
+def usage(completion: int, prompt: int = 10, cached: int | None = None) -> dict[str, Any]:
+    u: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion}
+    if cached is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
+    return {"choices": [], "usage": u}
+
+
+# -- figures ----------------------------------------------------------------------------------
+
+
+def test_pct_interpolates_between_ranks() -> None:
+    assert sc.pct([4.0, 1.0, 3.0, 2.0], 0.5) == pytest.approx(2.5)
+    assert sc.pct([10.0, 20.0, 30.0, 40.0, 50.0], 0.95) == pytest.approx(48.0)
+    assert sc.pct([7.0], 0.99) == 7.0
+    assert sc.pct([], 0.5) is None
+
+
+def test_itl_comes_from_the_gaps_within_each_stream_never_across_streams() -> None:
+    a = [0.000, 0.010, 0.020, 0.520, 0.530]  # a 500 ms stall while a long prompt is prefilled
+    b = [0.005, 0.015, 0.025]
+    assert sc.gaps_ms(a) == pytest.approx([10.0, 10.0, 500.0, 10.0])
+    m = sc.itl_metrics([a, b])
+    # gaps: 10, 10, 500, 10 and 10, 10 (not 5 ms between the two streams' tokens)
+    assert m["itl_p50_ms"] == pytest.approx(10.0)
+    assert m["itl_max_ms"] == pytest.approx(500.0)
+    assert m["itl_p99_ms"] == pytest.approx(10.0 + 0.95 * 490.0)  # rank 4.95 of 6
+    assert sc.itl_metrics([[1.0], []]) == {"itl_p50_ms": None, "itl_p99_ms": None,
+                                           "itl_max_ms": None}  # fmt: skip
+
+
+def test_tpot_counts_the_servers_tokens_not_the_chunks() -> None:
+    # speculative decoding sends several tokens in one chunk: 3 chunks, 11 tokens
+    assert sc.tpot_ms([1.0, 1.1, 1.2], 11) == pytest.approx(20.0)
+    assert sc.tpot_ms([1.0, 1.1, 1.2], 3) == pytest.approx(100.0)
+    assert sc.tpot_ms([1.0], 1) is None
+    assert sc.tpot_ms([], 0) is None
+
+
+def test_ttft_summary_skips_requests_without_a_token() -> None:
+    m = sc.ttft_metrics([30.0, None, 10.0, 20.0])
+    assert m == {"ttft_p50_ms": 20.0, "ttft_p95_ms": pytest.approx(29.0), "ttft_max_ms": 30.0}
+
+
+# -- one stream ---------------------------------------------------------------------------------
+
+
+def test_a_chat_stream_is_timed_from_content_chunks_and_counted_by_usage() -> None:
+    s = sc.Streamed(t0=10.0)
+    s.feed(b'{"choices": [{"delta": {"role": "assistant", "content": null}}]}', 10.01)
+    s.feed(b'{"choices": [{"delta": {"content": "Hel"}}]}', 10.05)
+    s.feed(b'{"choices": [{"delta": {"content": "lo there"}}]}', 10.15)
+    s.feed(b'{"choices": [{"delta": {}, "finish_reason": "length"}]}', 10.16)
+    final = {"choices": [], "usage": {"prompt_tokens": 1000, "completion_tokens": 5,
+             "prompt_tokens_details": {"cached_tokens": 990}},
+             "timings": {"cache_n": 7, "draft_n": 8, "draft_n_accepted": 6}}  # fmt: skip
+    s.feed(json.dumps(final).encode(), 10.17)
+    s.feed(b"[DONE]", 10.17)
+    assert s.token_times == [10.05, 10.15]  # the role-only chunk is no token
+    assert s.text == "Hello there"
+    assert s.ttft_ms == pytest.approx(50.0)
+    assert s.tokens == 5
+    assert s.tpot_ms == pytest.approx(25.0)  # 100 ms over the 4 tokens after the first
+    assert s.prompt_tokens == 1000
+    assert s.cached_tokens == 990  # usage details first, then timings' cache_n
+    assert s.drafted == (8, 6)
+    assert s.error is None
+
+
+def test_a_completion_stream_with_llama_server_timings_only() -> None:
+    s = sc.Streamed(t0=0.0)
+    s.feed(b'{"choices": [{"text": "a"}]}', 0.1)
+    s.feed(b'{"choices": [{"text": ""}], "timings": {"predicted_n": 3, "cache_n": 12}}', 0.2)
+    assert s.token_times == [0.1]
+    assert s.tokens == 3
+    assert s.cached_tokens == 12
+    assert s.drafted is None
+    assert s.prompt_tokens is None
+
+
+def test_an_error_event_marks_the_stream_failed() -> None:
+    s = sc.Streamed(t0=0.0)
+    s.feed(b'{"error": {"code": 500, "message": "boom", "type": "server_error"}}', 0.1)
+    assert s.error == "stream error 500"
+    assert s.token_times == []
+
+
+def test_bodies_are_greedy_streams_with_usage() -> None:
+    body = sc.chat_body("Why?", 16, system="Be brief.")
+    assert body["messages"] == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "Why?"}]  # fmt: skip
+    assert (body["temperature"], body["max_tokens"], body["stream"]) == (0, 16, True)
+    assert body["stream_options"] == {"include_usage": True}
+    assert sc.chat_body("Hi", 4)["messages"] == [{"role": "user", "content": "Hi"}]
+    assert sc.completion_body("x", 3)["prompt"] == "x"
+
+
+def test_prompts_are_the_same_every_run_and_the_questions_differ() -> None:
+    assert sc.system_prompt() == sc.system_prompt()
+    assert sc.system_prompt(seed=1) != sc.system_prompt()
+    assert len(sc.system_prompt().split()) == sc.SYSTEM_WORDS + 7
+    qs = sc.questions(9)
+    assert len(set(qs)) == 9
+    assert sc.questions(2, seed=1) != qs[:2]
+
+
+# -- scenario figures ---------------------------------------------------------------------
+
+
+def test_speculation_metrics_compare_tpot_output_and_acceptance() -> None:
+    off = [streamed([0.0, 1.0], usage(11)), streamed([0.0, 1.2], usage(11))]
+    draft = {"choices": [], "timings": {"draft_n": 40, "draft_n_accepted": 30}}
+    on = [streamed([0.0, 0.5], usage(11), draft), streamed([0.0, 0.7], usage(11), draft)]
+    m = sc.speculation_metrics(off, on)
+    assert m["tpot_off_ms"] == pytest.approx(110.0)  # median of 100 and 120
+    assert m["tpot_ngram_ms"] == pytest.approx(60.0)
+    assert m["ngram_over_off"] == pytest.approx(60.0 / 110.0)
+    assert m["tokens"] == 11
+    assert m["same_output"] == 1.0
+    assert m["accept_rate"] == pytest.approx(0.75)
+    assert m["errors"] == 0.0
+    changed = [streamed([0.0, 0.25, 0.5], usage(11))]
+    assert sc.speculation_metrics(off[:1], changed)["same_output"] == 0.0
+    assert sc.speculation_metrics(off[:1], changed)["accept_rate"] is None
+
+
+def test_copy_metrics_report_only_the_variants_that_ran() -> None:
+    one = [streamed([0.0, 1.0], usage(11))]
+    both = sc.copy_metrics(sc.CopyRun(one, one), sc.CopyRun(one, one))
+    assert set(both) == {"copy_task", "no_match"}
+    only = sc.copy_metrics(sc.CopyRun([], one), sc.CopyRun([], one))
+    assert set(only) == {"no_match"}
+
+
+def test_restart_counts_the_restore_call_in_the_ttft() -> None:
+    cold = streamed([0.9], usage(8), t0=0.0)
+    warm = streamed([0.05], usage(8, prompt=1019, cached=1000), t0=0.0)
+    m = sc.restart_metrics(cold, warm, 2.0, 3.0, restore_ms=25.0, saved_bytes=3 * 2**20)
+    assert m["ttft_cold_ms"] == pytest.approx(900.0)
+    assert m["ttft_restart_ms"] == pytest.approx(75.0)  # 50 ms to the token + 25 ms restore
+    assert m["restart_over_cold"] == pytest.approx(75.0 / 900.0)
+    assert (m["start_cold_s"], m["start_restart_s"]) == (2.0, 3.0)
+    assert m["cached_tokens"] == 1000
+    assert m["saved_mib"] == pytest.approx(3.0)
+    plain = sc.restart_metrics(cold, warm, 2.0, 3.0)  # orin-llm: no restore call
+    assert plain["ttft_restart_ms"] == pytest.approx(50.0)
+    assert plain["restore_ms"] is None
+
+
+def test_bandwidth_utilization_is_bytes_per_step_times_steps_per_second() -> None:
+    # 100 MB per step, 10 ms per token: 10 GB/s of a 100 GB/s machine
+    assert sc.bandwidth_utilization(100_000_000, 10.0, 100e9) == pytest.approx(0.1)
+    assert sc.bandwidth_utilization(None, 10.0, 100e9) is None
+    assert sc.bandwidth_utilization(100_000_000, None, 100e9) is None
+    assert sc.bandwidth_utilization(100_000_000, 10.0, None) is None
+
+
+def test_bandwidth_goes_beside_every_single_stream_tpot() -> None:
+    rep: dict[str, peers.RepResult] = {
+        "orin-llm": {"single": {"tpot_median_ms": 10.0}, "single_free_core": {
+            "tpot_median_ms": 20.0}},
+        "llama-server": {"single": {"tpot_median_ms": None}, "mixed": {}},
+    }  # fmt: skip
+    peers.add_bandwidth(rep, 100_000_000, 100e9)
+    assert rep["orin-llm"]["single"]["bw_util"] == pytest.approx(0.1)
+    assert rep["orin-llm"]["single_free_core"]["bw_util"] == pytest.approx(0.05)
+    assert rep["llama-server"]["single"]["bw_util"] is None
+    assert "bw_util" not in rep["llama-server"]["mixed"]
+
+
+# -- what each server is started with -------------------------------------------------------
+
+
+def test_orin_profiles_validate_against_the_profile_schema(tmp_path: Path) -> None:
+    system = sc.system_prompt()
+    cache = tmp_path / "prompt-cache"
+    path = peers.write_profile(
+        peers.orin_profile("peers-restart", 2, prompt_cache=([system], cache)), tmp_path
+    )
+    p = load_profile(path)
+    assert p.prompt_cache.prompts == [system]  # the exact text the requests send
+    assert p.prompt_cache.directory == cache
+    assert p.engine.threads == 2
+    assert p.speculative.mode == "off"
+
+    spec = load_profile(peers.write_profile(peers.orin_profile("s", speculative="ngram"), tmp_path))
+    assert spec.speculative.mode == "ngram"
+    assert (spec.speculative.n_draft, spec.speculative.ngram_min, spec.speculative.ngram_max) == (
+        peers.NGRAM.n_draft, peers.NGRAM.ngram_min, peers.NGRAM.ngram_max)  # fmt: skip
+    off = load_profile(peers.write_profile(peers.orin_profile("o", speculative="off"), tmp_path))
+    assert off.speculative.mode == "off"
+    assert off.prompt_cache.prompts == []
+    plain = peers.orin_profile("cold")
+    assert plain == {"name": "cold"}  # everything else as `serve --model` runs it
+
+
+def test_orin_argv_passes_slots_total_context_and_profile() -> None:
+    argv = peers.orin_argv(SETTINGS, 8123, Path("/tmp/p.yaml"))
+    assert argv[1:4] == ["-m", "orin", "serve"]
+    assert _flag(argv, "--slots") == "8"
+    assert _flag(argv, "--ctx") == "16384"  # total, shared by the slots
+    assert _flag(argv, "--port") == "8123"
+    assert _flag(argv, "--profile") == "/tmp/p.yaml"
+    assert "--profile" not in peers.orin_argv(SETTINGS, 1)
+
+
+def test_llama_server_gets_the_same_settings() -> None:
+    argv = peers.llama_server_argv(Path("/bin/llama-server"), SETTINGS, 8124)
+    assert argv[0] == "/bin/llama-server"
+    assert _flag(argv, "-m") == str(MODEL)
+    assert _flag(argv, "-c") == "16384"
+    assert _flag(argv, "-np") == "8"
+    assert _flag(argv, "-b") == _flag(argv, "-ub") == str(peers.N_BATCH)
+    assert _flag(argv, "-t") == "2"
+    assert (_flag(argv, "-ctk"), _flag(argv, "-ctv")) == ("q8_0", "q8_0")
+    assert _flag(argv, "-fa") == "on"
+    assert "--spec-type" not in argv
+    assert "--slot-save-path" not in argv
+
+
+def test_llama_server_ngram_and_slot_save_flags() -> None:
+    argv = peers.llama_server_argv(
+        Path("/bin/llama-server"), SETTINGS, 1, peers.NGRAM, Path("/tmp/slots")
+    )
+    assert _flag(argv, "--spec-type") == "ngram-simple"
+    assert _flag(argv, "--spec-ngram-simple-size-n") == str(peers.NGRAM.ngram_max)
+    assert _flag(argv, "--spec-ngram-simple-size-m") == str(peers.NGRAM.n_draft)
+    assert _flag(argv, "--slot-save-path") == "/tmp/slots"
+
+
+def test_free_core_pins_servers_to_all_cores_but_one() -> None:
+    servers, client = peers.split_cores({3, 0, 2, 1})
+    assert (servers, client) == ([0, 1, 2], 3)
+    with pytest.raises(ValueError, match="two cores"):
+        peers.split_cores({0})
+    p = peers.pinned(SETTINGS, servers)
+    assert p.cores == (0, 1, 2)
+    assert p.threads == 2  # never more threads than before
+    assert peers.pinned(SETTINGS, [0]).threads == 1
+    argv = peers.llama_server_argv(Path("/bin/llama-server"), peers.pinned(SETTINGS, [0]), 1)
+    assert argv[:3] == ["taskset", "-c", "0"]
+    assert _flag(argv, "-t") == "1"
+    assert peers.orin_argv(p, 1)[:3] == ["taskset", "-c", "0,1,2"]
+    assert peers.taskset(["x"], ()) == ["x"]
+
+
+def test_who_goes_first_rotates_by_rep() -> None:
+    names = ["a", "b", "c"]
+    assert [peers.rotate(names, r)[0] for r in range(4)] == ["a", "b", "c", "a"]
+    assert sorted(peers.rotate(names, 2)) == names
+
+
+def test_scenario_names_are_checked() -> None:
+    assert peers.picked_scenarios("mixed, shared_prefix") == {"mixed", "shared_prefix"}
+    assert peers.picked_scenarios(",".join(peers.SCENARIOS)) == set(peers.SCENARIOS)
+    with pytest.raises(ValueError, match="unknown scenarios"):
+        peers.picked_scenarios("mixed,warp_speed")
+    with pytest.raises(ValueError):
+        peers.picked_scenarios("")
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def test_ratio_cell_is_the_ratio_of_medians_with_the_spread_of_paired_reps() -> None:
+    assert peers.ratio_cell([10.0, 12.0, 11.0], [10.0, 10.0, 11.0]) == "1.10 (1.00–1.20)"
+    assert peers.ratio_cell([10.0], [5.0]) == "2.00"
+    assert peers.ratio_cell([10.0, None], [5.0, 4.0]) == "2.22"  # one pair: no spread
+    assert peers.ratio_cell([0.0, 0.0], [0.0, 0.0]) is None  # errors: no ratio
+    assert peers.ratio_cell([1.0], [None]) is None
+
+
+def test_summary_has_a_row_per_metric_and_dashes_where_a_server_did_not_run_it() -> None:
+    runs: peers.Runs = {
+        "orin-llm": [
+            {"single": {"tpot_median_ms": 10.0}, "mixed": {"itl_p99_ms": 30.0}},
+            {"single": {"tpot_median_ms": 12.0}, "mixed": {"itl_p99_ms": 40.0}},
+        ],
+        "llama-server": [
+            {"single": {"tpot_median_ms": 10.0}, "mixed": {"itl_p99_ms": 20.0}},
+            {"single": {"tpot_median_ms": 10.0}, "mixed": {"itl_p99_ms": 40.0}},
+        ],
+        "llama-cpp-python": [
+            {"single": {"tpot_median_ms": 20.0}},
+            {"single": {"tpot_median_ms": 24.0}},
+        ],
+    }
+    rows = peers.summarize(runs)
+    assert rows[0] == (
+        "| scenario | metric | orin-llm | llama-server | llama-cpp-python | orin-llm / peer |"
+    )
+    single = next(r for r in rows if r.startswith("| single |"))
+    assert "| 11.0 (10.0–12.0) | 10.0 (10.0–10.0) | 22.0 (20.0–24.0) |" in single
+    assert "llama-server: 1.10 (1.00–1.20)" in single
+    assert "llama-cpp-python: 0.50 (0.50–0.50)" in single
+    mixed = next(r for r in rows if r.startswith("| mixed |"))
+    assert "| 35.0 (30.0–40.0) | 30.0 (20.0–40.0) | - |" in mixed
+    assert "llama-server: 1.17 (1.00–1.50)" in mixed
+    assert "llama-cpp-python" not in mixed
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]

@@ -1,0 +1,239 @@
+"""The scheduler's step shaping: SLO-aware prompt budget, one llama.cpp pass per step
+(packed slots, holes closed), shared cells in one buffer, speculative items, saved
+prompts restored from disk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from orin.engine.costmodel import MIN_CHUNK, ChunkPolicy, StepCostModel
+from orin.engine.scheduler import (
+    Batch,
+    ContextPolicy,
+    Copy,
+    Load,
+    Remove,
+    Scheduler,
+    SlotState,
+)
+from orin.engine.ubatch import micro_batches
+
+
+@dataclass
+class Req:
+    id: str
+    prompt_tokens: list[int]
+
+
+def sched(n_slots: int = 4, n_batch: int = 64, **kw: object) -> Scheduler:
+    return Scheduler(n_slots, n_batch, ContextPolicy(window=256), **kw)  # type: ignore[arg-type]
+
+
+def run(s: Scheduler, batch: Batch, token: int = 5) -> None:
+    """Record a batch as if decoded: every sampled slot gets ``token``."""
+    s.update(batch, {i.slot: token for i in batch.items if i.sample})
+
+
+def decode_all(s: Scheduler) -> None:
+    """Steps until the queue is empty and no slot is prefilling."""
+    while s.queue or any(x.state is SlotState.PREFILL for x in s.slots):
+        run(s, s.schedule())
+
+
+# -- micro-batches (llama.cpp's split rules) ------------------------------------------
+
+
+def test_streams_one_pass_for_consecutive_slots() -> None:
+    assert micro_batches([(0, 1), (1, 1), (2, 1)], 512, unified=False) == 1
+    assert micro_batches([(2, 1), (3, 1)], 512, unified=False) == 1
+
+
+def test_streams_hole_splits_the_step() -> None:
+    assert micro_batches([(0, 1), (1, 1), (3, 1)], 512, unified=False) == 2
+    assert micro_batches([(0, 1), (2, 1), (4, 1)], 512, unified=False) == 3
+
+
+def test_streams_prompt_chunk_beside_decode_rows_is_a_pass_of_its_own() -> None:
+    # equal split: one token of each of slots 0..2, then the rest of slot 2's chunk
+    assert micro_batches([(0, 1), (1, 1), (2, 100)], 512, unified=False) == 2
+    # a chunk longer than n_ubatch takes more passes
+    assert micro_batches([(0, 1), (1, 300)], 128, unified=False) == 4
+
+
+def test_unified_counts_tokens_only() -> None:
+    assert micro_batches([(0, 1), (2, 1), (5, 100)], 512, unified=True) == 1
+    assert micro_batches([(0, 1), (2, 300)], 128, unified=True) == 3
+    assert micro_batches([], 128, unified=True) == 0
+
+
+# -- the cost model and the budget ------------------------------------------------------
+
+
+def test_cost_model_learns_the_coefficients() -> None:
+    model = StepCostModel()
+    a, b, c = 8.0, 0.5, 0.05
+    shapes = [(1, r, p) for r in (1, 2, 4, 8) for p in (0, 16, 64, 256)]
+    shapes += [(2, r, p) for r in (1, 4) for p in (32, 128)]
+    for _ in range(20):
+        for passes, rows, prompt in shapes:
+            model.observe(passes, rows, prompt, a * passes + b * rows + c * prompt)
+    got = model.coefficients()
+    assert got == pytest.approx((a, b, c), rel=0.05)
+    assert model.predict(1, 4, 100) == pytest.approx(a + 4 * b + 100 * c, rel=0.05)
+
+
+def test_budget_keeps_steps_within_the_target() -> None:
+    model = StepCostModel()
+    for _ in range(50):
+        for rows, prompt in ((4, 0), (4, 64), (4, 256), (1, 128), (8, 32)):
+            passes = 1 + (prompt > 0)
+            model.observe(passes, rows, prompt, 5.0 * passes + 0.5 * rows + 0.1 * prompt)
+    policy = ChunkPolicy(40.0, cap=512, passes=lambda r, p: 1 + (p > 0), model=model)
+    n = policy.budget(4)
+    # 40 ms * margin = 34 ms; 2 passes (10 ms) + 4 rows (2 ms) leave 22 ms: ~220 tokens
+    assert 150 <= n <= 230
+    assert model.predict(2, 4, n) <= 40.0
+    assert policy.budget(0) == 512  # nothing decoding: the whole chunk
+
+
+def test_budget_has_a_floor_and_no_target_means_the_cap() -> None:
+    model = StepCostModel()
+    for _ in range(50):
+        model.observe(1, 4, 0, 50.0)
+        model.observe(2, 4, 100, 150.0)
+    tight = ChunkPolicy(10.0, cap=512, passes=lambda r, p: 1 + (p > 0), model=model)
+    assert tight.budget(4) == MIN_CHUNK  # the target cannot be met: still progress
+    assert ChunkPolicy(None, cap=300, passes=lambda r, p: 1).budget(4) == 300
+
+
+def test_schedule_uses_the_budget_hook_and_records_it() -> None:
+    s = sched(n_slots=2, n_batch=64)
+    s.add(Req("a", [1, 2, 3]))
+    decode_all(s)
+    s.add(Req("b", list(range(10, 60))))
+    s.chunk_budget = lambda rows: 8 if rows else 64
+    batch = s.schedule()
+    assert batch.n_decode == 1 and batch.n_prefill == 8
+    assert batch.budget == 8
+    assert batch.passes == 2  # one stream per slot: the chunk is a pass of its own
+
+
+# -- one pass per step -----------------------------------------------------------------
+
+
+def test_admission_keeps_busy_slots_consecutive_and_copies_a_better_prefix() -> None:
+    s = sched(n_slots=4)
+    prompt = list(range(100, 140))
+    # slot 3 holds the prompt's first 39 tokens as an idle prefix cache
+    s.slots[3].cache, s.slots[3].reusable = prompt[:39], 39
+    s.add(Req("a", [1, 2, 3]))
+    run(s, s.schedule())  # "a" takes slot 0 (slot 3's prefix does not fit it)
+    assert s.slots[0].busy
+    s.add(Req("b", prompt))
+    batch = s.schedule()
+    # slot 1 (next to the busy slot), with slot 3's cells copied in
+    assert s.slots[1].request is not None and s.slots[1].request.id == "b"
+    assert Copy(3, 1) in batch.ops
+    assert s.slots[1].cached_prompt == 39
+    assert batch.passes == 1  # slot 0's decode token and slot 1's last prompt token
+
+
+def test_a_hole_is_closed_by_moving_the_highest_busy_slot() -> None:
+    s = sched(n_slots=4)
+    for name in "abc":
+        s.add(Req(name, [ord(name), 1, 2]))
+    decode_all(s)
+    assert [x.request.id for x in s.slots[:3] if x.request] == ["a", "b", "c"]
+    s.release(s.slots[1], keep_cache=True)  # "b" finishes in the middle
+    moved_cells = list(s.slots[2].cache)
+    batch = s.schedule()
+    assert Copy(2, 1) in batch.ops
+    assert s.slots[1].request is not None and s.slots[1].request.id == "c"
+    assert s.slots[1].cache == moved_cells
+    assert not s.slots[2].busy and s.slots[2].cache == moved_cells  # kept as prefix cache
+    assert batch.passes == 1 and s.moves == 1
+    assert sorted(i.slot for i in batch.items) == [0, 1]
+
+
+def test_unified_buffer_shares_the_prefix_and_never_moves() -> None:
+    s = sched(n_slots=4, unified=True)
+    prompt = list(range(100, 140))
+    s.slots[3].cache, s.slots[3].reusable = [*prompt[:30], 9, 9], 32
+    s.add(Req("b", prompt))
+    batch = s.schedule()
+    b = s.slot_of("b")
+    assert b is not None and b.id == 3  # the slot holding the prefix: no copy at all
+    assert b.cached_prompt == 30
+    assert Remove(3, 30, -1) in batch.ops
+    run(s, batch)  # "b" holds its whole prompt now
+    s.add(Req("c", [*prompt[:35], 7, 7]))
+    batch = s.schedule()
+    c = s.slot_of("c")
+    assert c is not None and Copy(3, c.id, 35) in batch.ops  # only the shared cells
+    s.release(s.slots[3], keep_cache=True)
+    assert not any(isinstance(op, Copy) for op in s.schedule().ops)  # no hole closing
+
+
+# -- speculative items ----------------------------------------------------------------
+
+
+def test_drafted_tokens_ride_with_the_decode_token_and_rejected_cells_go() -> None:
+    s = sched(n_slots=2)
+    s.add(Req("a", [1, 2, 3]))
+    run(s, s.schedule(), token=50)
+    s.drafts = lambda slot, room: [51, 52, 53]
+    batch = s.schedule()
+    (item,) = batch.items
+    assert item.tokens == (50, 51, 52, 53) and item.draft == 3 and item.outputs == 4
+    # the model confirmed 51 and then sampled 60 instead of 52
+    s.update(batch, {0: 60}, {0: 1})
+    slot = s.slots[0]
+    assert slot.cache == [1, 2, 3, 50, 51]
+    assert slot.pending == [60]
+    assert slot.generated == 3  # 50, 51 and 60
+    assert Remove(0, 5, -1) in s.take_ops()
+
+
+def test_drafts_fit_the_window_and_the_batch() -> None:
+    s = Scheduler(2, 4, ContextPolicy(window=8, sliding=False))
+    s.add(Req("a", [1, 2, 3]))
+    run(s, s.schedule())
+    seen: list[int] = []
+    s.drafts = lambda slot, room: seen.append(room) or list(range(room + 5))  # type: ignore[func-returns-value]
+    batch = s.schedule()
+    assert seen == [3]  # n_batch 4 minus the decode token
+    assert batch.items[0].draft == 3
+    s.update(batch, {0: 9}, {0: 3})
+    seen.clear()
+    batch = s.schedule()
+    assert seen == [0] or not seen  # the window (8) is full but one token
+    assert batch.items[0].draft == 0
+
+
+# -- saved prompts ------------------------------------------------------------------------
+
+
+def test_a_saved_prompt_is_loaded_when_it_beats_every_slot() -> None:
+    s = sched(n_slots=2)
+    system = list(range(200, 240))
+    s.stored = lambda prompt: (40, "entry-1") if prompt[:40] == system else None
+    s.add(Req("a", [*system, 1, 2]))
+    batch = s.schedule()
+    assert Load(0, "entry-1", 40) in batch.ops
+    slot = s.slot_of("a")
+    assert slot is not None and slot.cached_prompt == 40
+    assert batch.items[0].tokens == (1, 2) and batch.items[0].pos == 40
+
+
+def test_a_failed_load_prefills_the_whole_prompt() -> None:
+    s = sched(n_slots=2)
+    system = list(range(200, 240))
+    s.stored = lambda prompt: (40, "entry-1")
+    s.add(Req("a", [*system, 1, 2]))
+    s.schedule()
+    s.load_failed([0])
+    batch = s.schedule()
+    assert batch.items[0].pos == 0 and len(batch.items[0].tokens) == 42
+    assert s.slots[0].cached_prompt == 0
