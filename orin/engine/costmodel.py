@@ -7,12 +7,24 @@ A step's time is modelled as
 
 ``passes`` are llama.cpp's micro-batches (each reads every weight once: the
 bandwidth-bound part), ``decode_rows`` the tokens of running streams and
-``prompt_tokens`` the prompt chunk (the compute-bound part). The three
-coefficients are fitted online by recursive least squares with a forgetting
-factor, so the model follows a board whose clocks change (power mode, thermal
-throttling) within a few dozen steps. It starts from a prior that makes prompt
-tokens expensive, so the first mixed steps are short rather than long, and the
-prior is replaced as soon as steps have been seen.
+``prompt_tokens`` the prompt chunk (the compute-bound part).
+
+The coefficients are learned in two parts, so that each is identifiable from
+the steps an engine actually runs:
+
+- ``a`` and ``b`` from decode-only steps (``passes`` and ``decode_rows`` vary as
+  streams come and go): recursive least squares with a forgetting factor;
+- ``c`` from steps that carry prompt tokens: the time left once the decode part
+  (``a * passes + b * rows``) is taken off, per prompt token, as an exponentially
+  weighted ratio (tokens weigh in proportion to their number).
+
+A single three-way fit would not do: while a long prompt arrives in chunks of
+one size beside the same streams, a prompt step always has one more pass and
+the same number of prompt tokens, so the fit could not tell a pass from the
+tokens, and a pessimistic start would keep the chunks at the floor for good.
+The first prompt of a fresh engine is always prefilled alone (nothing decodes
+yet), so ``c`` is measured before it is first needed. Forgetting lets both
+parts follow a board whose clocks change (power mode, thermal throttling).
 
 ``prompt_budget`` answers: with ``rows`` streams decoding, how many prompt
 tokens fit in a step that must end within the target (the profile's
@@ -39,30 +51,43 @@ MIN_CHUNK = 16
 
 class StepCostModel:
     def __init__(self, forget: float = FORGET) -> None:
-        # prior: 10 ms per pass, 0.2 ms per decode row, 1 ms per prompt token; weak
-        self.theta = np.array([10.0, 0.2, 1.0])
-        self.p = np.diag([100.0, 1.0, 1.0])
+        # decode part: (ms per pass, ms per decode row); the prior is weak and
+        # optimistic about passes, pessimistic about prompt tokens
+        self.theta = np.array([1.0, 0.1])
+        self.p = np.diag([100.0, 10.0])
         self.forget = forget
+        self._token_ms = 0.0  # weighted sums of the prompt part's time and tokens
+        self._tokens = 0.0
         self.steps = 0
 
     def observe(self, passes: int, rows: int, prompt: int, ms: float) -> None:
         """One finished step: its shape and its duration in milliseconds."""
         if passes <= 0 or ms <= 0:
             return
-        x = np.array([float(passes), float(rows), float(prompt)])
-        px = self.p @ x
-        gain = px / (self.forget + x @ px)
-        self.theta = self.theta + gain * (ms - x @ self.theta)
-        self.p = (self.p - np.outer(gain, px)) / self.forget
-        # keep P bounded when a feature never varies (decode-only stretches)
-        np.clip(self.p, -1e6, 1e6, out=self.p)
         self.steps += 1
+        if prompt == 0:
+            x = np.array([float(passes), float(rows)])
+            px = self.p @ x
+            gain = px / (self.forget + x @ px)
+            self.theta = self.theta + gain * (ms - x @ self.theta)
+            self.p = (self.p - np.outer(gain, px)) / self.forget
+            np.clip(self.p, -1e6, 1e6, out=self.p)  # bounded through long steady stretches
+            return
+        a, b = self._decode()
+        rest = max(ms - a * passes - b * rows, 0.0)
+        self._token_ms = self._token_ms * self.forget + rest
+        self._tokens = self._tokens * self.forget + prompt
+
+    def _decode(self) -> tuple[float, float]:
+        a, b = (float(v) for v in self.theta)
+        return max(a, 0.0), max(b, 0.0)
 
     def coefficients(self) -> tuple[float, float, float]:
-        """(ms per pass, per decode row, per prompt token), each at least a small
-        positive figure (a fit on collinear steps may wander below zero)."""
-        a, b, c = (float(v) for v in self.theta)
-        return max(a, 0.01), max(b, 0.0), max(c, 1e-4)
+        """(ms per pass, per decode row, per prompt token); a prompt token costs 1 ms
+        until a prompt step has been seen."""
+        a, b = self._decode()
+        c = self._token_ms / self._tokens if self._tokens > 0 else 1.0
+        return a, b, max(c, 1e-4)
 
     def predict(self, passes: int, rows: int, prompt: int) -> float:
         a, b, c = self.coefficients()
