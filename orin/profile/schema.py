@@ -283,8 +283,8 @@ class PromptCacheSection(_Section):
     )
     directory: Path | None = Field(
         None,
-        description="Where the saved KV state goes; default = the prompt-cache folder under "
-        "the user's cache directory (the service's state directory under systemd).",
+        description="Where the saved KV state goes; default = prompt-cache under the cache "
+        "directory (/var/cache/orin-llm/prompt-cache for the installed service).",
     )
     max_bytes: int = Field(
         2 * 1024**3,
