@@ -131,4 +131,7 @@ class ChunkPolicy:
         return n
 
     def observe(self, passes: int, rows: int, prompt: int, ms: float) -> None:
-        self.model.observe(passes, rows, prompt, ms)
+        """Learn from a step; without a target nothing reads the model, so nothing is
+        spent on it (a numpy update per step is tens of microseconds)."""
+        if self.target_ms is not None:
+            self.model.observe(passes, rows, prompt, ms)
