@@ -1,4 +1,5 @@
-"""Why a configuration misses a target: prefill-bound or decode-bound, in figures.
+"""Why a configuration misses a target: prefill-bound or decode-bound, in figures;
+and why speculative decoding was or was not chosen, from its TPOT with and without.
 
 TTFT is queueing plus prefill; with C prompts arriving together the last one
 waits for the others' prefill too, so the prefill rate the target needs is
@@ -11,10 +12,21 @@ from "something else holds it back" (pitfall 3: a CPU-side bottleneck).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import psutil
 
 from orin.profile.schema import SLOSection
 from orin.tune.figures import Measurement, PhaseFigures, Point
+from orin.tune.space import Candidate
+from orin.tune.speculation import (
+    MIN_GAIN,
+    SpecChoice,
+    acceptance,
+    median_tpot,
+    tpot_gain,
+    why_not,
+)
 
 SATURATED = 0.8  # utilization from which a phase counts as using its hardware fully
 
@@ -105,3 +117,66 @@ def explain(m: Measurement, slo: SLOSection) -> list[str]:
         if p is not None and (p.tpot_p90 or 0.0) > slo.tpot_p90_ms:
             out.append(_tpot(m, p, slo.tpot_p90_ms))
     return out
+
+
+def _median_tpot(m: Measurement) -> str:
+    tpot = median_tpot(m)
+    return "-" if tpot is None else f"{tpot:.3g} ms"  # tiny models decode in 0.1 ms
+
+
+def _spec_figures(m: Measurement) -> str:
+    worst, acc = _worst(m, "tpot_p90"), acceptance(m)
+    text = f"median TPOT {_median_tpot(m)}"
+    if worst is not None and worst.tpot_p90 is not None:
+        text += f", worst TPOT_p90 {worst.tpot_p90:.1f} ms"
+    text += f", {m.throughput():.1f} tokens/s"
+    if acc is not None:
+        text += f", {acc:.0%} of drafted tokens accepted"
+    return text + f" ({m.reps} repetition{'' if m.reps == 1 else 's'})"
+
+
+def speculation(
+    choice: SpecChoice, results: Mapping[Candidate, Measurement], slo: SLOSection
+) -> list[str]:
+    """The verdict on speculative decoding, then each measured setting's figures and the
+    workload they come from."""
+    inc = results[choice.incumbent]
+    own = choice.incumbent.speculation.label
+    lines = []
+    if choice.changed:
+        m = results[choice.chosen]
+        gain = tpot_gain(m, inc)
+        change = "" if gain is None else f"{gain:.0%} lower, "
+        lines.append(
+            f"speculative decoding {choice.chosen.speculation.label} chosen over the "
+            f"profile's {own}: median TPOT {change}{_median_tpot(m)} with "
+            f"{choice.chosen.speculation.label}, {_median_tpot(inc)} with {own}"
+        )
+    elif not choice.trials:
+        skipped = ", ".join(s.label for s in choice.skipped)
+        lines.append(
+            f"speculative decoding stays {own} (the profile's): the budget left no time to "
+            f"try {skipped or 'another setting'}"
+        )
+    else:
+        reasons = "; ".join(
+            f"{t.candidate.speculation.label}: {why_not(results[t.candidate], inc, slo)}"
+            for t in choice.trials
+        )
+        lines.append(
+            f"speculative decoding stays {own} (the profile's; a change needs a "
+            f"{MIN_GAIN:.0%} lower median TPOT): {reasons}"
+        )
+    for c in choice.measured:
+        m = results[c]
+        state = f"failed: {m.error}" if m.error else _spec_figures(m)
+        lines.append(f"{c.speculation.label}: {state}")
+    if choice.skipped and choice.trials:
+        lines.append(f"not tried (budget): {', '.join(s.label for s in choice.skipped)}")
+    lines.append(
+        f"measured on {choice.workload}. N-gram drafts are accepted where the output "
+        "repeats its context: copying, quoting, editing and code gain the most, free text "
+        "little (at a cost of a few % at most); a greedy continuation of random words often "
+        "repeats itself, so the gain here can exceed that on free text with sampling"
+    )
+    return lines

@@ -44,6 +44,8 @@ class Point:
     rep_tokens: list[int] = field(default_factory=list)  # generated tokens per repetition
     rep_wall_s: list[float] = field(default_factory=list)  # wall time per repetition
     errors: int = 0
+    drafted: int = 0  # speculative decoding: tokens drafted for these requests
+    accepted: int = 0  # of those, the ones the model confirmed
 
     @property
     def output_tokens(self) -> int:
@@ -78,6 +80,8 @@ class Point:
             self.rep_tokens + other.rep_tokens,
             self.rep_wall_s + other.rep_wall_s,
             self.errors + other.errors,
+            self.drafted + other.drafted,
+            self.accepted + other.accepted,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,6 +97,8 @@ class Point:
             "queue_mean_ms": _mean(self.queue_ms),
             "prefill_mean_ms": _mean(self.prefill_ms),
             "output_throughput": self.throughput,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
         }
 
 

@@ -10,6 +10,11 @@ added repetitions (plus one model load). Telemetry samples and engine steps of
 the measured span go through phases.summarize, which says how long the engine
 spent in prefill and decode and how busy the GPU (or this process's CPU) was
 in each: what explains a missed target.
+
+The prompts are the standard workload (``workload``): tune has no prompts of
+the user's, and the grid needs exact lengths. What it cannot say is how often a
+real workload's output repeats its context, which decides what n-gram
+speculation gains (orin/tune/speculation.py).
 """
 
 from __future__ import annotations
@@ -41,6 +46,16 @@ from orin.tune.space import Candidate
 LOAD_TIMEOUT_S = 120.0
 ALLOWANCE = 5.0  # a measurement may take this many times the median one before it is cut
 MIN_ALLOWANCE_S = 5.0
+
+
+def workload(grid: Grid) -> str:
+    """What the measured requests are, in words (the report says what speculation was
+    judged on)."""
+    return (
+        f"the standard workload: distinct prompts of random common words "
+        f"({', '.join(map(str, grid.prompt_tokens))} tokens), greedy, "
+        f"{grid.output_tokens} generated tokens each"
+    )
 
 
 class Cutoff:
@@ -198,6 +213,8 @@ class EngineMeasurer:
             point.prefill_ms.append(tm.prefill_ms)
             point.e2e_ms.append(tm.e2e_ms)
             point.rep_tokens[0] += tm.generated_tokens
+            point.drafted += tm.drafted_tokens
+            point.accepted += tm.accepted_tokens
             if tm.tpot_ms is not None:
                 point.tpot_ms.append(tm.tpot_ms)
         return point

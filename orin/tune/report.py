@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from orin.tune.explain import speculation
 from orin.tune.figures import Measurement, score
 from orin.tune.plots import draw_all
 from orin.tune.run import TuneResult
@@ -66,6 +67,14 @@ def measurement_rows(r: TuneResult) -> list[str]:
     return rows
 
 
+def spec_section(r: TuneResult) -> list[str]:
+    """Speculative decoding: the verdict, each setting tried on the winner, the workload."""
+    if r.speculation is None:
+        return []
+    lines = speculation(r.speculation, r.measurements, r.profile.slo)
+    return ["## Speculative decoding", "", *(f"- {line}" for line in lines), ""]
+
+
 def markdown(r: TuneResult, images: list[str] | None) -> str:
     s = r.search
     gpu = any(f.gpu_util is not None for m in r.measurements.values() for f in m.phases.values())
@@ -90,6 +99,7 @@ def markdown(r: TuneResult, images: list[str] | None) -> str:
         *(f"- {line}" for line in point_lines(r.chosen_m, r.baseline_m)),
         *(f"- **why**: {e}" for e in r.explanation),
         "",
+        *spec_section(r),
         f"## Every measured configuration (utilization: {util})",
         "",
         *measurement_rows(r),

@@ -1,8 +1,11 @@
 """orin-llm tune end to end: space -> successive halving over in-process measurements
--> the chosen configuration, the profile's own for comparison, and why targets miss.
+-> speculative decoding tried on the winner -> the chosen configuration, the
+profile's own for comparison, and why targets miss.
 
 The budget covers everything: measuring gets what is left after loading and a
-reserve for writing the profile and the report (plots take a few seconds).
+reserve for writing the profile and the report (plots take a few seconds); of
+the measuring budget the search leaves a share (speculation.SPEC_SHARE) to the
+speculation settings, when there are any to try.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from orin.system.root import SysRoot
 from orin.telemetry.sampler import Sampler
 from orin.telemetry.sources import select_source
 from orin.tune.explain import explain
-from orin.tune.figures import Grid, Measurement
-from orin.tune.measure import EngineMeasurer
+from orin.tune.figures import Grid, Measurement, score
+from orin.tune.measure import EngineMeasurer, workload
 from orin.tune.search import SearchResult, Trial, successive_halving
 from orin.tune.space import Candidate, Space, build_space
+from orin.tune.speculation import SPEC_SHARE, SpecChoice, refine
 
 Progress = Callable[[str], None]
 
@@ -64,6 +68,7 @@ class TuneResult:
     telemetry_source: str | None = None
     model_given: bool = False  # --model overrode the profile's model
     notes: list[str] = field(default_factory=list)
+    speculation: SpecChoice | None = None  # what speculation was tried; run.tune sets it
 
     @property
     def chosen_m(self) -> Measurement:
@@ -75,7 +80,7 @@ class TuneResult:
 
     @property
     def meets_slo(self) -> bool:
-        return bool(self.search.best_score and self.search.best_score.meets_slo)
+        return score(self.chosen_m, self.profile.slo).meets_slo
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +102,7 @@ class TuneResult:
             "baseline": self.space.baseline.to_dict(),
             "meets_slo": self.meets_slo,
             "explanation": self.explanation,
+            "speculation": self.speculation.to_dict() if self.speculation else None,
             "notes": self.notes + list(self.space.notes),
             "trials": [_trial(t) for t in self.search.trials],
             "measurements": [m.to_dict() for m in self.measurements.values()],
@@ -169,20 +175,30 @@ def tune(
     try:
         budget = s.budget_s - report_reserve(s.budget_s) - (time.perf_counter() - start)
         measurer.deadline = time.perf_counter() + budget
+        share = SPEC_SHARE if len(space.speculation) > 1 else 0.0
         result = successive_halving(
-            space.candidates, measurer.evaluate, budget, s.min_fidelity, s.max_fidelity,
-            s.eta, s.seed, first=space.baseline, on_trial=lambda t: say(_describe(t)),
+            space.candidates, measurer.evaluate, budget * (1 - share), s.min_fidelity,
+            s.max_fidelity, s.eta, s.seed, first=space.baseline,
+            on_trial=lambda t: say(_describe(t)),
         )  # fmt: skip
-        _top_up_baseline(measurer, space.baseline, result, budget)
+        chosen = _chosen(result, measurer)
+        spec = refine(
+            chosen, space.speculation, measurer.evaluate, measurer.results, profile.slo,
+            result.fidelities, budget - result.spent_s, workload(grid),
+            on_trial=lambda t: say(_describe(t, "speculation")),
+        )  # fmt: skip
+        result.spent_s += spec.spent_s
+        reps = measurer.results[spec.chosen].reps
+        _top_up_baseline(measurer, space.baseline, reps, result, budget)
     finally:
         if sampler is not None:
             sampler.stop()
-    chosen = _chosen(result, measurer)
+    chosen = spec.chosen
     m = measurer.results[chosen]
     out = TuneResult(
         profile, path, info, grid, space, result, measurer.results, chosen,
-        explain(m, profile.slo) if not (result.best_score and result.best_score.meets_slo)
-        else [], s, started, telemetry_source=source,
+        [] if score(m, profile.slo).meets_slo else explain(m, profile.slo), s, started,
+        telemetry_source=source, speculation=spec,
     )  # fmt: skip
     if result.first_round < len(space) + (space.baseline not in space.candidates):
         out.notes.append(
@@ -204,23 +220,28 @@ def _chosen(result: SearchResult[Candidate], measurer: EngineMeasurer) -> Candid
 
 
 def _top_up_baseline(
-    measurer: EngineMeasurer, baseline: Candidate, result: SearchResult[Candidate], budget: float
+    measurer: EngineMeasurer,
+    baseline: Candidate,
+    reps: int,
+    result: SearchResult[Candidate],
+    budget: float,
 ) -> None:
-    """Measure the profile's own settings as often as the chosen ones when time allows,
-    so the before/after figures compare like with like."""
+    """Measure the profile's own settings as often as the chosen ones (``reps``) when
+    time allows, so the before/after figures compare like with like."""
     have = measurer.results.get(baseline)
-    if have is None or have.error or have.reps >= result.best_fidelity or have.reps == 0:
+    if have is None or have.error or have.reps >= reps or have.reps == 0:
         return
-    predicted = have.cost_s / have.reps * (result.best_fidelity - have.reps)
+    predicted = have.cost_s / have.reps * (reps - have.reps)
     if result.spent_s + predicted <= budget:
-        ev = measurer.evaluate(baseline, result.best_fidelity)
+        ev = measurer.evaluate(baseline, reps)
         result.spent_s += ev.cost_s
 
 
-def _describe(t: Trial[Candidate]) -> str:
+def _describe(t: Trial[Candidate], stage: str | None = None) -> str:
     s = t.score
     state = "failed" if s.failed else ("meets SLO" if s.meets_slo else f"{s.excess:+.0%} over")
+    head = stage or f"round {t.round}"
     return (
-        f"round {t.round} x{t.fidelity}: {t.candidate.label}: {s.throughput:.1f} tok/s, "
+        f"{head} x{t.fidelity}: {t.candidate.label}: {s.throughput:.1f} tok/s, "
         f"{state} ({t.cost_s:.1f} s)"
     )

@@ -13,7 +13,11 @@ enough to measure:
 - slots: the largest SLO concurrency and the profile's own count (more slots
   than streams changes slot placement, see docs/performance.md finding 1);
 - gpu layers and load mode (mmap or read): only when the build can offload and
-  the whole model does not fit, where partial offload and mmap matter.
+  the whole model does not fit, where partial offload and mmap matter;
+- speculative decoding (``speculation_options``): off, n-gram drafts of at most
+  8 or 4 tokens, and a draft model only when the profile names one. Every
+  candidate of the grid carries the profile's own setting; the alternatives are
+  tried on the search's winner alone (orin/tune/speculation.py says why).
 
 Candidates whose weights + KV + compute would not fit in available memory are
 dropped with a note.
@@ -22,7 +26,7 @@ dropped with a note.
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from orin.engine.config import default_threads
@@ -36,11 +40,26 @@ BATCH_SIZES = (128, 256, 512)
 KV_PAIRS = (("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"))
 FLASH = ("on", "off")
 PARTIAL_OFFLOAD = (1.0, 0.75, 0.5)
+NGRAM_DRAFTS = (8, 4)  # speculative.n_draft values tried with n-gram drafts
+ENGINE_FIELDS = frozenset(EngineSection.model_fields)
+
+
+@dataclass(frozen=True, order=True)
+class Speculation:
+    """The speculative section's searched fields: the mode and the drafts' length."""
+
+    mode: str = "off"
+    n_draft: int = 8
+
+    @property
+    def label(self) -> str:
+        return "off" if self.mode == "off" else f"{self.mode}/{self.n_draft}"
 
 
 @dataclass(frozen=True, order=True)
 class Candidate:
-    """One engine configuration; every field is an EngineSection field."""
+    """One configuration: EngineSection fields, then the speculative section's mode and
+    n_draft (the rest of that section stays the profile's)."""
 
     n_batch: int
     n_ubatch: int
@@ -51,28 +70,40 @@ class Candidate:
     slots: int
     gpu_layers: int = -1
     load_mode: str = "auto"
+    speculative: str = "off"  # speculative.mode
+    n_draft: int = 8  # speculative.n_draft
+
+    @property
+    def speculation(self) -> Speculation:
+        return Speculation(self.speculative, self.n_draft)
 
     @property
     def label(self) -> str:
         layers = "" if self.gpu_layers < 0 else f" ngl={self.gpu_layers} {self.load_mode}"
+        spec = "" if self.speculative == "off" else f" spec={self.speculation.label}"
         return (
             f"b{self.n_batch}/u{self.n_ubatch} fa={self.flash_attn} "
-            f"kv={self.type_k}/{self.type_v} t{self.threads} s{self.slots}{layers}"
+            f"kv={self.type_k}/{self.type_v} t{self.threads} s{self.slots}{layers}{spec}"
         )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def with_speculation(self, s: Speculation) -> Candidate:
+        return replace(self, speculative=s.mode, n_draft=s.n_draft)
+
     def engine(self, base: EngineSection) -> EngineSection:
         """The profile's engine section with this candidate's settings."""
         data = base.model_dump()
-        data.update(asdict(self), threads_batch=0)
+        mine = {f.name: getattr(self, f.name) for f in fields(self) if f.name in ENGINE_FIELDS}
+        data.update(mine, threads_batch=0)
         return EngineSection.model_validate(data)
 
     def apply(self, profile: Profile) -> Profile:
         """A copy of ``profile`` that runs this candidate (validated like a loaded file)."""
         data = profile.model_dump()
         data["engine"] = self.engine(profile.engine).model_dump()
+        data["speculative"].update(mode=self.speculative, n_draft=self.n_draft)
         out = Profile.model_validate(data)
         out.source = profile.source
         return out
@@ -84,6 +115,8 @@ class Space:
     baseline: Candidate  # what the profile runs today (measured for the before/after)
     axes: dict[str, tuple[Any, ...]]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # the speculation settings to try on the winner, the profile's own first
+    speculation: tuple[Speculation, ...] = field(default_factory=tuple)
 
     def __len__(self) -> int:
         return len(self.candidates)
@@ -103,7 +136,23 @@ def baseline_of(profile: Profile, info: ModelInfo, build: BuildInfo | None) -> C
         slots=e.slots,
         gpu_layers=e.gpu_layers,
         load_mode=e.load_mode,
+        speculative=profile.speculative.mode,
+        n_draft=profile.speculative.n_draft,
     )
+
+
+def speculation_options(profile: Profile) -> tuple[Speculation, ...]:
+    """The profile's own setting, then off, n-gram drafts of 8, the draft model (only
+    when the profile names one: tune never picks a model) and n-gram drafts of 4: the
+    order the budget cuts from the end. ``off`` keeps the profile's n_draft, which it
+    does not use, so the tuned profile changes only what speculation needs."""
+    s = profile.speculative
+    own = Speculation(s.mode, s.n_draft)
+    options = [own, Speculation("off", s.n_draft), Speculation("ngram", NGRAM_DRAFTS[0])]
+    if s.draft_model is not None:
+        options.append(Speculation("draft", s.n_draft))
+    options += [Speculation("ngram", n) for n in NGRAM_DRAFTS[1:]]
+    return tuple(dict.fromkeys(options))
 
 
 def _allowed_kv(
@@ -154,26 +203,32 @@ def build_space(
     available: int | None = None,
     cores: int | None = None,
 ) -> Space:
-    """Every combination of the axes that the rules allow and memory holds."""
+    """Every combination of the engine axes that the rules allow and memory holds, each
+    with the profile's own speculation setting; ``Space.speculation`` lists the
+    settings to try on the search's winner."""
     max_streams = max(profile.slo.concurrency)
     axes = _axes(profile, cores or default_threads(), max_streams)
     layers, loads, note = _layer_options(profile, info, build, available)
     notes = [note] if note else []
     kv = {f: _allowed_kv(profile, info, build, f) for f in FLASH}
     axes.update(kv=tuple(sorted(set(kv["on"]) | set(kv["off"]))), gpu_layers=tuple(layers))
+    spec = speculation_options(profile)
+    axes["speculative"] = tuple(s.label for s in spec)
+    own = spec[0]
     out, dropped = [], 0
     for (b, ub), fa, th, sl, ngl, load in itertools.product(
         axes["batch"], FLASH, axes["threads"], axes["slots"], layers, loads
     ):
         for k, v in kv[fa]:
-            c = Candidate(b, ub, fa, k, v, th, sl, ngl, load)
+            c = Candidate(b, ub, fa, k, v, th, sl, ngl, load, own.mode, own.n_draft)
             if available is not None and _bytes(profile, info, c) > available:
                 dropped += 1
                 continue
             out.append(c)
     if dropped:
         notes.append(f"{dropped} configurations would not fit in available memory: skipped")
-    return Space(tuple(out), baseline_of(profile, info, build), axes, tuple(notes))
+    baseline = baseline_of(profile, info, build)
+    return Space(tuple(out), baseline, axes, tuple(notes), spec)
 
 
 def _bytes(profile: Profile, info: ModelInfo, c: Candidate) -> int:

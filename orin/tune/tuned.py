@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from orin.profile.loader import parse_profile
+from orin.tune.explain import speculation
 from orin.tune.figures import Measurement, Point
 from orin.tune.run import TuneResult
 from orin.tune.space import Candidate
@@ -67,6 +68,13 @@ def header(r: TuneResult) -> list[str]:
         verdict = "met at every point" if r.meets_slo else "NOT met; closest configuration"
         lines.append(f"SLO {', '.join(targets)}: {verdict}.")
     lines += [f"  {e}" for e in r.explanation]
+    if r.speculation is not None:
+        spec = speculation(r.speculation, r.measurements, slo)
+        lines += [
+            spec[0][0].upper() + spec[0][1:] + ".",
+            f"  Measured on {r.speculation.workload}; what n-gram speculation gains depends "
+            "on how often the output repeats its context (the report says more).",
+        ]
     changed = _changes(r.space.baseline, r.chosen)
     if changed:
         lines.append("Changed: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
@@ -74,8 +82,9 @@ def header(r: TuneResult) -> list[str]:
 
 
 def profile_data(r: TuneResult) -> dict[str, Any]:
-    """The tuned profile as plain data: the input profile, the chosen engine settings
-    (KV types and flash attention explicit) and an absolute model path."""
+    """The tuned profile as plain data: the input profile, the chosen engine and
+    speculation settings (KV types and flash attention explicit) and absolute model
+    paths (the file may be written elsewhere than the profile's directory)."""
     p = r.chosen.apply(r.profile)
     data = p.model_dump(mode="json")
     data["name"] = f"{r.profile.name}-tuned"[:128]
@@ -84,6 +93,9 @@ def profile_data(r: TuneResult) -> dict[str, Any]:
         data["model"]["path"] = str(r.model_path.resolve())
         data["model"]["demo"] = None
         data["model"]["packaged"] = None
+    draft = p.speculative.draft_model
+    if draft is not None and not draft.expanduser().is_absolute() and p.source is not None:
+        data["speculative"]["draft_model"] = str((p.source.parent / draft).resolve())
     return data
 
 

@@ -23,8 +23,14 @@ from orin.bench.loadgen import LoadSpec, run
 from orin.cli import bench as bench_cli
 from orin.cli import profile as profile_cli
 from orin.cli import tune as tune_cli
-from orin.model import demo
+from orin.model import demo, packaged
+from orin.model.gguf import read_model_info
+from orin.profile.loader import parse_profile
 from orin.telemetry.service import Telemetry
+from orin.tune.figures import Grid
+from orin.tune.measure import EngineMeasurer, workload
+from orin.tune.space import baseline_of, speculation_options
+from orin.tune.speculation import decide, refine
 from tests.serverutil import live_server
 
 pytestmark = pytest.mark.llama
@@ -135,6 +141,9 @@ def test_tune_tiny_within_a_one_minute_budget(tmp_path: Path) -> None:
     assert check.exit_code == 0, check.output
     data = json.loads((folder / "report.json").read_text())
     assert data["measuring_s"] <= 60 and data["trials"] and data["chosen"]
+    spec = data["speculation"]  # tried on the winner; the profile's own is off
+    assert spec["incumbent"] == "off" and spec["chosen"] in data["space"]["axes"]["speculative"]
+    assert yaml.safe_load(text)["speculative"]["mode"] == data["chosen"]["speculative"]
     md = (folder / "report.md").read_text()
     if importlib.util.find_spec("matplotlib") is not None:
         for png in ("ttft_vs_prompt", "tpot_vs_concurrency", "phase_utilization",
@@ -143,6 +152,35 @@ def test_tune_tiny_within_a_one_minute_budget(tmp_path: Path) -> None:
             assert f"({png}.png)" in md
     else:
         assert "Plots were skipped" in md
+
+
+def test_speculation_is_tried_on_a_winner_end_to_end() -> None:
+    """N-gram speculation on the real SmolLM2 model through the tune measurer: the
+    drafts are counted per point, the output length is exact, and the decision is the
+    rule's on what was measured."""
+    path = packaged.fetch(packaged.SMOLLM2)
+    profile = parse_profile(
+        "name: smol\nengine: {n_ctx: 256, slots: 2, n_batch: 128, n_ubatch: 128, "
+        "threads: 1}\nslo: {prompt_tokens: [32], concurrency: [1, 2]}\n"
+    )
+    info = read_model_info(path)
+    grid = Grid((32,), (1, 2), 24)
+    measurer = EngineMeasurer(profile, path, info, grid)
+    winner = baseline_of(profile, info, None)
+    assert measurer.evaluate(winner, 1).score.meets_slo
+    options = speculation_options(profile)[:2]  # off, ngram/8
+    choice = refine(
+        winner, options, measurer.evaluate, measurer.results, profile.slo, (1,), 1e3,
+        workload(grid),
+    )  # fmt: skip
+    assert [t.candidate.speculation.label for t in choice.trials] == ["ngram/8"]
+    m = measurer.results[choice.trials[0].candidate]
+    assert m.error is None and m.reps == 1
+    for (_, streams), p in m.points.items():
+        assert p.rep_tokens == [24 * streams] and len(p.tpot_ms) == streams
+        assert 0 < p.accepted <= p.drafted  # random words: the greedy output repeats
+    assert all(p.drafted == 0 for p in measurer.results[winner].points.values())
+    assert choice.chosen == decide(measurer.results[winner], [m], profile.slo).candidate
 
 
 def test_tune_stops_at_a_short_budget(tmp_path: Path) -> None:
