@@ -90,8 +90,9 @@ def measured(
     as_json: JsonOpt = False,
 ) -> None:
     """Search engine settings (batch sizes, flash attention, KV types, threads, slots, gpu
-    layers) on the profile's SLO prompt lengths and concurrency within --budget minutes;
-    write the best as a tuned profile and a report."""
+    layers; then speculative decoding, tried on the winner) on the profile's SLO prompt
+    lengths and concurrency within --budget minutes; write the best as a tuned profile
+    and a report."""
     if ctx.invoked_subcommand is not None:
         return
     from orin.tune.run import TuneSettings  # the engine stack loads only when tuning
@@ -240,6 +241,12 @@ def _show_tuned(out: Output, r: TuneResult) -> None:
     out.line(f"{verdict}; measured {r.search.spent_s:.0f} s of {r.settings.budget_s:.0f} s")
     for line in r.explanation:
         out.line(f"  {line}")
+    if r.speculation is not None:
+        from orin.tune.explain import speculation
+
+        verdict_lines = speculation(r.speculation, r.measurements, r.profile.slo)
+        if verdict_lines:
+            out.line(f"  {verdict_lines[0]}")
 
 
 def _fmt(v: float | None, digits: int = 0) -> str:
