@@ -50,6 +50,7 @@ class SpecConfig:
     ngram_max: int = 4
     draft_model: Path | None = None
     draft_gpu_layers: int = -1
+    cost_aware: bool = True
     min_acceptance: float = 0.2
     probation: int = 32
 
@@ -201,6 +202,7 @@ def spec_config(profile: Profile) -> SpecConfig:
         ngram_max=s.ngram_max,
         draft_model=None if s.draft_model is None else _relative(profile, s.draft_model),
         draft_gpu_layers=s.draft_gpu_layers,
+        cost_aware=s.cost_aware,
         min_acceptance=s.min_acceptance,
         probation=s.probation,
     )

@@ -94,6 +94,24 @@ class StepCostModel:
         return a * passes + b * rows + c * prompt
 
 
+def draft_length(p: float, a: float, b: float, rows: int, k_max: int) -> int:
+    """The number of tokens to draft for one stream that maximizes its tokens per unit
+    of step time: a draft of ``k`` tokens, each accepted with probability ``p`` given
+    the ones before, yields ``1 + p + ... + p**k`` tokens in a step that costs ``b * k``
+    more than the ``a + b * rows`` of a step without it. Where a row is nearly free
+    beside a pass (a GPU reading weights) the whole draft pays; where every row costs
+    as much as the pass (a small model on a CPU) only likely drafts do."""
+    best_k, best = 0, 1.0 / max(a + b * rows, 1e-9)
+    expected, chance = 0.0, 1.0
+    for k in range(1, k_max + 1):
+        chance *= p
+        expected += chance
+        rate = (1.0 + expected) / max(a + b * (rows + k), 1e-9)
+        if rate > best:
+            best_k, best = k, rate
+    return best_k
+
+
 class ChunkPolicy:
     """The prompt-token budget of a step, from the cost model and the TPOT target.
 
@@ -113,6 +131,7 @@ class ChunkPolicy:
         self.cap = cap
         self.passes = passes
         self.model = model or StepCostModel()
+        self.learn = target_ms is not None  # the engine sets it when speculation reads it too
 
     def budget(self, rows: int) -> int:
         """Prompt tokens a step with ``rows`` decoding streams may carry."""
@@ -133,5 +152,5 @@ class ChunkPolicy:
     def observe(self, passes: int, rows: int, prompt: int, ms: float) -> None:
         """Learn from a step; without a target nothing reads the model, so nothing is
         spent on it (a numpy update per step is tens of microseconds)."""
-        if self.target_ms is not None:
+        if self.learn:
             self.model.observe(passes, rows, prompt, ms)

@@ -534,6 +534,7 @@ class Engine:
                 self._chat = chat
                 if self.cfg.speculative.mode != "off":
                     self.speculation = Speculation(self.cfg, backend)
+                    self.chunks.learn = True  # draft lengths read the step-cost model
                 if self.cfg.prompt_cache is not None and self.cfg.prefix_reuse:
                     self.prompt_cache = WarmCache(self.cfg, backend, self.runner, chat)
                     self.prompt_cache.warm(self.scheduler)
@@ -600,7 +601,12 @@ class Engine:
         if not isinstance(request, ActiveRequest) or request.spec is None:
             return ()
         room = min(room, request.params.max_tokens - request.generated - 1)
-        return request.spec.draft(room) if room > 0 else ()
+        if room <= 0:
+            return ()
+        if not self.cfg.speculative.cost_aware:
+            return request.spec.draft(room)
+        a, b, _ = self.chunks.model.coefficients()
+        return request.spec.draft(room, (a, b, self.scheduler.decoding))
 
     def _has_work(self) -> bool:
         return bool(self._cancels) or self.scheduler.has_work() or bool(self._embeds)

@@ -20,7 +20,9 @@ from orin.engine.types import FinishReason, SamplingParams, TokenEvent
 class Drafter(Protocol):
     """A request's speculative decoding state (orin.engine.specrun)."""
 
-    def draft(self, max_tokens: int) -> Sequence[int]: ...
+    def draft(
+        self, max_tokens: int, cost: tuple[float, float, int] | None = None
+    ) -> Sequence[int]: ...
 
     def extend(self, token: int) -> None: ...
 

@@ -229,6 +229,7 @@ class Scheduler:
         self.drafts: Callable[[Slot, int], Sequence[int]] = lambda slot, room: ()
         self.stored: Callable[[list[int]], tuple[int, object] | None] = lambda prompt: None
         self.moves = 0  # busy slots moved down to close a hole (one stream per slot)
+        self.decoding = 0  # slots decoding in the step being built (read by the hooks)
         self._ops: list[KVOp] = []
         self._admissions = 0
 
@@ -417,6 +418,7 @@ class Scheduler:
                 continue
             decoding.append(slot)
         items: list[BatchItem] = []
+        self.decoding = len(decoding)
         spare = self.n_batch - len(decoding)  # batch room for drafted tokens
         for slot in decoding:
             room = min(spare, self.context.window - len(slot.cache) - 1)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from orin.engine.backend import Backend
 from orin.engine.chat import ChatTemplate
 from orin.engine.config import EngineConfig
+from orin.engine.costmodel import draft_length
 from orin.engine.scheduler import BatchItem, Scheduler, SlotState
 from orin.engine.speculative import (
     Acceptance,
@@ -50,8 +51,16 @@ class RequestSpec:
     def enabled(self) -> bool:
         return self.acceptance.enabled
 
-    def draft(self, max_tokens: int) -> Sequence[int]:
+    def draft(self, max_tokens: int, cost: tuple[float, float, int] | None = None) -> Sequence[int]:
+        """Up to ``max_tokens`` drafted tokens; with ``cost`` (ms per llama.cpp pass,
+        per decode row, rows in the step), only as many as pay for their rows at this
+        request's acceptance rate so far (``costmodel.draft_length``)."""
         k = min(self.acceptance.budget(), max_tokens)
+        if k > 0 and cost is not None:
+            a, b, rows = cost
+            acc = self.acceptance
+            p = (acc.accepted + 1) / (acc.drafted + 2)  # 1/2 before any draft was judged
+            k = draft_length(p, a, b, rows, k)
         if k <= 0:
             return ()
         return self.context.draft(k) if self.ngram else self.proposed[:k]

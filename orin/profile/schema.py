@@ -241,6 +241,13 @@ class SpeculativeSection(_Section):
     draft_gpu_layers: int = Field(
         -1, ge=-1, le=1000, description="draft: layers of the draft model offloaded; -1 = all."
     )
+    cost_aware: bool = Field(
+        True,
+        description="Draft only as many tokens as pay for their place in the step, from the "
+        "engine's measured cost of a pass and of a row and the request's acceptance rate "
+        "(a row is nearly free on a GPU, as dear as the pass for a small model on a CPU); "
+        "off: always the adaptive length.",
+    )
     min_acceptance: float = Field(
         0.2,
         ge=0.0,

@@ -162,6 +162,8 @@ def test_speculation_is_tried_on_a_winner_end_to_end() -> None:
     profile = parse_profile(
         "name: smol\nengine: {n_ctx: 256, slots: 2, n_batch: 128, n_ubatch: 128, "
         "threads: 1}\nslo: {prompt_tokens: [32], concurrency: [1, 2]}\n"
+        # fixed draft lengths: the measured step cost would make the counts timing-dependent
+        "speculative: {cost_aware: false}\n"
     )
     info = read_model_info(path)
     grid = Grid((32,), (1, 2), 24)

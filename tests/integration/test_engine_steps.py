@@ -145,7 +145,8 @@ def spec_engine(path: Path, mode: str = "ngram", extra: str = "") -> Engine:
             path,
             "{n_ctx: 1024, slots: 4, n_batch: 256, n_ubatch: 256, type_k: f16, type_v: f16, "
             "flash_attn: off}",
-            f"speculative: {{mode: {mode}{extra or ', n_draft: 6'}}}\n",
+            # fixed draft lengths: the measured step cost would make them timing-dependent
+            f"speculative: {{mode: {mode}, cost_aware: false{extra or ', n_draft: 6'}}}\n",
         )
     )
 
@@ -220,7 +221,7 @@ def test_draft_model_speculation_is_token_identical(small: Path, plain: Engine) 
         config(
             small,
             "{n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128}",
-            f"speculative: {{mode: draft, n_draft: 4, draft_model: {small}}}\n",
+            f"speculative: {{mode: draft, n_draft: 4, cost_aware: false, draft_model: {small}}}\n",
         )
     ) as e:
         got = [s.result() for s in [e.submit(p, params) for p in batch]]

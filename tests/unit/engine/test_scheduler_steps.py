@@ -237,3 +237,15 @@ def test_a_failed_load_prefills_the_whole_prompt() -> None:
     batch = s.schedule()
     assert batch.items[0].pos == 0 and len(batch.items[0].tokens) == 42
     assert s.slots[0].cached_prompt == 0
+
+
+def test_draft_length_follows_the_cost_of_a_row() -> None:
+    from orin.engine.costmodel import draft_length
+
+    # a row nearly free beside the pass (bandwidth-bound GPU): the whole draft pays
+    assert draft_length(0.5, a=20.0, b=0.1, rows=1, k_max=8) >= 5
+    assert draft_length(0.9, a=20.0, b=0.1, rows=1, k_max=8) == 8
+    # a row as dear as the pass (a small model on a CPU): only likely drafts pay
+    assert draft_length(0.5, a=3.0, b=3.0, rows=1, k_max=8) == 0
+    assert draft_length(0.95, a=3.0, b=3.0, rows=1, k_max=8) > 4
+    assert draft_length(0.0, a=20.0, b=0.1, rows=1, k_max=8) == 0
