@@ -124,8 +124,15 @@ def test_without_a_system_message_the_template_adds_its_own(smol: Path) -> None:
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
 
 
-def plain_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens from a plain llama_cpp.Llama loop, one sequence alone."""
+NEAR_TIE = 0.1
+"""Logit margin below which two kernels may rank the top two tokens differently: the
+matrix kernels llama.cpp picks depend on the batch's shape and the CPU (AVX2, AVX-512,
+AMX), so a batch of 8 prompts and one prompt alone round differently."""
+
+
+def plain_greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens from a plain llama_cpp.Llama loop, one sequence alone, and at each
+    the margin between the two highest logits."""
     from llama_cpp import Llama
 
     llm = Llama(
@@ -134,26 +141,39 @@ def plain_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
     )  # fmt: skip
     try:
         llm.eval(prompt)
-        out = []
+        out, margins = [], []
         for _ in range(n):
-            t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            scores = np.asarray(llm.scores[llm.n_tokens - 1])
+            t = int(np.argmax(scores))
             if llm.token_eos() == t:
                 break
+            second, first = np.sort(scores)[-2:]
             out.append(t)
+            margins.append(float(first - second))
             llm.eval([t])
-        return out
+        return out, margins
     finally:
         llm.close()
 
 
 @pytest.mark.parametrize("streams", [1, 8])
 def test_engine_greedy_equals_a_plain_llama_loop(engine: Engine, smol: Path, streams: int) -> None:
+    """Token for token, up to the first near-tie of the reference's top two logits,
+    where another kernel's rounding may pick the other one (seen at token 13 of one
+    prompt on an AVX-512 machine, margin 0.05); the sequences differ after that."""
     prompts = [engine.tokenize(p) for p in PROMPTS[:streams]]
     params = SamplingParams(max_tokens=16, **GREEDY)
     handles = [engine.submit(p, params) for p in prompts]
     results = [h.result() for h in handles]
     for prompt, got in zip(prompts, results, strict=True):
-        assert list(got.token_ids) == plain_greedy(smol, prompt, 16)
+        want, margins = plain_greedy(smol, prompt, 16)
+        tokens = list(got.token_ids)
+        for i, (a, b) in enumerate(zip(tokens, want, strict=False)):
+            if a != b:
+                assert margins[i] < NEAR_TIE, (i, tokens, want)
+                break
+        else:
+            assert len(tokens) == len(want)
 
 
 def complete(base: str, body: dict[str, object]) -> dict[str, object]:
