@@ -241,6 +241,7 @@ def orin_profile(
     threads: int | None = None,
     speculative: str | None = None,
     prompt_cache: tuple[Sequence[str], Path] | None = None,
+    tpot_target: float | None = None,
 ) -> dict[str, Any]:
     """An orin-llm profile (orin/profile/schema.py) with only what the comparison sets:
     the threads, the speculative mode (ngram: the Ngram settings), the prompt cache's
@@ -257,6 +258,8 @@ def orin_profile(
     if prompt_cache is not None:
         prompts, directory = prompt_cache
         out["prompt_cache"] = {"prompts": list(prompts), "directory": str(directory)}
+    if tpot_target is not None:  # SLO-aware prompt chunks
+        out["slo"] = {"tpot_p90_ms": tpot_target}
     return out
 
 
@@ -451,6 +454,7 @@ class Bench:
     tokens: int
     picked: frozenset[str]
     work: Path
+    tpot_target: float | None = None  # orin-llm's slo.tpot_p90_ms in the base group
 
     def peer(
         self,
@@ -481,7 +485,9 @@ class Bench:
     ) -> Path:
         """An orin-llm profile file with the settings' threads (see orin_profile)."""
         folder = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=self.work))
-        profile = orin_profile(f"peers-{tag}", s.threads, speculative, prompt_cache)
+        profile = orin_profile(
+            f"peers-{tag}", s.threads, speculative, prompt_cache, self.tpot_target
+        )
         return write_profile(profile, folder)
 
 
@@ -489,7 +495,8 @@ def run_base(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
     names = [ORIN, LLAMA] + ([LCPP] if b.picked & set(BASE) else [])
     out = {}
     for name in rotate(names, rep):
-        with running(b.peer(name, s)) as peer:
+        slo = b.profile(s, "base") if name == ORIN and b.tpot_target is not None else None
+        with running(b.peer(name, s, slo)) as peer:
             out[name] = run_scenarios(peer.url, b.tokens, b.picked, mixed=name != LCPP)
     return out
 
@@ -710,6 +717,9 @@ def main() -> None:
     ap.add_argument("--free-core", action="store_true",
                     help="also single with the servers on all cores but one, "
                     "the client on the one left")  # fmt: skip
+    ap.add_argument("--orin-tpot-target", type=float, default=None, metavar="MS",
+                    help="orin-llm's slo.tpot_p90_ms in the base group (mixed): SLO-aware "
+                    "prompt chunks; llama-server has no counterpart")  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     try:
@@ -724,7 +734,7 @@ def main() -> None:
         ap.error(f"llama-cpp-python's server does not import ({exc}): make install-bench")
     work = Path(tempfile.mkdtemp(prefix="orin-peers-"))
     print(f"server logs and saved state: {work}", file=sys.stderr)
-    b = Bench(build_llama_server(), args.tokens, picked, work)
+    b = Bench(build_llama_server(), args.tokens, picked, work, args.orin_tpot_target)
     bps, bw_note = memory_bandwidth()
     notes = [bw_note]
     report: dict[str, Any] = {"settings": vars(args) | {"json": str(args.json)}, "notes": notes,
