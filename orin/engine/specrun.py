@@ -46,6 +46,7 @@ class RequestSpec:
         self.acceptance = acceptance
         self.ngram = ngram
         self.proposed: list[int] = []  # the draft model's tokens for the next step
+        self.stops = 0  # drafts that ended in a rejected token
 
     @property
     def enabled(self) -> bool:
@@ -58,9 +59,7 @@ class RequestSpec:
         k = min(self.acceptance.budget(), max_tokens)
         if k > 0 and cost is not None:
             a, b, rows = cost
-            acc = self.acceptance
-            p = (acc.accepted + 1) / (acc.drafted + 2)  # 1/2 before any draft was judged
-            k = draft_length(p, a, b, rows, k)
+            k = draft_length(self.continue_chance, a, b, rows, k)
         if k <= 0:
             return ()
         return self.context.draft(k) if self.ngram else self.proposed[:k]
@@ -69,7 +68,21 @@ class RequestSpec:
         self.context.extend((token,))
         self.proposed = []
 
+    @property
+    def continue_chance(self) -> float:
+        """The chance that a drafted token is accepted given the ones before it were: the
+        accepted tokens over the accepted tokens and the rejections (a draft that ran to
+        its end tested no token after it, so drafted tokens past a rejection do not
+        count against it, as accepted/drafted would). A new request starts at 0.9, as if
+        it had two drafted tokens behind it, one of them nine tenths accepted: so it
+        drafts, and its own record takes over after a few drafts (a stingier start
+        would never draft where a row costs as much as a pass, and never learn)."""
+        accepted = self.acceptance.accepted
+        return (accepted + 1.8) / (accepted + self.stops + 2)
+
     def verified(self, drafted: int, accepted: int) -> None:
+        if accepted < drafted:
+            self.stops += 1
         self.acceptance.record(drafted, accepted)
 
 
