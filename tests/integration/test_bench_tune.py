@@ -43,7 +43,10 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     with live_server(demo.ensure("tiny", "f16"), ENGINE) as (base, state):
-        telemetry = Telemetry(state.engine, state.metrics.registry, "cpu").start()
+        # 1 kHz: a request of 8 tokens on the tiny model decodes in a few ms on a fast,
+        # quiet machine, less than the 50 Hz default's period, and its per-request
+        # utilization needs a sample inside its decode
+        telemetry = Telemetry(state.engine, state.metrics.registry, "cpu", hz=1000).start()
         state.telemetry = telemetry  # what `serve --telemetry cpu` wires at start
         try:
             yield base
