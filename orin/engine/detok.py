@@ -14,17 +14,35 @@ from collections.abc import Callable, Sequence
 
 
 class Detokenizer:
-    """Bytes of token pieces in, complete UTF-8 text out."""
+    """Bytes of token pieces in, complete UTF-8 text out.
+
+    Most pieces are whole characters: while no character is left half-read, a
+    piece is decoded directly (one C call), and only a piece that does not decode
+    on its own goes through the incremental decoder, which then holds its partial
+    character until the next pieces complete it. The text is the same either way;
+    this runs for every generated token, on the engine thread.
+    """
 
     def __init__(self, piece: Callable[[int], bytes]) -> None:
         self._piece = piece
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._partial = False  # the decoder holds the first bytes of a character
 
     def add(self, token_id: int) -> str:
-        return self._decoder.decode(self._piece(token_id))
+        data = self._piece(token_id)
+        if not self._partial:
+            try:
+                return data.decode()
+            except UnicodeDecodeError:
+                pass  # part of a character, or bytes that are not UTF-8: as before
+        decoder = self._decoder
+        text = decoder.decode(data)
+        self._partial = bool(decoder.getstate()[0])
+        return text
 
     def flush(self) -> str:
         """Whatever is left at the end (an incomplete sequence becomes U+FFFD)."""
+        self._partial = False
         return self._decoder.decode(b"", final=True)
 
 

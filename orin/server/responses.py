@@ -42,7 +42,7 @@ from orin.server.protocol import (
     completion_logprobs,
     usage,
 )
-from orin.server.sse import event
+from orin.server.sse import LastEvents, event
 from orin.server.tools import CallArgs, CallStart, OutputParser, OutputSpec, Part, Text
 
 
@@ -350,6 +350,7 @@ class CompletionFormatter(Formatter):
 
 # -- streaming -----------------------------------------------------------------------
 
+DONE = event("[DONE]")
 _TEXT_MARK = "\u0000orin-text\u0000"
 _json_string = json.encoder.encode_basestring  # json.dumps(text, ensure_ascii=False), in C
 
@@ -417,62 +418,92 @@ async def sse_events(
     freeing their slots within one engine step.
 
     The events that are ready together (a client or loop that fell behind) go
-    out in one write.
+    out in one write, and so do the last ones (the last choice's finish, the
+    usage and ``[DONE]``, as ``LastEvents`` with the end of the body). One stream
+    (``n`` = 1, the common case) is read directly: no generator or task between
+    its events and this one, which runs for every token.
     """
     many: list[RequestStream] = (
         list(streams) if isinstance(streams, (list, tuple)) else [cast(RequestStream, streams)]
     )
-    chunks = [fmt.token_stream(i) for i in range(len(many))]
-    with_ids = fmt.token_ids
-    events: list[list[TokenEvent]] = [[] for _ in many]
-    done: dict[int, Completion] = {}
+    answer = _Answer(fmt, many, on_finish)
     try:
         for i in range(len(many)):
             opening = fmt.opening(i)
             if opening is not None:
                 yield encode(opening)
-        async for i, ready in _batches(many):
-            events[i] += ready
-            out = [
-                b
-                for e in ready
-                if e.finish_reason is None and (e.text or with_ids or e.logprob is not None)
-                if (b := chunks[i].token(e))
-            ]
-            final = ready[-1]
-            if final.finish_reason is not None:
-                out.append((chunks[i].token(final) if final.text else b"") + chunks[i].flush())
-                c = done[i] = collect(many[i].request_id, events[i])
-                if c.finish_reason != "error":
-                    last = len(done) == len(many)
-                    figures = [done[j] for j in range(len(many))] if last else ()
-                    out.append(encode(fmt.final_chunk(c, i, figures)))
-            out = [b for b in out if b]
-            if out:
-                yield out[0] if len(out) == 1 else b"".join(out)
-        cs = [done[i] for i in range(len(many))]
-        on_finish(cs[0])
-        failed = next((c for c in cs if c.finish_reason == "error"), None)
-        if failed is not None:
-            err = error_body(
-                failed.error or "generation failed", "server_error", None, None, failed.request_id
-            )
-            yield event(json.dumps(err))
-        elif fmt.include_usage:
-            yield encode(fmt.usage_chunk(cs))
-        yield event("[DONE]")
+        if len(many) == 1:
+            stream = many[0]
+            while ready := await stream.next_batch():
+                if out := answer.events(0, ready):
+                    yield out
+        else:
+            async for i, ready in _batches(many):
+                if out := answer.events(i, ready):
+                    yield out
     finally:
         for stream in many:
             stream.cancel()  # a no-op when the request already finished
 
 
+class _Answer:
+    """What ``sse_events`` keeps between two batches of events: each choice's
+    events so far (collected when it ends), its token chunks and the completions."""
+
+    def __init__(
+        self,
+        fmt: Formatter,
+        streams: list[RequestStream],
+        on_finish: Callable[[Completion], None],
+    ) -> None:
+        self.fmt, self.streams, self.on_finish = fmt, streams, on_finish
+        self.chunks = [fmt.token_stream(i) for i in range(len(streams))]
+        self.with_ids = fmt.token_ids
+        self.seen: list[list[TokenEvent]] = [[] for _ in streams]
+        self.done: dict[int, Completion] = {}
+
+    def events(self, i: int, ready: list[TokenEvent]) -> bytes:
+        """The SSE bytes of choice ``i``'s events that were ready together; after the
+        last choice's final event, ``LastEvents`` (nothing may follow)."""
+        self.seen[i] += ready
+        chunks, with_ids = self.chunks[i], self.with_ids
+        out = [
+            b
+            for e in ready
+            if e.finish_reason is None and (e.text or with_ids or e.logprob is not None)
+            if (b := chunks.token(e))
+        ]
+        final = ready[-1]
+        if final.finish_reason is None:
+            return out[0] if len(out) == 1 else b"".join(out)
+        out.append((chunks.token(final) if final.text else b"") + chunks.flush())
+        c = self.done[i] = collect(self.streams[i].request_id, self.seen[i])
+        n = len(self.streams)
+        last = len(self.done) == n
+        if c.finish_reason != "error":
+            figures = [self.done[j] for j in range(n)] if last else ()
+            out.append(encode(self.fmt.final_chunk(c, i, figures)))
+        if not last:
+            return b"".join(out)
+        return LastEvents(b"".join(out) + self._tail([self.done[j] for j in range(n)]))
+
+    def _tail(self, cs: list[Completion]) -> bytes:
+        """After every choice ended: an error event or the usage chunk, then ``[DONE]``."""
+        self.on_finish(cs[0])
+        failed = next((c for c in cs if c.finish_reason == "error"), None)
+        if failed is not None:
+            err = error_body(
+                failed.error or "generation failed", "server_error", None, None, failed.request_id
+            )
+            return event(json.dumps(err)) + DONE
+        if self.fmt.include_usage:
+            return encode(self.fmt.usage_chunk(cs)) + DONE
+        return DONE
+
+
 async def _batches(streams: list[RequestStream]) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
     """(choice, events ready together) from every stream as they come, until each
-    has delivered its final event."""
-    if len(streams) == 1:  # the common case: no task per batch
-        while ready := await streams[0].next_batch():
-            yield 0, ready
-        return
+    has delivered its final event (several streams: one task per wait)."""
     waiting = {asyncio.ensure_future(s.next_batch()): i for i, s in enumerate(streams)}
     try:
         while waiting:

@@ -78,3 +78,30 @@ def test_random_split_points_match_whole_text_search(seed: int) -> None:
 
 def test_no_stops_passes_through() -> None:
     assert StopMatcher([]).feed("anything") == ("anything", False)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pieces_of_any_bytes_give_the_text_of_decoding_them_together(seed: int) -> None:
+    """Whole characters, characters split across pieces, bytes that are not UTF-8 and
+    a piece holding the end of one character and the start of the next: the deltas
+    add up to what decoding all the bytes at once gives, each one as soon as its
+    characters are complete."""
+    rng = random.Random(seed)
+    alphabet = ["a", " ok", "é", "推理", "🚀", "\xff", "\xc3", "\x80"]
+    data = b"".join(
+        c.encode("latin-1") if c in ("\xff", "\xc3", "\x80") else c.encode()
+        for c in rng.choices(alphabet, k=200)
+    )
+    cuts = sorted(rng.sample(range(1, len(data)), len(data) // 3))
+    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+    d = Detokenizer(pieces.__getitem__)
+    deltas = [d.add(i) for i in range(len(pieces))] + [d.flush()]
+    assert "".join(deltas) == data.decode("utf-8", errors="replace")
+    seen = b""
+    for i, piece in enumerate(pieces):  # nothing held back once the bytes so far end a character
+        seen += piece
+        try:
+            whole = seen.decode()
+        except UnicodeDecodeError:
+            continue
+        assert "".join(deltas[: i + 1]) == whole

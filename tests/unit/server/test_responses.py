@@ -20,6 +20,7 @@ from orin.server.responses import (
     encode,
     sse_events,
 )
+from orin.server.sse import LastEvents
 
 TEXTS = ["hello", ' "quoted" ', "back\\slash", "line\nbreak\ttab", "naïve 日本 🚀", "\x00\x1f", ""]
 LOGPROB = TokenLogprob(7, -0.5, (TopLogprob(7, "a", -0.5), TopLogprob(9, "é", -1.25)))
@@ -178,6 +179,54 @@ def test_a_streamed_chat_from_opening_to_done() -> None:
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and "usage" not in chunks[-2]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
     assert finished[0].text == "abc!" and stream.cancelled
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_the_last_events_go_out_together_and_end_the_body(include_usage: bool) -> None:
+    """The final token, the finish reason, the usage and [DONE] are one LastEvents
+    (EventStream writes it with the end of the body); the tokens before it are
+    one chunk per batch, and ``on_finish`` has run when the last events come."""
+    fmt = formatter("text", stream_options={"include_usage": include_usage})
+    stream = FakeStream(
+        [
+            [TokenEvent("req-1", 7, "a")],
+            [TokenEvent("req-1", 8, "b"), TokenEvent("req-1", None, "c", None, "length", TIMINGS)],
+        ]
+    )
+    finished: list[Completion] = []
+    seen: list[tuple[bytes, int]] = []
+
+    async def run() -> None:
+        async for chunk in sse_events(fmt, stream, finished.append):  # type: ignore[arg-type]
+            seen.append((chunk, len(finished)))
+
+    asyncio.run(run())
+    assert [type(c) for c, _ in seen] == [bytes, LastEvents]
+    assert seen[1][1] == 1 and finished[0].text == "abc"
+    events = [e for e in seen[1][0].split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks[:2]] == ["b", "c"]
+    assert chunks[2]["choices"][0]["finish_reason"] == "length"
+    if include_usage:
+        assert len(chunks) == 4 and chunks[3]["usage"]["completion_tokens"] == 2
+    else:
+        assert len(chunks) == 3 and chunks[2]["usage"]["completion_tokens"] == 2
+
+
+def test_a_failed_request_ends_with_an_error_event_then_done() -> None:
+    fmt = formatter("chat")
+    failed = TokenEvent("req-1", None, "", None, "error", error="boom")
+    stream = FakeStream([[TokenEvent("req-1", 7, "a")], [failed]])
+
+    async def run() -> list[bytes]:
+        return [b async for b in sse_events(fmt, stream, lambda c: None)]  # type: ignore[arg-type]
+
+    out = asyncio.run(run())
+    assert type(out[-1]) is LastEvents
+    events = [e for e in out[-1].split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["message"] == "boom"
 
 
 def test_n_choices_stream_with_their_index_and_one_set_of_figures() -> None:

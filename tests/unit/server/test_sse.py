@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from orin.server.sse import PING, EventStream, event
+from orin.server.sse import PING, EventStream, LastEvents, event
 
 
 class Connection:
@@ -143,3 +143,21 @@ def test_pings_only_while_nothing_is_sent() -> None:
     busy = respond(events(0.01, 60), ping_s=0.15).body
     assert busy.count(PING) <= 1
     assert busy.replace(PING, b"") == b"".join(event(str(i)) for i in range(60))
+
+
+def test_the_last_events_end_the_body_in_the_same_message() -> None:
+    """LastEvents goes out with more_body false (one write for the tail of an
+    answer and the end of the body), and nothing more is read from the iterator."""
+    read_after: list[str] = []
+
+    async def events() -> AsyncIterator[bytes]:
+        yield event("one")
+        yield LastEvents(event("two") + event("[DONE]"))
+        read_after.append("read on")  # never: the response is complete
+        yield event("three")
+
+    conn = respond(events())
+    assert [m["more_body"] for m in conn.sent[1:]] == [True, False]
+    assert conn.sent[-1]["body"] == b"data: two\n\ndata: [DONE]\n\n"
+    assert conn.body == b"data: one\n\ndata: two\n\ndata: [DONE]\n\n"
+    assert read_after == []
