@@ -57,6 +57,7 @@ from orin.engine.request import ActiveRequest
 from orin.engine.runner import Aborted, Runner
 from orin.engine.scheduler import Batch, KVOp, LoadFailed, Scheduler, Shift, Slot
 from orin.engine.specrun import Speculation, WarmCache
+from orin.engine.speculative import verify
 from orin.engine.stream import Completion, RequestStream, batched_delivery
 from orin.engine.timings import now_ns
 from orin.engine.types import FinishReason, SamplingParams, StepStats, TokenEvent
@@ -783,12 +784,9 @@ class Engine:
             k = 0
             for slot_id in greedy_slots:
                 row, draft = rows[slot_id], drafts.get(slot_id, ())
-                out = []
-                for j in range(len(draft) + 1):
-                    out.append((tokens[k + j], row + j))
-                    if j < len(draft) and tokens[k + j] != draft[j]:
-                        break
-                emitted[slot_id] = out
+                sampled = tokens[k : k + len(draft) + 1]
+                kept = verify(draft, sampled) + 1
+                emitted[slot_id] = [(t, row + j) for j, t in enumerate(sampled[:kept])]
                 k += len(draft) + 1
         accepted = {slot_id: len(emitted[slot_id]) - 1 for slot_id in drafts}
         return emitted, accepted

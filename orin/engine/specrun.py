@@ -48,10 +48,6 @@ class RequestSpec:
         self.proposed: list[int] = []  # the draft model's tokens for the next step
         self.stops = 0  # drafts that ended in a rejected token
 
-    @property
-    def enabled(self) -> bool:
-        return self.acceptance.enabled
-
     def draft(self, max_tokens: int, cost: tuple[float, float, int] | None = None) -> Sequence[int]:
         """Up to ``max_tokens`` drafted tokens; with ``cost`` (ms per llama.cpp pass,
         per decode row, rows in the step), only as many as pay for their rows at this
