@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 .PHONY: help install install-bench lint test test-unit test-reliability test-gpu serve clean
 
 help:
-	@echo "make serve    set everything up and serve SmolLM2-135M-Instruct on 127.0.0.1:8000"
+	@echo "make serve    set everything up and serve SmolLM2-135M-Instruct on 127.0.0.1:8080"
 	@echo "make test     create $(VENV), build llama-cpp-python, install orin-llm[dev], lint, run the tests"
 	@echo "make lint     ruff, mypy and the import contracts"
 	@echo "make install  only set up $(VENV)"
@@ -39,7 +39,7 @@ test: lint
 	$(VENV)/bin/pytest -q
 
 serve: $(STAMP)
-	$(VENV)/bin/orin-llm serve --host 127.0.0.1 --port 8000
+	$(VENV)/bin/orin-llm serve --host 127.0.0.1 --port 8080
 
 test-reliability: $(STAMP)
 	$(VENV)/bin/pytest -q -m reliability tests/reliability

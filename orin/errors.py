@@ -29,3 +29,11 @@ class DemoModelError(OrinError):
 
 class LlamaCppError(OrinError):
     """llama.cpp is missing or failed in a way the caller cannot fix by input."""
+
+
+class BindError(OrinError):
+    """The server cannot listen where it was told: the address is in use or not this host's."""
+
+
+class HubError(OrinError):
+    """A model cannot be fetched from the hub: not found, refused, or a checksum mismatch."""

@@ -12,7 +12,9 @@ from typing import ParamSpec, TypeVar
 import typer
 
 from orin.errors import (
+    BindError,
     DemoModelError,
+    HubError,
     KVConfigError,
     LlamaCppError,
     ModelFileError,
@@ -30,6 +32,8 @@ EXIT_CODES: dict[type[OrinError], int] = {
     KVConfigError: 5,
     LlamaCppError: 6,
     DemoModelError: 7,
+    BindError: 8,
+    HubError: 9,
     OrinError: 1,
 }
 EXIT_INTERNAL = 70  # a bug: the message says how to get the traceback
