@@ -21,3 +21,12 @@ ProfileOpt = Annotated[
     str | None,
     typer.Option("--profile", envvar="ORIN_LLM_PROFILE", help="Built-in profile or YAML file."),
 ]
+
+CTX_HELP = (
+    "Context per slot in tokens (the profile's engine.n_ctx); the KV cache holds this "
+    "times the slot count (llama.cpp's -c is the total)."
+)
+CtxOpt = Annotated[int | None, typer.Option("--ctx", min=256, help=CTX_HELP)]
+OutputOpt = Annotated[
+    Path | None, typer.Option("--output", "-o", help="Also write the result as JSON to this file.")
+]
