@@ -113,9 +113,12 @@ class Telemetry:
         utilization and the latest requests."""
         latest = self.sampler.latest()
         samples = []
+        steps = []
         if latest is not None:
-            samples = self.sampler.samples(since_ns=latest.t_ns - int(SNAPSHOT_WINDOW_S * 1e9))
-        steps = self.tracker.steps()
+            since = latest.t_ns - int(SNAPSHOT_WINDOW_S * 1e9)
+            samples = self.sampler.samples(since_ns=since)
+            # only the steps that end inside the window: their tokens are the window's
+            steps = [s for s in self.tracker.steps() if s.end_ns >= since]
         phases = summarize(samples, steps) if samples else {}
         status = self.engine.status()
         return {

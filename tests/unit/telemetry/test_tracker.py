@@ -140,6 +140,30 @@ def test_the_service_samples_the_board_at_the_idle_rate_while_the_engine_waits(
     sampler.source.close()
 
 
+def test_the_snapshot_counts_the_tokens_of_the_window_only(tmp_path: Path) -> None:
+    board = agx_orin_64gb(tmp_path, 6)
+    telemetry = Telemetry(
+        FakeEngine(),  # type: ignore[arg-type]
+        CollectorRegistry(),
+        "jetson_sysfs",
+        root=board.root,
+    )
+    tracker = telemetry.tracker
+    tracker.on_step(step(1.0, 1.1, prefill=500, decode=0))  # long before the window
+    tracker.on_step(step(1.1, 1.2, decode=3))
+    tracker.on_step(step(20.0, 20.1, prefill=40, decode=0))  # inside it
+    tracker.on_step(step(20.1, 20.2, decode=2))
+    times = iter([1.05, 1.15, *(10.0 + 0.5 * i for i in range(22)), 20.05, 20.15])
+    telemetry.sampler.source.close()
+    telemetry.sampler = Sampler(Counting(), 50, clock_ns=lambda: round(next(times) * S))
+    for _ in range(26):
+        telemetry.sampler.capture_once()
+    phases = telemetry.snapshot()["phases"]
+    assert telemetry.snapshot()["window_s"] == 10.0
+    assert phases["prefill"]["tokens"] == 40
+    assert phases["decode"]["tokens"] == 2
+
+
 def test_a_recording_with_idle_rate_gaps_gives_each_phase_its_own_time() -> None:
     """Offline (``summarize``, what ``monitor --recording`` shows): the first sample of a
     request follows a second-long idle gap; it must not bring half of it into prefill."""
