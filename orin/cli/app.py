@@ -11,13 +11,14 @@ import typer
 from orin import __version__
 from orin.cli import bench, doctor, install, model, monitor, profile, serve, tune
 from orin.cli.deps import Deps
+from orin.cli.logs import text_formatter
 
 app = typer.Typer(
     name="orin-llm",
     help="Run large language models on NVIDIA Jetson AGX Orin as a dependable local service.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (README.md)
 )
 app.add_typer(model.app, name="model")
 app.add_typer(profile.app, name="profile")
@@ -50,5 +51,7 @@ def _root(
 
 def main() -> None:
     level = logging.DEBUG if os.environ.get("ORIN_LLM_DEBUG") else logging.WARNING
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(text_formatter("%(levelname)s %(name)s: %(message)s", None))
+    logging.basicConfig(level=level, handlers=[handler])
     app()

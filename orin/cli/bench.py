@@ -11,14 +11,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from orin.bench.bandwidth import BandwidthRequest
 from orin.bench.stats import SLO, RequestResult, by_bucket
-from orin.cli.errors import fail, handle_errors
-from orin.cli.output import Output, human_bytes
+from orin.cli.errors import handle_errors, usage_error
+from orin.cli.options import JsonOpt, OutputOpt, check_url
+from orin.cli.output import Output, human_bytes, progress_wanted
 
 if TYPE_CHECKING:  # the HTTP client stack loads only when a benchmark runs
     from orin.bench.loadgen import BenchRun, LoadSpec
 
-EXIT_USAGE = 2
 EXIT_ALL_FAILED = 1
+
+
+def _check_lens(text: str) -> str:
+    """Option callback: the buckets parse (a mistake is a usage error, exit 2)."""
+    _lens(text)
+    return text
 
 
 def _lens(text: str) -> tuple[int, ...]:
@@ -38,6 +44,13 @@ def _slo(text: str | None) -> SLO:
         raise typer.BadParameter(str(exc)) from None
 
 
+def _check_slo(text: str | None) -> str | None:
+    """Option callback: ``--slo ttft=5`` is a usage error (exit 2), found before any
+    request is sent."""
+    _slo(text)
+    return text
+
+
 def _kv_type(value: str | None) -> str | None:
     from orin.model.memplan import KV_TYPES
 
@@ -48,13 +61,19 @@ def _kv_type(value: str | None) -> str | None:
 
 @handle_errors
 def bench(
-    url: Annotated[str, typer.Option(help="Server base URL, e.g. http://127.0.0.1:8080.")],
+    url: Annotated[
+        str, typer.Option(callback=check_url, help="Server base URL, e.g. http://127.0.0.1:8080.")
+    ],
     model: Annotated[
         str | None, typer.Option(help="Model name to send (default: the server's first).")
     ] = None,
     num_requests: Annotated[int, typer.Option(min=1, help="Measured requests.")] = 64,
     input_len: Annotated[
-        str, typer.Option(help="Prompt tokens; several buckets comma-separated (10,200,512).")
+        str,
+        typer.Option(
+            callback=_check_lens,
+            help="Prompt tokens; several buckets comma-separated (10,200,512).",
+        ),
     ] = "128",
     output_len: Annotated[int, typer.Option(min=1, help="Generated tokens per request.")] = 64,
     concurrency: Annotated[
@@ -69,11 +88,13 @@ def bench(
     warmup: Annotated[int, typer.Option(min=0, help="Unmeasured requests first.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of prompts, order and arrivals.")] = 0,
     slo: Annotated[
-        str | None, typer.Option(help="Targets for goodput: ttft_p95_ms=200,tpot_p90_ms=50.")
+        str | None,
+        typer.Option(
+            callback=_check_slo, help="Targets for goodput: ttft_p95_ms=200,tpot_p90_ms=50."
+        ),
     ] = None,
-    json_file: Annotated[
-        Path | None, typer.Option("--json", help="Write every figure (vLLM-style keys) here.")
-    ] = None,
+    as_json: JsonOpt = False,
+    output: OutputOpt = None,
     api_key: Annotated[
         str | None, typer.Option(envvar="ORIN_LLM_API_KEY", help="Bearer token, if needed.")
     ] = None,
@@ -129,13 +150,16 @@ def bench(
     try:
         spec.check()
     except ValueError as exc:
-        raise fail(str(exc), EXIT_USAGE) from None
-    out = Output()
+        raise usage_error(str(exc)) from None
+    out = Output(as_json)
     result = _run_with_progress(spec, out)
-    show(out, result)
-    if json_file is not None:
-        json_file.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
-        out.note(f"wrote {json_file}")
+    if as_json:
+        out.json(result.to_json())
+    else:
+        show(out, result)
+    if output is not None:
+        output.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+        out.note(f"wrote {output}")
     if not any(r.ok for r in result.results):
         raise typer.Exit(EXIT_ALL_FAILED)
 
@@ -150,7 +174,9 @@ def _run_with_progress(spec: LoadSpec, out: Output) -> BenchRun:
         TextColumn("{task.fields[failed]} failed"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=out.err, transient=True) as progress:
+    with Progress(
+        *columns, console=out.err, transient=True, disable=not progress_wanted()
+    ) as progress:
         task = progress.add_task("bench", total=spec.num_requests, failed=0)
         failed = 0
 

@@ -1,4 +1,12 @@
-"""Log output for long-running commands: text for people, JSON lines for collectors."""
+"""Log output for long-running commands: text for people, JSON lines for collectors.
+
+Under systemd (``JOURNAL_STREAM`` names the stderr it connected to the journal),
+each text line starts with its syslog priority, ``<3>`` for an error down to
+``<7>`` for debug (sd-daemon(3)): journald strips the prefix and files the line
+at that priority, so ``journalctl -u orin-llm -p err`` shows the errors alone.
+JSON lines keep their shape (a collector reads ``level``); journald files them
+at its default priority.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +14,49 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 _STANDARD = set(vars(logging.makeLogRecord({})))
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# sd-daemon(3) / syslog(3) priorities: 3 err, 4 warning, 6 info, 7 debug
+SYSLOG_PRIORITY = ((logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4),
+                   (logging.INFO, 6))  # fmt: skip
+DEBUG_PRIORITY = 7
+
+
+def syslog_priority(levelno: int) -> int:
+    """The syslog priority of a logging level (a custom level counts as the next lower
+    standard one)."""
+    for level, priority in SYSLOG_PRIORITY:
+        if levelno >= level:
+            return priority
+    return DEBUG_PRIORITY
+
+
+def journal_stderr(stream: TextIO | None = None, env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``stream`` (stderr) is the journal stream systemd connected: the
+    ``device:inode`` in JOURNAL_STREAM is this file's (systemd.exec(5) says to compare,
+    since a child may have redirected stderr while inheriting the variable)."""
+    value = (os.environ if env is None else env).get("JOURNAL_STREAM", "")
+    dev, _, ino = value.partition(":")
+    if not (dev.isdigit() and ino.isdigit()):
+        return False
+    try:
+        st = os.fstat((stream or sys.stderr).fileno())
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a captured stream)
+        return False
+    return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+
+
+class JournalFormatter(logging.Formatter):
+    """Text lines with the syslog priority prefix on every line (a traceback's lines
+    too, so that they stay at the record's priority)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = f"<{syslog_priority(record.levelno)}>"
+        return "\n".join(prefix + line for line in super().format(record).split("\n"))
 
 
 class JsonFormatter(logging.Formatter):
@@ -31,7 +79,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
-def setup_logging(fmt: str = "text") -> None:
+def text_formatter(
+    fmt: str = TEXT_FORMAT, datefmt: str | None = "%H:%M:%S", journal: bool | None = None
+) -> logging.Formatter:
+    """The text formatter, with priority prefixes when stderr is the journal
+    (``journal=None``: find out with journal_stderr)."""
+    if journal is None:
+        journal = journal_stderr()
+    return (JournalFormatter if journal else logging.Formatter)(fmt, datefmt)
+
+
+def setup_logging(fmt: str = "text", journal: bool | None = None) -> None:
     """INFO to stderr (DEBUG with ORIN_LLM_DEBUG); llama.cpp's own log stays at WARNING."""
     if fmt not in ("text", "json"):
         raise ValueError(f"log format must be text or json, not {fmt!r}")
@@ -39,9 +97,7 @@ def setup_logging(fmt: str = "text") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-        )
+        handler.setFormatter(text_formatter(journal=journal))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if os.environ.get("ORIN_LLM_DEBUG") else logging.INFO)

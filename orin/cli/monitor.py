@@ -1,8 +1,19 @@
-"""orin-llm monitor: a live terminal view of a running server, or a recording's summary."""
+"""orin-llm monitor: a live terminal view of a running server, or a recording's summary.
+
+Every figure of the "by phase" table covers the same span: the last 10 s (the
+server's snapshot window) in the live view, the whole recording with
+--recording. The server's snapshot counts tokens over its whole step history,
+so the live view takes tokens from the server's ``engine_batch_tokens``
+counters instead, read at every refresh: the tokens in the window are the
+counter now minus the counter 10 s ago. Until the monitor has watched for that
+long (and with --once) the tokens column shows ``-``.
+"""
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,8 +25,12 @@ from rich.table import Table
 from rich.text import Text
 
 from orin.cli.errors import handle_errors
+from orin.cli.options import JsonOpt, check_url
 from orin.cli.output import Output
 from orin.errors import OrinError
+
+TOKENS_METRIC = "orin_llm_engine_batch_tokens_total"  # by kind: prefill, decode
+HISTORY_S = 120.0  # counter readings kept (more than any window the server uses)
 
 
 class MonitorError(OrinError):
@@ -33,8 +48,66 @@ def _fmt(v: Any, unit: str = "", digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}{unit}"
 
 
-def render(snap: dict[str, Any], health: dict[str, Any] | None = None) -> Group:
-    """One frame from a /telemetry snapshot (the same shape a recording summary has)."""
+class TokenWindow:
+    """Tokens per phase in the last ``window_s`` seconds, from token counter readings."""
+
+    def __init__(self) -> None:
+        self.readings: deque[tuple[float, dict[str, float]]] = deque()
+
+    def add(self, t: float, counts: Mapping[str, float]) -> None:
+        last = self.readings[-1][1] if self.readings else None
+        if last is not None and any(counts.get(k, 0.0) < v for k, v in last.items()):
+            self.readings.clear()  # the server restarted: its counters began again
+        self.readings.append((t, dict(counts)))
+        while len(self.readings) > 2 and self.readings[1][0] <= t - HISTORY_S:
+            self.readings.popleft()
+
+    def tokens(self, window_s: float) -> dict[str, int] | None:
+        """Tokens by phase over the last window_s seconds; None before the readings
+        span that long."""
+        if not self.readings:
+            return None
+        now, counts = self.readings[-1]
+        start = now - window_s
+        before = [(t, c) for t, c in self.readings if t <= start]
+        if not before:
+            return None
+        t0, c0 = before[-1]
+        t1, c1 = self.readings[len(before)] if len(before) < len(self.readings) else (t0, c0)
+        share = (start - t0) / (t1 - t0) if t1 > t0 else 0.0  # the counters at `start`,
+        base = {k: v + (c1.get(k, v) - v) * share for k, v in c0.items()}  # interpolated
+        return {k: round(v - base.get(k, 0.0)) for k, v in counts.items()}
+
+
+def parse_token_counters(text: str) -> dict[str, float]:
+    """The engine's batch token counters by phase, from /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == TOKENS_METRIC and "kind" in sample.labels:
+                out[sample.labels["kind"]] = sample.value
+    return out
+
+
+def phase_title(snap: Mapping[str, Any], tokens_known: bool) -> str:
+    if snap.get("phase") == "recording":
+        return f"the whole recording ({snap.get('window_s', '-')} s) by phase"
+    window = snap.get("window_s", "-")
+    later = "" if tokens_known else f"; tokens after {window} s of watching"
+    return f"last {window} s by phase (time, load, tokens and energy in those {window} s{later})"
+
+
+def render(
+    snap: dict[str, Any],
+    health: dict[str, Any] | None = None,
+    tokens: Mapping[str, int] | None = None,
+) -> Group:
+    """One frame from a /telemetry snapshot (the same shape a recording summary has).
+
+    ``tokens``: tokens by phase in the snapshot's window (TokenWindow); a recording's
+    summary counts its own, over the whole recording like its other figures."""
     latest = snap.get("latest") or {}
     head = Text(
         f"source {snap.get('source')}  phase {snap.get('phase')}  "
@@ -51,19 +124,22 @@ def render(snap: dict[str, Any], health: dict[str, Any] | None = None) -> Group:
     power = latest.get("power_mw") or {}
     if power:
         load.add_row("power", f"{sum(power.values()) / 1000:.1f} W")
-    phases = Table(title=f"last {snap.get('window_s', '-')} s by phase", title_justify="left")
+    recording = snap.get("phase") == "recording"
+    phases = Table(title=phase_title(snap, recording or tokens is not None), title_justify="left")
     for col in ("phase", "seconds", "GPU mean", "GPU p95", "CPU mean", "tokens", "J/token"):
         phases.add_column(col)
     for name, p in (snap.get("phases") or {}).items():
         gpu, cpu = p.get("gpu_util") or {}, p.get("proc_cpu_util") or {}
+        n = p.get("tokens") if recording else (tokens or {}).get(name)
+        energy = p.get("energy_j")
         phases.add_row(
             name,
             _fmt(p.get("seconds"), "", 2),
             _fmt(_pct(gpu.get("mean")), "%"),
             _fmt(_pct(gpu.get("p95")), "%"),
             _fmt(_pct(cpu.get("mean")), "%"),
-            str(p.get("tokens", "-")),
-            _fmt(p.get("energy_per_token_j"), "", 4),
+            "-" if n is None else str(n),
+            _fmt(energy / n if energy is not None and n else None, "", 4),
         )
     reqs = Table(title="latest requests", title_justify="left")
     for col in ("id", "finish", "prompt", "generated", "TTFT ms", "TPOT ms"):
@@ -87,6 +163,25 @@ def fetch(url: str, client: httpx.Client) -> tuple[dict[str, Any], dict[str, Any
     except (httpx.HTTPError, ValueError) as exc:
         raise MonitorError(f"cannot read {url}: {exc}") from exc
     return snap, health
+
+
+def fetch_tokens(url: str, client: httpx.Client) -> dict[str, float] | None:
+    """The token counters, or None when /metrics cannot be read (then no tokens)."""
+    try:
+        response = client.get(f"{url}/metrics")
+        response.raise_for_status()
+        return parse_token_counters(response.text)
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _frame(url: str, client: httpx.Client, window: TokenWindow) -> Group:
+    snap, health = fetch(url, client)
+    counts = fetch_tokens(url, client)
+    if counts is not None:
+        window.add(time.monotonic(), counts)
+    tokens = window.tokens(float(snap.get("window_s") or 10.0)) if counts is not None else None
+    return render(snap, health, tokens)
 
 
 def summarize_recording(path: Path) -> dict[str, Any]:
@@ -120,13 +215,15 @@ def summarize_recording(path: Path) -> dict[str, Any]:
 
 @handle_errors
 def monitor(
-    url: Annotated[str, typer.Option(help="Server to watch.")] = "http://127.0.0.1:8080",
+    url: Annotated[
+        str, typer.Option(callback=check_url, help="Server to watch.")
+    ] = "http://127.0.0.1:8080",
     recording: Annotated[
         Path | None, typer.Option(help="Summarize a `serve --record` file instead.")
     ] = None,
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 0.25,
     once: Annotated[bool, typer.Option(help="Print one frame and exit.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the data as JSON.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """GPU load, phase, running requests and the latest TTFT/TPOT, a few times a second."""
     out = Output(as_json)
@@ -135,20 +232,23 @@ def monitor(
         if as_json:
             out.json(snap)
         else:
-            out.out.print(render(snap))
+            out.print(render(snap))
         return
+    base = url.rstrip("/")
     with httpx.Client(timeout=2.0) as client:
-        snap, health = fetch(url.rstrip("/"), client)
         if as_json:
+            snap, health = fetch(base, client)
             out.json({**snap, "health": health})
             return
+        window = TokenWindow()
+        frame = _frame(base, client, window)
         if once:
-            out.out.print(render(snap, health))
+            out.print(frame)
             return
-        with Live(render(snap, health), console=out.out, refresh_per_second=8) as live:
+        with Live(frame, console=out.out, refresh_per_second=8) as live:
             try:
                 while True:
                     time.sleep(interval)
-                    live.update(render(*fetch(url.rstrip("/"), client)))
+                    live.update(_frame(base, client, window))
             except KeyboardInterrupt:
                 pass

@@ -6,6 +6,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
+
+from orin.errors import ProfileError
+from orin.profile.schema import Profile
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
 RootOpt = Annotated[
@@ -30,3 +34,28 @@ CtxOpt = Annotated[int | None, typer.Option("--ctx", min=256, help=CTX_HELP)]
 OutputOpt = Annotated[
     Path | None, typer.Option("--output", "-o", help="Also write the result as JSON to this file.")
 ]
+
+
+def apply_ctx(profile: Profile, n_ctx: int | None) -> None:
+    """``--ctx``: the profile's engine.n_ctx (per slot), checked against the profile's
+    bounds. A sliding window longer than the new context is dropped (the window then
+    defaults to the context), as it is when a profile sets no window."""
+    if n_ctx is None:
+        return
+    profile.engine.n_ctx = n_ctx
+    window = profile.context.window
+    if window is not None and window > n_ctx:
+        profile.context.window = None
+    try:
+        Profile.model_validate(profile.model_dump())
+    except ValidationError as exc:
+        problems = "; ".join(e["msg"] for e in exc.errors())
+        raise ProfileError(f"--ctx {n_ctx}: {problems}") from None
+
+
+def check_url(value: str | None) -> str | None:
+    """Option callback: a server URL needs its scheme (``--url 127.0.0.1:8080`` is a
+    usage error, exit 2, not a connection failure)."""
+    if value is not None and not value.startswith(("http://", "https://")):
+        raise typer.BadParameter(f"{value!r}: give the scheme, e.g. http://127.0.0.1:8080")
+    return value

@@ -1,16 +1,28 @@
 """One output object: rich tables for people, --json for programs.
 
-Data goes to stdout, diagnostics to stderr.
+Data goes to stdout, diagnostics to stderr. ``--json`` is a switch everywhere (JSON
+on stdout instead of tables); a file is always ``--output FILE``.
+
+Tables never cut what a user has to type: the columns named in ``keep`` (profile
+names, check ids, settings) are neither wrapped nor shortened, whatever the
+terminal's width; the other columns fold their text onto more lines instead of
+ending in an ellipsis. A reader that closes stdout early (``| head``) ends the
+command quietly (errors.stdout_closed).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
-from typing import Any
+import sys
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TextIO
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
+from rich.text import Text
+
+from orin.cli.errors import stdout_closed
 
 
 def human_bytes(n: int | float | None) -> str:
@@ -24,30 +36,127 @@ def human_bytes(n: int | float | None) -> str:
     return f"{value:.2f} TiB"
 
 
+class _Stdout(Console):
+    """Rich's console for stdout, ending on a closed pipe as the rest of the CLI does
+    (rich's own default exits 1, the code of a failed check)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        stdout_closed()
+
+
 class Output:
     def __init__(self, as_json: bool = False) -> None:
         self.as_json = as_json
-        self.out = Console(highlight=False, soft_wrap=False)
+        self.out: Console = _Stdout(highlight=False, soft_wrap=False)
         self.err = Console(stderr=True, highlight=False)
 
     def json(self, data: Any) -> None:
-        print(json.dumps(data, indent=2, default=str, ensure_ascii=False))
+        with guard_stdout():
+            sys.stdout.write(json.dumps(data, indent=2, default=str, ensure_ascii=False) + "\n")
+            sys.stdout.flush()  # now, so that a closed pipe is seen here and not at exit
 
     def table(
-        self, title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]]
+        self,
+        title: str | None,
+        columns: Sequence[str],
+        rows: Iterable[Sequence[Any]],
+        keep: Collection[str] = (),
     ) -> None:
-        t = Table(title=title, title_justify="left", show_lines=False)
-        for c in columns:
-            t.add_column(c)
-        for row in rows:
-            t.add_row(*("-" if v is None else str(v) for v in row))
-        self.out.print(t)
+        """A table; the ``keep`` columns are printed whole on one line. When the terminal
+        is too narrow for them and a few characters of every other column, each row
+        is printed as labelled lines instead (``rows_as_list``)."""
+        cells = [["-" if v is None else str(v) for v in row] for row in rows]
+        if table_width(columns, cells, keep) > self.out.width:
+            self.print(rows_as_list(title, columns, cells))
+        else:
+            self.print(make_table(title, columns, cells, keep))
 
     def pairs(self, title: str | None, items: Iterable[tuple[str, Any]]) -> None:
-        self.table(title, ("field", "value"), items)
+        self.table(title, ("field", "value"), items, keep=("field",))
 
     def line(self, text: str = "") -> None:
-        self.out.print(text)
+        self.print(text)
+
+    def print(self, renderable: RenderableType) -> None:
+        with guard_stdout():
+            self.out.print(renderable)
 
     def note(self, text: str) -> None:
         self.err.print(text)
+
+
+def make_table(
+    title: str | None,
+    columns: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    keep: Collection[str] = (),
+) -> Table:
+    """A rich table whose ``keep`` columns are as wide as their widest cell (rich then
+    narrows the others, which fold) and never wrap or end in an ellipsis."""
+    cells = [["-" if v is None else str(v) for v in row] for row in rows]
+    t = Table(title=title, title_justify="left", show_lines=False)
+    for i, c in enumerate(columns):
+        if c in keep:
+            t.add_column(c, no_wrap=True, overflow="ignore", min_width=_widest(cells, i, c))
+        else:
+            t.add_column(c, overflow="fold")
+    for row in cells:
+        t.add_row(*row)
+    return t
+
+
+MIN_FOLDED = 8  # the narrowest a folding column may get before a table becomes a list
+
+
+def _widest(cells: Sequence[Sequence[str]], i: int, header: str) -> int:
+    lines = (line for row in cells for line in row[i].splitlines())
+    return max((len(line) for line in lines), default=len(header)) if cells else len(header)
+
+
+def table_width(
+    columns: Sequence[str], cells: Sequence[Sequence[str]], keep: Collection[str]
+) -> int:
+    """The least width a table needs: the kept columns whole, the others MIN_FOLDED
+    (or less when their content is narrower), three characters of border and padding
+    per column and one more."""
+    width = 1
+    for i, c in enumerate(columns):
+        widest = max(_widest(cells, i, c), len(c))
+        width += 3 + (widest if c in keep else min(widest, MIN_FOLDED))
+    return width
+
+
+def rows_as_list(
+    title: str | None, columns: Sequence[str], cells: Sequence[Sequence[str]]
+) -> Group:
+    """Each row as its first cell on a line, then ``column: value`` lines under it
+    (wrapped lines keep the indent): what a table becomes on a narrow terminal."""
+    parts: list[RenderableType] = [Text(title)] if title else []
+    for row in cells:
+        parts.append(Text(row[0]))
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(justify="right", no_wrap=True)
+        grid.add_column(overflow="fold")
+        for c, v in zip(columns[1:], row[1:], strict=True):
+            grid.add_row(Text(f"  {c}:"), Text(v))
+        parts.append(grid)
+    return Group(*parts)
+
+
+@contextmanager
+def guard_stdout() -> Iterator[None]:
+    """Stop quietly when stdout's reader has gone (see errors.stdout_closed)."""
+    try:
+        yield
+    except BrokenPipeError:
+        stdout_closed()
+
+
+def progress_wanted(
+    quiet: bool = False, stdout: TextIO | None = None, stderr: TextIO | None = None
+) -> bool:
+    """A progress bar only for a person watching: not with --quiet, and not when stdout
+    or stderr is not a terminal (a pipe, a file, a service's journal)."""
+    streams = (stdout or sys.stdout, stderr or sys.stderr)
+    return not quiet and all(s.isatty() for s in streams)

@@ -1,7 +1,14 @@
-"""orin-llm profile list | show | validate"""
+"""orin-llm profile list | show | validate
+
+``validate`` exits 0 when no finding fails, 1 when one does, 4 when the profile
+cannot be loaded, 3 when a --model file cannot be read. A profile whose
+``model.path`` names a file that is not there fails (rule ``model-file``, the
+check doctor makes): serve would stop on it, so the profile is not ready to serve.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -11,12 +18,15 @@ from pydantic import BaseModel
 
 from orin.cli.deps import Deps, deps
 from orin.cli.errors import EXIT_FAILED, handle_errors
-from orin.cli.options import JsonOpt, RootOpt
+from orin.cli.options import CtxOpt, JsonOpt, RootOpt, apply_ctx
 from orin.cli.output import Output
+from orin.doctor.context import model_path_for
 from orin.errors import LlamaCppError, OrinError
 from orin.llamacpp import BuildInfo
+from orin.profile.kvmatch import KVFinding
 from orin.profile.loader import builtin_profiles, load_profile
-from orin.profile.validate import validate_profile
+from orin.profile.schema import Profile
+from orin.profile.validate import ValidationReport, validate_profile
 
 app = typer.Typer(help="List, show and validate profiles.")
 
@@ -40,6 +50,7 @@ def list_profiles(as_json: JsonOpt = False) -> None:
         "built-in profiles",
         ("name", "board", "quantization", "description"),
         ((r["name"], r["board"], r["quantization"], r["description"]) for r in rows),
+        keep=("name", "board", "quantization"),
     )
 
 
@@ -66,7 +77,9 @@ def show(
     if as_json:
         out.json({"source": str(p.source), **p.model_dump(mode="json")})
         return
-    out.table(f"{p.name} ({p.source})", ("field", "value", "meaning"), field_rows(p))
+    out.table(
+        f"{p.name} ({p.source})", ("field", "value", "meaning"), field_rows(p), keep=("field",)
+    )
 
 
 @app.command()
@@ -77,13 +90,17 @@ def validate(
     model: Annotated[
         Path | None, typer.Option("--model", help="Check the profile against this GGUF file.")
     ] = None,
+    n_ctx: CtxOpt = None,
     as_json: JsonOpt = False,
     root: RootOpt = Path("/"),
 ) -> None:
     """Check a profile (and optionally the model it will serve) against the KV rules."""
     profile = load_profile(file)
+    apply_ctx(profile, n_ctx)
     build = _build_info_or_none(deps(ctx))
     report = validate_profile(profile, model, build, root)
+    if model is None:
+        report = _with_model_file(report, profile)
     out = Output(as_json)
     if as_json:
         out.json(report.to_dict())
@@ -92,10 +109,26 @@ def validate(
             f"{profile.name}: K={report.type_k} V={report.type_v} flash_attn={report.flash_attn}",
             ("severity", "rule", "finding"),
             ((f.severity, f.rule, f.message) for f in report.findings),
+            keep=("severity", "rule"),
         )
         out.line("valid" if report.ok else "INVALID: fix the errors above")
     if not report.ok:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _with_model_file(report: ValidationReport, profile: Profile) -> ValidationReport:
+    """The profile's own model.path must exist (doctor's model-file check). A demo or
+    packaged model is made or fetched when serve starts, so it is not required here."""
+    path, source = model_path_for(profile, None)
+    if source != "profile" or path is None or path.is_file():
+        return report
+    finding = KVFinding(
+        "model-file",
+        "fail",
+        f"model.path {path} does not exist: serve would stop (exit 3); put the file "
+        "there, or check the profile against another file with --model PATH",
+    )
+    return dataclasses.replace(report, findings=(*report.findings, finding))
 
 
 def _build_info_or_none(d: Deps) -> BuildInfo | None:

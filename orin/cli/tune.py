@@ -1,22 +1,33 @@
-"""orin-llm tune: measure engine settings against a profile's SLOs and write a tuned
-profile; orin-llm tune system: show, apply or revert the board settings a profile asks for.
+"""orin-llm tune run: measure engine settings against a profile's SLOs and write a
+tuned profile; orin-llm tune system: show, apply or revert the board settings a
+profile asks for.
 
-The measured tune is the group's callback (``invoke_without_command``): a bare
-``orin-llm tune [options]`` runs it, and ``orin-llm tune system ...`` still reaches
-the subcommand, whose arguments the callback leaves alone.
+A bare ``orin-llm tune`` prints the help and starts nothing: the search takes the
+whole --budget (10 minutes by default) and should never begin by accident. ``tune
+run`` starts it with the defaults; options given to ``tune`` itself (``orin-llm tune
+--profile P --budget 2``) are an explicit request too and run it, as ``tune run``
+with the same options would. The group's callback and ``run`` share one signature
+(``functools.wraps``), so the two spellings cannot drift apart.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orin.cli.deps import deps
-from orin.cli.errors import fail, handle_errors
-from orin.cli.options import JsonOpt, RootOpt
-from orin.cli.output import Output
+from orin.cli.errors import handle_errors, no_args_is_help, usage_error
+from orin.cli.options import CtxOpt, JsonOpt, RootOpt
+from orin.cli.output import Output, progress_wanted
 from orin.doctor.context import model_path_for
 from orin.errors import OrinError
 from orin.model.gguf import ModelInfo, read_model_info
@@ -39,10 +50,9 @@ from orin.system.statefile import DEFAULT_STATE_PATH, StateFile
 if TYPE_CHECKING:
     from orin.tune.run import TuneResult, TuneSettings
 
-EXIT_USAGE = 2  # as click reports a usage error
-
 app = typer.Typer(
-    help="Measure and choose engine settings for a profile's SLOs; `tune system` tunes the board.",
+    help="Measure and choose engine settings for a profile's SLOs (`tune run`); "
+    "`tune system` tunes the board.",
     no_args_is_help=False,
 )
 
@@ -56,8 +66,17 @@ ProfileOpt = Annotated[
 ]
 
 
-@app.callback(invoke_without_command=True)
-def measured(
+def _telemetry(value: str) -> str:
+    """Option callback: an unknown source is a usage error, found before loading."""
+    from orin.telemetry.sources import SOURCES
+
+    if value not in ("auto", "off", *SOURCES):
+        raise typer.BadParameter(f"auto, off or one of {', '.join(SOURCES)}")
+    return value
+
+
+@handle_errors
+def run(
     ctx: typer.Context,
     profile_name: Annotated[
         str | None,
@@ -70,6 +89,7 @@ def measured(
     model: Annotated[
         Path | None, typer.Option("--model", help="GGUF file (overrides the profile's).")
     ] = None,
+    n_ctx: CtxOpt = None,
     budget: Annotated[
         float, typer.Option(min=0.1, help="Minutes for the whole run, report included.")
     ] = 10.0,
@@ -85,20 +105,67 @@ def measured(
     ] = 32,
     seed: Annotated[int, typer.Option(help="Seed of prompts and of the search order.")] = 0,
     telemetry: Annotated[
-        str, typer.Option(help="auto, off, or a source: jetson_sysfs, nvml, jtop, tegrastats, cpu.")
+        str,
+        typer.Option(
+            callback=_telemetry,
+            help="auto, off, or a source: jetson_sysfs, nvml, jtop, tegrastats, cpu.",
+        ),
     ] = "auto",
+    allow_fewer_slots: Annotated[
+        bool,
+        typer.Option(
+            "--allow-fewer-slots",
+            help="Also try fewer slots than the profile's (when its SLO's largest "
+            "concurrency is lower); by default tune never lowers the slot count.",
+        ),
+    ] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="No progress bar and no per-measurement lines.")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Search engine settings (batch sizes, flash attention, KV types, threads, slots, gpu
     layers; then speculative decoding, tried on the winner) on the profile's SLO prompt
     lengths and concurrency within --budget minutes; write the best as a tuned profile
     and a report."""
-    if ctx.invoked_subcommand is not None:
-        return
     from orin.tune.run import TuneSettings  # the engine stack loads only when tuning
 
-    settings = TuneSettings(budget * 60, output_len, seed, telemetry)
-    _run_measured(profile_name, model, settings, out, report, as_json)
+    settings = TuneSettings(
+        budget * 60, output_len, seed, telemetry, allow_fewer_slots=allow_fewer_slots, n_ctx=n_ctx
+    )
+    _run_measured(profile_name, model, settings, out, report, as_json, quiet)
+
+
+app.command("run")(run)
+
+
+def _source(ctx: typer.Context, name: str) -> str:
+    """Where a parameter's value came from: COMMANDLINE, ENVIRONMENT, DEFAULT, ..."""
+    source = ctx.get_parameter_source(name)
+    return "" if source is None else source.name
+
+
+@app.callback(invoke_without_command=True)
+@functools.wraps(run)
+def measured(ctx: typer.Context, **options: object) -> None:
+    """A bare ``tune`` prints the help; ``tune --option ...`` runs the search as ``tune
+    run --option ...`` does; options before ``system`` or ``run`` are a usage error
+    (they would be ignored)."""
+    given = [
+        p.name
+        for p in ctx.command.params
+        if p.name is not None and _source(ctx, p.name) == "COMMANDLINE"
+    ]
+    if ctx.invoked_subcommand is not None:
+        if given:
+            raise usage_error(
+                f"options of the measured tune go after `tune run`, not before "
+                f"`tune {ctx.invoked_subcommand}`"
+            )
+        return
+    if not given:
+        raise no_args_is_help(ctx)
+    run(ctx, **options)  # type: ignore[arg-type]
 
 
 @app.command("system")
@@ -120,7 +187,7 @@ def system(
     """Plan the board settings (swappiness, zram, power mode, clocks, NUMA, mmap, page
     cache); change them with --apply, undo with --revert. Without either, nothing changes."""
     if apply and revert:
-        raise fail("give --apply or --revert, not both", EXIT_USAGE)
+        raise usage_error("give --apply or --revert, not both")
     profile = load_profile(profile_name) if profile_name else Profile(name="defaults")
     d = deps(ctx)
     sysroot = SysRoot(root)
@@ -171,6 +238,7 @@ def _show_plan(out: Output, plan: Plan, profile: Profile, platform: Platform) ->
             )
             for c in plan.changes
         ),
+        keep=("setting", "steps"),
     )
 
 
@@ -189,7 +257,6 @@ def _summary(plan: Plan, done: tuple[str, ...] | None) -> str:
 # -- the measured tune -----------------------------------------------------------------
 
 
-@handle_errors
 def _run_measured(
     profile_name: str | None,
     model: Path | None,
@@ -197,6 +264,7 @@ def _run_measured(
     out_path: Path | None,
     report_dir: Path | None,
     as_json: bool,
+    quiet: bool = False,
 ) -> None:
     profile = serve_profile(profile_name, model)[0]  # the profile serve would run
     from orin.tune import report as tune_report
@@ -204,16 +272,72 @@ def _run_measured(
     from orin.tune.run import tune
 
     out = Output(as_json)
-    result = tune(profile, model, settings, progress=out.note)
-    written = tuned.write(result, out_path or Path(f"{profile.name}-tuned.yaml"))
-    folder = tune_report.write(result, report_dir or Path(f"{profile.name}-tune-report"))
+    with TuneProgress.open(out, settings.budget_s, quiet) as bar:
+        result = tune(profile, model, settings, progress=bar.say)
+        bar.stage("writing the tuned profile and the report")
+        written = tuned.write(result, out_path or Path(f"{profile.name}-tuned.yaml"))
+        folder = tune_report.write(result, report_dir or Path(f"{profile.name}-tune-report"))
+    changes = [{"field": k, "profile": a, "tuned": b} for k, a, b in tuned.profile_changes(result)]
     if as_json:
-        out.json({**result.to_dict(), "profile_written": str(written), "report": folder})
+        out.json(
+            {
+                **result.to_dict(),
+                "changes": changes,
+                "profile_written": str(written),
+                "report": folder,
+            }
+        )
         return
     _show_tuned(out, result)
+    out.line("changed from the profile:" if changes else "nothing changed from the profile")
+    for line in tuned.change_lines(tuned.profile_changes(result)):
+        out.line(f"  {line}")
     out.line(f"tuned profile: {written}")
     plots = "plots skipped: matplotlib is not installed" if folder["plots"] is None else "plots"
     out.line(f"report: {folder['folder']}/report.md ({plots})")
+
+
+class TuneProgress:
+    """The long steps of a tune (loading, each search round, speculation, the report)
+    as one bar over the budget's seconds, with each measurement's line above it.
+    Without a terminal the lines still go to stderr (a log); --quiet drops both."""
+
+    def __init__(self, out: Output, budget_s: float, bar: Progress | None, quiet: bool) -> None:
+        self.out, self.budget_s, self.bar, self.quiet = out, budget_s, bar, quiet
+        self.start = time.perf_counter()
+        self.task = bar.add_task("loading the model", total=budget_s) if bar else None
+
+    @classmethod
+    @contextmanager
+    def open(cls, out: Output, budget_s: float, quiet: bool) -> Iterator[TuneProgress]:
+        if not progress_wanted(quiet):
+            yield cls(out, budget_s, None, quiet)
+            return
+        columns = (
+            TextColumn("[bold]tune[/bold] {task.description}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("of {task.total:.0f} s"),
+        )
+        with Progress(*columns, console=out.err, transient=True) as bar:
+            yield cls(out, budget_s, bar, quiet)
+
+    def _elapsed(self) -> float:
+        return min(time.perf_counter() - self.start, self.budget_s)
+
+    def stage(self, text: str) -> None:
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, description=text, completed=self._elapsed())
+
+    def say(self, line: str) -> None:
+        """tune's progress callback: one line per step or measurement."""
+        if self.quiet:
+            return
+        if self.bar is None:
+            self.out.note(line)
+            return
+        self.bar.console.print(escape(line))
+        self.stage(re.split(r"[:;]", line, maxsplit=1)[0])  # "round 1 x3", "48 configurations"
 
 
 def _show_tuned(out: Output, r: TuneResult) -> None:

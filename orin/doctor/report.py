@@ -1,8 +1,9 @@
 """Run the checks and turn their findings into a report and an exit code.
 
 A check that raises is a bug in doctor, not a finding about the board: it is
-reported as such and makes the exit code 2 ("doctor could not run"), so a
-broken check never passes for a healthy board.
+reported as such, with the check's id, and makes the exit code 70 (the CLI's
+"internal error"), so a broken check never passes for a healthy board. Exit
+code 2 stays click's, for bad command-line usage alone.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ log = logging.getLogger("orin.doctor")
 
 EXIT_OK = 0
 EXIT_FAIL = 1
-EXIT_DOCTOR_FAILED = 2
+EXIT_CHECK_CRASHED = 70  # a check raised: a bug in doctor (cli/errors.py EXIT_INTERNAL)
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Report:
     @property
     def exit_code(self) -> int:
         if self.crashed:
-            return EXIT_DOCTOR_FAILED
+            return EXIT_CHECK_CRASHED
         if any(f.severity == "fail" for f in self.findings):
             return EXIT_FAIL
         return EXIT_OK

@@ -17,7 +17,7 @@ from orin.tune.explain import speculation
 from orin.tune.figures import Measurement, score
 from orin.tune.plots import draw_all
 from orin.tune.run import TuneResult
-from orin.tune.tuned import point_lines
+from orin.tune.tuned import change_lines, point_lines, profile_changes
 
 SKIPPED = (
     "Plots were skipped: matplotlib is not installed "
@@ -75,6 +75,14 @@ def spec_section(r: TuneResult) -> list[str]:
     return ["## Speculative decoding", "", *(f"- {line}" for line in lines), ""]
 
 
+def changes_section(r: TuneResult) -> list[str]:
+    """Every field the tuned profile changes, with the profile's value: nothing is
+    changed that this list does not name."""
+    changed = change_lines(profile_changes(r))
+    body = [f"- `{c}`" for c in changed] or ["- nothing: the profile's settings won"]
+    return ["## Changes from the profile", "", *body, ""]
+
+
 def markdown(r: TuneResult, images: list[str] | None) -> str:
     s = r.search
     gpu = any(f.gpu_util is not None for m in r.measurements.values() for f in m.phases.values())
@@ -99,6 +107,7 @@ def markdown(r: TuneResult, images: list[str] | None) -> str:
         *(f"- {line}" for line in point_lines(r.chosen_m, r.baseline_m)),
         *(f"- **why**: {e}" for e in r.explanation),
         "",
+        *changes_section(r),
         *spec_section(r),
         f"## Every measured configuration (utilization: {util})",
         "",
@@ -129,6 +138,7 @@ def write(r: TuneResult, folder: Path) -> dict[str, Any]:
     plt = _pyplot()
     images = draw_all(plt, r, folder) if plt is not None else None
     (folder / "report.md").write_text(markdown(r, images), encoding="utf-8")
-    data = {**r.to_dict(), "plots": images, "plots_skipped": images is None}
+    changes = [{"field": k, "profile": a, "tuned": b} for k, a, b in profile_changes(r)]
+    data = {**r.to_dict(), "changes": changes, "plots": images, "plots_skipped": images is None}
     (folder / "report.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
     return {"folder": str(folder), "plots": images}

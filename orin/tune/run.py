@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from orin.errors import OrinError, ProfileError
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, read_model_info
@@ -49,6 +51,8 @@ class TuneSettings:
     min_fidelity: int = 1
     max_fidelity: int = 9
     eta: int = 3
+    allow_fewer_slots: bool = False  # also try fewer slots than the profile's (space.py)
+    n_ctx: int | None = None  # tune for this context per slot instead of the profile's
 
 
 @dataclass
@@ -69,6 +73,7 @@ class TuneResult:
     model_given: bool = False  # --model overrode the profile's model
     notes: list[str] = field(default_factory=list)
     speculation: SpecChoice | None = None  # what speculation was tried; run.tune sets it
+    original: Profile | None = None  # the profile as given, before --ctx (profile: after)
 
     @property
     def chosen_m(self) -> Measurement:
@@ -153,6 +158,25 @@ def _sampler(name: str, budget_s: float) -> tuple[Sampler | None, str | None]:
     return Sampler(source, seconds=budget_s + 300).start(), source.name
 
 
+def with_ctx(profile: Profile, n_ctx: int | None) -> Profile:
+    """A copy of the profile with engine.n_ctx (per slot) set, as serve's --ctx does; a
+    sliding window longer than the new context is dropped (it then defaults to it)."""
+    if n_ctx is None:
+        return profile
+    data = profile.model_dump()
+    data["engine"]["n_ctx"] = n_ctx
+    window = data["context"].get("window")
+    if window is not None and window > n_ctx:
+        data["context"]["window"] = None
+    try:
+        out = Profile.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(e["msg"] for e in exc.errors())
+        raise ProfileError(f"--ctx {n_ctx}: {problems}") from None
+    out.source = profile.source
+    return out
+
+
 def tune(
     profile: Profile,
     model: Path | None = None,
@@ -163,11 +187,12 @@ def tune(
     s = settings or TuneSettings()
     start = time.perf_counter()
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    original, profile = profile, with_ctx(profile, s.n_ctx)
     path = resolve_model_path(profile, model)
     info = read_model_info(path)
     grid = grid_for(profile, s.output_tokens)
     build, available = _system()
-    space = build_space(profile, info, build, available)
+    space = build_space(profile, info, build, available, allow_fewer_slots=s.allow_fewer_slots)
     say = progress or (lambda _: None)
     say(f"{len(space)} configurations; grid {grid.points}; budget {s.budget_s:.0f} s")
     sampler, source = _sampler(s.telemetry, s.budget_s)
@@ -206,6 +231,7 @@ def tune(
             "round (a seeded random subset, the profile's own always included)"
         )
     out.model_given = model is not None
+    out.original = original
     out.elapsed_s = time.perf_counter() - start
     return out
 

@@ -10,8 +10,13 @@ enough to measure:
   tune never trades accuracy for speed behind the user's back;
 - threads: one per physical core and half that (on a shared or busy CPU the
   smaller pool often wins: llama.cpp's threads spin while waiting);
-- slots: the largest SLO concurrency and the profile's own count (more slots
-  than streams changes slot placement, see docs/performance.md finding 1);
+- slots: the profile's own count, and the largest SLO concurrency when that is
+  more. Never fewer than the profile's: its slot count is a promise to its
+  clients (how many requests run at once), which an SLO grid that lists only
+  low concurrency does not withdraw. ``allow_fewer_slots`` (``tune
+  --allow-fewer-slots``) also tries the largest SLO concurrency when it is
+  fewer (more slots than streams changes slot placement, see
+  docs/performance.md finding 1);
 - gpu layers and load mode (mmap or read): only when the build can offload and
   the whole model does not fit, where partial offload and mmap matter;
 - speculative decoding (``speculation_options``): off, n-gram drafts of at most
@@ -183,16 +188,29 @@ def _layer_options(
     return layers, ["mmap", "none"], note
 
 
-def _axes(profile: Profile, cores: int, max_streams: int) -> dict[str, tuple[Any, ...]]:
+def slot_options(profile: Profile, allow_fewer: bool = False) -> tuple[tuple[int, ...], str | None]:
+    """The slot counts to search, and a note when the profile's count held tune back
+    from trying fewer (the SLO's largest concurrency is below it)."""
+    own, streams = profile.engine.slots, max(profile.slo.concurrency)
+    if streams >= own:
+        return (streams,), None
+    if allow_fewer:
+        return (streams, own), None
+    return (own,), (
+        f"slots kept at the profile's {own} although the SLO's largest concurrency is "
+        f"{streams}; --allow-fewer-slots also tries {streams}"
+    )
+
+
+def _axes(profile: Profile, cores: int, slots: tuple[int, ...]) -> dict[str, tuple[Any, ...]]:
     e = profile.engine
     threads = {cores, max(1, cores // 2)} | ({e.threads} if e.threads else set())
-    slots = {s for s in (max_streams, e.slots) if s >= max_streams}
     batches = {(b, b) for b in BATCH_SIZES} | {(e.n_batch, e.n_ubatch)}
     return {
         "batch": tuple(sorted(p for p in batches if p[0] >= max(slots))),
         "flash_attn": FLASH,
         "threads": tuple(sorted(threads)),
-        "slots": tuple(sorted(slots)),
+        "slots": slots,
     }
 
 
@@ -202,14 +220,15 @@ def build_space(
     build: BuildInfo | None = None,
     available: int | None = None,
     cores: int | None = None,
+    allow_fewer_slots: bool = False,
 ) -> Space:
     """Every combination of the engine axes that the rules allow and memory holds, each
     with the profile's own speculation setting; ``Space.speculation`` lists the
     settings to try on the search's winner."""
-    max_streams = max(profile.slo.concurrency)
-    axes = _axes(profile, cores or default_threads(), max_streams)
+    slots, slot_note = slot_options(profile, allow_fewer_slots)
+    axes = _axes(profile, cores or default_threads(), slots)
     layers, loads, note = _layer_options(profile, info, build, available)
-    notes = [note] if note else []
+    notes = [n for n in (slot_note, note) if n]
     kv = {f: _allowed_kv(profile, info, build, f) for f in FLASH}
     axes.update(kv=tuple(sorted(set(kv["on"]) | set(kv["off"]))), gpu_layers=tuple(layers))
     spec = speculation_options(profile)

@@ -18,7 +18,6 @@ from orin.profile.loader import parse_profile
 from orin.tune.explain import speculation
 from orin.tune.figures import Measurement, Point
 from orin.tune.run import TuneResult
-from orin.tune.space import Candidate
 
 
 def _ms(v: float | None, digits: int = 0) -> str:
@@ -42,9 +41,41 @@ def point_lines(chosen: Measurement, before: Measurement | None) -> list[str]:
     return lines
 
 
-def _changes(before: Candidate, after: Candidate) -> dict[str, tuple[Any, Any]]:
-    a, b = before.to_dict(), after.to_dict()
-    return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted leaf fields of plain profile data (a list is one value)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+Change = tuple[str, Any, Any]  # dotted profile field, the profile's value, the tuned value
+UNCOUNTED = frozenset({"name", "description"})  # the tuned profile always renames itself
+
+
+def profile_changes(r: TuneResult) -> list[Change]:
+    """Every field the tuned profile sets differently from the profile as given: the
+    chosen settings, ``auto`` values made explicit, --ctx and --model. Slot counts go
+    below the profile's only with --allow-fewer-slots (space.slot_options)."""
+    given = r.original if r.original is not None else r.profile
+    before = _flat(given.model_dump(mode="json"))
+    after = _flat(profile_data(r))
+    return [
+        (k, before.get(k), after.get(k))
+        for k in dict.fromkeys([*before, *after])
+        if k not in UNCOUNTED and before.get(k) != after.get(k)
+    ]
+
+
+def change_lines(changes: list[Change]) -> list[str]:
+    return [f"{k}: {_value(a)} -> {_value(b)}" for k, a, b in changes]
+
+
+def _value(v: Any) -> str:
+    return "(none)" if v is None else str(v)
 
 
 def header(r: TuneResult) -> list[str]:
@@ -75,9 +106,9 @@ def header(r: TuneResult) -> list[str]:
             f"  Measured on {r.speculation.workload}; what n-gram speculation gains depends "
             "on how often the output repeats its context (the report says more).",
         ]
-    changed = _changes(r.space.baseline, r.chosen)
-    if changed:
-        lines.append("Changed: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
+    changed = change_lines(profile_changes(r))
+    lines.append("Changed from the profile:" if changed else "Nothing changed from the profile.")
+    lines += [f"  {c}" for c in changed]
     return lines
 
 

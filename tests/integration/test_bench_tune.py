@@ -68,7 +68,7 @@ def bench_json(server: str, tmp_path: Path) -> dict[str, Any]:
     args = [
         "--url", server, "--num-requests", "12", "--input-len", "16,64,600",
         "--output-len", "8", "--concurrency", "4", "--seed", "3",
-        "--slo", "ttft_p95_ms=60000,tpot_p90_ms=60000", "--json", str(out),
+        "--slo", "ttft_p95_ms=60000,tpot_p90_ms=60000", "--output", str(out),
     ]  # fmt: skip
     result = CliRunner().invoke(bench_cli.app, args)
     assert result.exit_code == 0, result.output
@@ -140,6 +140,8 @@ def test_tune_tiny_within_a_one_minute_budget(tmp_path: Path) -> None:
     assert text.startswith("# Tuned by `orin-llm tune` on ")
     assert "TTFT_p95" in text and "TPOT_p90" in text
     assert yaml.safe_load(text)["engine"]["threads"] >= 1
+    # the profile serves 4 slots; its SLO goes to concurrency 2 only: the 4 slots stay
+    assert yaml.safe_load(text)["engine"]["slots"] == 4
     check = CliRunner().invoke(profile_cli.app, ["validate", str(out)])
     assert check.exit_code == 0, check.output
     data = json.loads((folder / "report.json").read_text())
@@ -196,7 +198,7 @@ def test_tune_stops_at_a_short_budget(tmp_path: Path) -> None:
         "slo: {prompt_tokens: [16, 64], concurrency: [1, 2]}\nsystem: {swappiness: null}\n"
     )
     out, folder = tmp_path / "tuned.yaml", tmp_path / "report"
-    args = ["--profile", str(profile), "--budget", "0.1", "--out", str(out),
+    args = ["run", "--profile", str(profile), "--budget", "0.1", "--out", str(out),
             "--report", str(folder), "--output-len", "8", "--telemetry", "off"]  # fmt: skip
     start = time.perf_counter()
     result = CliRunner().invoke(tune_cli.app, args)
@@ -206,4 +208,6 @@ def test_tune_stops_at_a_short_budget(tmp_path: Path) -> None:
     data = json.loads((folder / "report.json").read_text())
     assert data["first_round"] < data["space"]["size"]  # the budget cut the first round
     assert any("the budget allowed" in n for n in data["notes"])
+    assert all(c["field"] not in ("name", "description") for c in data["changes"])
+    assert ("Changed from the profile" in out.read_text()) is bool(data["changes"])
     assert CliRunner().invoke(profile_cli.app, ["validate", str(out)]).exit_code == 0

@@ -146,7 +146,7 @@ def test_bench_reports_utilization_in_the_table_and_json(gguf: Path, tmp_path: P
         args = [
             "--url", url, "--num-requests", "4", "--input-len", "8", "--output-len", "6",
             "--concurrency", "1", "--model-file", str(gguf), "--mem-bandwidth", "0.5",
-            "--cache-type-k", "q8_0", "--json", str(out),
+            "--cache-type-k", "q8_0", "--output", str(out),
         ]  # fmt: skip
         result = CliRunner().invoke(bench_cli.app, args)
     assert result.exit_code == 0, result.output

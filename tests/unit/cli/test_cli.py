@@ -123,11 +123,27 @@ def test_validate_typo_names_line(tmp_path: Path) -> None:
     )
 
 
-def test_validate_builtin_is_valid() -> None:
+def test_validate_builtin_resolves_kv_and_needs_its_model_file(tmp_path: Path) -> None:
     code, out, _ = invoke("profile", "validate", "llama3.1-8b-q4_k_m", "--json")
-    assert code == 0
     data = json.loads(out)
     assert (data["type_k"], data["type_v"], data["flash_attn"]) == ("q8_0", "q8_0", "on")
+    # the profile's model.path is not on this machine: serve would stop, so not valid
+    assert code == 1 and data["valid"] is False
+    failed = [x for x in data["findings"] if x["severity"] == "fail"]
+    assert [x["rule"] for x in failed] == ["model-file"]
+    assert "Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf does not exist" in failed[0]["message"]
+
+
+def test_validate_a_profile_whose_model_file_exists(tmp_path: Path) -> None:
+    write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    f = tmp_path / "p.yaml"
+    f.write_text("name: here\nmodel: {path: m.gguf, quantization: Q4_K_M}\n")
+    code, out, err = invoke("profile", "validate", str(f))
+    assert code == 0, err
+    assert out.strip().endswith("valid") and "model-file" not in out
+    (tmp_path / "m.gguf").unlink()
+    code, out, _ = invoke("profile", "validate", str(f))
+    assert code == 1 and "model-file" in out and "INVALID" in out
 
 
 def test_validate_with_model_checks_quantization(tmp_path: Path) -> None:

@@ -250,12 +250,12 @@ def test_unknown_clocks_without_root(tmp_path: Path, make_ctx: MakeCtx) -> None:
     assert f.severity == "info" and f.fix == "run sudo orin-llm doctor to check"
 
 
-def test_a_crashing_check_makes_exit_code_2(tmp_path: Path, make_ctx: MakeCtx) -> None:
+def test_a_crashing_check_makes_exit_code_70(tmp_path: Path, make_ctx: MakeCtx) -> None:
     board, runner = x86_machine(tmp_path / "board")
 
     def broken(ctx: DoctorContext) -> Finding:
         raise RuntimeError("boom")
 
     report = run_checks(make_ctx(board.root, runner), [("broken", broken)])
-    assert report.exit_code == 2 and report.crashed == ("broken",)
+    assert report.exit_code == 70 and report.crashed == ("broken",)  # internal, not usage
     assert report.findings[0].found == "the check itself failed: RuntimeError: boom"

@@ -11,6 +11,10 @@ from typer.testing import CliRunner
 
 from orin.cli.app import app
 from orin.cli.deps import Deps
+from orin.doctor.checks import CHECKS
+from orin.doctor.context import DoctorContext
+from orin.doctor.findings import Finding
+from orin.doctor.report import run_checks
 from tests.fakes.boards_system import CPU_BUILD, CUDA_BUILD, FakeJetson, agx_orin_64gb_jp6
 
 PROFILE = """\
@@ -131,7 +135,70 @@ def test_doctor_table_and_exit_1_on_a_cpu_build(fake: FakeJetson) -> None:
     assert "no such file" in out
 
 
-def test_doctor_exit_2_when_it_cannot_run(fake: FakeJetson) -> None:
+def test_doctor_cannot_run_on_a_missing_profile_exit_4(fake: FakeJetson) -> None:
     code, out, err = invoke(fake, "doctor", "--profile", "no-such-profile")
-    assert code == 2 and out == ""
+    assert code == 4 and out == ""  # the profile error's own code; 2 is for usage alone
     assert err.startswith("orin-llm: doctor could not run: no profile named 'no-such-profile'")
+
+
+def test_a_crashed_check_is_an_internal_error_naming_the_check(fake: FakeJetson) -> None:
+    def broken(ctx: DoctorContext) -> Finding:
+        raise RuntimeError("boom")
+
+    crashing = dataclasses.replace(
+        board_deps(fake), run_doctor=lambda ctx: run_checks(ctx, [("broken-check", broken)])
+    )
+    code, out, err = invoke(fake, "doctor", "--model", "/nonexistent/m.gguf", deps=crashing)
+    assert code == 70
+    assert "broken-check" in out and "the check itself failed: RuntimeError: boom" in out
+    assert "internal error in check(s) broken-check" in err
+    code, out, _ = invoke(fake, "doctor", "--json", deps=crashing)
+    data = json.loads(out)
+    assert code == 70 and data["exit_code"] == 70 and data["crashed"] == ["broken-check"]
+
+
+def test_doctor_ctx_is_per_slot_and_checked(fake: FakeJetson, profile_file: Path) -> None:
+    args = ("doctor", "--profile", str(profile_file), "--ctx", "1024", "--json")
+    code, out, err = invoke(fake, *args)
+    assert code in (0, 1), err
+    assert json.loads(out)["profile"] == "board-test"
+    code, _, err = invoke(fake, "doctor", "--ctx", "100")
+    assert code == 2 and "--ctx" in err  # below the option's minimum: a usage error
+
+
+def test_doctor_table_keeps_check_ids_whole_at_80_columns(fake: FakeJetson) -> None:
+    cpu = dataclasses.replace(board_deps(fake), build_info=lambda: CPU_BUILD)
+    result = CliRunner().invoke(
+        app,
+        ["doctor", "--model", "/nonexistent/m.gguf", "--root", str(fake.board.base)],
+        env={"COLUMNS": "80"},
+        obj=cpu,
+    )
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    # too narrow for five columns: one finding after the other, ids and paths whole
+    heads = [line.split() for line in lines if line[:4] in ("ok  ", "info", "WARN", "FAIL")]
+    assert ["FAIL", "model-file"] in heads and ["WARN", "swappiness"] in heads
+    assert len(heads) == len(CHECKS)
+    assert "found: /nonexistent/m.gguf: no such file" in result.stdout
+
+
+def test_tune_system_keeps_settings_and_commands_whole_at_80_columns(
+    fake: FakeJetson, profile_file: Path
+) -> None:
+    result = CliRunner().invoke(
+        app,
+        ["tune", "system", "--profile", str(profile_file), "--root", str(fake.board.base)],
+        env={"COLUMNS": "80"},
+        obj=board_deps(fake),
+    )
+    assert result.exit_code == 0, result.stderr
+    out = result.stdout
+    lines = out.splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    for whole in ("nvpmodel -m 0", "swapoff /dev/zram0", "echo 10 > /proc/sys/vm/swappiness"):
+        assert any(line.strip().endswith(whole) for line in lines), whole  # on one line
+    # the steps do not fit beside four more columns: one setting after the other
+    assert {"swappiness", "zram", "power-mode", "clocks"} <= {line.strip() for line in lines}
+    assert "   target: 10" in out

@@ -23,6 +23,12 @@ PANELS = (
     "KV cache usage",
     "Queue and slots",
     "GPU utilization by phase",
+    "Power by phase",
+    "Energy per token",
+    "HTTP 5xx rate",
+    "Prefix cache hits",
+    "Memory and swap",
+    "Temperatures",
 )
 
 

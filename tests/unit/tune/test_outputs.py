@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from orin.profile.schema import SLOSection
 from orin.tune import report, tuned
 from orin.tune.explain import explain
 from orin.tune.figures import Grid, Measurement, PhaseFigures, Point, score
-from orin.tune.run import TuneResult, TuneSettings, grid_for
+from orin.tune.run import TuneResult, TuneSettings, grid_for, with_ctx
 from orin.tune.search import Evaluation, successive_halving
 from orin.tune.space import Candidate, build_space
 
@@ -150,10 +152,38 @@ def test_grid_must_fit_a_slot() -> None:
         grid_for(p, 8)
 
 
-def test_tune_group_keeps_system_and_runs_the_measured_tune_bare() -> None:
+def test_tune_group_has_run_and_system() -> None:
     out = CliRunner().invoke(tune_cli.app, ["--help"])
     assert out.exit_code == 0
-    assert "system" in out.output and "--budget" in out.output
+    assert "system" in out.output and "run" in out.output and "--budget" in out.output
+    out = CliRunner().invoke(tune_cli.app, ["run", "--help"])
+    assert out.exit_code == 0 and "--allow-fewer-slots" in out.output and "--ctx" in out.output
+
+
+def test_every_change_from_the_profile_is_stated(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    r = result(tiny_f16)
+    r.original = r.profile
+    r.profile = with_ctx(r.profile, 256)  # as tune --ctx 256 does
+    r.chosen = dataclasses.replace(r.chosen, n_batch=256, n_ubatch=256, threads=1)
+    r.measurements[r.chosen] = measurement(r.chosen, 20.0, 5.0)
+    changes = {k: (a, b) for k, a, b in tuned.profile_changes(r)}
+    assert changes["engine.n_ctx"] == (512, 256)
+    assert changes["engine.n_batch"] == (128, 256) and changes["engine.threads"] == (2, 1)
+    assert changes["engine.type_k"] == ("auto", "f16")  # made explicit: a change too
+    assert "name" not in changes and "description" not in changes
+    assert "engine.slots" not in changes  # the profile's 4 slots stay
+    text = tuned.render(r)
+    assert "# Changed from the profile:\n" in text and "#   engine.n_ctx: 512 -> 256\n" in text
+    report.write(r, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    section = md.split("## Changes from the profile")[1].split("##")[0]
+    for key, (before, after) in changes.items():
+        assert f"`{key}: {before} -> {after}`" in section
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert {c["field"] for c in data["changes"]} == set(changes)
 
 
 def test_throughput_is_the_median_over_repetitions() -> None:

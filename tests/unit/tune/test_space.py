@@ -29,12 +29,41 @@ def profile(text: str = PROFILE) -> Profile:
 
 
 def test_f16_weights_keep_an_f16_cache(info: ModelInfo) -> None:
-    space = build_space(profile(), info, cores=4)
+    space = build_space(profile(), info, cores=4, allow_fewer_slots=True)
     assert space.axes["kv"] == (("f16", "f16"),)  # q8_0 would lower precision below f16
     assert space.axes["threads"] == (2, 4) and space.axes["slots"] == (4, 8)
     assert len(space) == 3 * 2 * 2 * 2  # batch sizes x flash x threads x slots
     assert all(c.n_batch >= c.slots and c.n_ubatch <= c.n_batch for c in space.candidates)
     assert all(c.slots >= 4 for c in space.candidates)  # the largest SLO concurrency
+
+
+def test_slots_never_go_below_the_profiles_unless_allowed(info: ModelInfo) -> None:
+    # the profile serves 8 slots; its SLO lists concurrency up to 4 only
+    space = build_space(profile(), info, cores=4)
+    assert space.axes["slots"] == (8,)
+    assert {c.slots for c in space.candidates} == {8}
+    assert any("slots kept at the profile's 8" in n and "--allow-fewer-slots" in n
+               for n in space.notes)  # fmt: skip
+    assert all(c.n_batch >= 8 for c in space.candidates)
+    fewer = build_space(profile(), info, cores=4, allow_fewer_slots=True)
+    assert {c.slots for c in fewer.candidates} == {4, 8}
+    assert not any("slots kept" in n for n in fewer.notes)
+
+
+def test_slots_rise_to_the_slo_concurrency(info: ModelInfo) -> None:
+    p = profile(PROFILE.replace("slots: 8", "slots: 2"))
+    for allow in (False, True):
+        space = build_space(p, info, cores=4, allow_fewer_slots=allow)
+        assert space.axes["slots"] == (4,) and not any("slots kept" in n for n in space.notes)
+
+
+def test_the_demo_profile_keeps_its_four_slots(info: ModelInfo) -> None:
+    from orin.profile.loader import load_profile
+
+    demo = load_profile("demo")
+    assert demo.engine.slots > max(demo.slo.concurrency)  # the case the rule is for
+    space = build_space(demo, info, cores=2)
+    assert {c.slots for c in space.candidates} == {demo.engine.slots}
 
 
 def test_quantized_weights_allow_quantized_caches_only_with_flash_attention(

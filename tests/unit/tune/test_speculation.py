@@ -227,7 +227,7 @@ def test_the_tuned_profile_and_report_keep_a_winning_speculation(
     data = yaml.safe_load(text)
     assert data["speculative"]["mode"] == "ngram" and data["speculative"]["n_draft"] == 8
     assert "# Speculative decoding ngram/8 chosen over the profile's off" in text
-    assert "speculative off -> ngram" in text.split("# Changed: ")[1].splitlines()[0]
+    assert "#   speculative.mode: off -> ngram\n" in text.split("# Changed from the profile:")[1]
     report.write(r, tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "## Speculative decoding" in md and "spec=ngram/8" in md

@@ -1,0 +1,190 @@
+"""The CLI's conventions, command by command: --json is a switch and files go to
+--output, --ctx is the context per slot, exit 2 is for usage errors alone, a closed
+stdout ends a command quietly, tables keep names whole at 80 columns, and a bare
+`tune` starts nothing."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from orin.cli import tune as tune_cli
+from orin.cli.app import app
+from orin.cli.options import CTX_HELP
+from orin.cli.output import Output, progress_wanted
+from orin.profile.loader import builtin_profiles
+from tests.unit.bench.test_loadgen import FakeServer, serving
+
+runner = CliRunner()
+
+
+def invoke(*args: str, columns: int = 240) -> tuple[int, str, str]:
+    result = runner.invoke(app, list(args), env={"COLUMNS": str(columns)})
+    return result.exit_code, result.stdout, result.stderr
+
+
+def options(command: object = None, path: tuple[str, ...] = ()) -> Iterator[tuple[str, object]]:
+    """Every option of every command, with the command's path."""
+    command = command or typer.main.get_command(app)
+    for param in getattr(command, "params", []):
+        yield " ".join(path), param
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from options(sub, (*path, name))
+
+
+def test_json_is_a_switch_and_ctx_is_per_slot_everywhere() -> None:
+    seen_json, seen_ctx = set(), set()
+    for where, param in options():
+        opts = getattr(param, "opts", [])
+        if "--json" in opts:
+            assert getattr(param, "is_flag", False), f"{where}: --json takes no value"
+            seen_json.add(where)
+        if "--ctx" in opts:
+            assert getattr(param, "help", None) == CTX_HELP, where
+            seen_ctx.add(where)
+    assert {"bench", "doctor", "monitor", "profile list", "tune run", "tune system"} <= seen_json
+    assert {"doctor", "tune run", "profile validate"} <= seen_ctx
+
+
+def test_bench_help_offers_json_and_output() -> None:
+    code, out, _ = invoke("bench", "--help")
+    assert code == 0 and "--output" in out and "--json" in out
+
+
+def test_bench_json_prints_and_output_writes(tmp_path: Path) -> None:
+    written = tmp_path / "run.json"
+    with serving(FakeServer(usage=True)) as url:
+        args = ["bench", "--url", url, "--num-requests", "2", "--input-len", "8",
+                "--output-len", "4", "--concurrency", "1", "--warmup", "0"]  # fmt: skip
+        code, out, err = invoke(*args, "--json", "--output", str(written))
+        assert code == 0, err
+        printed = json.loads(out)  # nothing but the JSON on stdout
+        assert printed["completed"] == 2 and json.loads(written.read_text()) == printed
+        code, out, err = invoke(*args)
+        assert code == 0, err
+        assert "latency (ms)" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--slo", "ttft=5"), "ttft_p95_ms"),
+        (("--input-len", "ten"), "comma-separated"),
+        ((), "--concurrency"),  # neither --concurrency nor --request-rate
+    ],
+)
+def test_bench_usage_mistakes_exit_2(args: tuple[str, ...], message: str) -> None:
+    code, out, err = invoke("bench", "--url", "http://127.0.0.1:9", *args)
+    assert code == 2, err
+    assert message in err and "internal error" not in err and "Traceback" not in err
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("bench", "--url", "127.0.0.1:8080", "--concurrency", "1"), "give the scheme"),
+        (("monitor", "--url", "127.0.0.1:8080", "--once"), "give the scheme"),
+        (("tune", "run", "--telemetry", "bogus"), "auto, off or one of"),
+        (("tune", "system", "--apply", "--revert"), "not both"),
+        (("doctor", "--ctx", "100"), "--ctx"),
+    ],
+)
+def test_more_usage_mistakes_exit_2(args: tuple[str, ...], message: str) -> None:
+    code, out, err = invoke(*args)
+    assert code == 2 and message in err and "internal error" not in err
+    assert out == ""
+
+
+def test_a_bare_tune_starts_nothing() -> None:
+    code, out, _ = invoke("tune")
+    assert code == 2  # as `orin-llm` alone: the help, and the usage error's code
+    assert "Usage: orin-llm tune" in out and "run" in out and "system" in out
+
+
+def test_tune_options_before_a_subcommand_are_a_usage_error() -> None:
+    code, _, err = invoke("tune", "--budget", "2", "system")
+    assert code == 2 and "tune run" in err
+
+
+def test_tune_progress_only_on_a_terminal_without_quiet() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty, pipe = Tty(), io.StringIO()
+    assert progress_wanted(False, tty, tty)
+    assert not progress_wanted(True, tty, tty)  # --quiet
+    assert not progress_wanted(False, pipe, tty)  # stdout piped or redirected
+    assert not progress_wanted(False, tty, pipe)
+
+
+def test_tune_quiet_drops_the_measurement_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    for quiet in (True, False):
+        with tune_cli.TuneProgress.open(Output(), 60.0, quiet) as bar:
+            assert bar.bar is None  # not a terminal here
+            bar.say("round 0 x1: b128/u128 ...")
+            bar.stage("writing the tuned profile and the report")
+        err = capsys.readouterr().err
+        assert ("round 0 x1" in err) is not quiet
+
+
+def _closed_stdout_run(*args: str) -> subprocess.CompletedProcess[bytes]:
+    """The command with a stdout whose reader has already gone (as `| head` leaves it
+    once it has read enough): every write fails with EPIPE."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "orin", *args],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("args", [("profile", "list", "--json"), ("profile", "list")])
+def test_a_closed_stdout_ends_the_command_quietly(args: tuple[str, ...]) -> None:
+    done = _closed_stdout_run(*args)
+    assert done.returncode == 141, done.stderr  # 128 + SIGPIPE
+    assert done.stderr == b""  # no traceback, no "Exception ignored" at exit
+
+
+def test_tables_keep_names_whole_at_80_columns() -> None:
+    code, out, _ = invoke("profile", "list", columns=80)
+    assert code == 0
+    lines = out.splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    first_cells = {line.split("│")[1].strip() for line in lines if line.startswith("│")}
+    assert set(builtin_profiles()) <= first_cells  # every name whole on one line
+    code, out, _ = invoke("profile", "show", "llama3.1-8b-q4_k_m", columns=80)
+    assert code == 0
+    fields = {line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")}
+    assert {"engine.n_ctx", "speculative.draft_model", "server.metrics_public"} <= fields
+
+
+def test_shell_completion_is_on() -> None:
+    code, out, _ = invoke("--help")
+    assert code == 0 and "--install-completion" in out and "--show-completion" in out
+    done = subprocess.run(
+        [sys.executable, "-m", "orin", "--show-completion", "bash"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "complete" in done.stdout and "COMP_WORDS" in done.stdout

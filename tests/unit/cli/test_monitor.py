@@ -1,0 +1,95 @@
+"""monitor's "by phase" table: every figure over the same span (the window, or the
+whole recording)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from orin.cli.monitor import TokenWindow, parse_token_counters, render
+
+METRICS = """\
+# HELP orin_llm_engine_batch_tokens_total Tokens in the batches of completed engine steps.
+# TYPE orin_llm_engine_batch_tokens_total counter
+orin_llm_engine_batch_tokens_total{kind="prefill"} 5000.0
+orin_llm_engine_batch_tokens_total{kind="decode"} 700.0
+# TYPE orin_llm_phase_seconds_total counter
+orin_llm_phase_seconds_total{phase="decode"} 3.5
+"""
+
+
+def snapshot(phase: str = "decode", window: float = 10.0) -> dict[str, Any]:
+    """A /telemetry snapshot whose token counts cover the whole step history (large)."""
+    return {
+        "source": "cpu",
+        "phase": phase,
+        "latest": {},
+        "window_s": window,
+        "phases": {
+            "prefill": {
+                "seconds": 1.0,
+                "tokens": 90000,
+                "energy_j": 4.0,
+                "energy_per_token_j": 4.0 / 90000,
+            },
+            "decode": {
+                "seconds": 8.0,
+                "tokens": 30000,
+                "energy_j": 10.0,
+                "energy_per_token_j": 10.0 / 30000,
+            },
+        },
+        "recent_requests": [],
+    }
+
+
+def text(snap: dict[str, Any], tokens: dict[str, int] | None = None) -> str:
+    console = Console(width=200, record=True)
+    console.print(render(snap, None, tokens))
+    return console.export_text()
+
+
+def row(out: str, phase: str) -> list[str]:
+    line = next(x for x in out.splitlines() if x.startswith(f"│ {phase} "))
+    return [cell.strip() for cell in line.strip("│").split("│")]
+
+
+def test_parse_token_counters() -> None:
+    assert parse_token_counters(METRICS) == {"prefill": 5000.0, "decode": 700.0}
+
+
+def test_token_window_needs_readings_spanning_the_window() -> None:
+    w = TokenWindow()
+    assert w.tokens(10.0) is None
+    w.add(100.0, {"prefill": 1000.0, "decode": 100.0})
+    w.add(105.0, {"prefill": 1500.0, "decode": 200.0})
+    assert w.tokens(10.0) is None  # 5 s watched: not yet 10
+    w.add(110.0, {"prefill": 1600.0, "decode": 400.0})
+    assert w.tokens(10.0) == {"prefill": 600, "decode": 300}
+    w.add(112.0, {"prefill": 1600.0, "decode": 500.0})
+    # the counters at 102 s, between the readings at 100 and 105: 1200 and 140
+    assert w.tokens(10.0) == {"prefill": 400, "decode": 360}
+    w.add(113.0, {"prefill": 10.0, "decode": 5.0})  # a restarted server: counters from 0
+    assert w.tokens(10.0) is None
+
+
+def test_live_table_shows_tokens_in_the_window_only() -> None:
+    out = text(snapshot(), {"prefill": 600, "decode": 300})
+    assert "last 10.0 s by phase (time, load, tokens and energy in those 10.0 s)" in out
+    prefill, decode = row(out, "prefill"), row(out, "decode")
+    assert prefill[1] == "1.00" and prefill[5] == "600" and prefill[6] == f"{4.0 / 600:.4f}"
+    assert decode[5] == "300" and decode[6] == f"{10.0 / 300:.4f}"
+    assert "90000" not in out and "30000" not in out  # never the history's counts
+
+
+def test_live_table_without_window_tokens_says_so() -> None:
+    out = text(snapshot())
+    assert "tokens after 10.0 s of watching" in out
+    assert row(out, "prefill")[5] == "-" and row(out, "prefill")[6] == "-"
+
+
+def test_a_recording_is_summarised_over_its_whole_span() -> None:
+    out = text(snapshot(phase="recording", window=42.0))
+    assert "the whole recording (42.0 s) by phase" in out
+    assert row(out, "prefill")[5] == "90000"
