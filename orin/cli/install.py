@@ -8,20 +8,33 @@ program the units run; tests construct their own.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 from orin.cli.deps import HttpGet, deps
 from orin.cli.errors import handle_errors
 from orin.cli.options import JsonOpt, RootOpt
-from orin.cli.output import Output, human_bytes
+from orin.cli.output import Output, human_bytes, progress_wanted
 from orin.doctor.report import Report
 from orin.install import probe
 from orin.install.apply import apply_install, apply_uninstall
 from orin.install.host import HostFacts, gather
-from orin.install.layout import DEFAULT_USER, SERVICE, UNIT_DIR
+from orin.install.layout import DEFAULT_USER, MODELS_DIR, SERVICE, UNIT_DIR
 from orin.install.plan import (
     InstallPlan,
     doctor_blockers,
@@ -30,10 +43,12 @@ from orin.install.plan import (
     plan_uninstall,
     service_model,
 )
-from orin.install.status import ServiceStatus, read_status
+from orin.install.status import ServiceStatus, read_server_status, read_status
 from orin.install.steps import InstallError
 from orin.install.units import find_gpu_devices, service_plan, unit_config
+from orin.model import hub, store
 from orin.profile.loader import load_profile
+from orin.profile.schema import Profile
 from orin.system.commands import CommandRunner
 from orin.system.root import SysRoot
 
@@ -86,7 +101,10 @@ def install(
     sysroot, runner = SysRoot(root), d.runner
     profile = load_profile(profile_name or "demo")
     facts = gather(runner, user)
-    report = d.run_doctor(d.doctor_context(sysroot, profile, None))
+    pulled, pulled_now = _pull_model(
+        out, profile, sysroot, runner, facts, dry_run or d.effective_uid() != 0
+    )
+    report = d.run_doctor(d.doctor_context(sysroot, profile, pulled))
     _check_doctor(out, report, facts, force, dry_run)
     model_path, info = service_model(profile, sysroot)
     config = unit_config(
@@ -119,8 +137,104 @@ def install(
         for found in apply_install(plan, facts, sysroot, runner, d.effective_uid()):
             _raw(out, found, err=found.startswith("CUDA probe FAILED"))
         out.line(f"installed {SERVICE} (profile {profile.name})")
+    if pulled_now is not None and not facts.user_exists:  # the user exists only now
+        for path in _pulled_files(sysroot, pulled_now):
+            _chown(runner, user)(path)
     if not no_start:
         _wait(out, plan, runner, d.http_get)
+
+
+def _pull_model(
+    out: Output,
+    profile: Profile,
+    root: SysRoot,
+    runner: CommandRunner,
+    facts: HostFacts,
+    dry_run: bool,
+) -> tuple[Path | None, Path | None]:
+    """A profile's Hugging Face model, pulled into the service's models directory before
+    anything is planned (the memory limits need its metadata) or started. Returns the
+    file (None for other profiles) and, when this run downloaded it, the file again.
+    ``dry_run`` (also: not root) pulls nothing and stops on a model that is not here."""
+    spec = profile.model.hf
+    if spec is None:
+        return None, None
+    ref = store.parse_ref(spec)
+    models = root.path(MODELS_DIR)
+    found = store.find_pulled(ref, models)
+    if found is not None:
+        out.line(f"model {spec}: pulled already ({MODELS_DIR}/{found.name})")
+        return found, None
+    if dry_run:
+        raise InstallError(
+            f"the model {spec} is not pulled yet, and the plan needs its metadata; install as "
+            f"root pulls it into {MODELS_DIR} first (or run `sudo orin-llm model pull {spec}`)"
+        )
+    out.line(f"model {spec}: pulling into {MODELS_DIR} from {hub.hub_endpoint()}")
+    result = hub.pull(
+        ref,
+        models,
+        progress=_DownloadBar if progress_wanted() else None,
+        chown=_chown(runner, facts.user) if facts.user_exists else None,
+    )
+    out.line(
+        f"model {spec}: {result.path.name}, {human_bytes(result.file.size)}, "
+        f"SHA-256 {result.file.sha256} checked"
+    )
+    return result.path, result.path
+
+
+def _pulled_files(root: SysRoot, path: Path) -> list[Path]:
+    meta = store.meta_path(root.path(MODELS_DIR), path.name)
+    return [path, meta.parent, meta]
+
+
+def _chown(runner: CommandRunner, user: str) -> Callable[[Path], None]:
+    def chown(path: Path) -> None:
+        res = runner.run(("chown", f"{user}:", str(path)), timeout=30.0)
+        if not res.ok:
+            raise InstallError(f"chown {user}: {path} failed: {(res.stderr or res.stdout).strip()}")
+
+    return chown
+
+
+class _DownloadBar:
+    """A rich download bar on stderr for the model pull."""
+
+    def __init__(self, description: str, total: int | None, initial: int) -> None:
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(description, total=total, completed=initial)
+
+    def update(self, n: int) -> None:
+        self._progress.advance(self._task, n)
+
+    def close(self) -> None:
+        self._progress.stop()
+
+
+@contextmanager
+def _wait_bar(timeout_s: float) -> Iterator[Callable[[float, str], None] | None]:
+    """A bar of the start timeout on stderr while install waits for /health; None (no
+    bar) when nobody watches (output.progress_wanted)."""
+    if not progress_wanted():
+        yield None
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("waiting for /health", total=timeout_s)
+
+        def tick(seconds: float, last: str) -> None:
+            progress.update(task, completed=seconds, description=f"/health: {last[:60]}")
+
+        yield tick
 
 
 def _check_doctor(
@@ -128,6 +242,9 @@ def _check_doctor(
 ) -> None:
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items() if n)
     out.line(f"doctor: {counts}")
+    for f in report.findings:
+        if f.severity in ("warn", "fail"):
+            _raw(out, f"  {f.severity} {f.id}: {f.found}")
     blockers = doctor_blockers(report.findings, facts.service_active)
     blockers += [f"{c}: the check itself failed" for c in report.crashed]
     if not blockers:
@@ -164,8 +281,10 @@ def _raw(out: Output, text: str, err: bool = False) -> None:
 
 
 def _wait(out: Output, plan: InstallPlan, runner: CommandRunner, http_get: HttpGet) -> None:
-    out.line(f"waiting for {plan.url}/health (up to {plan.config.timeout_start_s} s)")
-    outcome = probe.wait_healthy(http_get, plan.url, runner, plan.config.timeout_start_s)
+    timeout = plan.config.timeout_start_s
+    out.line(f"waiting for {plan.url}/health (up to {timeout} s)")
+    with _wait_bar(timeout) as tick:
+        outcome = probe.wait_healthy(http_get, plan.url, runner, timeout, tick=tick)
     if outcome.ok:
         out.line(f"healthy after {outcome.seconds:.0f} s: {outcome.detail}")
         return
@@ -213,12 +332,23 @@ def uninstall(
 def status(
     ctx: typer.Context,
     as_json: JsonOpt = False,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            "--url",
+            help="A server started with `orin-llm serve` (e.g. http://127.0.0.1:8080): its "
+            "/health, /v1/models and latency instead of the installed service's.",
+        ),
+    ] = None,
     unit_dir: UnitDirOpt = UNIT_DIR,
     root: RootOpt = Path("/"),
 ) -> None:
     """The units' state, /health, and TTFT/TPOT since the server started (from /metrics)."""
     d = deps(ctx)
-    st = read_status(SysRoot(root), d.runner, d.http_get, unit_dir)
+    if url is not None:
+        st = read_server_status(d.http_get, url)
+    else:
+        st = read_status(SysRoot(root), d.runner, d.http_get, unit_dir)
     out = Output(as_json)
     if as_json:
         out.json(st.to_dict())
@@ -229,6 +359,23 @@ def status(
 
 
 def _show_status(out: Output, st: ServiceStatus) -> None:
+    if st.units:
+        _show_units(out, st)
+    if st.url is None or st.health_status is None:
+        out.line(f"health: {st.error}")
+        return
+    body = json.dumps(st.health) if st.health is not None else ""
+    out.line(f"health: {st.url}/health -> {st.health_status} {body}")
+    if st.models is not None:
+        out.line(f"models: {', '.join(st.models) or 'none listed'}")
+    rows = [
+        (name.upper(), lat.count, _ms(lat.p50_s), _ms(lat.p95_s), _ms(lat.mean_s))
+        for name, lat in st.latency.items()
+    ]
+    out.table("latency since the server started", ("", "requests", "p50", "p95", "mean"), rows)
+
+
+def _show_units(out: Output, st: ServiceStatus) -> None:
     out.table(
         None,
         ("unit", "installed", "state", "result", "restarts", "memory"),
@@ -244,16 +391,6 @@ def _show_status(out: Output, st: ServiceStatus) -> None:
             for u in st.units
         ),
     )
-    if st.url is None or st.health_status is None:
-        out.line(f"health: {st.error}")
-        return
-    body = json.dumps(st.health) if st.health is not None else ""
-    out.line(f"health: {st.url}/health -> {st.health_status} {body}")
-    rows = [
-        (name.upper(), lat.count, _ms(lat.p50_s), _ms(lat.p95_s), _ms(lat.mean_s))
-        for name, lat in st.latency.items()
-    ]
-    out.table("latency since the server started", ("", "requests", "p50", "p95", "mean"), rows)
 
 
 def _ms(seconds: float | None) -> str:

@@ -1,22 +1,46 @@
-"""orin-llm model inspect | plan | demo"""
+"""orin-llm model pull | list | rm | inspect | plan | demo"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
+from orin.cli.deps import deps
 from orin.cli.errors import handle_errors
-from orin.cli.options import JsonOpt, RootOpt
-from orin.cli.output import Output, human_bytes
-from orin.errors import OrinError
+from orin.cli.options import CtxOpt, JsonOpt, RootOpt
+from orin.cli.output import Output, human_bytes, progress_wanted
+from orin.errors import ModelFileError, OrinError, ProfileError
+from orin.model import store
 from orin.model.gguf import ModelInfo, read_model_info
+from orin.model.hub import Chown
 from orin.model.memplan import KV_TYPES, MemoryPlan, plan_memory
+from orin.profile.kvmatch import QUANTIZED_KV, check_kv
+from orin.profile.schema import EngineSection, Profile
+from orin.system.commands import CommandRunner
 from orin.system.memory import read_meminfo
 from orin.system.root import SysRoot
 
-app = typer.Typer(help="Inspect GGUF files, plan their memory, generate demo models.")
+app = typer.Typer(
+    help="Pull, list and remove models; inspect GGUF files, plan their memory, "
+    "generate demo models."
+)
+DEFAULT_CTX = 4096
 
 PathArg = Annotated[Path, typer.Argument(help="GGUF model file.", show_default=False)]
 
@@ -128,7 +152,7 @@ KVTypeOpt = Annotated[str, typer.Option(callback=_kv_type, help=f"One of {', '.j
 @handle_errors
 def plan(
     path: PathArg,
-    ctx: Annotated[int, typer.Option("--ctx", min=1, help="Context per slot (tokens).")] = 4096,
+    ctx: CtxOpt = None,
     slots: Annotated[int, typer.Option(min=1, help="Concurrent sequences.")] = 1,
     kv_type_k: KVTypeOpt = "f16",
     kv_type_v: KVTypeOpt = "f16",
@@ -151,6 +175,7 @@ def plan(
     root: RootOpt = Path("/"),
 ) -> None:
     """Memory for weights, KV cache and compute buffers against what is available."""
+    ctx = ctx if ctx is not None else DEFAULT_CTX
     info = read_model_info(path)
     try:
         available: int | None = read_meminfo(SysRoot(root)).available
@@ -159,6 +184,7 @@ def plan(
     p = plan_memory(
         info, ctx, slots, kv_type_k, kv_type_v, available, n_ubatch, flash_attn, n_batch, swa_full
     )
+    refused = _refusals(kv_type_k, kv_type_v, flash_attn)
     out = Output(as_json)
     if as_json:
         model = {
@@ -169,9 +195,17 @@ def plan(
             "n_expert": info.n_expert,
             "n_expert_used": info.n_expert_used,
         }
-        out.json({"model": str(path), "model_info": model, **p.to_dict()})
+        data = {"model": str(path), "model_info": model, **p.to_dict(), "refused": refused}
+        if refused:
+            data["fits"] = False
+        if not flash_attn:
+            data["max_ctx_usable_by_kv_type"] = {
+                t: (None if t in QUANTIZED_KV else c)
+                for t, c in data["max_ctx_usable_by_kv_type"].items()
+            }
+        out.json(data)
         return
-    _print_plan(out, info, p)
+    _print_plan(out, info, p, refused)
     if info.n_swa_layers:
         other = plan_memory(
             info,
@@ -188,8 +222,17 @@ def plan(
         _note_swa(out, p, other)
 
 
-def _print_plan(out: Output, info: ModelInfo, p: MemoryPlan) -> None:
+def _refusals(type_k: str, type_v: str, flash_attn: bool) -> list[str]:
+    """What llama.cpp refuses in this K/V configuration: the rule ``profile validate``
+    applies (kvmatch.check_kv), so plan never says a refused configuration fits."""
+    findings = check_kv(type_k, type_v, "on" if flash_attn else "off", EngineSection(), None)
+    return [f.message for f in findings if f.severity == "fail"]
+
+
+def _print_plan(out: Output, info: ModelInfo, p: MemoryPlan, refused: list[str]) -> None:
     fits = {True: "yes", False: "NO", None: "unknown (no /proc/meminfo)"}[p.fits]
+    if refused:
+        fits = "NO: llama.cpp refuses this configuration (below)"
     kv_label = " (estimate)" if p.kv_estimated else ""
     experts = f", all {info.n_expert} experts" if info.is_moe else ""
     rows: list[tuple[str, Any]] = [("KV cells (llama.cpp padding)", p.cells)]
@@ -216,16 +259,42 @@ def _print_plan(out: Output, info: ModelInfo, p: MemoryPlan) -> None:
         ("fits", fits),
     ]
     out.pairs(f"{p.ctx} tokens x {p.slots} slot(s), K={p.type_k} V={p.type_v}", rows)
+    for message in refused:
+        out.note(f"refused: {message}")
+    if p.ctx_train and p.ctx > p.ctx_train:
+        out.note(
+            f"--ctx {p.ctx} is past the model's training context ({p.ctx_train}): answers "
+            "degrade past it unless the profile sets RoPE scaling for it"
+        )
     if p.max_ctx_by_kv_type:
         out.table(
             f"largest context per slot that fits ({p.slots} slot(s))",
             ("KV type", "max context"),
-            ((t, c if c is not None else "does not fit") for t, c in p.max_ctx_by_kv_type.items()),
+            (
+                (t, _max_ctx_cell(t, c, p, info.n_ctx_train))
+                for t, c in p.max_ctx_by_kv_type.items()
+            ),
         )
+        capped = [t for t in p.capped_kv_types if p.flash_attn or t not in QUANTIZED_KV]
+        if capped:
+            out.note(
+                f"capped at the model's training context ({p.ctx_train} tokens): memory "
+                f"allows more with {', '.join(capped)}, but the model was not trained past it"
+            )
     for kv_type, reason in p.unsupported_kv_types.items():
         out.note(f"{kv_type}: not usable with this model ({reason})")
     if p.kv_estimated:
         out.note(f"KV figures are estimates for the '{info.kv_layout}' layout: {info.kv_note}")
+
+
+def _max_ctx_cell(kv_type: str, fits: int | None, p: MemoryPlan, ctx_train: int) -> str:
+    if not p.flash_attn and kv_type in QUANTIZED_KV:
+        return "needs flash attention"
+    if fits is None:
+        return "does not fit"
+    if ctx_train and fits > ctx_train:
+        return f"{ctx_train} (training context; memory allows {fits})"
+    return str(fits)
 
 
 def _note_swa(out: Output, p: MemoryPlan, other: MemoryPlan) -> None:
@@ -257,8 +326,332 @@ def demo(
     """Generate a deterministic random-weight GGUF model (for demos and tests)."""
     from orin.model import demo as demo_models
 
-    if out_path is None:
-        path = demo_models.ensure(size, quant)
-    else:
-        path = demo_models.generate(size, quant, out_path)
+    with _working(f"building the {size} {quant} demo model"):
+        if out_path is None:
+            path = demo_models.ensure(size, quant)
+        else:
+            path = demo_models.generate(size, quant, out_path)
     print(path)
+
+
+@contextmanager
+def _working(description: str, quiet: bool = False) -> Iterator[None]:
+    """An elapsed-time bar on stderr while something without steps runs; only for a
+    person watching (output.progress_wanted)."""
+    if not progress_wanted(quiet):
+        yield
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        progress.add_task(description, total=None)
+        yield
+
+
+class _DownloadBar:
+    """A rich download bar on stderr (bytes, speed, time left) for hub.pull."""
+
+    def __init__(self, description: str, total: int | None, initial: int) -> None:
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(description, total=total, completed=initial)
+
+    def update(self, n: int) -> None:
+        self._progress.advance(self._task, n)
+
+    def close(self) -> None:
+        self._progress.stop()
+
+
+def _hub_ref(value: str) -> str:
+    try:
+        store.parse_ref(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+DirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--dir",
+        help="Models directory (default: /var/lib/orin-llm/models as root, the service's; "
+        "else ~/.cache/orin-llm/models).",
+    ),
+]
+ProfilesOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--profile", help="Also count this profile (a name or YAML file) as using its model."
+    ),
+]
+
+
+def _models_dir(given: Path | None, uid: int, root: SysRoot) -> Path:
+    """--dir; root's default is the installed service's models directory, anyone else's
+    the user cache."""
+    if given is not None:
+        return given
+    if uid == 0:
+        return root.path(store.SYSTEM_MODELS_DIR)
+    return store.default_dir()
+
+
+def _service_chown(runner: CommandRunner, root: SysRoot) -> Chown | None:
+    """Give pulled files to the service user, when there is one (root pulling into the
+    service's models directory)."""
+    from orin.install.layout import DEFAULT_USER, UNIT_DIR
+    from orin.install.plan import installed_user
+
+    user = installed_user(root, UNIT_DIR, DEFAULT_USER)
+    if not runner.run(("getent", "passwd", user), timeout=10.0).ok:
+        return None
+
+    def chown(path: Path) -> None:
+        res = runner.run(("chown", f"{user}:", str(path)), timeout=30.0)
+        if not res.ok:
+            raise OrinError(f"chown {user}: {path} failed: {(res.stderr or res.stdout).strip()}")
+
+    return chown
+
+
+@app.command()
+@handle_errors
+def pull(
+    ctx: typer.Context,
+    spec: Annotated[
+        str,
+        typer.Argument(
+            callback=_hub_ref,
+            help="owner/repo, owner/repo:FILE.gguf or owner/repo:QUANT (e.g. Q4_K_M).",
+            show_default=False,
+        ),
+    ],
+    models_dir: DirOpt = None,
+    revision: Annotated[
+        str | None, typer.Option(help="Branch, tag or commit (default: main).")
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace a different file of the same name.")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    as_json: JsonOpt = False,
+    root: RootOpt = Path("/"),
+) -> None:
+    """Download a GGUF file from the Hugging Face Hub, resumable and SHA-256 checked."""
+    from orin.model import hub
+
+    d = deps(ctx)
+    sysroot, uid = SysRoot(root), d.effective_uid()
+    folder = _models_dir(models_dir, uid, sysroot)
+    chown = None
+    if uid == 0 and folder == sysroot.path(store.SYSTEM_MODELS_DIR):
+        chown = _service_chown(d.runner, sysroot)
+    progress = _DownloadBar if progress_wanted(quiet or as_json) else None
+    result = hub.pull(
+        store.parse_ref(spec),
+        folder,
+        revision=revision,
+        progress=progress,
+        chown=chown,
+        force=force,
+    )
+    out = Output(as_json)
+    if as_json:
+        out.json(result.to_dict())
+        return
+    size = human_bytes(result.file.size)
+    if not result.downloaded:
+        out.line(f"already pulled: {result.path} ({size}, SHA-256 matches the hub)")
+        return
+    resumed = f", resumed at {human_bytes(result.resumed_from)}" if result.resumed_from else ""
+    out.line(f"pulled {result.ref.repo}/{result.file.path} -> {result.path}")
+    out.line(f"{size}, SHA-256 {result.file.sha256} checked{resumed}")
+
+
+@dataclass(frozen=True)
+class _Listed:
+    path: Path
+    size: int
+    quantization: str | None
+    problem: str | None
+    source: str | None
+    used_by: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.path.name,
+            "path": str(self.path),
+            "size": self.size,
+            "quantization": self.quantization,
+            "problem": self.problem,
+            "source": self.source,
+            "used_by": list(self.used_by),
+        }
+
+
+def _profiles(root: SysRoot, extra: list[str] | None) -> list[tuple[str, Profile]]:
+    """The profiles whose models matter here: built-in, the installed service's, --profile."""
+    from orin.install.layout import PROFILE_FILE
+    from orin.profile.loader import builtin_profiles, load_profile
+
+    found: list[tuple[str, Profile]] = []
+    for name in builtin_profiles():
+        try:
+            found.append((name, load_profile(name)))
+        except ProfileError:
+            continue
+    installed = root.path(PROFILE_FILE)
+    if installed.is_file():
+        found.append((f"installed ({PROFILE_FILE})", _load(installed)))
+    for name in extra or ():
+        found.append((name, _load(name)))
+    return found
+
+
+def _load(name: str | Path) -> Profile:
+    from orin.profile.loader import load_profile
+
+    return load_profile(name)
+
+
+def _names(profile: Profile, folder: Path, root: SysRoot) -> Path | None:
+    """The file in ``folder`` a profile would serve, found without fetching anything."""
+    from orin.profile.loader import named_model_path
+
+    try:
+        path = named_model_path(profile, [folder])
+    except OrinError:
+        return None
+    if path is None:
+        return None
+    if path.is_absolute() and not path.exists():
+        path = root.path(str(path))
+    return path.resolve()
+
+
+def _used_by(
+    profiles: list[tuple[str, Profile]], folder: Path, root: SysRoot
+) -> dict[Path, list[str]]:
+    users: dict[Path, list[str]] = {}
+    for label, profile in profiles:
+        path = _names(profile, folder, root)
+        if path is not None:
+            users.setdefault(path, []).append(label)
+    return users
+
+
+def _listing(folder: Path, profiles: list[tuple[str, Profile]], root: SysRoot) -> list[_Listed]:
+    users = _used_by(profiles, folder, root)
+    rows = []
+    for path in store.gguf_files(folder):
+        quant: str | None
+        try:
+            quant, problem = read_model_info(path).quantization, None
+        except ModelFileError as exc:
+            quant, problem = None, str(exc)
+        prov = store.read_provenance(folder, path.name)
+        source = f"hf:{prov.repo}:{prov.path}" if prov is not None else None
+        used = tuple(users.get(path.resolve(), ()))
+        rows.append(_Listed(path, path.stat().st_size, quant, problem, source, used))
+    return rows
+
+
+@app.command("list")
+@handle_errors
+def list_models(
+    ctx: typer.Context,
+    models_dir: DirOpt = None,
+    profiles: ProfilesOpt = None,
+    as_json: JsonOpt = False,
+    root: RootOpt = Path("/"),
+) -> None:
+    """Every GGUF file in the models directory, with the profiles that use it."""
+    d = deps(ctx)
+    sysroot = SysRoot(root)
+    folder = _models_dir(models_dir, d.effective_uid(), sysroot)
+    rows = _listing(folder, _profiles(sysroot, profiles), sysroot)
+    out = Output(as_json)
+    if as_json:
+        out.json({"dir": str(folder), "models": [r.to_dict() for r in rows]})
+        return
+    if not rows:
+        out.line(f"no GGUF files in {folder}")
+        return
+    out.table(
+        str(folder),
+        ("name", "size", "quantization", "pulled from", "used by"),
+        (
+            (
+                r.path.relative_to(folder).as_posix(),
+                human_bytes(r.size),
+                r.quantization or f"unreadable: {r.problem}",
+                r.source or "-",
+                ", ".join(r.used_by) or "-",
+            )
+            for r in rows
+        ),
+        keep=("name",),
+    )
+
+
+def _find(folder: Path, name: str) -> Path:
+    """NAME: a file name or path in the models directory, or a path to one in it."""
+    candidate = Path(name)
+    path = candidate if candidate.is_absolute() else folder / candidate
+    if not store.inside(folder, path):
+        raise ModelFileError(
+            f"{name} is not inside the models directory {folder}; model rm deletes nothing else"
+        )
+    if path.is_file():
+        return path
+    same = [p for p in store.gguf_files(folder) if p.name == candidate.name]
+    if len(same) == 1:
+        return same[0]
+    known = ", ".join(p.relative_to(folder).as_posix() for p in store.gguf_files(folder))
+    raise ModelFileError(f"no model {name} in {folder} (there: {known or 'none'})")
+
+
+@app.command()
+@handle_errors
+def rm(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="File name (as model list shows it).")],
+    models_dir: DirOpt = None,
+    profiles: ProfilesOpt = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Delete it even though a profile in use names it."),
+    ] = False,
+    root: RootOpt = Path("/"),
+) -> None:
+    """Delete a model file from the models directory (not one a profile in use names)."""
+    d = deps(ctx)
+    sysroot = SysRoot(root)
+    folder = _models_dir(models_dir, d.effective_uid(), sysroot)
+    path = _find(folder, name)
+    every = _profiles(sysroot, profiles)
+    in_use = [
+        label for label, _ in every if label.startswith("installed") or label in (profiles or ())
+    ]
+    users = _used_by(every, folder, sysroot).get(path.resolve(), [])
+    blocking = [u for u in users if u in in_use]
+    if blocking and not force:
+        raise OrinError(
+            f"{path.name} is the model of profile {', '.join(blocking)}: the service would "
+            "not start without it; use --force to delete it anyway"
+        )
+    out = Output()
+    if users:
+        out.note(f"{path.name} is named by profile {', '.join(users)}")
+    if not yes:
+        typer.confirm(f"delete {path} ({human_bytes(path.stat().st_size)})?", abort=True)
+    for removed in store.remove(folder, path):
+        out.line(f"removed {removed}")

@@ -43,6 +43,14 @@ def skipped(check_id: str, ctx: DoctorContext) -> Finding:
 def check_model_file(ctx: DoctorContext) -> Finding:
     """The file exists, is readable, is GGUF and its tensor data is all there."""
     path, info = ctx.model_path, ctx.model
+    if ctx.model_source == "hf" and (path is None or not path.exists()):
+        return Finding(
+            "model-file",
+            "fail",
+            f"the Hugging Face model {ctx.profile.model.hf} is not pulled yet",
+            why="serve never downloads: the file must be in the models directory first",
+            fix=f"orin-llm model pull {ctx.profile.model.hf}",
+        )
     if path is None:
         return Finding(
             "model-file",

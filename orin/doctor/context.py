@@ -60,6 +60,13 @@ def model_path_for(profile: Profile, override: Path | None) -> tuple[Path | None
         from orin.paths import models_cache_dir
 
         return models_cache_dir() / demo_models.file_name(demo.size, demo.quant), "demo"
+    if profile.model.hf is not None:
+        from orin.profile.loader import hf_model_path
+
+        try:
+            return hf_model_path(profile), "hf"
+        except OrinError:
+            return None, "hf"  # not pulled yet: check_model_file names the pull
     if profile.model.packaged is not None:
         from orin.model import packaged
 
@@ -77,7 +84,7 @@ class DoctorContext:
     runner: CommandRunner
     profile: Profile
     model_path: Path | None
-    model_source: str = "profile"  # --model, profile, demo, or why there is no model
+    model_source: str = "profile"  # --model, profile, demo, packaged, hf, or why there is none
     build_info: Callable[[], BuildInfo] = build_info
     port_probe: PortProbe = probe_port
     disk_free: DiskFree = free_bytes

@@ -7,6 +7,7 @@ All are system paths, reached through SysRoot.
 
 from __future__ import annotations
 
+from orin.model.store import SYSTEM_MODELS_DIR
 from orin.system.statefile import DEFAULT_STATE_PATH, ROOT_STATE_DIR
 
 SERVICE = "orin-llm.service"
@@ -18,7 +19,7 @@ CONF_DIR = "/etc/orin-llm"
 ENV_FILE = "/etc/orin-llm/orin-llm.env"
 PROFILE_FILE = "/etc/orin-llm/profile.yaml"
 STATE_DIR = "/var/lib/orin-llm"  # the service user's home and StateDirectory
-MODELS_DIR = "/var/lib/orin-llm/models"
+MODELS_DIR = SYSTEM_MODELS_DIR  # root's `model pull` and install's pull put files here
 CACHE_DIR = "/var/cache/orin-llm"
 # Root's tuning state (0700 root), apart from anything the service user can write.
 TUNE_STATE_DIR = ROOT_STATE_DIR

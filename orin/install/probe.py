@@ -66,8 +66,11 @@ def wait_healthy(
     timeout_s: float,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    tick: Callable[[float, str], None] | None = None,
 ) -> HealthOutcome:
-    """Poll ``url``/health until it answers 200, the unit fails, or the time is up."""
+    """Poll ``url``/health until it answers 200, the unit fails, or the time is up.
+    ``tick`` hears, after each unhealthy answer, the seconds waited and that answer
+    (install's progress bar)."""
     start = clock()
     last = "no answer yet"
     while True:
@@ -75,6 +78,8 @@ def wait_healthy(
         if res.status == 200:
             return HealthOutcome(True, clock() - start, res.body.strip())
         last = f"HTTP {res.status}: {res.body.strip()}" if res.status else str(res.error)
+        if tick is not None:
+            tick(clock() - start, last)
         state = unit_active_state(runner, SERVICE)
         if state == "failed" or (res.json() or {}).get("status") == "failed":
             return HealthOutcome(

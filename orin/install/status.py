@@ -1,4 +1,5 @@
-"""orin-llm status: the units' state, /health, and TTFT/TPOT from /metrics.
+"""orin-llm status: the units' state, /health, and TTFT/TPOT from /metrics (or, with
+--url, those of a server started by hand).
 
 Latency comes from the server's own histograms, which are cumulative since
 the server started: p50 and p95 are estimated from the buckets the way
@@ -62,6 +63,7 @@ class ServiceStatus:
     health: dict[str, Any] | None = None
     error: str | None = None
     latency: dict[str, Latency] = field(default_factory=dict)
+    models: tuple[str, ...] | None = None  # /v1/models ids (status --url)
 
     @property
     def healthy(self) -> bool:
@@ -78,6 +80,7 @@ class ServiceStatus:
             "error": self.error,
             "latency": {k: asdict(v) for k, v in self.latency.items()},
             "healthy": self.healthy,
+            **({"models": list(self.models)} if self.models is not None else {}),
         }
 
 
@@ -175,6 +178,22 @@ def read_status(root: SysRoot, runner: CommandRunner, get: HttpGet, unit_dir: st
     metrics = get(f"{url}/metrics", HTTP_TIMEOUT_S)
     latency = parse_latency(metrics.body) if metrics.status == 200 else {}
     return ServiceStatus(units, url, health.status, health.json(), None, latency)
+
+
+def read_server_status(get: HttpGet, url: str) -> ServiceStatus:
+    """A server started by hand (``orin-llm serve``), at ``url``: /health, /v1/models and
+    the latency from /metrics; no units."""
+    url = url.rstrip("/")
+    health = get(f"{url}/health", HTTP_TIMEOUT_S)
+    if health.status is None:
+        return ServiceStatus((), url, error=health.error)
+    listed = get(f"{url}/v1/models", HTTP_TIMEOUT_S)
+    data = listed.json() if listed.status == 200 else None
+    entries = data.get("data") if data is not None else None
+    models = tuple(str(m["id"]) for m in entries or () if isinstance(m, dict) and "id" in m)
+    metrics = get(f"{url}/metrics", HTTP_TIMEOUT_S)
+    latency = parse_latency(metrics.body) if metrics.status == 200 else {}
+    return ServiceStatus((), url, health.status, health.json(), None, latency, models)
 
 
 def _unit_status(root: SysRoot, runner: CommandRunner, unit_dir: str, unit: str) -> UnitStatus:

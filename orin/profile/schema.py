@@ -48,6 +48,17 @@ class ModelSection(_Section):
         "(e.g. Q4_K_M); fetched by 'orin-llm model pull' (and by 'orin-llm install') into the "
         "models directory, never at serve time.",
     )
+
+    @field_validator("hf")
+    @classmethod
+    def _hf_ref(cls, value: str | None) -> str | None:
+        """'owner/repo', 'owner/repo:file.gguf' or 'owner/repo:QUANT', checked when loaded."""
+        if value is None:
+            return None
+        from orin.model.store import parse_ref
+
+        return str(parse_ref(value))
+
     quantization: str | None = Field(
         None,
         description="Quantization the profile was written for (e.g. Q4_K_M); "

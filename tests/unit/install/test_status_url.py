@@ -1,0 +1,75 @@
+"""status --url reads a server started with serve; install's wait reports its progress."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from orin.cli.app import app
+from orin.cli.deps import Deps
+from orin.install import probe
+from orin.install.probe import HttpResult
+from tests.fakes.runner import FakeRunner
+
+METRICS = """\
+# TYPE orin_llm_time_to_first_token_seconds histogram
+orin_llm_time_to_first_token_seconds_bucket{le="0.1"} 2.0
+orin_llm_time_to_first_token_seconds_bucket{le="+Inf"} 2.0
+orin_llm_time_to_first_token_seconds_count 2.0
+orin_llm_time_to_first_token_seconds_sum 0.1
+"""
+
+
+def serving(url: str, timeout: float) -> HttpResult:
+    if url == "http://127.0.0.1:8080/health":
+        return HttpResult(200, '{"status": "ok"}')
+    if url == "http://127.0.0.1:8080/v1/models":
+        return HttpResult(200, '{"object": "list", "data": [{"id": "smollm2-135m-instruct"}]}')
+    if url == "http://127.0.0.1:8080/metrics":
+        return HttpResult(200, METRICS)
+    return HttpResult(None, error="connection refused")
+
+
+def invoke(get: probe.HttpGet, *args: str) -> tuple[int, str, str]:
+    deps = Deps(runner=FakeRunner(), http_get=get)
+    r = CliRunner().invoke(app, ["status", *args], env={"COLUMNS": "200"}, obj=deps)
+    return r.exit_code, r.stdout, r.stderr
+
+
+def test_status_url_reads_health_and_models(tmp_path: Path) -> None:
+    code, out, err = invoke(serving, "--url", "http://127.0.0.1:8080/", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["units"] == [] and data["healthy"] is True
+    assert data["models"] == ["smollm2-135m-instruct"]
+    assert data["latency"]["ttft"]["count"] == 2
+    code, out, _ = invoke(serving, "--url", "http://127.0.0.1:8080")
+    assert code == 0
+    assert "health: http://127.0.0.1:8080/health -> 200" in out
+    assert "models: smollm2-135m-instruct" in out and "unit" not in out
+
+
+def test_status_url_with_nothing_listening() -> None:
+    code, out, _ = invoke(serving, "--url", "http://127.0.0.1:9")
+    assert code == 1 and "health: connection refused" in out
+
+
+def test_wait_reports_each_unhealthy_answer() -> None:
+    answers = [HttpResult(None, error="refused"), HttpResult(503, "loading"), HttpResult(200, "{}")]
+    clock = iter(float(i) for i in range(100))
+    ticks: list[tuple[float, str]] = []
+    runner = FakeRunner(programs={"systemctl"})
+    outcome = probe.wait_healthy(
+        lambda url, t: answers.pop(0),
+        "http://x",
+        runner,
+        60,
+        sleep=lambda s: None,
+        clock=lambda: next(clock),
+        tick=lambda s, last: ticks.append((s, last)),
+    )
+    assert outcome.ok
+    assert [last for _, last in ticks] == ["refused", "HTTP 503: loading"]
+    assert ticks[0][0] < ticks[1][0]

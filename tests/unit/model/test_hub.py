@@ -1,0 +1,326 @@
+"""Pulling from a hub stand-in on loopback: selection, checksums, resume, the models
+directory and a profile's ``hf:`` model. Nothing leaves 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from orin.cli.app import app
+from orin.cli.deps import Deps
+from orin.errors import HubError, ModelFileError, ProfileError
+from orin.model import hub, store
+from orin.model.gguf import read_model_info
+from orin.profile.loader import parse_profile, resolve_model_path
+from tests.fakes.runner import FakeRunner
+from tests.ggufutil import LLAMA2_7B, write_gguf
+from tests.unit.model.fakehub import COMMIT, FakeHub, point_at, serve
+
+REPO = "acme/Tiny-GGUF"
+Q4 = "Tiny-Q4_K_M.gguf"
+Q8 = "Tiny-Q8_0.gguf"
+MOSTLY_Q4_K_M, MOSTLY_Q8_0 = 15, 7
+
+
+def gguf_bytes(tmp: Path, file_type: int, n: int = 4096) -> bytes:
+    tensors = {"w": np.arange(n, dtype=np.float32)}
+    path = write_gguf(tmp / f"src-{file_type}.gguf", params=LLAMA2_7B, file_type=file_type,
+                      tensors=tensors)  # fmt: skip
+    return path.read_bytes()
+
+
+@pytest.fixture
+def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    src = tmp_path / "src"
+    src.mkdir()
+    repo = {
+        Q4: gguf_bytes(src, MOSTLY_Q4_K_M),
+        Q8: gguf_bytes(src, MOSTLY_Q8_0),
+        "README.md": b"# Tiny\n",
+    }
+    with serve(FakeHub(repos={REPO: repo})) as h:
+        point_at(h, monkeypatch, tmp_path / "hf-home")
+        monkeypatch.setenv("ORIN_LLM_CACHE_DIR", str(tmp_path / "cache"))
+        yield h
+
+
+@pytest.fixture
+def models(tmp_path: Path) -> Path:
+    return tmp_path / "models"
+
+
+def files_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+# -- references and selection (pure) --
+
+
+@pytest.mark.parametrize(
+    ("spec", "repo", "file", "quant"),
+    [
+        ("acme/m", "acme/m", None, None),
+        ("acme/m:m-Q4_K_M.gguf", "acme/m", "m-Q4_K_M.gguf", None),
+        ("acme/m:sub/m.GGUF", "acme/m", "sub/m.GGUF", None),
+        ("acme/m:Q4_K_M", "acme/m", None, "Q4_K_M"),
+    ],
+)
+def test_parse_ref(spec: str, repo: str, file: str | None, quant: str | None) -> None:
+    ref = store.parse_ref(spec)
+    assert (ref.repo, ref.file, ref.quant, str(ref)) == (repo, file, quant, spec)
+
+
+@pytest.mark.parametrize("spec", ["acme", "/abs:x.gguf", "acme/m:", "acme/m:../x.gguf", "a/../b"])
+def test_parse_ref_refuses(spec: str) -> None:
+    with pytest.raises(ValueError, match=r"owner/repo|not a file"):
+        store.parse_ref(spec)
+
+
+def test_quant_matches_whole_tokens_only() -> None:
+    assert store.quant_matches("Llama-3-Q4_K_M.gguf", "q4_k_m")
+    assert store.quant_matches("model.q8_0.gguf", "Q8_0")
+    assert not store.quant_matches("Llama-Q4_K_M.gguf", "Q4_K")
+    assert not store.quant_matches("m-Q4_0_4_4.gguf", "Q4_0")
+    assert not store.quant_matches("m-IQ4_XS.gguf", "Q4_XS")
+
+
+def test_pick_gguf_errors_list_the_candidates() -> None:
+    names = ["a-Q4_K_M.gguf", "a-Q4_K_S.gguf", "a-Q8_0.gguf", "README.md"]
+    assert store.pick_gguf(store.parse_ref("o/r:Q8_0"), names, "o/r") == "a-Q8_0.gguf"
+    with pytest.raises(HubError, match=r"no GGUF file with Q5_K_M .*a-Q4_K_M.gguf, a-Q4_K_S"):
+        store.pick_gguf(store.parse_ref("o/r:Q5_K_M"), names, "o/r")
+    with pytest.raises(HubError, match=r"has 3 files for o/r: .*name one: o/r:FILE"):
+        store.pick_gguf(store.parse_ref("o/r"), names, "o/r")
+    with pytest.raises(HubError, match=r"has no file b\.gguf"):
+        store.pick_gguf(store.parse_ref("o/r:b.gguf"), names, "o/r")
+
+
+# -- pull --
+
+
+def test_pull_by_quant_checks_and_records(fake_hub: FakeHub, models: Path) -> None:
+    result = hub.pull(store.parse_ref(f"{REPO}:q4_k_m"), models)
+    assert result.downloaded and result.path == models / Q4 and result.revision == COMMIT
+    assert result.path.read_bytes() == fake_hub.repos[REPO][Q4]
+    assert read_model_info(result.path).quantization == "Q4_K_M"
+    prov = store.read_provenance(models, Q4)
+    assert prov is not None and (prov.repo, prov.path, prov.revision) == (REPO, Q4, COMMIT)
+    assert prov.sha256 == fake_hub.sha256(REPO, Q4)
+    assert files_under(models) == [f".hub/{Q4}.json", Q4]  # no partial left
+    assert result.path.stat().st_mode & 0o777 == 0o644
+
+
+def test_second_pull_downloads_nothing(fake_hub: FakeHub, models: Path) -> None:
+    hub.pull(store.parse_ref(f"{REPO}:{Q8}"), models)
+    gets = len(fake_hub.gets())
+    again = hub.pull(store.parse_ref(f"{REPO}:Q8_0"), models)
+    assert not again.downloaded and len(fake_hub.gets()) == gets
+
+
+def test_checksum_mismatch_is_refused_and_nothing_stays(fake_hub: FakeHub, models: Path) -> None:
+    fake_hub.sha_override[f"{REPO}/{Q4}"] = "0" * 64
+    with pytest.raises(HubError, match=r"SHA-256 .* but the hub says 0{64}: refused and deleted"):
+        hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models)
+    assert files_under(models) == []
+
+
+def test_quant_selection_errors(fake_hub: FakeHub, models: Path) -> None:
+    with pytest.raises(HubError, match=f"no GGUF file with Q5_K_M in its name; .*{Q4}, {Q8}"):
+        hub.pull(store.parse_ref(f"{REPO}:Q5_K_M"), models)
+    with pytest.raises(HubError, match=f"has 2 files for {REPO}: {Q4}, {Q8}"):
+        hub.pull(store.parse_ref(REPO), models)
+    assert not models.exists() or files_under(models) == []
+
+
+def test_unknown_repo_and_file_without_sha(fake_hub: FakeHub, models: Path) -> None:
+    with pytest.raises(HubError, match=r"no model repository acme/none on http://127\.0\.0\.1"):
+        hub.pull(store.parse_ref("acme/none:Q4_K_M"), models)
+    fake_hub.no_lfs.add(f"{REPO}/{Q8}")
+    with pytest.raises(HubError, match="has no SHA-256 in the hub's metadata"):
+        hub.pull(store.parse_ref(f"{REPO}:Q8_0"), models)
+
+
+def test_offline_names_the_endpoint(
+    models: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    point_at(FakeHub(url=f"http://127.0.0.1:{port}"), monkeypatch, tmp_path / "hf-home")
+    with pytest.raises(
+        HubError, match=f"cannot reach the Hugging Face Hub at http://127.0.0.1:{port}"
+    ):
+        hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models)
+
+
+def test_another_file_of_the_same_name_is_not_replaced(fake_hub: FakeHub, models: Path) -> None:
+    models.mkdir()
+    (models / Q4).write_bytes(b"something else")
+    with pytest.raises(HubError, match="already exists \\(not pulled from the hub\\)"):
+        hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models)
+    assert (models / Q4).read_bytes() == b"something else"
+    assert hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models, force=True).downloaded
+
+
+def test_a_file_fetched_by_hand_is_adopted(fake_hub: FakeHub, models: Path) -> None:
+    models.mkdir()
+    (models / Q4).write_bytes(fake_hub.repos[REPO][Q4])
+    result = hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models)
+    assert not result.downloaded and fake_hub.gets() == []
+    assert store.read_provenance(models, Q4) is not None
+
+
+def test_chown_gets_the_file_and_its_record(fake_hub: FakeHub, models: Path) -> None:
+    given: list[Path] = []
+    hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models, chown=given.append)
+    assert given == [models / Q4, models / ".hub", models / ".hub" / f"{Q4}.json"]
+
+
+def test_progress_sees_every_byte(fake_hub: FakeHub, models: Path) -> None:
+    seen: list[tuple[str, int | None, int]] = []
+    done: list[int] = []
+
+    class Bar:
+        def __init__(self, desc: str, total: int | None, initial: int) -> None:
+            seen.append((desc, total, initial))
+
+        def update(self, n: int) -> None:
+            done.append(n)
+
+        def close(self) -> None:
+            pass
+
+    hub.pull(store.parse_ref(f"{REPO}:Q8_0"), models, progress=Bar)
+    size = len(fake_hub.repos[REPO][Q8])
+    assert seen == [(Q8, size, 0)] and sum(done) == size
+
+
+# -- the models directory and profiles --
+
+
+def test_profile_hf_model_resolves_after_pull_only(fake_hub: FakeHub, tmp_path: Path) -> None:
+    cache_models = tmp_path / "cache" / "models"
+    profile = parse_profile(f"name: t\nmodel: {{hf: '{REPO}:Q4_K_M'}}\n")
+    with pytest.raises(ModelFileError, match=f"run `orin-llm model pull {REPO}:Q4_K_M`"):
+        resolve_model_path(profile)
+    hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), cache_models)
+    assert resolve_model_path(profile) == cache_models / Q4
+    by_file = parse_profile(f"name: t\nmodel: {{hf: '{REPO}:{Q4}'}}\n")
+    assert resolve_model_path(by_file) == cache_models / Q4
+    gets = len(fake_hub.gets())
+    other = parse_profile(f"name: t\nmodel: {{hf: '{REPO}:Q8_0'}}\n")
+    with pytest.raises(ModelFileError, match="not pulled yet"):
+        resolve_model_path(other)  # never downloads at serve time
+    assert len(fake_hub.gets()) == gets
+
+
+def test_profile_hf_format_is_checked() -> None:
+    with pytest.raises(ProfileError, match=r"<profile>:2: model.hf: .*owner/repo"):
+        parse_profile("name: t\nmodel: {hf: 'no-slash'}\n")
+
+
+def test_remove_stays_inside(tmp_path: Path, models: Path) -> None:
+    models.mkdir()
+    outside = tmp_path / "outside.gguf"
+    outside.write_bytes(b"x")
+    (models / "link.gguf").symlink_to(outside)
+    with pytest.raises(ModelFileError, match="not inside the models directory"):
+        store.remove(models, models / "link.gguf")
+    with pytest.raises(ModelFileError, match="not inside"):
+        store.remove(models, models / ".." / "outside.gguf")
+    assert outside.exists()
+
+
+# -- the CLI: pull, list, rm --
+
+
+def cli(
+    *args: str, uid: int = 1000, runner: FakeRunner | None = None, input: str | None = None
+) -> tuple[int, str, str]:
+    deps = Deps(runner=runner or FakeRunner(), effective_uid=lambda: uid)
+    r = CliRunner().invoke(app, list(args), env={"COLUMNS": "250"}, obj=deps, input=input)
+    return r.exit_code, r.stdout, r.stderr
+
+
+def test_cli_pull_list_rm(fake_hub: FakeHub, models: Path, tmp_path: Path) -> None:
+    code, out, err = cli("model", "pull", f"{REPO}:Q4_K_M", "--dir", str(models), "--json")
+    assert code == 0, err
+    assert json.loads(out)["path"] == str(models / Q4)
+    profile = tmp_path / "mine.yaml"
+    profile.write_text(f"name: mine\nmodel:\n  hf: {REPO}:Q4_K_M\n")
+    write_gguf(models / "other.gguf", params=LLAMA2_7B, file_type=MOSTLY_Q8_0)
+
+    code, out, err = cli("model", "list", "--dir", str(models), "--profile", str(profile), "--json")
+    assert code == 0, err
+    listed = {m["name"]: m for m in json.loads(out)["models"]}
+    assert listed[Q4]["quantization"] == "Q4_K_M" and listed[Q4]["source"] == f"hf:{REPO}:{Q4}"
+    assert listed[Q4]["used_by"] == [str(profile)]
+    assert listed["other.gguf"]["quantization"] == "Q8_0" and listed["other.gguf"]["used_by"] == []
+    code, out, _ = cli("model", "list", "--dir", str(models))
+    assert code == 0 and Q4 in out and "Q4_K_M" in out
+
+    code, _, err = cli("model", "rm", Q4, "--dir", str(models), "--profile", str(profile), "--yes")
+    assert code == 1 and "is the model of profile" in err and (models / Q4).exists()
+    code, _, _ = cli("model", "rm", Q4, "--dir", str(models), input="n\n")
+    assert code == 1 and (models / Q4).exists()  # not confirmed
+    code, out, err = cli("model", "rm", "../mine.yaml", "--dir", str(models), "--yes")
+    assert code == 3 and "not inside the models directory" in err and profile.exists()
+    code, out, err = cli("model", "rm", Q4, "--dir", str(models), input="y\n")
+    assert code == 0, err
+    assert not (models / Q4).exists() and not store.meta_path(models, Q4).exists()
+    assert files_under(models) == ["other.gguf"]
+
+
+def test_cli_corrupted_pull_exits_9(fake_hub: FakeHub, models: Path) -> None:
+    fake_hub.sha_override[f"{REPO}/{Q8}"] = "f" * 64
+    code, out, err = cli("model", "pull", f"{REPO}:Q8_0", "--dir", str(models))
+    assert code == 9 and out == ""
+    assert err.startswith("orin-llm: ") and "refused and deleted" in err
+    assert files_under(models) == []
+
+
+def test_cli_bad_reference_is_a_usage_error(fake_hub: FakeHub) -> None:
+    code, _, err = cli("model", "pull", "not-a-repo")
+    assert code == 2 and "owner/repo" in err
+
+
+def test_cli_root_pulls_into_the_service_directory_for_its_user(
+    fake_hub: FakeHub, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    runner = FakeRunner(programs={"getent", "chown"})
+    code, _, err = cli("model", "pull", f"{REPO}:Q4_K_M", "--root", str(root), uid=0,
+                       runner=runner)  # fmt: skip
+    assert code == 0, err
+    target = root / "var/lib/orin-llm/models" / Q4
+    assert target.is_file()
+    assert ("chown", "orin-llm:", str(target)) in runner.calls
+
+
+# -- doctor --
+
+
+def test_doctor_names_the_pull_for_an_unpulled_model(fake_hub: FakeHub, tmp_path: Path) -> None:
+    from orin.doctor.checks import check_model_file
+    from orin.doctor.context import DoctorContext, model_path_for
+    from orin.system.root import SysRoot
+
+    profile = parse_profile(f"name: t\nmodel: {{hf: '{REPO}:Q4_K_M'}}\n")
+    path, source = model_path_for(profile, None)
+    assert (path, source) == (None, "hf")
+    ctx = DoctorContext(SysRoot(tmp_path), FakeRunner(), profile, path, source)
+    f = check_model_file(ctx)
+    assert f.severity == "fail" and "not pulled yet" in f.found
+    assert f.fix == f"orin-llm model pull {REPO}:Q4_K_M"
+
+    hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), tmp_path / "cache" / "models")
+    path, source = model_path_for(profile, None)
+    assert path == tmp_path / "cache" / "models" / Q4 and source == "hf"
+    ok = check_model_file(DoctorContext(SysRoot(tmp_path), FakeRunner(), profile, path, source))
+    assert ok.severity == "ok" and "Q4_K_M" in ok.found

@@ -1,0 +1,56 @@
+"""model plan keeps to the rules profile validate applies: a quantized V cache needs flash
+attention, and no context past the model's training context is offered unmarked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from orin.cli.app import app
+from orin.model.gguf import read_model_info
+from orin.model.memplan import plan_memory
+from tests.fakes.board import FakeBoard, GiB
+from tests.ggufutil import LLAMA2_7B, write_gguf
+
+
+def plan(board: FakeBoard, path: Path, *args: str) -> tuple[int, str, str]:
+    r = CliRunner().invoke(
+        app,
+        ["model", "plan", str(path), "--root", str(board.base), *args],
+        env={"COLUMNS": "240"},
+    )
+    return r.exit_code, r.stdout, r.stderr
+
+
+def test_quantized_v_without_flash_attention_does_not_fit(tmp_path: Path, board: FakeBoard) -> None:
+    board.meminfo(total=64 * GiB, available=48 * GiB)
+    path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    args = ("--kv-type-k", "q8_0", "--kv-type-v", "q8_0", "--no-flash-attn")
+    code, out, err = plan(board, path, *args, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["fits"] is False
+    assert "needs flash attention" in data["refused"][0]
+    assert data["max_ctx_usable_by_kv_type"]["q8_0"] is None
+    code, out, err = plan(board, path, *args)
+    assert "NO: llama.cpp refuses" in out and "needs flash attention" in err
+    code, out, _ = plan(board, path, "--kv-type-k", "q8_0", "--kv-type-v", "q8_0", "--json")
+    assert json.loads(out)["fits"] is True and json.loads(out)["refused"] == []
+
+
+def test_largest_context_is_capped_at_the_training_context(
+    tmp_path: Path, board: FakeBoard
+) -> None:
+    board.meminfo(total=64 * GiB, available=48 * GiB)
+    path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)  # trained on 4096
+    p = plan_memory(read_model_info(path), 4096, 1, available=48 * GiB)
+    assert p.max_ctx_by_kv_type["f16"] is not None and p.max_ctx_by_kv_type["f16"] > 4096
+    assert p.max_ctx_usable["f16"] == 4096 and "f16" in p.capped_kv_types
+    code, out, err = plan(board, path)
+    assert code == 0, err
+    assert "4096 (training context; memory allows" in out
+    assert "capped at the model's training context (4096 tokens)" in err
+    code, _, err = plan(board, path, "--ctx", "8192")
+    assert "past the model's training context (4096)" in err
