@@ -133,10 +133,23 @@ step_orin() {
   run "$VENV/bin/python" -m pip install -q "$SRC"
 }
 
+# The profile's model.hf (owner/repo:file), read from its YAML: a file given by path
+# or a built-in profile of this source tree; empty when it names no hub model.
+profile_hf() {
+  local file="$PROFILE"
+  [ -f "$file" ] || file="$SRC/profiles/$PROFILE.yaml"
+  [ -f "$file" ] || return 0
+  sed -n 's/^[[:space:]]*hf:[[:space:]]*["'"'"']\{0,1\}\([^"'"'"' #]*\).*/\1/p' "$file" | head -n1
+}
+
 step_doctor() {
   say "[5/6] orin-llm doctor --profile $PROFILE"
   if [ "$PROFILE" = demo ]; then  # install reads the demo model's metadata
     run "$ORIN" model demo --size small --quant q4_k_m
+  fi
+  local hf; hf="$(profile_hf)"
+  if [ -n "$hf" ]; then  # a hub model: doctor and install read the pulled file
+    run "$ORIN" model pull "$hf"
   fi
   if [ "$DRY_RUN" = 1 ]; then
     run "$ORIN" doctor --profile "$PROFILE"

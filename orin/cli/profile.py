@@ -117,9 +117,18 @@ def validate(
 
 
 def _with_model_file(report: ValidationReport, profile: Profile) -> ValidationReport:
-    """The profile's own model.path must exist (doctor's model-file check). A demo or
-    packaged model is made or fetched when serve starts, so it is not required here."""
+    """The profile's own model.path must exist, and its hub model (model.hf) must be
+    pulled (doctor's model-file check). A demo or packaged model is made or fetched
+    when serve starts, so it is not required here."""
     path, source = model_path_for(profile, None)
+    if source == "hf" and path is None:
+        finding = KVFinding(
+            "model-file",
+            "fail",
+            f"model.hf {profile.model.hf} is not pulled yet: serve would stop (exit 3); "
+            f"run: orin-llm model pull {profile.model.hf}",
+        )
+        return dataclasses.replace(report, findings=(*report.findings, finding))
     if source != "profile" or path is None or path.is_file():
         return report
     finding = KVFinding(

@@ -146,6 +146,15 @@ def test_validate_a_profile_whose_model_file_exists(tmp_path: Path) -> None:
     assert code == 1 and "model-file" in out and "INVALID" in out
 
 
+def test_validate_names_the_pull_for_a_hub_model_not_pulled_yet(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("name: hub\nmodel: {hf: 'owner/repo:never-pulled-7f3a.gguf'}\n")
+    code, out, _ = invoke("profile", "validate", str(f), "--json")
+    failed = [x for x in json.loads(out)["findings"] if x["severity"] == "fail"]
+    assert code == 1 and [x["rule"] for x in failed] == ["model-file"]
+    assert "run: orin-llm model pull owner/repo:never-pulled-7f3a.gguf" in failed[0]["message"]
+
+
 def test_validate_with_model_checks_quantization(tmp_path: Path) -> None:
     model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=7)  # Q8_0
     code, out, _ = invoke(

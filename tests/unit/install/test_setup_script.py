@@ -97,6 +97,25 @@ def test_demo_profile_generates_the_demo_model_first(tmp_path: Path) -> None:
     assert "orin-llm install --profile demo" in out
 
 
+def test_a_hub_profile_pulls_its_model_before_doctor(tmp_path: Path) -> None:
+    root, bindir = jetson(tmp_path)
+    profile = tmp_path / "hub.yaml"
+    profile.write_text(
+        "name: hub\nmodel:\n  hf: 'owner/repo:model-Q4_K_M.gguf'  # pulled by setup\n"
+    )
+    out = run(root, bindir, "--dry-run", "--profile", str(profile)).stdout
+    would = [line.split("would run: ")[1] for line in out.splitlines() if "would run:" in line]
+    pull = next(i for i, w in enumerate(would) if " model pull " in w)
+    assert would[pull].endswith("orin-llm model pull owner/repo:model-Q4_K_M.gguf")
+    assert " doctor " in would[pull + 1]
+
+
+def test_a_profile_without_a_hub_model_pulls_nothing(tmp_path: Path) -> None:
+    root, bindir = jetson(tmp_path)
+    out = run(root, bindir, "--dry-run", "--profile", "llama3.1-8b-q4_k_m").stdout
+    assert "model pull" not in out
+
+
 def test_not_a_jetson_warns_and_plans_a_cpu_build(tmp_path: Path) -> None:
     root, bindir = tmp_path / "root", tmp_path / "bin"
     root.mkdir()
