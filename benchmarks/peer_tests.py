@@ -155,10 +155,10 @@ MODEL_SOURCE = ("model_hf_repo", "model_hf_file", "model_url", "model_file", "of
 # no server setting, or what orin-llm always does
 NO_OP = {
     "server_continuous_batching": "continuous batching is always on",
-    "server_metrics": "/metrics is always on",
+    "server_metrics": "/metrics is always on (behind the API key when one is set)",
     "server_embeddings": "/v1/embeddings needs no switch",
     "jinja": "orin-llm always renders the chat template with Jinja",
-    "no_ui": "orin-llm has no web UI",
+    "no_ui": "the tests never open the web page at / (server.dashboard)",
     "cache_prompt": "not a server flag",
     "id_slot": "not a server flag",
     "n_prompts": "not a server flag",

@@ -236,11 +236,15 @@ async def run_bench(spec: LoadSpec, on_result: ResultCallback | None = None) -> 
             for i, length in enumerate(plan(spec))
         ]
         orin = server.kind == "orin-llm"
-        before = await loop.run_in_executor(pool, scrape, base, spec.timeout_s) if orin else None
+        before = (
+            await loop.run_in_executor(pool, scrape, base, spec.timeout_s, headers)
+            if orin
+            else None
+        )
         started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         results, duration = await _fire(pool, target, jobs, spec, on_result, held)
         after = (
-            await loop.run_in_executor(pool, scrape, base, spec.timeout_s)
+            await loop.run_in_executor(pool, scrape, base, spec.timeout_s, headers)
             if before is not None
             else None
         )

@@ -164,10 +164,13 @@ def _calibrate(info: ServerInfo, target: Target, lengths: Sequence[int], seed: i
 Key = tuple[str, tuple[tuple[str, str], ...]]
 
 
-def scrape(base: str, timeout: float = 600.0) -> dict[Key, float] | None:
-    """orin-llm's counters (name, sorted labels) -> value; None when unavailable."""
+def scrape(
+    base: str, timeout: float = 600.0, headers: dict[str, str] | None = None
+) -> dict[Key, float] | None:
+    """orin-llm's counters (name, sorted labels) -> value; None when unavailable.
+    ``headers`` carry the API key: /metrics needs it like every route but /health."""
     try:
-        resp = request("GET", f"{base}/metrics", timeout=timeout)
+        resp = request("GET", f"{base}/metrics", headers=headers, timeout=timeout)
     except (OSError, http.client.HTTPException):
         return None
     if resp.status != 200:

@@ -26,7 +26,7 @@ from orin.profile.schema import Profile
 from orin.system.commands import CommandRunner, SubprocessRunner
 from orin.system.root import SysRoot
 
-HttpGet = Callable[[str, float], probe.HttpResult]
+HttpGet = probe.HttpGet
 
 
 def find_orin_executable() -> str:

@@ -340,15 +340,27 @@ def status(
             "/health, /v1/models and latency instead of the installed service's.",
         ),
     ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="ORIN_LLM_API_KEY",
+            help="The server's API key: /metrics and /v1/models need it when one is set.",
+        ),
+    ] = None,
     unit_dir: UnitDirOpt = UNIT_DIR,
     root: RootOpt = Path("/"),
 ) -> None:
     """The units' state, /health, and TTFT/TPOT since the server started (from /metrics)."""
     d = deps(ctx)
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
+
+    def get(u: str, timeout: float, /, headers: dict[str, str] | None = None) -> probe.HttpResult:
+        return d.http_get(u, timeout, headers or auth)
+
     if url is not None:
-        st = read_server_status(d.http_get, url)
+        st = read_server_status(get, url)
     else:
-        st = read_status(SysRoot(root), d.runner, d.http_get, unit_dir)
+        st = read_status(SysRoot(root), d.runner, get, unit_dir)
     out = Output(as_json)
     if as_json:
         out.json(st.to_dict())
@@ -368,6 +380,8 @@ def _show_status(out: Output, st: ServiceStatus) -> None:
     out.line(f"health: {st.url}/health -> {st.health_status} {body}")
     if st.models is not None:
         out.line(f"models: {', '.join(st.models) or 'none listed'}")
+    if st.error:
+        out.note(st.error)
     rows = [
         (name.upper(), lat.count, _ms(lat.p50_s), _ms(lat.p95_s), _ms(lat.mean_s))
         for name, lat in st.latency.items()

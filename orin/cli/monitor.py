@@ -158,7 +158,12 @@ def _pct(v: float | None) -> float | None:
 
 def fetch(url: str, client: httpx.Client) -> tuple[dict[str, Any], dict[str, Any]]:
     try:
-        snap = client.get(f"{url}/telemetry").json()
+        resp = client.get(f"{url}/telemetry")
+        if resp.status_code == 401:
+            raise MonitorError(
+                f"{url} requires an API key: give it with --api-key or ORIN_LLM_API_KEY"
+            )
+        snap = resp.json()
         health = client.get(f"{url}/health").json()
     except (httpx.HTTPError, ValueError) as exc:
         raise MonitorError(f"cannot read {url}: {exc}") from exc
@@ -223,6 +228,13 @@ def monitor(
     ] = None,
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 0.25,
     once: Annotated[bool, typer.Option(help="Print one frame and exit.")] = False,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="ORIN_LLM_API_KEY",
+            help="The server's API key (every route but /health needs it when one is set).",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """GPU load, phase, running requests and the latest TTFT/TPOT, a few times a second."""
@@ -235,7 +247,8 @@ def monitor(
             out.print(render(snap))
         return
     base = url.rstrip("/")
-    with httpx.Client(timeout=2.0) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=2.0, headers=headers) as client:
         if as_json:
             snap, health = fetch(base, client)
             out.json({**snap, "health": health})

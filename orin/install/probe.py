@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from orin.install.layout import SERVICE
 from orin.system.commands import CommandRunner
@@ -37,15 +37,20 @@ class HttpResult:
         return data if isinstance(data, dict) else None
 
 
-HttpGet = Callable[[str, float], HttpResult]
+class HttpGet(Protocol):
+    """One HTTP GET: ``headers`` carry the API key where a route needs it."""
+
+    def __call__(
+        self, url: str, timeout: float, /, headers: dict[str, str] | None = None
+    ) -> HttpResult: ...
 
 
-def http_get(url: str, timeout: float) -> HttpResult:
+def http_get(url: str, timeout: float, headers: dict[str, str] | None = None) -> HttpResult:
     """GET with httpx; a refused connection or a timeout is a result, not an exception."""
     import httpx
 
     try:
-        r = httpx.get(url, timeout=timeout)
+        r = httpx.get(url, timeout=timeout, headers=headers)
     except httpx.HTTPError as exc:
         return HttpResult(None, error=str(exc) or type(exc).__name__)
     return HttpResult(r.status_code, r.text)
@@ -60,7 +65,7 @@ class HealthOutcome:
 
 
 def wait_healthy(
-    get: HttpGet,
+    get: Callable[[str, float], HttpResult],
     url: str,
     runner: CommandRunner,
     timeout_s: float,

@@ -34,6 +34,10 @@ LATENCY_METRICS = {
 }
 SHOW_PROPERTIES = ("ActiveState", "SubState", "Result", "NRestarts", "MemoryCurrent")
 HTTP_TIMEOUT_S = 3.0
+KEY_NEEDED = (
+    "the server requires an API key for /v1/models and /metrics: give it with --api-key "
+    "or ORIN_LLM_API_KEY"
+)
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,8 @@ def read_status(root: SysRoot, runner: CommandRunner, get: HttpGet, unit_dir: st
         return ServiceStatus(units, url, error=health.error)
     metrics = get(f"{url}/metrics", HTTP_TIMEOUT_S)
     latency = parse_latency(metrics.body) if metrics.status == 200 else {}
-    return ServiceStatus(units, url, health.status, health.json(), None, latency)
+    error = KEY_NEEDED if metrics.status == 401 else None
+    return ServiceStatus(units, url, health.status, health.json(), error, latency)
 
 
 def read_server_status(get: HttpGet, url: str) -> ServiceStatus:
@@ -193,7 +198,8 @@ def read_server_status(get: HttpGet, url: str) -> ServiceStatus:
     models = tuple(str(m["id"]) for m in entries or () if isinstance(m, dict) and "id" in m)
     metrics = get(f"{url}/metrics", HTTP_TIMEOUT_S)
     latency = parse_latency(metrics.body) if metrics.status == 200 else {}
-    return ServiceStatus((), url, health.status, health.json(), None, latency, models)
+    error = KEY_NEEDED if 401 in (listed.status, metrics.status) else None
+    return ServiceStatus((), url, health.status, health.json(), error, latency, models)
 
 
 def _unit_status(root: SysRoot, runner: CommandRunner, unit_dir: str, unit: str) -> UnitStatus:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
+import pytest
 from rich.console import Console
 
-from orin.cli.monitor import TokenWindow, parse_token_counters, render
+from orin.cli.monitor import MonitorError, TokenWindow, fetch, parse_token_counters, render
 
 METRICS = """\
 # HELP orin_llm_engine_batch_tokens_total Tokens in the batches of completed engine steps.
@@ -93,3 +95,22 @@ def test_a_recording_is_summarised_over_its_whole_span() -> None:
     out = text(snapshot(phase="recording", window=42.0))
     assert "the whole recording (42.0 s) by phase" in out
     assert row(out, "prefill")[5] == "90000"
+
+
+def test_fetch_asks_for_the_api_key_when_the_server_wants_one() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        if request.headers.get("authorization") != "Bearer k":
+            return httpx.Response(401, json={"error": {"code": "invalid_api_key"}})
+        return httpx.Response(200, json={"source": None, "phase": None})
+
+    transport = httpx.MockTransport(answer)
+    with (
+        httpx.Client(transport=transport) as client,
+        pytest.raises(MonitorError, match="requires an API key"),
+    ):
+        fetch("http://127.0.0.1:8080", client)
+    with httpx.Client(transport=transport, headers={"Authorization": "Bearer k"}) as client:
+        snap, health = fetch("http://127.0.0.1:8080", client)
+    assert snap["source"] is None and health == {"status": "ok"}

@@ -64,7 +64,7 @@ def deps(
     """Every side effect of orin.cli.install faked: root on the fake host, /health from
     ``health``, doctor's report from ``report``."""
 
-    def get(url: str, timeout: float) -> HttpResult:
+    def get(url: str, timeout: float, headers: dict[str, str] | None = None) -> HttpResult:
         return health.pop(0) if len(health) > 1 else health[0]
 
     host.runner.programs.add(EXECUTABLE)  # tune system --revert on uninstall --purge

@@ -22,7 +22,7 @@ orin_llm_time_to_first_token_seconds_sum 0.1
 """
 
 
-def serving(url: str, timeout: float) -> HttpResult:
+def serving(url: str, timeout: float, headers: dict[str, str] | None = None) -> HttpResult:
     if url == "http://127.0.0.1:8080/health":
         return HttpResult(200, '{"status": "ok"}')
     if url == "http://127.0.0.1:8080/v1/models":
@@ -73,3 +73,28 @@ def test_wait_reports_each_unhealthy_answer() -> None:
     assert outcome.ok
     assert [last for _, last in ticks] == ["refused", "HTTP 503: loading"]
     assert ticks[0][0] < ticks[1][0]
+
+
+def test_status_url_sends_the_api_key_and_says_when_one_is_needed() -> None:
+    seen: list[dict[str, str] | None] = []
+
+    def keyed(url: str, timeout: float, headers: dict[str, str] | None = None) -> HttpResult:
+        seen.append(headers)
+        if url.endswith("/health"):
+            return serving(url, timeout)
+        if (headers or {}).get("Authorization") != "Bearer s3cret":
+            return HttpResult(401, '{"error": {"code": "invalid_api_key"}}')
+        return serving(url, timeout)
+
+    code, out, err = invoke(keyed, "--url", "http://127.0.0.1:8080", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["latency"] == {} and "requires an API key" in data["error"]
+    seen.clear()
+    code, out, err = invoke(
+        keyed, "--url", "http://127.0.0.1:8080", "--json", "--api-key", "s3cret"
+    )
+    data = json.loads(out)
+    assert code == 0 and data["error"] is None and data["latency"]
+    assert data["models"] == ["smollm2-135m-instruct"]
+    assert all(h == {"Authorization": "Bearer s3cret"} for h in seen)

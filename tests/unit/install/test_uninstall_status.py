@@ -121,7 +121,7 @@ def test_status_shows_units_health_and_latency(
     installed(deps, root, host)
     body = metrics_body()
 
-    def get(url: str, timeout: float) -> HttpResult:
+    def get(url: str, timeout: float, headers: dict[str, str] | None = None) -> HttpResult:
         assert url.startswith("http://127.0.0.1:8080/")
         return HttpResult(200, body if url.endswith("/metrics") else '{"status": "ok"}')
 
@@ -144,7 +144,7 @@ def test_status_reads_the_port_with_serves_precedence(
     env.write_text(env.read_text() + "ORIN_LLM_PORT=8181\nORIN_LLM_HOST=0.0.0.0\n")
     seen: list[str] = []
 
-    def get(url: str, timeout: float) -> HttpResult:
+    def get(url: str, timeout: float, headers: dict[str, str] | None = None) -> HttpResult:
         seen.append(url)
         return HttpResult(None, error="connection refused")
 
