@@ -1,6 +1,7 @@
 """Routes beside chat and completions: ``POST /v1/embeddings`` (OpenAI's shapes),
 ``POST /tokenize`` and ``POST /detokenize`` (llama-server's), and
-``GET /v1/models/{id}``; all behind the API key like ``/v1/models``.
+``GET /v1/models/{id}``; all behind the API key, like every route but /health
+(orin/server/auth.py).
 
 The engine is reached through ``EngineClient`` only: ``embed_async`` queues an
 embedding job that the engine loop runs as steps of its own, and the vocabulary
@@ -40,11 +41,11 @@ log = logging.getLogger("orin.server")
 CLIENT_GONE = 499
 
 
-def register(app: FastAPI, state: ServerState, auth: Any) -> None:
-    """Add the routes to ``app``; ``auth`` is the API-key dependency of /v1/models."""
+def register(app: FastAPI, state: ServerState) -> None:
+    """Add the routes to ``app`` (the key is checked in front of every route)."""
     from orin.server.app import _check_model  # app imports this module: look it up now
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[auth])
+    @app.get("/v1/models/{model_id:path}")
     def model(model_id: str) -> dict[str, Any]:
         if model_id != state.model_name:
             raise ModelNotFound(
@@ -53,7 +54,7 @@ def register(app: FastAPI, state: ServerState, auth: Any) -> None:
             )
         return model_object(state)
 
-    @app.post("/v1/embeddings", dependencies=[auth])
+    @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         _check_model(state, body.model)
         rid = str(request.state.request_id)
@@ -69,7 +70,7 @@ def register(app: FastAPI, state: ServerState, auth: Any) -> None:
         # thousands of vectors take a while to encode: not on the event loop's thread
         return await run_in_threadpool(_response, result, state.model_name, body.encoding_format)
 
-    @app.post("/tokenize", dependencies=[auth])
+    @app.post("/tokenize")
     def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         _check_model(state, None)
         tokens = tokenize_mixed(state.engine, body)
@@ -78,7 +79,7 @@ def register(app: FastAPI, state: ServerState, auth: Any) -> None:
         piece = state.engine.piece
         return {"tokens": [{"id": t, "piece": piece_json(piece(t, special=True))} for t in tokens]}
 
-    @app.post("/detokenize", dependencies=[auth])
+    @app.post("/detokenize")
     def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         _check_model(state, None)
         return {"content": state.engine.detokenize(body.tokens, special=True)}

@@ -7,7 +7,10 @@ layer adds ``observe_http`` and serves ``render`` on ``GET /metrics``.
 
 Each instance owns a ``CollectorRegistry`` unless one is passed in, never the
 process-global one, so that tests and several servers in one process do not
-collide on metric names. prometheus-client objects are thread-safe; this
+collide on metric names. The registry also carries prometheus-client's
+``process_*`` collector (this process's CPU time, memory, open files) and the
+board's memory and temperatures (``SystemMetrics``, read from ``root`` when
+scraped, so tests pass a fake tree). prometheus-client objects are thread-safe; this
 module keeps no state of its own besides them, so it takes no locks.
 
 Definitions of TTFT, TPOT, ITL, queue and prefill time are those of
@@ -20,12 +23,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from orin.engine.types import FinishReason, RequestTimings, StepStats
-from orin.telemetry.metrics import PREFIX, PhaseMetrics
+from orin.system.root import SysRoot
+from orin.telemetry.metrics import PREFIX, PhaseMetrics, SystemMetrics
 
 __all__ = ["PREFIX", "PhaseMetrics", "ServerMetrics"]
 
@@ -136,9 +148,12 @@ class ServerMetrics:
         kv_cells_total: int,
         model_name: str,
         registry: CollectorRegistry | None = None,
+        root: SysRoot | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._kv_cells_total = kv_cells_total
+        ProcessCollector(registry=self.registry)
+        self.registry.register(SystemMetrics(root))
         self._init_latency()
         self._init_counters()
         self._init_gauges(slots_total, kv_cells_total, model_name)

@@ -49,11 +49,11 @@ class RequestContext:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-                message.setdefault("headers", [])
-                message["headers"] = [
-                    *message["headers"],
-                    (b"x-request-id", rid.encode()),
-                ]
+                headers = list(message.get("headers", []))
+                # error responses (to_response) carry the id already: not twice
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    headers.append((b"x-request-id", rid.encode()))
+                message["headers"] = headers
             await send(message)
 
         self.state.inflight += 1

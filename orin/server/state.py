@@ -30,6 +30,11 @@ class ServerState:
     system_fingerprint: str | None = None
     sampling_defaults: SamplingSection = field(default_factory=SamplingSection)
     api_key: str | None = None
+    # /metrics without the key (server.metrics_public); every other route but
+    # /health and the dashboard's login page needs it (orin/server/auth.py)
+    metrics_public: bool = False
+    cors_origins: tuple[str, ...] = ()  # server.cors_origins; empty: no CORS headers
+    dashboard: bool = True  # server.dashboard: the web page at / (off: 404)
     max_body_bytes: int = 2 * 1024 * 1024
     max_tokens_cap: int = 4096
     version: str = __version__

@@ -50,6 +50,14 @@ class FakeEngine:
     def status(self) -> EngineStatus:
         return EngineStatus("ready", None, 2, 0, 0, 0, 0, 1024, None, 0)
 
+    def add_step_observer(self, fn: Any) -> None: ...  # the dashboard's history
+
+    def remove_step_observer(self, fn: Any) -> None: ...
+
+    def add_finish_observer(self, fn: Any) -> None: ...
+
+    def remove_finish_observer(self, fn: Any) -> None: ...
+
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:

@@ -287,13 +287,15 @@ def test_render_parses_with_prefix_and_help(metrics: ServerMetrics) -> None:
     names = {f.name for f in families}
     assert "orin_llm_time_to_first_token_seconds" in names
     assert "orin_llm_requests" in names  # counters are parsed without _total
+    # ours, and prometheus-client's standard process collector
+    prefixes = ("orin_llm_", "process_")
     for family in families:
-        assert family.name.startswith("orin_llm_"), family.name
+        assert family.name.startswith(prefixes), family.name
         assert ":" not in family.name
         assert family.documentation.strip(), family.name
     for line in body.decode().splitlines():
         if line and not line.startswith("#"):
-            assert line.startswith("orin_llm_"), line
+            assert line.startswith(prefixes), line
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
