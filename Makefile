@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install install-bench lint test test-unit test-reliability test-gpu serve clean
+.PHONY: help install install-bench lint test test-unit test-reliability test-gpu serve clean browser
 
 help:
 	@echo "make serve    set everything up and serve SmolLM2-135M-Instruct on 127.0.0.1:8080"
@@ -35,7 +35,25 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: lint
+# Debian's chromium for the dashboard's browser tests (playwright drives it and never
+# downloads a browser of its own). Installed only when /usr/bin/chromium is missing;
+# when that fails the reason is printed and kept in $(BROWSER_NOTE), and those tests
+# skip with it.
+BROWSER_NOTE := $(VENV)/browser-unavailable.txt
+browser: $(STAMP)
+	@if [ -x /usr/bin/chromium ]; then rm -f $(BROWSER_NOTE); exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO="sudo -n"; \
+	else echo "chromium is not installed and installing it needs root or sudo" > $(BROWSER_NOTE); \
+	  echo "browser tests will skip: $$(cat $(BROWSER_NOTE))"; exit 0; fi; \
+	echo "installing chromium and chromium-driver with apt-get"; \
+	if $$SUDO apt-get update -qq > $(VENV)/browser-install.log 2>&1 && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver \
+	    >> $(VENV)/browser-install.log 2>&1 && [ -x /usr/bin/chromium ]; then rm -f $(BROWSER_NOTE); \
+	else echo "apt-get could not install chromium ($(VENV)/browser-install.log): $$(tail -n 1 \
+	  $(VENV)/browser-install.log)" \
+	  > $(BROWSER_NOTE); echo "browser tests will skip: $$(cat $(BROWSER_NOTE))"; fi
+
+test: lint browser
 	$(VENV)/bin/pytest -q
 
 serve: $(STAMP)

@@ -1,0 +1,302 @@
+"""The dashboard in a real browser (Debian's chromium, driven by playwright) against a real
+server on a generated model: the page loads without console errors, its charts and
+slots follow the load, the playground streams, and with an API key the page is a
+login form that refuses a wrong key and opens on the right one.
+
+Playwright rather than selenium: it reports the page's console messages and uncaught
+errors as events (selenium needs chromedriver's log API for that, which not every
+chromedriver version serves), waits on the page's own state without a driver of a
+matching version, and launches /usr/bin/chromium directly. It never downloads a
+browser here: ``executable_path`` is Debian's, which ``make browser`` installs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+from orin.model import demo
+from orin.server.state import ServerState
+from tests.serverutil import live_server
+
+pytestmark = pytest.mark.llama
+
+CHROMIUM = Path("/usr/bin/chromium")
+# written by `make browser` when chromium could not be installed: the reason
+NOTE = Path(sys.prefix) / "browser-unavailable.txt"
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+PROFILE = """
+engine: {n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128}
+server: {max_tokens_limit: 400}
+"""
+DEADLINE_S = 90.0  # generous: two shared cores may be busy with other work
+KEY_ENV = "ORIN_LLM_TEST_DASHBOARD_KEY"
+
+if TYPE_CHECKING:
+    from playwright.sync_api import BrowserContext, Page
+
+
+def _unavailable() -> str | None:
+    if not CHROMIUM.exists():
+        note = NOTE.read_text().strip() if NOTE.exists() else "run `make browser` to install it"
+        return f"no {CHROMIUM}: {note}"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError as exc:
+        return f"playwright is not installed ({exc}); pip install -e '.[dev]'"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrowserContext]:
+    """A fresh chromium profile for this module's pages."""
+    reason = _unavailable()
+    if reason is not None:
+        print(f"browser tests skipped: {reason}")
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")),
+            executable_path=str(CHROMIUM),
+            args=ARGS,
+            headless=True,
+        )
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, ServerState]]:
+    with live_server(demo.ensure("tiny", "f16"), PROFILE, telemetry="auto") as s:
+        yield s
+
+
+@contextmanager
+def watched_page(context: BrowserContext) -> Iterator[tuple[Page, list[str]]]:
+    """A new page and the console errors and uncaught exceptions it reports."""
+    page = context.new_page()
+    errors: list[str] = []
+    page.on(
+        "console",
+        lambda m: (
+            errors.append(f"{m.text} ({m.location.get('url')})") if m.type == "error" else None
+        ),
+    )
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        yield page, errors
+    finally:
+        page.close()
+
+
+def poll(condition: Callable[[], Any], what: str, deadline_s: float = DEADLINE_S) -> Any:
+    """``condition()`` once it is truthy; fails naming ``what`` after the deadline."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def points(page: Page, chart: str) -> int:
+    return int(page.locator(f"#chart-{chart}").get_attribute("data-points") or 0)
+
+
+def page_max(page: Page, column: str) -> float:
+    """The largest value of one history column the page holds."""
+    value = page.evaluate(
+        """(col) => {
+            const s = window.orinDashboard && window.orinDashboard.store;
+            if (!s || !s.cols) return 0;
+            return Math.max(0, ...s.cols[col].filter((v) => v != null));
+        }""",
+        column,
+    )
+    return float(value)
+
+
+@contextmanager
+def load(base: str, headers: dict[str, str] | None = None) -> Iterator[list[str]]:
+    """Streaming chat requests, four at a time, until the block ends; yields the texts."""
+    stop = threading.Event()
+    texts: list[str] = []
+
+    def one() -> None:
+        body = {
+            "messages": [{"role": "user", "content": "Tell me about the board."}],
+            "max_tokens": 300,
+            "stream": True,
+        }
+        while not stop.is_set():
+            with httpx.stream(
+                "POST", f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120
+            ) as r:
+                r.raise_for_status()
+                texts.append("".join(line for line in r.iter_lines()))
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        yield texts
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+
+
+def test_the_page_loads_without_console_errors(
+    browser: BrowserContext, server: tuple[str, ServerState]
+) -> None:
+    base, state = server
+    with watched_page(browser) as (page, errors):
+        page.goto(base + "/")
+        poll(lambda: points(page, "throughput") >= 1, "the first history row")
+        rows = page.locator("#slots-body tr")
+        poll(lambda: rows.count() == state.engine.cfg.slots, "a row per slot")
+        assert page.locator("#model").text_content() == state.model_name
+        assert page.locator("#conn").get_attribute("data-state") == "live"
+        assert errors == []
+
+
+def test_charts_and_slots_follow_the_load(
+    browser: BrowserContext, server: tuple[str, ServerState]
+) -> None:
+    base, _ = server
+    with watched_page(browser) as (page, errors):
+        page.goto(base + "/")
+        poll(lambda: points(page, "throughput") >= 1, "the first history row")
+        before = points(page, "throughput")
+        with load(base) as texts:
+            poll(lambda: page_max(page, "tokens_per_s") > 0, "a second with generated tokens")
+            poll(lambda: page_max(page, "slots_busy") > 0, "a second with a busy slot")
+            poll(lambda: points(page, "throughput") > before, "more points in the chart")
+            poll(lambda: page_max(page, "ttft_p95_ms") > 0, "a TTFT percentile")
+            poll(lambda: texts, "a finished request")
+        assert errors == []
+
+
+def test_the_playground_streams_an_answer(
+    browser: BrowserContext, server: tuple[str, ServerState]
+) -> None:
+    base, _ = server
+    with watched_page(browser) as (page, errors):
+        page.goto(base + "/")
+        _chat(page, "Hello there")
+        assert errors == []
+
+
+def _chat(page: Page, text: str) -> str:
+    page.fill("#chat-max", "24")
+    page.fill("#chat-input", text)
+    page.click("#chat-send")
+    answer = page.locator(".msg.assistant").last
+    poll(lambda: answer.get_attribute("data-streaming") == "false", "the end of the stream")
+    reply = answer.text_content() or ""
+    assert reply.strip() and "error" not in (answer.get_attribute("class") or "")
+    assert page.locator(".msg.user").last.text_content() == text
+    return reply
+
+
+def test_board_charts_show_what_a_board_reports(
+    browser: BrowserContext, server: tuple[str, ServerState]
+) -> None:
+    """GPU utilization by phase, power and temperatures are drawn when the server has
+    them (here the server's own answer with a board's columns filled in), and absent,
+    not zero, otherwise."""
+    base, _ = server
+    real = httpx.get(f"{base}/dashboard/data").json()
+    assert all(v is None for v in real["history"]["gpu_util_decode"])  # a CPU-only host
+
+    def board(route: Any) -> None:
+        data = httpx.get(route.request.url).json()
+        h = data["history"]
+        n = len(h["t"])
+        h["gpu_util_prefill"] = [0.97] * n
+        h["gpu_util_decode"] = [0.55] * n
+        h["power_w"] = [18.5] * n
+        h["temp_c"] = {"gpu-thermal": [51.0] * n, "cpu-thermal": [48.5] * n}
+        route.fulfill(json=data)
+
+    with watched_page(browser) as (page, errors):
+        page.goto(base + "/")
+        poll(lambda: points(page, "throughput") >= 1, "the first history row")
+        for chart in ("gpu", "power", "temp"):
+            assert page.locator(f"#chart-{chart}").is_hidden()
+        assert "GPU utilization" in (page.locator("#absent").text_content() or "")
+        page.route("**/dashboard/data*", board)
+        poll(lambda: points(page, "gpu") >= 1, "the GPU chart")
+        for chart in ("gpu", "power", "temp"):
+            assert page.locator(f"#chart-{chart}").is_visible()
+        legend = page.locator("#chart-temp .u-legend").text_content() or ""
+        assert "gpu-thermal" in legend and "cpu-thermal" in legend
+        page.unroute("**/dashboard/data*")
+        assert errors == []
+
+
+@pytest.fixture(scope="module")
+def keyed_server() -> Iterator[tuple[str, ServerState]]:
+    old = os.environ.get(KEY_ENV)
+    os.environ[KEY_ENV] = "orin-sesame"
+    try:
+        profile = PROFILE.replace("server: {", f"server: {{api_key_env: {KEY_ENV}, ")
+        with live_server(demo.ensure("tiny", "f16"), profile) as s:
+            yield s
+    finally:
+        if old is None:
+            os.environ.pop(KEY_ENV, None)
+        else:
+            os.environ[KEY_ENV] = old
+
+
+def test_with_a_key_the_login_refuses_a_wrong_key_and_opens_on_the_right_one(
+    browser: BrowserContext, keyed_server: tuple[str, ServerState]
+) -> None:
+    base, state = keyed_server
+    browser.clear_cookies()
+    with watched_page(browser) as (page, _):
+        page.goto(base + "/")
+        assert page.locator("#login-form").is_visible()
+        assert page.locator("#charts").count() == 0
+        assert state.model_name not in page.content()
+
+        page.fill("#key", "not-the-key")
+        page.click("#login-form button[type=submit]")
+        page.wait_for_selector("#login-error")
+        assert page.locator("#charts").count() == 0
+
+        page.fill("#key", "orin-sesame")
+        page.click("#login-form button[type=submit]")
+        page.wait_for_selector("#charts")
+        poll(lambda: points(page, "throughput") >= 1, "data fetched with the cookie")
+        cookie = next(c for c in browser.cookies() if c["name"] == "orin_llm_key")
+        assert cookie.get("httpOnly") and cookie.get("sameSite") == "Strict"
+        _chat(page, "Hello with a key")  # the playground's /v1 call carries the cookie
+        page.click("#logout button")
+        page.wait_for_selector("#login-form")
+        assert not [c for c in browser.cookies() if c["name"] == "orin_llm_key"]
+    browser.clear_cookies()
