@@ -68,7 +68,8 @@ MAX_TOKENS = Param(
     1,
     1_048_576,
     "Tokens to generate at most; the profile's value applies when a request sets none "
-    "(a request's own value is capped by server.max_tokens_limit).",
+    "(a request's own value above server.max_tokens_limit, or one that cannot fit the "
+    "window with sliding off, is refused with a 400).",
 )
 TEMPERATURE = Param(
     "temperature",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -11,12 +12,19 @@ import typer
 
 from orin.cli.errors import handle_errors
 from orin.cli.logs import setup_logging
-from orin.cli.options import ProfileOpt
+from orin.cli.options import CtxOpt, ProfileOpt
 from orin.profile.schema import Profile
 from orin.profile.select import serve_profile
 from orin.server.main import run_server
 
 log = logging.getLogger("orin.server")
+
+
+class LogFormat(str, Enum):
+    """--log-format: a choice, so another value is a usage error (exit 2)."""
+
+    text = "text"
+    json = "json"
 
 
 def _window(value: str | None) -> str | None:
@@ -35,17 +43,14 @@ def serve(
     host: Annotated[str | None, typer.Option(envvar="ORIN_LLM_HOST", help="Bind address.")] = None,
     port: Annotated[int | None, typer.Option(envvar="ORIN_LLM_PORT", min=1, max=65535)] = None,
     slots: Annotated[int | None, typer.Option(min=1, max=64, help="Concurrent sequences.")] = None,
-    ctx: Annotated[
-        int | None,
-        typer.Option(min=256, help="Total context shared by the slots, as llama.cpp's -c."),
-    ] = None,
+    ctx: CtxOpt = None,
     window: Annotated[
         str | None,
         typer.Option(callback=_window, help="Sliding window per slot in tokens, or 'off'."),
     ] = None,
     log_format: Annotated[
-        str, typer.Option(help="text or json.", envvar="ORIN_LLM_LOG_FORMAT")
-    ] = "text",
+        LogFormat, typer.Option(help="Log lines as text or JSON.", envvar="ORIN_LLM_LOG_FORMAT")
+    ] = LogFormat.text,
     telemetry: Annotated[
         str,
         typer.Option(
@@ -63,7 +68,7 @@ def serve(
     ] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
-    setup_logging(log_format)
+    setup_logging(log_format.value)
     profile, note = serve_profile(profile_name, model)
     _apply_overrides(profile, host, port, slots, ctx, window)
     if note:
@@ -86,9 +91,9 @@ def _apply_overrides(
     if slots is not None:
         p.engine.n_batch = max(p.engine.n_batch, slots)
         p.engine.slots = slots
-    if ctx is not None:
-        p.engine.n_ctx = max(ctx // p.engine.slots, 256)
-        p.context.window = None
+    if ctx is not None:  # per slot, as every command's --ctx (orin/cli/options.py)
+        p.engine.n_ctx = ctx
+        p.context.window = None  # the window follows the new context unless --window
     if window == "off":
         p.context.sliding = False
     elif window is not None:

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from orin.engine.errors import EngineError
 from orin.engine.stream import Completion, RequestStream, collect
-from orin.server import errors, extras, protocol, tools
-from orin.server.errors import Loading, ModelNotFound, Unauthorized
+from orin.server import dashboard, errors, extras, protocol, tools
+from orin.server.auth import protect
+from orin.server.errors import Loading, ModelNotFound
 from orin.server.middleware import RequestContext
 from orin.server.responses import ChatFormatter, CompletionFormatter, Formatter, sse_events
 from orin.server.sse import EventStream
@@ -30,34 +30,13 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(errors.ApiError, errors.on_exception)
     app.add_exception_handler(EngineError, errors.on_exception)
     app.add_exception_handler(Exception, errors.on_exception)
+    protect(app, state)  # the API key on every route but /health, and CORS (auth.py)
     app.add_middleware(RequestContext, state=state)
     _register(app, state)
     return app
 
 
-def _auth(state: ServerState) -> Any:
-    """The API-key check of the /v1 routes. A coroutine, so FastAPI runs it on the
-    event loop: a plain function would be sent to its thread pool, a round trip
-    through a worker thread for every request (two thread wake-ups, about 0.1 ms
-    of the loop's CPU, and the wait for a core while llama.cpp's threads hold
-    both) to compare two strings."""
-
-    async def check(request: Request) -> None:
-        if state.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), state.api_key.encode()
-        ):
-            raise Unauthorized("a valid API key is required (Authorization: Bearer <key>)")
-
-    return Depends(check)
-
-
 def _register(app: FastAPI, state: ServerState) -> None:
-    auth = _auth(state)
-
     @app.get("/health")
     def health() -> JSONResponse:
         return JSONResponse(*state.health())
@@ -78,11 +57,11 @@ def _register(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"source": None, "phase": None}, 200)
         return JSONResponse(state.telemetry.snapshot())
 
-    @app.get("/v1/models", dependencies=[auth])
+    @app.get("/v1/models")
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [extras.model_object(state)]}
 
-    @app.post("/v1/chat/completions", dependencies=[auth])
+    @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatCompletionRequest, request: Request) -> Any:
         _check_model(state, body.model)
         protocol.check_message_order(body.messages)
@@ -97,7 +76,7 @@ def _register(app: FastAPI, state: ServerState) -> None:
         preserve = state.engine.control_tokens(output.marker_texts())
         return await _run(state, request, body, prompt, fmt, preserve)
 
-    @app.post("/v1/completions", dependencies=[auth])
+    @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request) -> Any:
         _check_model(state, body.model)
         p = body.single_prompt()
@@ -105,7 +84,8 @@ def _register(app: FastAPI, state: ServerState) -> None:
         fmt = CompletionFormatter(state, body, _rid(request))
         return await _run(state, request, body, prompt, fmt)
 
-    extras.register(app, state, auth)  # embeddings, tokenize, detokenize, /v1/models/{id}
+    extras.register(app, state)  # embeddings, tokenize, detokenize, /v1/models/{id}
+    dashboard.register(app, state)  # /, /login, assets, /dashboard/data, /slots
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -158,9 +138,14 @@ async def _submit(
     rid = _rid(request)
     streams: list[RequestStream] = []
     try:
-        for i, params in enumerate(
-            body.choice_params(state.sampling_defaults, state.max_tokens_cap, preserve)
-        ):
+        choices = body.choice_params(
+            state.sampling_defaults,
+            state.max_tokens_cap,
+            preserve,
+            prompt_tokens=len(prompt),
+            context=state.engine.cfg.context,
+        )
+        for i, params in enumerate(choices):
             streams.append(
                 await state.engine.submit_async(
                     prompt,

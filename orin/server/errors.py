@@ -56,6 +56,14 @@ class Loading(ApiError):
     status, type, code = 503, "service_unavailable", "model_loading"
 
 
+class Interrupted(ApiError):
+    """An answer the server cancelled before its end because it is shutting down: a
+    503 with Retry-After for a whole answer (clients retry it, on another instance
+    behind a balancer), the same type and code in a stream's error event."""
+
+    status, type, code = 503, "service_unavailable", "server_shutdown"
+
+
 @dataclass(frozen=True)
 class Spec:
     status: int
@@ -90,8 +98,17 @@ def _request_id(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
 
-def to_response(exc: Exception, request_id: str | None) -> JSONResponse:
-    """The response for any exception, by type."""
+# the field a prompt that does not fit the context comes in, by route
+PROMPT_FIELD = {
+    "/v1/chat/completions": "messages",
+    "/v1/completions": "prompt",
+    "/v1/embeddings": "input",
+}
+
+
+def to_response(exc: Exception, request_id: str | None, path: str | None = None) -> JSONResponse:
+    """The response for any exception, by type; ``path`` (the request's) names the
+    field of an over-long prompt: ``messages`` for chat, ``prompt`` for completions."""
     headers = {"x-request-id": request_id} if request_id else {}
     if isinstance(exc, ApiError):
         if exc.status in (429, 503):
@@ -104,8 +121,8 @@ def to_response(exc: Exception, request_id: str | None) -> JSONResponse:
             if spec.retry:
                 headers["Retry-After"] = str(RETRY_AFTER_S)
             param = getattr(exc, "param", None)
-            if isinstance(exc, ContextLengthExceeded):
-                param = "messages" if param is None else param
+            if isinstance(exc, ContextLengthExceeded) and param is None:
+                param = PROMPT_FIELD.get(path or "", "messages")
             body = error_body(str(exc), spec.type, param, spec.code, request_id)
             return JSONResponse(body, spec.status, headers)
     log.error("request %s failed", request_id, exc_info=exc)
@@ -114,7 +131,7 @@ def to_response(exc: Exception, request_id: str | None) -> JSONResponse:
 
 
 async def on_exception(request: Request, exc: Exception) -> JSONResponse:
-    return to_response(exc, _request_id(request))
+    return to_response(exc, _request_id(request), request.url.path)
 
 
 async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:

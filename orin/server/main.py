@@ -6,15 +6,18 @@ themselves."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import ipaddress
 import logging
+import math
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orin import __version__
-from orin.errors import OrinError
+from orin.errors import BindError, OrinError
 from orin.profile.loader import resolve_model_path
 from orin.profile.schema import Profile
 from orin.system.commands import SubprocessRunner
@@ -35,8 +38,18 @@ def run_server(
     record: Path | None = None,
     telemetry_hz: float | None = None,
 ) -> int:
-    """Load, serve until SIGTERM/SIGINT, drain; the process exit code."""
-    server, state = build_server(profile, model, telemetry, record, telemetry_hz)
+    """Bind, load, serve until SIGTERM/SIGINT, drain; the process exit code.
+
+    The listening socket is bound first, before the model file is even read: a
+    port in use or an address this host does not have is a ``BindError`` (exit 8)
+    at once, not after minutes of loading. uvicorn serves that same socket, so
+    nothing else can take the port in between."""
+    sock = bind_socket(profile.server.host, profile.server.port)
+    try:
+        server, state = build_server(profile, model, telemetry, record, telemetry_hz)
+    except BaseException:
+        sock.close()
+        raise
     if profile.system.drop_caches:
         _drop_page_cache()
     state.engine.start()
@@ -44,7 +57,7 @@ def run_server(
         state.telemetry.start()
     server.announce_when_ready()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         state.engine.stop(drain=False, timeout=5)
         if state.telemetry is not None:
@@ -67,7 +80,7 @@ def build_server(
     from orin.llamacpp import build_info
     from orin.model.gguf import read_model_info
     from orin.server.app import create_app
-    from orin.server.lifecycle import OrinServer
+    from orin.server.lifecycle import FLUSH_S, OrinServer
     from orin.server.metrics import ServerMetrics
     from orin.server.state import ServerState
 
@@ -76,7 +89,7 @@ def build_server(
     build = build_info()
     cfg = engine_config(profile, path, info, build, _available())
     engine = Engine(cfg)
-    name = profile.server.model_name or profile.name
+    name = served_name(profile, model)
     state = ServerState(
         engine=engine,
         model_name=name,
@@ -85,6 +98,9 @@ def build_server(
         metrics=ServerMetrics(cfg.slots, engine.kv_cells_total, name),
         sampling_defaults=profile.sampling,
         api_key=_api_key(profile),
+        metrics_public=profile.server.metrics_public,
+        cors_origins=tuple(profile.server.cors_origins),
+        dashboard=profile.server.dashboard,
         max_body_bytes=profile.server.max_body_bytes,
         max_tokens_cap=profile.server.max_tokens_limit,
     )
@@ -122,9 +138,32 @@ def build_server(
         http=http,
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=5,
+        # the drain sets it to what is left of the grace period (lifecycle.py)
+        timeout_graceful_shutdown=math.ceil(profile.server.grace_seconds + FLUSH_S),
     )
     return OrinServer(config, state, grace_s=profile.server.grace_seconds), state
+
+
+def served_name(profile: Profile, model: Path | None) -> str:
+    """The name /v1/models and the responses give the model: server.model_name, else
+    the profile's name, else (``--model`` replacing the model a profile names) the
+    file's stem, as ``serve --model FILE`` without a profile names it. A profile
+    name such as ``demo`` would otherwise be served for another model without a
+    word; the replacement is logged."""
+    m = profile.model
+    own = m.path or m.hf or m.packaged or (f"demo {m.demo.size} {m.demo.quant}" if m.demo else None)
+    if model is None or own is None:
+        return profile.server.model_name or profile.name
+    name = profile.server.model_name or Path(model).stem
+    log.info(
+        "--model %s replaces profile %s's model (%s): serving it as '%s'%s",
+        model,
+        profile.name,
+        own,
+        name,
+        "" if profile.server.model_name else " (server.model_name sets another name)",
+    )
+    return name
 
 
 def http_stack() -> tuple[str, str]:
@@ -140,6 +179,50 @@ def http_stack() -> tuple[str, str]:
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
     return loop, http
+
+
+BACKLOG = 2048  # uvicorn's default: connections the kernel queues before accept
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening, as uvicorn binds one (IPv6
+    for an address with a colon; SO_REUSEADDR, so that a restart need not wait for
+    the last run's connections in TIME_WAIT, while a port another socket listens on
+    stays refused), or a ``BindError`` that says why not."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as exc:  # no IPv6 on this host
+        raise BindError(_bind_message(where, port, exc)) from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise BindError(_bind_message(where, port, exc)) from None
+    return sock
+
+
+def _bind_message(where: str, port: int, exc: OSError) -> str:
+    if isinstance(exc, socket.gaierror):
+        return f"cannot bind {where}: not an address or a known host name ({exc.strerror})"
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"{where} is already in use: another program listens there "
+            f"(`ss -ltnp 'sport = :{port}'` names it); stop it or choose another --port"
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"cannot bind {where}: not an address of this host "
+            "(`ip -brief address` lists them; --host 0.0.0.0 listens on all of them)"
+        )
+    if exc.errno == errno.EACCES:
+        return (
+            f"cannot bind {where}: permission denied (a port below 1024 needs root or "
+            "CAP_NET_BIND_SERVICE; choose a port above 1023)"
+        )
+    return f"cannot bind {where}: {exc.strerror or exc}"
 
 
 def _drop_page_cache() -> None:

@@ -28,6 +28,7 @@ from pydantic import (
 from orin import params
 from orin.engine import grammar
 from orin.engine.errors import InvalidRequest
+from orin.engine.scheduler import ContextPolicy
 from orin.engine.stream import Completion
 from orin.engine.types import FinishReason, RequestTimings, SamplingParams, TokenLogprob
 from orin.profile.schema import SamplingSection
@@ -227,16 +228,27 @@ class _Common(_Lenient):
     def max_new_tokens(self) -> int | None:
         raise NotImplementedError
 
+    def length_field(self) -> str:
+        """The name of the length field the request set (for an error's ``param``)."""
+        return "max_tokens" if self.n_predict is None else "n_predict"
+
     def top_n_logprobs(self) -> int | None:
         raise NotImplementedError
 
     def choice_params(
-        self, defaults: SamplingSection, cap: int, preserve: tuple[int, ...] = ()
+        self,
+        defaults: SamplingSection,
+        cap: int,
+        preserve: tuple[int, ...] = (),
+        *,
+        prompt_tokens: int | None = None,
+        context: ContextPolicy | None = None,
     ) -> list[SamplingParams]:
         """One SamplingParams per choice: with a seed, choice i samples with seed + i,
         so the choices differ and the same request gives the same answer again.
-        ``preserve``: control tokens to write out as text."""
-        base = self.to_sampling(defaults, cap)
+        ``preserve``: control tokens to write out as text; ``prompt_tokens`` and
+        ``context`` (the slot's) for the length rule (``answer_length``)."""
+        base = self.to_sampling(defaults, cap, prompt_tokens, context)
         if preserve:
             base = dataclasses.replace(base, preserve=preserve)
         if self.n == 1 or base.seed is None:
@@ -246,15 +258,29 @@ class _Common(_Lenient):
             dataclasses.replace(base, seed=int((base.seed + i) % (top + 1))) for i in range(self.n)
         ]
 
-    def to_sampling(self, defaults: SamplingSection, cap: int) -> SamplingParams:
+    def to_sampling(
+        self,
+        defaults: SamplingSection,
+        cap: int,
+        prompt_tokens: int | None = None,
+        context: ContextPolicy | None = None,
+    ) -> SamplingParams:
         """Engine parameters; the profile supplies what the request leaves out
-        (``max_tokens`` too, on both endpoints), and ``cap`` bounds the length."""
+        (``max_tokens`` too, on both endpoints), and ``answer_length`` checks the
+        length against ``cap`` (server.max_tokens_limit) and the context."""
         requested = self.max_new_tokens()
         if requested is None and self.n_predict is not None and self.n_predict >= 0:
             requested = max(self.n_predict, 1)
         last_n = _pick(self.penalty_last_n, self.repeat_last_n)
         return SamplingParams(
-            max_tokens=min(defaults.max_tokens if requested is None else requested, cap),
+            max_tokens=answer_length(
+                requested,
+                self.length_field(),
+                defaults.max_tokens,
+                cap,
+                prompt_tokens,
+                context,
+            ),
             temperature=_pick(self.temperature, defaults.temperature),
             top_k=_pick(self.top_k, defaults.top_k),
             top_p=_pick(self.top_p, defaults.top_p),
@@ -388,7 +414,50 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-# not bounded above: a request's length is capped by server.max_tokens_limit, never refused
+def answer_length(
+    requested: int | None,
+    field: str,
+    default: int,
+    limit: int,
+    prompt_tokens: int | None = None,
+    context: ContextPolicy | None = None,
+) -> int:
+    """The answer's length: a request's own value is served as asked or refused,
+    never cut down in silence.
+
+    - above ``limit`` (server.max_tokens_limit): a 400 naming ``field``;
+    - with the sliding window off (``context.sliding`` false), prompt + answer
+      must fit the slot's window: a 400 naming ``field`` that says how many fit;
+    - with it on, any length up to the limit: past the window the oldest tokens
+      slide out (the response's ``timings.context_shifts`` counts the shifts).
+
+    A request that sets no length gets the profile's ``sampling.max_tokens``,
+    within the limit and, with sliding off, within the room the prompt leaves.
+    """
+    room = None
+    if prompt_tokens is not None and context is not None and not context.sliding:
+        room = context.window - min(prompt_tokens, context.window)
+    if requested is None:
+        length = min(default, limit)
+        return max(min(length, room), 1) if room is not None else length
+    if requested > limit:
+        raise InvalidRequest(
+            field,
+            f"{requested} is more than this server's limit of {limit} tokens "
+            "(server.max_tokens_limit)",
+        )
+    if room is not None and requested > room:
+        assert context is not None
+        fit = f"ask for {room} at most" if room > 0 else "shorten the prompt"
+        raise InvalidRequest(
+            field,
+            f"the prompt's {prompt_tokens} tokens and {requested} more do not fit the "
+            f"context of {context.window} tokens per slot (the sliding window is off); {fit}",
+        )
+    return requested
+
+
+# not bounded above here: answer_length refuses a length over server.max_tokens_limit
 _MAX_TOKENS = "Tokens to generate at most; none = the profile's sampling.max_tokens."
 
 
@@ -472,6 +541,11 @@ class ChatCompletionRequest(_Common):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def length_field(self) -> str:
+        if self.max_completion_tokens:
+            return "max_completion_tokens"
+        return "max_tokens" if self.max_tokens or self.n_predict is None else "n_predict"
+
     def top_n_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -495,6 +569,9 @@ class CompletionRequest(_Common):
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+    def length_field(self) -> str:
+        return "max_tokens" if self.max_tokens or self.n_predict is None else "n_predict"
 
     def top_n_logprobs(self) -> int | None:
         return self.logprobs

@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol, cast
 
 from orin.engine.stream import Completion, RequestStream, collect
 from orin.engine.types import FinishReason, RequestTimings, TokenEvent
-from orin.server.errors import error_body
+from orin.server.errors import Interrupted, error_body
 from orin.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -60,6 +60,9 @@ class Served(Protocol):
     def detokenize(self, tokens: list[int]) -> str: ...
 
     def timings(self, t: RequestTimings | None) -> dict[str, Any] | None: ...
+
+    @property
+    def draining(self) -> bool: ...
 
 
 def encode(chunk: Chunk) -> bytes:
@@ -107,8 +110,13 @@ class Formatter(ABC):
             out["usage"] = usage(cs)
 
     def response(self, cs: Completion | Sequence[Completion], prompt: list[int]) -> FullResponse:
-        """The whole answer of a request that did not stream: one choice per completion."""
+        """The whole answer of a request that did not stream: one choice per completion.
+        An answer the engine cancelled (the server shutting down) is no answer: a 503
+        (``Interrupted``) that clients retry, never OpenAI-unknown ``"cancelled"``."""
         many = _many(cs)
+        cut = next((c for c in many if c.finish_reason == "cancelled"), None)
+        if cut is not None:
+            raise Interrupted(interrupted_message(cut, self.served.draining))
         out: Any = {
             **self._envelope(self.OBJECT),
             "choices": [self.choice(c, prompt, i) for i, c in enumerate(many)],
@@ -480,7 +488,7 @@ class _Answer:
         c = self.done[i] = collect(self.streams[i].request_id, self.seen[i])
         n = len(self.streams)
         last = len(self.done) == n
-        if c.finish_reason != "error":
+        if c.finish_reason not in _CUT:  # a cut choice ends with the error event instead
             figures = [self.done[j] for j in range(n)] if last else ()
             out.append(encode(self.fmt.final_chunk(c, i, figures)))
         if not last:
@@ -488,7 +496,12 @@ class _Answer:
         return LastEvents(b"".join(out) + self._tail([self.done[j] for j in range(n)]))
 
     def _tail(self, cs: list[Completion]) -> bytes:
-        """After every choice ended: an error event or the usage chunk, then ``[DONE]``."""
+        """After every choice ended: an error event or the usage chunk, then ``[DONE]``.
+
+        A choice that failed, or that the engine cancelled (the server shutting
+        down, a client that stopped reading), ends the stream with an OpenAI error
+        event, ``data: {"error": {...}}``, never with a finish reason OpenAI does
+        not have: the official client raises it as ``openai.APIError``."""
         self.on_finish(cs[0])
         failed = next((c for c in cs if c.finish_reason == "error"), None)
         if failed is not None:
@@ -496,9 +509,25 @@ class _Answer:
                 failed.error or "generation failed", "server_error", None, None, failed.request_id
             )
             return event(json.dumps(err)) + DONE
+        cut = next((c for c in cs if c.finish_reason == "cancelled"), None)
+        if cut is not None:
+            draining = self.fmt.served.draining
+            message = interrupted_message(cut, draining)
+            code = Interrupted.code if draining else "cancelled"
+            err = error_body(message, Interrupted.type, None, code, cut.request_id)
+            return event(json.dumps(err)) + DONE
         if self.fmt.include_usage:
             return encode(self.fmt.usage_chunk(cs)) + DONE
         return DONE
+
+
+_CUT = ("error", "cancelled")  # choices that end with the error event, not a final chunk
+
+
+def interrupted_message(c: Completion, draining: bool) -> str:
+    """Why an answer stopped before its end, and how far it got."""
+    why = "the server is shutting down" if draining else "the request was cancelled"
+    return f"{why}: the answer was cut short after {len(c.token_ids)} tokens; retry it"
 
 
 async def _batches(streams: list[RequestStream]) -> AsyncIterator[tuple[int, list[TokenEvent]]]:

@@ -429,3 +429,72 @@ def test_the_client_raises_its_bad_request_error(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="demo", messages=USER, temperature=9)  # type: ignore[arg-type]
     assert info.value.status_code == 400
+
+
+# -- shutdown ------------------------------------------------------------------------------
+
+
+def test_answers_cut_at_shutdown_raise_only_the_clients_documented_errors() -> None:
+    """A stream cut by the server's shutdown parses chunk by chunk and then raises
+    openai.APIError (the error event; never a finish reason OpenAI does not know);
+    a whole answer cut so is a 503, openai.InternalServerError."""
+    import signal
+    import threading
+
+    from orin.profile.loader import parse_profile
+    from orin.server.main import build_server
+    from tests.serverutil import free_port
+
+    profile = parse_profile(
+        "name: cut\nengine: {n_ctx: 512, slots: 2, n_batch: 128, n_ubatch: 128}\n"
+        "server: {model_name: demo, max_tokens_limit: 1000000, grace_seconds: 300}\n"
+    )
+    profile.server.port = free_port()
+    server, state = build_server(profile, demo.ensure("small", "f16"))
+    state.engine.start()
+    server.announce_when_ready()
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{profile.server.port}"
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    endless: dict[str, Any] = {"max_tokens": 1_000_000, "extra_body": {"ignore_eos": True}}
+    whole: list[BaseException] = []
+    try:
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(base + "/health", timeout=5).status_code == 200
+            except httpx.HTTPError:  # not listening yet
+                return False
+
+        while not healthy():
+            threading.Event().wait(0.05)
+
+        def answer() -> None:
+            try:
+                client.chat.completions.create(model="demo", messages=USER, **endless)
+            except openai.APIStatusError as exc:
+                whole.append(exc)
+
+        waiting = threading.Thread(target=answer)
+        waiting.start()
+        stream = client.chat.completions.create(model="demo", messages=USER, stream=True, **endless)
+        chunks = []
+        with pytest.raises(openai.APIError) as cut:
+            for chunk in stream:
+                chunks.append(chunk)
+                if len(chunks) == 5:
+                    while state.engine.status().slots_busy < 2:
+                        threading.Event().wait(0.01)
+                    server.handle_exit(signal.SIGTERM, None)  # drain ...
+                    server.handle_exit(signal.SIGTERM, None)  # ... cut short
+        waiting.join(timeout=60)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        state.engine.stop(drain=False, timeout=5)
+    assert not isinstance(cut.value, openai.APIStatusError)  # the stream's error event
+    assert "shutting down" in cut.value.message
+    assert cut.value.body is not None and cut.value.body["code"] == "server_shutdown"  # type: ignore[index]
+    assert all(c.choices[0].finish_reason is None for c in chunks)
+    assert isinstance(whole[0], openai.InternalServerError) and whole[0].status_code == 503

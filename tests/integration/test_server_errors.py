@@ -111,6 +111,15 @@ def test_context_length_exceeded_gives_counts(server: tuple[str, ServerState]) -
     err = error_of(r)
     assert err["code"] == "context_length_exceeded"
     assert "395" in err["message"] and "256" in err["message"]
+    assert err["param"] == "prompt"  # the field of this route, not chat's messages
+
+
+def test_an_over_long_chat_blames_its_messages(server: tuple[str, ServerState]) -> None:
+    long = [{"role": "user", "content": "word " * 400}]
+    r = post(server[0], "/v1/chat/completions", {"messages": long, "max_tokens": 1})
+    assert r.status_code == 400
+    err = error_of(r)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "messages")
 
 
 def test_auth(server: tuple[str, ServerState]) -> None:
@@ -148,12 +157,46 @@ def test_body_over_the_limit(server: tuple[str, ServerState]) -> None:
     assert r.status_code == 413
 
 
-def test_max_tokens_is_capped_by_the_profile(server: tuple[str, ServerState]) -> None:
+def test_max_tokens_over_the_limit_is_refused_not_capped(server: tuple[str, ServerState]) -> None:
     r = post(
         server[0], "/v1/completions", {"prompt": "cap me", "max_tokens": 5000, "temperature": 0}
     )
+    assert r.status_code == 400
+    err = error_of(r)
+    assert (err["param"], err["code"]) == ("max_tokens", "invalid_value")
+    assert "5000" in err["message"] and "50 tokens (server.max_tokens_limit)" in err["message"]
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 51}
+    r = post(server[0], "/v1/chat/completions", chat)
+    assert r.status_code == 400 and error_of(r)["param"] == "max_completion_tokens"
+    r = post(
+        server[0],
+        "/v1/completions",
+        {"prompt": "cap me", "max_tokens": 50, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200
-    assert r.json()["usage"]["completion_tokens"] == 50
+    assert r.json()["usage"]["completion_tokens"] == 50  # the limit itself is served
+
+
+NO_SLIDING = """
+engine: {n_ctx: 256, slots: 1, n_batch: 64, n_ubatch: 64}
+context: {sliding: false}
+server: {max_tokens_limit: 1000}
+"""
+
+
+def test_with_sliding_off_a_length_that_cannot_fit_the_window_is_refused() -> None:
+    with live_server(demo.ensure("tiny", "f16"), NO_SLIDING) as (base, _):
+        body = {"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 300, "temperature": 0}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400
+        err = error_of(r)
+        assert (err["param"], err["code"]) == ("max_tokens", "invalid_value")
+        assert "do not fit the context of 256 tokens" in err["message"]
+        assert "ask for 250 at most" in err["message"]
+        body = {**body, "max_tokens": 250, "ignore_eos": True}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 250
 
 
 EDGE_DEFAULTS = """

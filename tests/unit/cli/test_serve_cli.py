@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import typer
@@ -9,18 +10,38 @@ from orin.cli.serve import _apply_overrides, _window
 from orin.errors import ProfileError
 from orin.profile.loader import parse_profile
 from orin.profile.schema import Profile
-from orin.server.main import _api_key, _is_loopback, http_stack
+from orin.server.main import _api_key, _is_loopback, http_stack, served_name
 
 
 def profile() -> Profile:
     return parse_profile("name: p\nengine: {n_ctx: 4096, slots: 4, n_batch: 512}\n")
 
 
-def test_ctx_is_the_total_shared_by_the_slots() -> None:
+def test_ctx_is_the_context_per_slot_as_everywhere() -> None:
     p = profile()
+    p.context.window = 1024
     _apply_overrides(p, None, None, 8, 16384, None)
-    assert (p.engine.slots, p.engine.n_ctx) == (8, 2048)
-    assert p.context.window is None and p.context.sliding is True
+    assert (p.engine.slots, p.engine.n_ctx) == (8, 16384)  # not 16384 / 8
+    assert p.context.window is None and p.context.sliding is True  # the window follows
+
+
+def test_serve_ctx_is_the_shared_option() -> None:
+    import inspect
+
+    from orin.cli.options import CtxOpt
+    from orin.cli.serve import serve
+
+    assert inspect.signature(serve).parameters["ctx"].annotation in (CtxOpt, "CtxOpt")
+
+
+def test_an_unknown_log_format_is_a_usage_error() -> None:
+    from typer.testing import CliRunner
+
+    from orin.cli.app import app
+
+    result = CliRunner().invoke(app, ["serve", "--log-format", "xml"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2  # usage, not an internal error (70)
+    assert "xml" in result.output and "internal error" not in result.output
 
 
 def test_window_number_and_off() -> None:
@@ -38,7 +59,25 @@ def test_overrides_obey_the_profile_bounds() -> None:
     p = profile()
     p.context.keep = 300
     with pytest.raises(Exception, match="keep"):
-        _apply_overrides(p, None, None, 4, 1024, None)  # 256 per slot: keep no longer fits
+        _apply_overrides(p, None, None, 4, 256, None)  # 256 per slot: keep no longer fits
+
+
+def test_model_replacing_a_profiles_model_is_served_under_its_own_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    demo = parse_profile("name: demo\nmodel: {demo: {size: small, quant: q4_k_m}}\n")
+    with caplog.at_level(logging.INFO, logger="orin.server"):
+        assert served_name(demo, Path("/models/other.gguf")) == "other"
+    assert "replaces profile demo's model (demo small q4_k_m)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="orin.server"):
+        assert served_name(demo, None) == "demo"  # the profile's own model
+        named = parse_profile("name: d\nmodel: {path: a.gguf}\nserver: {model_name: mine}\n")
+        assert served_name(named, Path("b.gguf")) == "mine"  # server.model_name wins
+        assert served_name(Profile(name="b"), Path("b.gguf")) == "b"  # no model of its own
+    assert [r.getMessage() for r in caplog.records if "replaces" in r.getMessage()] == [
+        "--model b.gguf replaces profile d's model (a.gguf): serving it as 'mine'"
+    ]
 
 
 def test_loopback_detection() -> None:

@@ -22,7 +22,7 @@ from orin.server.protocol import ChatCompletionRequest, CompletionRequest
 N_VOCAB = 32_000
 INTEGERS = {"max_tokens", "top_k", "seed", "logprobs", "penalty_last_n"}
 PROFILE = set(SamplingSection.model_fields)
-# a request's max_tokens has no upper bound: it is capped by server.max_tokens_limit
+# a request's max_tokens has no fixed upper bound: server.max_tokens_limit refuses above it
 REQUEST = set(CompletionRequest.model_fields) & set(params.BY_NAME) - {"max_tokens"}
 
 
@@ -136,13 +136,15 @@ def test_an_unset_max_tokens_takes_the_profile_default(request_: Any) -> None:
     assert request_.to_sampling(SamplingSection(max_tokens=512), cap=50).max_tokens == 50
 
 
-def test_a_request_max_tokens_wins_and_is_capped() -> None:
+def test_a_request_max_tokens_wins_and_above_the_limit_is_refused() -> None:
     defaults = SamplingSection(max_tokens=7)
     assert CompletionRequest(prompt="x", max_tokens=3).to_sampling(defaults, 100).max_tokens == 3
     chat = ChatCompletionRequest(
         messages=[{"role": "user", "content": "x"}], max_completion_tokens=5000
     )
-    assert chat.to_sampling(defaults, 100).max_tokens == 100
+    with pytest.raises(InvalidRequest) as refused:
+        chat.to_sampling(defaults, 100)
+    assert refused.value.param == "max_completion_tokens"
 
 
 def test_request_values_override_the_profile_and_unset_ones_do_not() -> None:
@@ -170,7 +172,7 @@ def doc_row(p: params.Param[Any]) -> str:
     default = num(p.default)
     if p.name in PROFILE:
         default = f"profile's `sampling.{p.name}` ({default})"
-    if p.name == "max_tokens":  # requests are capped, not refused
+    if p.name == "max_tokens":  # bounded by server.max_tokens_limit, not a constant
         bounds = f"≥ {num(p.lo)}"
     else:
         low = f"> {num(p.lo)}" if p.lo_open else f"≥ {num(p.lo)}"

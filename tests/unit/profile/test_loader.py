@@ -92,7 +92,8 @@ def test_cross_field_rules() -> None:
         parse_profile("name: x\nengine: {n_ctx: 1024}\ncontext: {window: 2048}\n")
     with pytest.raises(ProfileError, match=r"n_ubatch \(512\) must not exceed n_batch"):
         parse_profile("name: x\nengine: {n_batch: 256, n_ubatch: 512}\n")
-    with pytest.raises(ProfileError, match=r"one of model\.path, model\.demo, model\.packaged or model\.hf"):
+    one_source = r"one of model\.path, model\.demo, model\.packaged or model\.hf"
+    with pytest.raises(ProfileError, match=one_source):
         parse_profile("name: x\nmodel: {path: a.gguf, demo: {size: tiny}}\n")
 
 

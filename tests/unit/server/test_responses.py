@@ -38,23 +38,25 @@ TIMINGS = RequestTimings(
 )
 
 
-def served() -> Any:
+def served(draining: bool = False) -> Any:
     return SimpleNamespace(
         model_name='demo "tiny" ü',
         system_fingerprint="fp_test",
         engine_piece=lambda t: "é".encode() if t == 9 else b"a",
         detokenize=lambda ids: "<prompt>",
         timings=protocol.timings,
+        draining=draining,
     )
 
 
-def formatter(kind: str, **fields: Any) -> Formatter:
+def formatter(kind: str, draining: bool = False, **fields: Any) -> Formatter:
     if kind == "chat":
         chat = protocol.ChatCompletionRequest(
             messages=[{"role": "user", "content": "hi"}], **fields
         )
-        return ChatFormatter(served(), chat, "req-1")
-    return CompletionFormatter(served(), protocol.CompletionRequest(prompt="hi", **fields), "req-1")
+        return ChatFormatter(served(draining), chat, "req-1")
+    body = protocol.CompletionRequest(prompt="hi", **fields)
+    return CompletionFormatter(served(draining), body, "req-1")
 
 
 def parsed(chunk: bytes) -> dict[str, Any]:
@@ -270,3 +272,83 @@ def test_a_full_response_has_a_choice_per_completion() -> None:
     assert [c["index"] for c in out["choices"]] == [0, 1]
     assert [c["finish_reason"] for c in out["choices"]] == ["stop", "length"]
     assert out["usage"]["completion_tokens"] == 6 and out["usage"]["prompt_tokens"] == 6
+
+
+def stream_events(fmt: Formatter, *streams: FakeStream) -> list[bytes]:
+    async def run() -> list[bytes]:
+        many = list(streams)
+        return [b async for b in sse_events(fmt, many, lambda c: None)]  # type: ignore[arg-type]
+
+    return [e for e in b"".join(asyncio.run(run())).split(b"\n\n") if e]
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("draining", [True, False])
+def test_a_cancelled_stream_ends_with_an_error_event_never_an_unknown_reason(
+    kind: str, draining: bool
+) -> None:
+    """OpenAI has no finish reason "cancelled": a stream the engine cut (shutdown, a
+    client that stopped reading) ends with an OpenAI error event and [DONE], which
+    the official client raises as openai.APIError."""
+    fmt = formatter(kind, draining, stream_options={"include_usage": True})
+    cut = TokenEvent("req-1", None, "", None, "cancelled", TIMINGS)
+    events = stream_events(fmt, FakeStream([[TokenEvent("req-1", 7, "a")], [cut]]))
+    assert events[-1] == b"data: [DONE]"
+    assert b'cancelled"' not in b"".join(e for e in events if b'"finish_reason"' in e)
+    error = json.loads(events[-2][6:])["error"]
+    assert error["code"] == ("server_shutdown" if draining else "cancelled")
+    assert error["type"] == "service_unavailable" and "after 1 tokens" in error["message"]
+    assert ("shutting down" in error["message"]) is draining
+    chunks = [json.loads(e[6:]) for e in events[:-2]]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)  # no final chunk
+
+
+def test_n_choices_cut_at_shutdown_end_with_one_error_event() -> None:
+    fmt = formatter("text", draining=True)
+    done = FakeStream([[TokenEvent("req-1.0", None, "b", finish_reason="stop", timings=TIMINGS)]])
+    cut = FakeStream([[TokenEvent("req-1.1", None, "", None, "cancelled", TIMINGS)]])
+    events = stream_events(fmt, done, cut)
+    assert events[-1] == b"data: [DONE]" and b'"error"' in events[-2]
+    reasons = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-2]]
+    assert [r for r in reasons if r] == ["stop"]  # no final chunk for the cut choice
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_a_whole_answer_cut_at_shutdown_is_a_503_not_a_cancelled_choice(kind: str) -> None:
+    from orin.server.errors import Interrupted, to_response
+
+    with pytest.raises(Interrupted) as caught:
+        formatter(kind, draining=True).response([completion("stop"), completion("cancelled")], [1])
+    r = to_response(caught.value, "req-1")
+    body = json.loads(bytes(r.body))
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert body["error"]["code"] == "server_shutdown"
+    assert "shutting down" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_every_chunk_of_a_stream_has_the_same_id_and_created(
+    kind: str, include_usage: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clock moves on while the answer streams (a second per reading here): the
+    opening, token, final and usage chunks keep the instant the answer began."""
+    import time
+
+    clock = iter(range(1_700_000_000, 1_700_001_000))
+    monkeypatch.setattr(time, "time", lambda: float(next(clock)))
+    fmt = formatter(
+        kind,
+        stream_options={"include_usage": include_usage},
+        logprobs=1 if kind == "text" else True,
+    )
+    batches = [
+        [TokenEvent("req-1", 7, "a")],
+        [TokenEvent("req-1", 8, "b", LOGPROB)],  # built in full, not from the template
+        [TokenEvent("req-1", None, "c", None, "length", TIMINGS)],
+    ]
+    events = stream_events(fmt, FakeStream(batches))
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert len(chunks) == 4 + (kind == "chat") + include_usage  # opening, 3 tokens, final
+    assert len({c["id"] for c in chunks}) == 1
+    assert len({c["created"] for c in chunks}) == 1

@@ -1,0 +1,79 @@
+"""The drain's timing rules, with an engine that records what it was told."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import SimpleNamespace
+from typing import Any, cast
+
+import uvicorn
+
+from orin.server.lifecycle import CUT_FLUSH_S, FLUSH_S, OrinServer
+from orin.server.notify import SystemdNotifier
+from orin.server.state import ServerState
+
+
+class Engine:
+    """``stop(drain=True)`` runs until the grace period ends or a ``stop(drain=False)``
+    cancels everything, as the real engine's does."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bool, float]] = []
+        self.draining = threading.Event()
+        self.cancelled = threading.Event()
+
+    def stop(self, drain: bool = True, timeout: float = 30.0) -> None:
+        self.calls.append((drain, timeout))
+        if drain:
+            self.draining.set()
+            self.cancelled.wait(timeout=60)
+        else:
+            self.cancelled.set()
+
+    def status(self) -> Any:
+        return SimpleNamespace(heartbeat_ns=0)
+
+
+def server(grace_s: float = 300.0) -> tuple[OrinServer, Engine, Any]:
+    engine = Engine()
+    state = SimpleNamespace(engine=engine, draining=False, model_name="m")
+    config = uvicorn.Config(app=lambda *a: None, timeout_graceful_shutdown=5)
+    srv = OrinServer(config, cast(ServerState, state), grace_s, SystemdNotifier({}))
+    return srv, engine, state
+
+
+def test_the_drain_gives_the_responses_the_rest_of_the_grace_period() -> None:
+    """uvicorn's own wait for open connections (5 s by default) must not cut a slow
+    reader's stream short while the grace period lasts."""
+    srv, engine, state = server(300.0)
+    engine.cancelled.set()  # the running requests finish at once
+    srv.drain()
+    assert state.draining and srv.should_exit and not srv.cut_short
+    assert engine.calls == [(True, 300.0)]
+    timeout = srv.config.timeout_graceful_shutdown
+    assert timeout is not None and 300.0 <= timeout <= 300.0 + FLUSH_S + 3
+
+
+def test_a_second_signal_cancels_every_request_and_shortens_the_flush() -> None:
+    srv, engine, _ = server(300.0)
+    srv.handle_exit(signal.SIGINT, None)
+    assert engine.draining.wait(timeout=60)  # the drain waits for the engine
+    assert not srv.should_exit
+    srv.handle_exit(signal.SIGINT, None)
+    assert srv._drain_thread is not None
+    srv._drain_thread.join(timeout=60)
+    assert (False, 5.0) in engine.calls  # every request cancelled now
+    assert srv.cut_short and srv.should_exit and not srv.force_exit
+    timeout = srv.config.timeout_graceful_shutdown
+    assert timeout is not None and timeout <= CUT_FLUSH_S + 3
+
+
+def test_a_third_signal_stops_waiting_for_anything() -> None:
+    srv, engine, _ = server(300.0)
+    srv.handle_exit(signal.SIGTERM, None)
+    assert engine.draining.wait(timeout=60)
+    srv.handle_exit(signal.SIGTERM, None)
+    srv.handle_exit(signal.SIGTERM, None)
+    assert srv.force_exit and srv.should_exit
+    engine.cancelled.set()  # let the drain thread end
