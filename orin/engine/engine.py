@@ -66,6 +66,11 @@ from orin.model.gguf import ModelInfo
 log = logging.getLogger("orin.engine")
 
 _ids = itertools.count(1)
+# A plain request of at most this many prompt tokens is prepared on the event loop
+# (submit_async): checking the ids is ~0.1 ms at this length, less than a worker
+# thread's wake-up on a loaded machine; longer prompts go to the thread pool.
+INLINE_PROMPT_TOKENS = 2048
+INLINE_BIASES = 64  # logit biases copied into the sampler at most, inline
 _NO_BATCH = Batch((), ())  # a loop turn that runs an embedding pass instead
 
 
@@ -254,8 +259,16 @@ class Engine:
         parse, the sampler chain, penalties fed the whole prompt) runs on a worker
         thread, so a large grammar or prompt does not stall the event loop; its
         errors are raised here. A caller cancelled while it runs cancels the
-        request as soon as it is queued."""
+        request as soon as it is queued.
+
+        A plain request (token ids, no grammar, no penalties, no speculation) is
+        prepared on the loop itself: building its sampler is a few microseconds,
+        while the round trip through a worker thread waits for a core that
+        llama.cpp's threads hold, which added milliseconds to every TTFT under
+        load (docs/performance.md, "Burst TTFT")."""
         loop = asyncio.get_running_loop()
+        if self._cheap_to_prepare(prompt, params):
+            return self._submit(prompt, params, request_id, loop, whole)
         prepared = loop.run_in_executor(
             None, functools.partial(self._submit, prompt, params, request_id, loop, whole)
         )
@@ -264,6 +277,17 @@ class Engine:
         except asyncio.CancelledError:
             prepared.add_done_callback(_cancel_orphan)
             raise
+
+    def _cheap_to_prepare(self, prompt: str | list[int], params: SamplingParams | None) -> bool:
+        """Whether preparing this request costs next to nothing: already token ids and
+        not too many of them to check, no grammar to parse, no penalties to feed the
+        prompt, no n-gram index to build, few logit biases."""
+        if not isinstance(prompt, list) or len(prompt) > INLINE_PROMPT_TOKENS:
+            return False
+        if self.speculation is not None:
+            return False
+        p = params or SamplingParams()
+        return not p.grammar and not p.penalized and len(p.logit_bias) <= INLINE_BIASES
 
     def _submit(
         self,

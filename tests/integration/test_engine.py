@@ -555,6 +555,42 @@ def test_async_submit_parses_the_grammar_off_the_event_loop(
     assert len(parsed_on) == 2 and loop_thread not in parsed_on
 
 
+def test_async_submit_prepares_a_plain_request_on_the_loop(engine: Engine) -> None:
+    """Token ids without grammar or penalties skip the worker-thread round trip; a
+    text prompt, a penalized request and a long prompt still go to the pool."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Counting(ThreadPoolExecutor):
+        calls = 0
+
+        def submit(self, *args: Any, **kwargs: Any) -> Any:
+            Counting.calls += 1
+            return super().submit(*args, **kwargs)
+
+    ids = engine.tokenize("hello there")
+
+    async def run() -> list[int]:
+        asyncio.get_running_loop().set_default_executor(Counting(1))
+        used = []
+        for prompt, params in (
+            (ids, SamplingParams(max_tokens=2, **GREEDY)),
+            ("hello there", SamplingParams(max_tokens=2, **GREEDY)),
+            (ids, SamplingParams(max_tokens=2, repeat_penalty=1.3, **GREEDY)),
+            (ids[1:3] * 1100, SamplingParams(max_tokens=1, **GREEDY)),  # 2,200 ids
+        ):
+            before = Counting.calls
+            try:
+                stream = await engine.submit_async(prompt, params)
+                [e async for e in stream]
+            except ContextLengthExceeded:  # the long prompt: longer than a slot's context
+                pass
+            used.append(Counting.calls - before)
+        return used
+
+    assert asyncio.run(run()) == [0, 1, 1, 1]
+
+
 def test_end_of_generation_tokens_are_listed_once_per_model(
     small: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
