@@ -336,7 +336,9 @@ class Scheduler:
             self._ops.append(Load(slot.id, handle, n))
             slot.cache = list(prompt[:n])
             reuse = min(n, limit)
-        elif donor is not None and self._worth_sharing(shared - reuse, prompt):
+        elif donor is not None and (
+            self._worth_sharing(shared - reuse, prompt) or shared == limit
+        ):  # a copy of the whole prompt leaves one token to feed, as llama-server does
             if self.unified:  # cells are shared, not copied: tag the prefix only
                 if slot.cache:
                     self._ops.append(Remove(slot.id, 0, -1))

@@ -337,6 +337,24 @@ def test_a_short_shared_gain_is_not_worth_a_copy() -> None:
     assert s.slot_of("b").cached_prompt == 0  # type: ignore[union-attr]
 
 
+def test_a_slot_holding_the_whole_prompt_is_copied_whatever_the_gain() -> None:
+    """The idle slot shares a 20-token template with the prompt and a busy one holds
+    all of it: a short gain, but the copy leaves only the last token to feed."""
+    s, r = make(slots=2, n_batch=64, window=512), FakeRunner()
+    template = list(range(100, 120))
+    s.add(Req("a", [*template, 1, 2, 3, 4, 5]))
+    s.add(Req("r", [*template, 9, 9, 9]))
+    while any(sl.state is not SlotState.DECODE for sl in s.slots):
+        step(s, r)
+    s.release(s.slots[1], keep_cache=True)
+    s.add(Req("c", [*template, 1, 2, 3, 4, 5]))
+    b = step(s, r)
+    slot = s.slot_of("c")
+    assert slot is not None and slot.id == 1
+    assert b.ops[0] == Copy(0, 1) and slot.cached_prompt == 24
+    assert [i for i in b.items if i.slot == 1] == [BatchItem(1, (5,), 24, True, prefill=True)]
+
+
 def test_requests_behind_a_held_one_are_not_blocked() -> None:
     s, r = make(slots=3, n_batch=8, window=512), FakeRunner()
     prompt = list(range(1, 41))
