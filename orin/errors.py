@@ -37,3 +37,7 @@ class BindError(OrinError):
 
 class HubError(OrinError):
     """A model cannot be fetched from the hub: not found, refused, or a checksum mismatch."""
+
+
+class RpcWorkerError(LlamaCppError):
+    """An RPC worker (``serve --rpc``) cannot be reached, offers no device, or was lost."""

@@ -135,7 +135,50 @@ def build_info() -> BuildInfo:
     text = lib.llama_print_system_info().decode("utf-8", errors="replace")
     return BuildInfo(
         version=version("llama-cpp-python"),
-        gpu_offload=bool(lib.llama_supports_gpu_offload()),
+        gpu_offload=local_gpu(lib),
         system_info=text,
         backends=parse_system_info(text),
     )
+
+
+def local_gpu(lib: ModuleType) -> bool:
+    """Whether this machine has a GPU llama.cpp can offload to: a GPU or integrated-GPU
+    device of a backend other than RPC in ggml's registry.
+
+    ``llama_supports_gpu_offload()`` cannot tell: it is true for every build with the
+    RPC backend (scripts/install-llama-cpp.sh builds it in every mode), since workers
+    can be added at run time, and RPC workers are GPU-type devices once added."""
+    try:
+        g: Any = ggml_library("ggml")
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        g.ggml_backend_dev_count.argtypes, g.ggml_backend_dev_count.restype = [], sz
+        g.ggml_backend_dev_get.argtypes, g.ggml_backend_dev_get.restype = [sz], vp
+        g.ggml_backend_dev_type.argtypes, g.ggml_backend_dev_type.restype = [vp], ctypes.c_int
+        g.ggml_backend_dev_backend_reg.argtypes = [vp]
+        g.ggml_backend_dev_backend_reg.restype = vp
+        g.ggml_backend_reg_name.argtypes, g.ggml_backend_reg_name.restype = [vp], ctypes.c_char_p
+    except (ImportError, AttributeError, OSError):  # an older binding: its own answer
+        return bool(lib.llama_supports_gpu_offload())
+    for i in range(int(g.ggml_backend_dev_count())):
+        dev = g.ggml_backend_dev_get(i)
+        if g.ggml_backend_dev_type(dev) not in (1, 2):  # GGML_BACKEND_DEVICE_TYPE_(I)GPU
+            continue
+        if g.ggml_backend_reg_name(g.ggml_backend_dev_backend_reg(dev)) != b"RPC":
+            return True
+    return False
+
+
+@cache
+def ggml_library(name: str) -> ctypes.CDLL:
+    """ggml's ``lib{name}`` as libllama loaded it: by its soname (``libggml.so.0``).
+
+    A wheel holds no symbolic links, so ``libggml.so`` and ``libggml.so.0`` are two
+    files there, and loading the first would load a second copy of ggml, with its
+    own backend registry and abort callback, that llama.cpp never looks at."""
+    from pathlib import Path
+
+    folder = Path(str(llama().__file__)).parent / "lib"
+    for candidate in (f"lib{name}.so.0", f"lib{name}.so", f"lib{name}.dylib", f"{name}.dll"):
+        if (folder / candidate).exists():
+            return ctypes.CDLL(str(folder / candidate))
+    raise LlamaCppError(f"lib{name} not found in {folder}")

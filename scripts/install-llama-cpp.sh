@@ -19,11 +19,17 @@
 # generation of a quantized model runs in a subprocess; a crash there fails
 # the install with the cause.
 #
-# Usage: scripts/install-llama-cpp.sh [--python PY] [--mode auto|jetson|cuda|cpu] [--dry-run]
+# Every mode also builds ggml's RPC backend (-DGGML_RPC=ON): `orin-llm
+# rpc-worker` and `orin-llm serve --rpc` spread one model across boards with it.
+# It is on by default because it only adds a backend that has no devices until
+# servers are added (a run without --rpc is unchanged) and so `make test` runs
+# the loopback RPC tests on every machine; --no-rpc (ORIN_LLM_RPC=0) leaves it out.
+#
+# Usage: scripts/install-llama-cpp.sh [--python PY] [--mode auto|jetson|cuda|cpu] [--no-rpc] [--dry-run]
 # Environment: LLAMA_CPP_PYTHON_VERSION (default below), ORIN_LLM_BUILD (same as
-# --mode), ORIN_LLM_SYSROOT (root for board and CPU detection; tests point it at
-# a fake tree), ORIN_LLM_ARCH (instead of `uname -m`), ORIN_LLM_WHEEL_CACHE
-# (default ~/.cache/orin-llm/wheels).
+# --mode), ORIN_LLM_RPC (1 by default; 0 is --no-rpc), ORIN_LLM_SYSROOT (root for
+# board and CPU detection; tests point it at a fake tree), ORIN_LLM_ARCH (instead
+# of `uname -m`), ORIN_LLM_WHEEL_CACHE (default ~/.cache/orin-llm/wheels).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -34,14 +40,16 @@ PYTHON="${PYTHON:-python3}"
 ROOT="${ORIN_LLM_SYSROOT:-}"
 ARCH_NAME="${ORIN_LLM_ARCH:-$(uname -m)}"
 WHEEL_CACHE="${ORIN_LLM_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/orin-llm/wheels}"
+RPC="${ORIN_LLM_RPC:-1}"
 DRY_RUN=0
 
 while [ $# -gt 0 ]; do
   case "$1" in
     --python) PYTHON="$2"; shift 2 ;;
     --mode) MODE="$2"; shift 2 ;;
+    --no-rpc) RPC=0; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "install-llama-cpp: unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -119,6 +127,11 @@ case "$MODE" in
     WANT_GPU=0 ;;
   *) echo "install-llama-cpp: unknown mode '$MODE' (auto, jetson, cuda, cpu)" >&2; exit 2 ;;
 esac
+case "$RPC" in
+  1) CMAKE_ARGS="$CMAKE_ARGS -DGGML_RPC=ON" ;;
+  0) ;;
+  *) echo "install-llama-cpp: ORIN_LLM_RPC must be 0 or 1, not '$RPC'" >&2; exit 2 ;;
+esac
 export CMAKE_ARGS FORCE_CMAKE=1
 # CMake takes its initial C/C++ flags from CFLAGS/CXXFLAGS
 export CFLAGS="${CPU_CFLAGS}${CFLAGS:+ $CFLAGS}" CXXFLAGS="${CPU_CFLAGS}${CXXFLAGS:+ $CXXFLAGS}"
@@ -140,16 +153,27 @@ echo "install-llama-cpp: $PYTHON -m pip ${PIP_WHEEL[*]}"
 # Where the installed build's key is recorded (inside the environment).
 KEY_FILE="$("$PYTHON" -c 'import sys; print(sys.prefix)')/.orin-llm-llama-build"
 
+# Whether the build sees a local GPU: a GPU or integrated-GPU device in ggml's
+# registry. (llama_supports_gpu_offload() is true for every build with the RPC
+# backend, since workers can be added at run time, so it cannot tell.)
+LOCAL_GPU_PY='import ctypes, os, llama_cpp
+lib = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+g = ctypes.CDLL(next(os.path.join(lib, n) for n in ("libggml.so.0", "libggml.so") if os.path.exists(os.path.join(lib, n))))
+g.ggml_backend_dev_count.restype = ctypes.c_size_t
+g.ggml_backend_dev_get.argtypes, g.ggml_backend_dev_get.restype = [ctypes.c_size_t], ctypes.c_void_p
+g.ggml_backend_dev_type.argtypes, g.ggml_backend_dev_type.restype = [ctypes.c_void_p], ctypes.c_int
+local_gpu = any(g.ggml_backend_dev_type(g.ggml_backend_dev_get(i)) in (1, 2) for i in range(g.ggml_backend_dev_count()))'
+
 installed_ok() {
   [ -f "$KEY_FILE" ] && [ "$(cat "$KEY_FILE")" = "$BUILD_KEY" ] || return 1
-  "$PYTHON" - "$VERSION" "$WANT_GPU" <<'PY' 2>/dev/null
+  "$PYTHON" - "$VERSION" "$WANT_GPU" 2>/dev/null <<PY
 import sys
 from importlib.metadata import version
 want, want_gpu = sys.argv[1], sys.argv[2] == "1"
 if version("llama-cpp-python") != want:
     sys.exit(1)
-import llama_cpp
-sys.exit(0 if bool(llama_cpp.llama_supports_gpu_offload()) == want_gpu else 1)
+$LOCAL_GPU_PY
+sys.exit(0 if local_gpu == want_gpu else 1)
 PY
 }
 
@@ -197,4 +221,5 @@ if ! smoke_test; then
   rm -f "$KEY_FILE"
   exit 1
 fi
-"$PYTHON" -c 'import llama_cpp; print("install-llama-cpp: gpu_offload=%s" % llama_cpp.llama_supports_gpu_offload()); print("install-llama-cpp: " + llama_cpp.llama_print_system_info().decode().strip())'
+"$PYTHON" -c "$LOCAL_GPU_PY"'
+print("install-llama-cpp: gpu_offload=%s" % local_gpu); print("install-llama-cpp: " + llama_cpp.llama_print_system_info().decode().strip())'

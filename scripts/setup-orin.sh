@@ -109,9 +109,18 @@ step_llama() {
   say "[3/6] llama-cpp-python built for this board"
   local want_gpu="$JETSON"
   if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - "$want_gpu" <<'PY' 2>/dev/null; then
-import sys
+import ctypes, os, sys
 import llama_cpp
-sys.exit(0 if sys.argv[1] == "0" or llama_cpp.llama_supports_gpu_offload() else 1)
+if sys.argv[1] == "0":
+    sys.exit(0)
+# a GPU device in ggml's registry (llama_supports_gpu_offload() is true for any
+# build with the RPC backend, so it cannot tell a CPU-only build)
+lib = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+g = ctypes.CDLL(next(os.path.join(lib, n) for n in ("libggml.so.0", "libggml.so") if os.path.exists(os.path.join(lib, n))))
+g.ggml_backend_dev_count.restype = ctypes.c_size_t
+g.ggml_backend_dev_get.argtypes, g.ggml_backend_dev_get.restype = [ctypes.c_size_t], ctypes.c_void_p
+g.ggml_backend_dev_type.argtypes, g.ggml_backend_dev_type.restype = [ctypes.c_void_p], ctypes.c_int
+sys.exit(0 if any(g.ggml_backend_dev_type(g.ggml_backend_dev_get(i)) in (1, 2) for i in range(g.ggml_backend_dev_count())) else 1)
 PY
     say "  ok: installed$([ "$want_gpu" = 1 ] && echo ' with GPU offload')"
     return

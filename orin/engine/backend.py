@@ -86,6 +86,10 @@ class Backend:
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = cfg.gpu_layers if cfg.gpu_layers >= 0 else 0x7FFFFFFF
         mp.load_mode = getattr(lib, LOAD_MODES[cfg.load_mode])
+        if cfg.rpc:  # the workers become devices llama.cpp splits the layers across
+            from orin.engine.rpc import register_workers
+
+            register_workers(cfg.rpc, self.info.n_layer, cfg.gpu_layers)
         with capture_log() as lines:
             model = lib.llama_model_load_from_file(str(cfg.model_path).encode(), mp)
         if not model:

@@ -21,6 +21,7 @@ from orin.errors import KVConfigError, OrinError
 from orin.install.layout import HOME_PREFIXES, PROFILE_FILE, SERVICE, TUNE_SERVICE
 from orin.model.gguf import ModelInfo
 from orin.model.memplan import MemoryPlan, plan_memory
+from orin.profile.fit import projector_bytes
 from orin.profile.kvmatch import resolve_kv
 from orin.profile.schema import Profile
 from orin.system.root import SysRoot
@@ -40,6 +41,7 @@ MAX_OVER_HIGH = 0.25
 # seconds even for a 70B model, tens of seconds on a CPU-only build), since
 # the heartbeat only advances between steps.
 WATCHDOG_SEC = 60
+START_LIMIT_INTERVAL_S = 600  # 5 starts in 10 minutes, then systemd gives up (StartLimitBurst)
 # The watchdog starts at READY=1, so loading is bounded by TimeoutStartSec
 # alone: a cold read of the weights at 100 MiB/s (an SD card) plus two
 # minutes for CUDA and the KV cache, and never under five minutes.
@@ -108,6 +110,9 @@ class UnitConfig:
     protect_home: Literal["yes", "read-only"] = "yes"
     port: int | None = None
     devices_found: bool = True  # False: none on this machine, the JetPack 6 defaults
+    # engine.rpc: a worker that is down makes the server exit until it returns, so
+    # systemd must go on restarting it however often (no start limit)
+    rpc_workers: bool = False
 
     @property
     def memory_high(self) -> int:
@@ -150,6 +155,7 @@ def service_plan(profile: Profile, info: ModelInfo) -> MemoryPlan:
         flash,
         e.n_batch,
         e.swa_full,
+        mmproj_bytes=projector_bytes(profile),
     )
 
 
@@ -176,6 +182,7 @@ def unit_config(
         protect_home=protect_home_for((executable, model_path)),
         port=port,
         devices_found=bool(found),
+        rpc_workers=bool(profile.engine.rpc),
     )
 
 
@@ -220,6 +227,7 @@ def _values(cfg: UnitConfig) -> dict[str, str]:
         "user": cfg.user,
         "groups": " ".join(cfg.groups),
         "watchdog_sec": str(WATCHDOG_SEC),
+        "start_limit_interval_sec": "0" if cfg.rpc_workers else str(START_LIMIT_INTERVAL_S),
         "timeout_start_sec": str(cfg.timeout_start_s),
         "timeout_stop_sec": str(cfg.timeout_stop_s),
         "limit_memlock": "LimitMEMLOCK=infinity" if cfg.memlock else "",
@@ -301,3 +309,55 @@ def _round_up(n: int, to: int) -> int:
 
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
+
+
+# -- the RPC worker's unit (orin-llm install-rpc-worker) -----------------------------
+
+RPC_WORKER_SERVICE = "orin-llm-rpc-worker.service"
+RPC_CACHE_DIR = "/var/cache/orin-llm/rpc"
+
+
+@dataclass(frozen=True)
+class RpcWorkerUnit:
+    """What the worker's unit needs: where it listens and who may connect.
+
+    ``allow`` are the addresses (or CIDR prefixes) of the serving boards; when
+    given, the unit drops every other peer in the kernel (IPAddressDeny=any), a
+    fence the RPC protocol itself does not have."""
+
+    executable: str
+    user: str
+    groups: tuple[str, ...]
+    host: str
+    port: int
+    devices: tuple[str, ...]
+    threads: int = 0
+    cache: bool = False
+    allow: tuple[str, ...] = ()
+    protect_home: Literal["yes", "read-only"] = "yes"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def render_rpc_worker_unit(cfg: RpcWorkerUnit) -> str:
+    """The worker's unit text: the serve unit's hardening, bound to ``cfg.host``."""
+    argv = [cfg.executable, "rpc-worker", "--host", cfg.host, "--port", str(cfg.port)]
+    if cfg.threads:
+        argv += ["--threads", str(cfg.threads)]
+    if cfg.cache:
+        argv += ["--cache", RPC_CACHE_DIR]
+    allow = ""
+    if cfg.allow:
+        allow = "IPAddressDeny=any\nIPAddressAllow=" + " ".join(("localhost", *cfg.allow))
+    values = {
+        "endpoint": _escape(cfg.endpoint),
+        "exec_start": command_line(argv),
+        "user": cfg.user,
+        "groups": " ".join(cfg.groups),
+        "protect_home": cfg.protect_home,
+        "ip_address_allow": allow,
+        "device_allow": "\n".join(f"DeviceAllow={_escape(d)} rw" for d in cfg.devices),
+    }
+    return render_template(template_text(RPC_WORKER_SERVICE), values)

@@ -109,6 +109,17 @@ def test_profile_load_mode_decides_memlock(tmp_path: Path) -> None:
     assert cfg.memlock
 
 
+def test_rpc_workers_lift_the_start_limit(tmp_path: Path) -> None:
+    root = SysRoot(make_root(tmp_path, "llama3.1-8b-q4_k_m"))
+    profile = load_profile("llama3.1-8b-q4_k_m")
+    _, info = service_model(profile, root)
+    plain = render_units(unit_config(profile, service_plan(profile, info), EXECUTABLE, "u", (), ()))
+    assert "StartLimitIntervalSec=600\n" in plain["orin-llm.service"]
+    profile.engine.rpc = ["10.0.0.2:50052"]
+    split = render_units(unit_config(profile, service_plan(profile, info), EXECUTABLE, "u", (), ()))
+    assert "StartLimitIntervalSec=0\n" in split["orin-llm.service"]
+
+
 def test_home_paths_make_homes_read_only(tmp_path: Path) -> None:
     root = SysRoot(make_root(tmp_path, "llama3.1-8b-q4_k_m"))
     profile = load_profile("llama3.1-8b-q4_k_m")

@@ -148,7 +148,7 @@ def cflags(stdout: str) -> str:
 def test_x86_builds_for_this_cpu_with_amx_switched_off(tmp_path: Path, empty_bin: Path) -> None:
     cpuinfo(tmp_path, SAPPHIRE_RAPIDS)
     out = run(tmp_path, [empty_bin]).stdout
-    assert cmake_options(out) == {"GGML_NATIVE": "ON"}
+    assert cmake_options(out) == {"GGML_NATIVE": "ON", "GGML_RPC": "ON"}
     assert cflags(out) == NO_AMX
 
 
@@ -174,13 +174,52 @@ def test_a_compiler_that_knows_no_amx_gets_no_flags(tmp_path: Path) -> None:
     fake_tool(bindir, "cc", "exit 1")  # an old compiler: no -mno-amx-int8, so no AMX either
     cpuinfo(tmp_path, EPYC_ZEN3)
     out = run(tmp_path, [bindir]).stdout
-    assert cmake_options(out) == {"GGML_NATIVE": "ON"} and cflags(out) == ""
+    assert cmake_options(out) == {"GGML_NATIVE": "ON", "GGML_RPC": "ON"} and cflags(out) == ""
 
 
 def test_cpu_arm64_build_names_the_orin_cpu(tmp_path: Path, empty_bin: Path) -> None:
     opts = cmake_options(run(tmp_path, [empty_bin], "--mode", "cpu", arch="aarch64").stdout)
-    assert opts == {"GGML_NATIVE": "OFF", "GGML_CPU_ARM_ARCH": "armv8.2-a+dotprod+fp16"}
+    assert opts == {
+        "GGML_NATIVE": "OFF",
+        "GGML_CPU_ARM_ARCH": "armv8.2-a+dotprod+fp16",
+        "GGML_RPC": "ON",
+    }
     assert "CFLAGS=\n" in run(tmp_path, [empty_bin], "--mode", "cpu", arch="aarch64").stdout
+
+
+def test_every_mode_builds_the_rpc_backend_unless_told_not_to(
+    tmp_path: Path, empty_bin: Path
+) -> None:
+    # on by default: it adds a backend without devices until `serve --rpc` adds workers
+    fake_tool(empty_bin, "nvcc")  # --mode cuda names it
+    for mode in ("cpu", "cuda", "jetson"):
+        out = run(tmp_path, [empty_bin], "--mode", mode).stdout
+        assert f"mode={mode}" in out and cmake_options(out)["GGML_RPC"] == "ON"
+    off = run(tmp_path, [empty_bin], "--mode", "cpu", "--no-rpc").stdout
+    assert "GGML_RPC" not in cmake_options(off)
+    env_off = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "--mode", "cpu"],
+        env={"PATH": f"{empty_bin}:/usr/bin:/bin", "ORIN_LLM_SYSROOT": str(tmp_path),
+             "ORIN_LLM_ARCH": "x86_64", "HOME": str(tmp_path), "ORIN_LLM_RPC": "0"},
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert "GGML_RPC" not in cmake_options(env_off.stdout)
+    bad = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"],
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "ORIN_LLM_RPC": "yes"},
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "ORIN_LLM_RPC must be 0 or 1" in bad.stderr
+
+
+def test_the_wheel_cache_key_holds_the_rpc_option(tmp_path: Path, empty_bin: Path) -> None:
+    # a cached wheel built without RPC is never taken for one with it, nor the reverse
+    def key(*args: str) -> str:
+        out = run(tmp_path, [empty_bin], "--mode", "cpu", *args).stdout
+        return next(ln for ln in out.splitlines() if "wheel cache" in ln).rsplit(" ", 1)[1]
+
+    assert key() != key("--no-rpc")
+    assert key() == key()
 
 
 def test_the_wheel_cache_is_keyed_by_the_cpu_and_options(tmp_path: Path, empty_bin: Path) -> None:

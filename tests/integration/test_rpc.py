@@ -1,0 +1,314 @@
+"""One model across llama.cpp RPC workers, on loopback: two `orin-llm rpc-worker`
+processes hold the layers of a generated model that `orin-llm serve --rpc` serves.
+
+Greedy output across the workers is token-identical to a single-process run. A
+worker lost mid-stream ends the server with exit code 6 and a line naming the
+worker (llama.cpp's RPC client aborts on a lost connection, docs/fleet.md); a
+restart while the worker is still down is exit 6 naming it again, before
+anything loads; once the worker is back, a restart serves the same tokens as
+before: that is the recovery a service manager's restart gives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from orin.engine.rpc import RPC_LOST_EXIT, probe, rpc_available
+from tests.serverutil import free_port, live_server
+
+pytestmark = pytest.mark.llama
+
+if not rpc_available():
+    pytest.skip(
+        "this llama.cpp build has no RPC backend (built with --no-rpc or before GGML_RPC "
+        "was on): run scripts/install-llama-cpp.sh",
+        allow_module_level=True,
+    )
+
+PROMPT = "The robot crossed the yard and"
+BODY = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+
+
+def orin(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "orin", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "ORIN_LLM_TELEMETRY": "off"},
+    )
+
+
+def stop(proc: subprocess.Popen[str]) -> str:
+    """End a process if it still runs; its stderr."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.stderr.read() if proc.stderr else ""
+
+
+@contextmanager
+def worker(port: int, threads: int = 1) -> Iterator[subprocess.Popen[str]]:
+    proc = orin("rpc-worker", "--port", str(port), "--threads", str(threads))
+    try:
+        deadline = time.time() + 60
+        while probe(f"127.0.0.1:{port}", timeout=1) is not None:
+            assert proc.poll() is None, stop(proc)
+            assert time.time() < deadline, "the worker never listened"
+            time.sleep(0.1)
+        yield proc
+    finally:
+        stop(proc)
+
+
+def serve(model: Path, port: int, workers: list[int]) -> subprocess.Popen[str]:
+    rpc = ",".join(f"127.0.0.1:{p}" for p in workers)
+    return orin(
+        "serve", "--model", str(model), "--port", str(port), "--slots", "1", "--ctx", "512",
+        "--telemetry", "off", "--rpc", rpc,
+    )  # fmt: skip
+
+
+def wait_healthy(base: str, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, stop(proc)
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the server never became healthy")
+
+
+def complete(base: str) -> list[int]:
+    r = httpx.post(f"{base}/v1/completions", json=BODY, timeout=120)
+    assert r.status_code == 200, r.text
+    ids = r.json()["choices"][0]["token_ids"]
+    assert len(ids) == 24
+    return list(ids)
+
+
+class CountingProxy:
+    """A loopback TCP proxy in front of a worker that counts the bytes each way: what
+    an RPC split costs the network."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.sent = self.received = 0  # server -> worker, worker -> server
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            for s in (client, upstream):  # as llama.cpp's own sockets: no Nagle delay
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for a, b, up in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pump, args=(a, b, up), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+                with self._lock:
+                    if up:
+                        self.sent += len(data)
+                    else:
+                        self.received += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def total(self) -> int:
+        with self._lock:
+            return self.sent + self.received
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.fixture(scope="module")
+def small_f16() -> Path:
+    """Four layers: over two workers of equal memory llama.cpp puts three on the first
+    and the last one (with the output) on the second, so both hold layers. f16, since
+    the local CPU backend repacks some quantized types for its own kernels and the
+    workers do not, which may change the last bits of a logit."""
+    from orin.model import demo
+
+    return demo.ensure("small", "f16")
+
+
+@pytest.fixture(scope="module")
+def local_tokens(small_f16: Path) -> list[int]:
+    """The reference: the same model and request in a single process."""
+    with live_server(small_f16, "engine: {slots: 1, n_ctx: 512}\n") as (base, _):
+        return complete(base)
+
+
+def test_the_rpc_backend_is_not_taken_for_a_local_gpu() -> None:
+    from orin.llamacpp import build_info, llama
+
+    # llama.cpp says "offload possible" for any build with the RPC backend ...
+    assert llama().llama_supports_gpu_offload()
+    # ... while orin-llm asks whether this machine has a GPU (CUDA is the GPU backend built)
+    assert build_info().gpu_offload == build_info().cuda
+
+
+def test_two_workers_serve_the_same_greedy_tokens_as_one_process(
+    small_f16: Path, local_tokens: list[int]
+) -> None:
+    a, b, port = free_port(), free_port(), free_port()
+    with worker(a), worker(b):
+        proc = serve(small_f16, port, [a, b])
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", proc)
+            assert complete(f"http://127.0.0.1:{port}") == local_tokens
+        finally:
+            err = stop(proc)
+    # both workers were registered as devices and hold layers
+    assert f"RPC worker 127.0.0.1:{a}: RPC" in err and f"RPC worker 127.0.0.1:{b}: RPC" in err
+    assert f"3 on RPC0 (127.0.0.1:{a}), 1 on RPC1 (127.0.0.1:{b})" in err
+
+
+def test_a_lost_worker_ends_the_server_with_exit_6_and_a_restart_recovers(
+    small_f16: Path, local_tokens: list[int]
+) -> None:
+    a, b, port = free_port(), free_port(), free_port()
+    base = f"http://127.0.0.1:{port}"
+    with worker(a):
+        with worker(b) as wb:
+            proc = serve(small_f16, port, [a, b])
+            try:
+                wait_healthy(base, proc)
+                body = {**BODY, "max_tokens": 4096, "ignore_eos": True, "stream": True}
+                chunks = 0
+                # the stream is cut when the server exits
+                with (
+                    pytest.raises(httpx.HTTPError),
+                    httpx.stream("POST", f"{base}/v1/completions", json=body) as r,
+                ):
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            json.loads(line[6:])
+                            chunks += 1
+                            if chunks == 3:
+                                wb.kill()  # the worker dies mid-stream
+                    raise AssertionError("the stream ran to its end without worker B")
+                assert proc.wait(timeout=120) == RPC_LOST_EXIT
+            finally:
+                err = stop(proc)
+            assert f"lost RPC worker 127.0.0.1:{b} " in err, err
+            assert f"exiting with code {RPC_LOST_EXIT}" in err
+        # the restart a service manager makes while the worker is still down: refused
+        # before anything loads, naming the worker
+        down = serve(small_f16, port, [a, b])
+        assert down.wait(timeout=120) == RPC_LOST_EXIT
+        assert f"cannot reach RPC worker 127.0.0.1:{b} (" in stop(down)
+        # the worker is back: the next restart serves the same tokens as before
+        with worker(b):
+            again = serve(small_f16, port, [a, b])
+            try:
+                wait_healthy(base, again)
+                assert complete(base) == local_tokens
+            finally:
+                stop(again)
+
+
+def traffic(
+    model: Path,
+    n_workers: int,
+    tokens: tuple[int, int] = (16, 48),
+    threads: int = 1,
+    proxy: bool = True,
+) -> dict[str, float]:
+    """Bytes per generated token between the server and its workers (the difference of
+    two greedy requests of different lengths after a warm-up request of the same
+    prompt, so that both reuse the cached prompt and only the generated tokens differ)
+    and the decode rate; ``n_workers`` 0 is the single-process run."""
+    ports = [free_port() for _ in range(n_workers)]
+    with contextlib.ExitStack() as stack:
+        for p in ports:
+            stack.enter_context(worker(p, threads))
+        proxies = [CountingProxy(p) for p in ports] if proxy else []
+        for x in proxies:
+            stack.callback(x.close)
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        proc = serve(model, port, [x.port for x in proxies] if proxy else ports)
+        stack.callback(stop, proc)
+        wait_healthy(base, proc)
+        counts, rates = [], []
+        warm = httpx.post(f"{base}/v1/completions", json={**BODY, "max_tokens": 1}, timeout=300)
+        assert warm.status_code == 200, warm.text
+        for n in tokens:
+            before = sum(x.total() for x in proxies)
+            body = {**BODY, "max_tokens": n, "ignore_eos": True}
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            counts.append(sum(x.total() for x in proxies) - before)
+            rates.append(r.json()["timings"]["predicted_per_second"])
+    return {
+        "bytes_per_token": (counts[1] - counts[0]) / (tokens[1] - tokens[0]),
+        "tokens_per_s": rates[1],
+    }
+
+
+def test_the_traffic_per_token_carries_the_activations_not_the_weights(small_f16: Path) -> None:
+    from orin.model.gguf import read_model_info
+
+    info = read_model_info(small_f16)
+    t = traffic(small_f16, 2)
+    # each decode step sends at least the hidden state to a worker (n_embd f32 values)
+    # and brings the logits back; the weights (sent once, at load) do not come again
+    assert t["bytes_per_token"] > 4 * info.n_embd
+    assert t["bytes_per_token"] < small_f16.stat().st_size
+
+
+def _measure(argv: list[str]) -> None:
+    """The figures in docs/fleet.md: python -m tests.integration.test_rpc [SIZE [QUANT]]."""
+    from orin.model import demo
+
+    size, quant = (argv + ["medium", "f16"][len(argv) :])[:2]
+    model = demo.ensure(size, quant)
+    print(f"model: demo {size} {quant} ({model.stat().st_size / 2**20:.0f} MiB), loopback")
+    for n in (0, 1, 2):
+        t = traffic(model, n, threads=0)  # workers: one thread per core, as the server
+        direct = traffic(model, n, threads=0, proxy=False)  # the rate without the proxy's hop
+        print(
+            f"{n} RPC workers: {direct['tokens_per_s']:.1f} tokens/s "
+            f"({t['tokens_per_s']:.1f} through the counting proxy), "
+            f"{t['bytes_per_token'] / 1024:.1f} KiB per generated token"
+        )
+
+
+if __name__ == "__main__":
+    _measure(sys.argv[1:])

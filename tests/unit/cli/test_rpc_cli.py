@@ -1,0 +1,203 @@
+"""The RPC options without llama.cpp: `serve --rpc` parsing and the check that every
+worker answers before anything loads (exit 6 naming it), the profile's engine.rpc,
+the exit code table, and the worker's systemd unit."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from orin.cli.app import app
+from orin.cli.deps import Deps
+from orin.cli.errors import exit_code_for
+from orin.engine.rpc import RPC_LOST_EXIT, is_loopback, parse_endpoints, probe
+from orin.errors import RpcWorkerError
+from orin.install.units import RPC_WORKER_SERVICE, RpcWorkerUnit, render_rpc_worker_unit
+from orin.profile.loader import parse_profile
+from orin.system.commands import CommandResult
+from tests.serverutil import free_port
+
+runner = CliRunner()
+
+
+def invoke(*args: str, obj: object = None) -> tuple[int, str, str]:
+    result = runner.invoke(app, list(args), env={"COLUMNS": "240"}, obj=obj)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_endpoints_parse_in_order_and_bad_ones_are_refused() -> None:
+    assert parse_endpoints("10.0.0.2:50052, board-b:50053") == ("10.0.0.2:50052", "board-b:50053")
+    assert parse_endpoints(["127.0.0.1:1"]) == ("127.0.0.1:1",)
+    assert parse_endpoints("") == ()
+    for bad in ("10.0.0.2", "host:0", "host:99999", ":50052", "host:port", "[::1]:50052"):
+        with pytest.raises(ValueError, match="not HOST:PORT"):
+            parse_endpoints(bad)
+
+
+def test_loopback_addresses() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("127.1.2.3") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.2")
+
+
+def test_the_profile_field_is_checked() -> None:
+    p = parse_profile("name: p\nengine: {rpc: ['10.0.0.2:50052', 'b:50053']}\n")
+    assert p.engine.rpc == ["10.0.0.2:50052", "b:50053"]
+    assert parse_profile("name: p\n").engine.rpc == []
+    with pytest.raises(Exception, match="not host:port"):
+        parse_profile("name: p\nengine: {rpc: ['10.0.0.2']}\n")
+    with pytest.raises(Exception, match="listed twice"):
+        parse_profile("name: p\nengine: {rpc: ['a:1', 'a:1']}\n")
+
+
+def test_a_worker_error_exits_6_as_the_lost_worker_exit() -> None:
+    assert exit_code_for(RpcWorkerError("x")) == RPC_LOST_EXIT == 6
+
+
+def test_probe_says_why_a_worker_cannot_be_reached() -> None:
+    port = free_port()
+    assert probe(f"127.0.0.1:{port}", timeout=2) is not None  # nothing listens
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        assert probe(f"127.0.0.1:{port}", timeout=2) is None
+
+
+def test_serve_with_an_unreachable_worker_exits_6_naming_it_before_loading(
+    tmp_path: Path,
+) -> None:
+    up = socket.socket()
+    up.bind(("127.0.0.1", 0))
+    up.listen()
+    ok, down = up.getsockname()[1], free_port()
+    profile = tmp_path / "p.yaml"
+    # a model path that does not exist: the worker check must come first
+    profile.write_text(f"name: p\nmodel: {{path: {tmp_path / 'none.gguf'}}}\n")
+    try:
+        code, _, err = invoke(
+            "serve", "--profile", str(profile), "--rpc", f"127.0.0.1:{ok},127.0.0.1:{down}"
+        )
+    finally:
+        up.close()
+    assert code == 6, err
+    assert f"cannot reach RPC worker 127.0.0.1:{down} (" in err
+    assert f"127.0.0.1:{ok}" not in err
+    # the same check for workers the profile names
+    missing = tmp_path / "none.gguf"
+    profile.write_text(
+        f"name: p\nmodel: {{path: {missing}}}\nengine: {{rpc: ['127.0.0.1:{down}']}}\n"
+    )
+    code, _, err = invoke("serve", "--profile", str(profile))
+    assert code == 6 and f"127.0.0.1:{down}" in err
+
+
+def test_a_malformed_rpc_option_is_a_usage_error() -> None:
+    code, _, err = invoke("serve", "--rpc", "10.0.0.2")
+    assert code == 2 and "not HOST:PORT" in err
+
+
+def unit(**changes: object) -> str:
+    base = {
+        "executable": "/opt/orin-llm/bin/orin-llm",
+        "user": "orin-llm",
+        "groups": ("video", "render"),
+        "host": "10.0.0.2",
+        "port": 50052,
+        "devices": ("/dev/nvmap",),
+    }
+    return render_rpc_worker_unit(RpcWorkerUnit(**{**base, **changes}))  # type: ignore[arg-type]
+
+
+def test_the_worker_unit_binds_to_the_configured_address_hardened_like_serve() -> None:
+    text = unit()
+    assert "ExecStart=/opt/orin-llm/bin/orin-llm rpc-worker --host 10.0.0.2 --port 50052\n" in text
+    for line in ("User=orin-llm", "SupplementaryGroups=video render", "Restart=always",
+                 "StartLimitIntervalSec=0", "NoNewPrivileges=yes", "ProtectSystem=strict",
+                 "DevicePolicy=closed", "DeviceAllow=/dev/nvmap rw", "ProtectHome=yes",
+                 "After=network-online.target orin-llm-tune.service"):  # fmt: skip
+        assert line + "\n" in text, line
+    assert "no authentication and no encryption" in text
+    assert "IPAddressDeny" not in text and "{{" not in text
+
+
+def test_the_worker_unit_options() -> None:
+    text = unit(threads=6, cache=True, allow=("10.0.0.1", "10.0.1.0/24"), port=50060)
+    assert "--port 50060 --threads 6 --cache /var/cache/orin-llm/rpc\n" in text
+    assert "IPAddressDeny=any\nIPAddressAllow=localhost 10.0.0.1 10.0.1.0/24\n" in text
+    assert "Description=orin-llm RPC worker on 10.0.0.2:50060" in text
+
+
+class _Runner:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+
+    def run(
+        self, argv: Sequence[str], timeout: float = 30.0, input: str | None = None
+    ) -> CommandResult:
+        args = tuple(argv)
+        self.calls.append(args)
+        if args[0] == "getent":
+            return CommandResult(args, 0 if args[1] == "group" else 2, "", "")
+        if args[:2] == ("systemctl", "is-active") or args[:2] == ("systemctl", "is-enabled"):
+            return CommandResult(args, 3, "inactive\n", "")
+        return CommandResult(args, 0, "", "")
+
+    def which(self, name: str) -> str | None:
+        return None
+
+
+def test_install_rpc_worker_writes_the_unit_and_enables_it(tmp_path: Path) -> None:
+    fake = _Runner()
+    deps = Deps(runner=fake, effective_uid=lambda: 0, orin_executable=lambda: "/opt/o/orin-llm")  # type: ignore[arg-type]
+    args = ("install-rpc-worker", "--host", "10.0.0.2", "--allow", "10.0.0.1")
+    code, out, err = invoke(*args, "--root", str(tmp_path), obj=deps)
+    assert code == 0, err
+    written = (tmp_path / "etc/systemd/system" / RPC_WORKER_SERVICE).read_text()
+    assert "--host 10.0.0.2 --port 50052 --cache /var/cache/orin-llm/rpc" in written
+    assert "no authentication and no encryption" in err  # the loud warning
+    assert fake.calls[-2:] == [
+        ("systemctl", "daemon-reload"),
+        ("systemctl", "enable", "--now", RPC_WORKER_SERVICE),
+    ]
+    assert any(c[0] == "useradd" for c in fake.calls)  # the user did not exist
+    # a dry run prints the unit and changes nothing; a non-root run is refused
+    code, out, _ = invoke(*args, "--dry-run", "--root", str(tmp_path / "x"), obj=deps)
+    assert code == 0 and "IPAddressAllow=localhost 10.0.0.1" in out
+    assert not (tmp_path / "x").exists()
+    user = Deps(runner=_Runner(), effective_uid=lambda: 1000, orin_executable=lambda: "/o")  # type: ignore[arg-type]
+    code, _, err = invoke(*args, "--root", str(tmp_path / "y"), obj=user)
+    assert code != 0 and "as root" in err
+
+
+def test_the_lost_worker_line_names_the_worker_whose_connection_closed() -> None:
+    from orin.engine.rpc import TCP_ESTABLISHED, connection_states, lost_message
+
+    with socket.socket() as a, socket.socket() as b:
+        for s in (a, b):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+        alive, gone = (f"127.0.0.1:{s.getsockname()[1]}" for s in (a, b))
+        # this process's connections to both workers, as the RPC client holds them
+        to_a = socket.create_connection(("127.0.0.1", a.getsockname()[1]))
+        to_b = socket.create_connection(("127.0.0.1", b.getsockname()[1]))
+        peer_a, _ = a.accept()
+        peer_b, _ = b.accept()
+        try:
+            assert TCP_ESTABLISHED in connection_states([alive, gone])[gone]
+            peer_b.close()  # worker B goes away: its end closes, and its port too
+            b.close()
+            states = connection_states([alive, gone])
+            assert TCP_ESTABLISHED in states[alive] and TCP_ESTABLISHED not in states[gone]
+            text = lost_message("Remote RPC server crashed", [alive, gone])
+            assert text.startswith(f"lost RPC worker {gone} (llama.cpp: Remote RPC server crashed)")
+            assert alive not in text and f"exiting with code {RPC_LOST_EXIT}" in text
+            # every connection is up and every worker answers: an abort of another
+            # cause is not blamed on a worker
+            other = lost_message("GGML_ASSERT(x) failed", [alive])
+            assert other.startswith("llama.cpp aborted: GGML_ASSERT(x) failed")
+        finally:
+            for s in (to_a, to_b, peer_a):
+                s.close()
