@@ -1,0 +1,1 @@
+"""orin-llm on a cluster: Kubernetes manifests rendered from a profile and its memory plan."""
