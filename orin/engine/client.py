@@ -20,6 +20,7 @@ from orin.engine.config import EngineConfig
 from orin.engine.embed import Embeddings
 from orin.engine.stream import RequestStream
 from orin.engine.types import FinishReason, RequestTimings, SamplingParams, StepStats
+from orin.engine.vision import MediaPrompt, RGBImage
 from orin.model.gguf import ModelInfo
 
 EngineState = Literal["new", "loading", "ready", "draining", "stopped", "failed"]
@@ -91,9 +92,11 @@ class EngineClient(Protocol):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         whole: bool = False,
+        media: MediaPrompt | None = None,
     ) -> RequestStream:
         """Queue a request for a blocking consumer; raises the engine's typed errors
-        (InvalidRequest, QueueFull, ContextLengthExceeded, EngineStopped)."""
+        (InvalidRequest, QueueFull, ContextLengthExceeded, EngineStopped). ``media``: a
+        prompt with images from ``tokenize_media`` (``prompt`` is its tokens)."""
         ...
 
     async def submit_async(
@@ -102,6 +105,7 @@ class EngineClient(Protocol):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         whole: bool = False,
+        media: MediaPrompt | None = None,
     ) -> RequestStream:
         """Queue a request for an asyncio consumer; the preparation (tokenizing,
         grammar parsing, sampler construction) runs off the event loop, and its
@@ -109,6 +113,21 @@ class EngineClient(Protocol):
         ...
 
     def cancel(self, request_id: str) -> None: ...
+
+    # -- images -------------------------------------------------------------------
+
+    @property
+    def supports_images(self) -> bool:
+        """Whether the model was loaded with a vision projector (model.mmproj)."""
+        ...
+
+    def tokenize_media(
+        self, text: str, images: Sequence[RGBImage], add_special: bool = True
+    ) -> MediaPrompt:
+        """A rendered prompt with one MEDIA_MARKER per image, tokenized with its images
+        (any thread); InvalidRequest without a projector or when markers and images
+        do not pair up."""
+        ...
 
     # -- embeddings ---------------------------------------------------------------
 

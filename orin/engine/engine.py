@@ -48,6 +48,7 @@ from orin.engine.embed import (
 )
 from orin.engine.errors import (
     BackendError,
+    ContextLengthExceeded,
     EngineError,
     EngineStopped,
     InvalidRequest,
@@ -61,6 +62,7 @@ from orin.engine.speculative import verify
 from orin.engine.stream import Completion, RequestStream, batched_delivery
 from orin.engine.timings import now_ns
 from orin.engine.types import FinishReason, SamplingParams, StepStats, TokenEvent
+from orin.engine.vision import MediaPrompt, RGBImage, Vision, is_image
 from orin.model.gguf import ModelInfo
 
 log = logging.getLogger("orin.engine")
@@ -102,6 +104,7 @@ class Engine:
         self.scheduler.drafts = self._drafts
         self.speculation: Speculation | None = None
         self.prompt_cache: WarmCache | None = None
+        self.vision: Vision | None = None  # the profile's projector, loaded with the model
         self._lock = threading.Condition()
         self._requests: dict[str, ActiveRequest] = {}
         self._cancels: set[str] = set()
@@ -242,11 +245,31 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         whole: bool = False,
+        media: MediaPrompt | None = None,
     ) -> RequestStream:
         """Queue a request; raises QueueFull, ContextLengthExceeded, InvalidRequest,
         EngineStopped synchronously, so a server can answer with the right status.
-        ``whole``: deliver the events only once the request has finished."""
-        return self._submit(prompt, params, request_id, None, whole)
+        ``whole``: deliver the events only once the request has finished. ``media``:
+        a prompt with images (``tokenize_media``); ``prompt`` is then its tokens."""
+        return self._submit(prompt, params, request_id, None, whole, media)
+
+    @property
+    def supports_images(self) -> bool:
+        """Whether the loaded model has a vision projector (model.mmproj)."""
+        return self.vision is not None
+
+    def tokenize_media(
+        self, text: str, images: Sequence[RGBImage], add_special: bool = True
+    ) -> MediaPrompt:
+        """A prompt text with one ``MEDIA_MARKER`` per image, tokenized with its images
+        (any thread; the images are encoded later, on the engine thread).
+        InvalidRequest when the model has no projector or the markers do not match."""
+        vision = self.vision
+        if vision is None or self.backend is None:
+            raise InvalidRequest(
+                "messages", "this model takes no images: the profile sets no model.mmproj"
+            )
+        return vision.tokenize(text, images, add_special)
 
     async def submit_async(
         self,
@@ -254,6 +277,7 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         whole: bool = False,
+        media: MediaPrompt | None = None,
     ) -> RequestStream:
         """``submit`` for an asyncio consumer. The preparation (tokenizing, a grammar's
         parse, the sampler chain, penalties fed the whole prompt) runs on a worker
@@ -267,10 +291,10 @@ class Engine:
         llama.cpp's threads hold, which added milliseconds to every TTFT under
         load (docs/performance.md, "Burst TTFT")."""
         loop = asyncio.get_running_loop()
-        if self._cheap_to_prepare(prompt, params):
+        if media is None and self._cheap_to_prepare(prompt, params):
             return self._submit(prompt, params, request_id, loop, whole)
         prepared = loop.run_in_executor(
-            None, functools.partial(self._submit, prompt, params, request_id, loop, whole)
+            None, functools.partial(self._submit, prompt, params, request_id, loop, whole, media)
         )
         try:
             return await asyncio.shield(prepared)
@@ -296,20 +320,32 @@ class Engine:
         request_id: str | None,
         loop: asyncio.AbstractEventLoop | None,
         whole: bool,
+        media: MediaPrompt | None = None,
     ) -> RequestStream:
         backend = self._loaded()
         params = params or SamplingParams()
         params.validate(backend.n_vocab)
-        tokens = backend.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        bad = next((t for t in tokens if not 0 <= t < backend.n_vocab), None)
+        if media is not None:
+            tokens = list(media.tokens)
+        else:
+            tokens = backend.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        bad = next(
+            (t for t in tokens if not 0 <= t < backend.n_vocab and not (media and is_image(t))),
+            None,
+        )
         if bad is not None:
             raise InvalidRequest("prompt", f"token id {bad} is not in the vocabulary")
-        tokens = self.scheduler.check_prompt(tokens)
+        checked = self.scheduler.check_prompt(tokens)
+        if media is not None and checked != tokens:  # never cut an image in two
+            raise ContextLengthExceeded(len(tokens), self.cfg.context.window)
+        tokens = checked
         rid = request_id or f"req-{next(_ids)}"
         stream = RequestStream(rid, self.cancel, loop, whole)
-        request = ActiveRequest(rid, tokens, params, stream)
+        request = ActiveRequest(rid, tokens, params, stream, media=media)
+        if media is not None:
+            request.timings.images = len(media.spans)
         request.start(backend)  # builds the sampler: a bad grammar is an InvalidRequest here
-        if self.speculation is not None:
+        if self.speculation is not None and media is None:  # drafts are vocabulary tokens
             request.spec = self.speculation.for_request(rid, tokens)
         with self._lock:
             try:
@@ -565,6 +601,8 @@ class Engine:
                     self.prompt_cache.warm(self.scheduler)
                     self.runner.load = self.prompt_cache.load
                     self.scheduler.stored = self.prompt_cache.stored
+                if self.cfg.mmproj is not None:
+                    self.vision = _load_vision(self.cfg, backend)
             except BaseException:
                 self._chat = None
                 if self.speculation is not None:
@@ -743,11 +781,19 @@ class Engine:
             request.start(self.backend)
             if item.prefill:
                 request.timings.prefill_started(start)
+        encoded = self._encode(batch, requests)
+        if encoded is None:
+            return
+        embeds, encode_ns, images = encoded
         aborted = False
         emitted: dict[int, list[tuple[int, int]]] = {}
         accepted: dict[int, int] = {}
         try:
-            rows = self.runner.decode(batch, self._abort_check if batch.n_prefill else None)
+            abort = self._abort_check if batch.n_prefill else None
+            if embeds:  # image rows: a batch of embeddings beside the tokens
+                rows = self.runner.decode(batch, abort, embeds=embeds)
+            else:
+                rows = self.runner.decode(batch, abort)
             emitted, accepted = self._sample(batch, rows)
         except Aborted:
             aborted = True
@@ -755,7 +801,40 @@ class Engine:
             log.error("decode failed: %s", exc)
             self._fail_batch(batch, str(exc))
             return
-        self._record(batch, emitted, accepted, aborted, start)
+        self._record(batch, emitted, accepted, aborted, start, (encode_ns, images))
+
+    def _encode(
+        self, batch: Batch, requests: list[ActiveRequest]
+    ) -> tuple[dict[int, Any], int, int] | None:
+        """The embedding rows of the batch's image items (item index -> rows), the time
+        spent encoding images for them and how many: an image is encoded in the first
+        step that feeds one of its rows, its own phase before the step's decode. An
+        image that cannot be encoded fails its request only; the step is then dropped
+        (None) and scheduled again without it."""
+        embeds: dict[int, Any] = {}
+        spent = images = 0
+        for index, (item, request) in enumerate(zip(batch.items, requests, strict=True)):
+            if not item.prefill or not item.tokens or not is_image(item.tokens[0]):
+                continue
+            assert self.vision is not None and request.media is not None
+            t0 = now_ns()
+            try:
+                span, row = request.media.locate(item.tokens)
+                fresh = span.embeddings is None
+                rows = self.vision.encode(span)
+            except BackendError as exc:
+                log.error("request %s: %s", request.id, exc)
+                with self._lock:
+                    self._finish(request, "error", str(exc))
+                    self.scheduler.discard(batch)
+                return None
+            took = now_ns() - t0
+            if fresh:
+                spent += took
+                images += 1
+                request.timings.encode_ns += took
+            embeds[index] = rows[row : row + len(item.tokens)]
+        return embeds, spent, images
 
     def _fail_batch(self, batch: Batch, message: str) -> None:
         """Finish every request of a batch that could not run with ``error``."""
@@ -822,11 +901,14 @@ class Engine:
         accepted: dict[int, int],
         aborted: bool,
         start: int,
+        encoded: tuple[int, int] = (0, 0),
     ) -> None:
         assert self.runner is not None and self.backend is not None
         t = now_ns()
-        if not aborted and batch.items:
-            self.chunks.observe(batch.passes, batch.n_decode, batch.n_prefill, (t - start) * 1e-6)
+        encode_ns, images = encoded
+        if not aborted and batch.items:  # the cost model learns decodes, not image encoding
+            ms = (t - start - encode_ns) * 1e-6
+            self.chunks.observe(batch.passes, batch.n_decode, batch.n_prefill, ms)
         with self._lock, batched_delivery():
             if aborted:
                 self.scheduler.discard(batch)
@@ -873,6 +955,8 @@ class Engine:
                 micro_batches=batch.passes,
                 drafted_tokens=0 if aborted else batch.n_drafted,
                 accepted_tokens=sum(accepted.values()),
+                encode_ns=encode_ns,
+                encoded_images=images,
             )
             self._lock.notify_all()
         for observer in self.step_observers:
@@ -924,10 +1008,26 @@ class Engine:
             self._lock.notify_all()
         runner, self.runner = self.runner, None
         backend, self.backend = self.backend, None  # submit and tokenize now see "stopped"
+        vision, self.vision = self.vision, None
+        if vision is not None:
+            vision.close()
         if runner is not None:
             runner.close()
         if backend is not None:
             backend.close()
+
+
+def _load_vision(cfg: EngineConfig, backend: Backend) -> Vision:
+    """The projector's mtmd context, on the GPU when the model's layers are."""
+    assert cfg.mmproj is not None
+    lib = backend.lib
+    return Vision(
+        cfg.mmproj,
+        backend.model,
+        cfg.threads_batch,
+        use_gpu=cfg.gpu_layers != 0,
+        n_embd=int(lib.llama_model_n_embd_inp(backend.model)),
+    )
 
 
 def _cancel_orphan(prepared: asyncio.Future[RequestStream]) -> None:

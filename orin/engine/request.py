@@ -15,6 +15,7 @@ from orin.engine.sampling import SlotSampler
 from orin.engine.stream import RequestStream
 from orin.engine.timings import TimingRecorder
 from orin.engine.types import FinishReason, SamplingParams, TokenEvent
+from orin.engine.vision import MediaPrompt, is_image
 
 
 class Drafter(Protocol):
@@ -46,6 +47,7 @@ class ActiveRequest:
     spec: Drafter | None = None  # speculative decoding, when the profile turns it on
     drafted: int = 0
     accepted: int = 0
+    media: MediaPrompt | None = None  # the prompt's images (negative ids in prompt_tokens)
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A step checked ``drafted`` speculative tokens and kept ``accepted``."""
@@ -58,7 +60,10 @@ class ActiveRequest:
         """Builds the sampler and text state; runs at submit, so a grammar that does not
         parse is the client's error (400), not a failure inside the engine loop."""
         if self.sampler is None:
-            self.sampler = SlotSampler(backend, self.params, self.prompt_tokens)
+            prompt = self.prompt_tokens
+            if self.media is not None:  # penalties count text tokens, not image rows
+                prompt = [t for t in prompt if not is_image(t)]
+            self.sampler = SlotSampler(backend, self.params, prompt)
             preserve = frozenset(self.params.preserve)
 
             def piece(t: int) -> bytes:

@@ -14,7 +14,7 @@ even with no layers offloaded).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -40,6 +40,7 @@ class Runner:
         self.lib = backend.lib
         self.n_batch = n_batch
         self.batch = self.lib.llama_batch_init(n_batch, 0, 1)
+        self.embd_batch: Any = None  # image rows (orin.engine.vision), made on first use
         self._abort_check: Callable[[], bool] | None = None
         self._abort_cb: Any = self.lib.ggml_abort_callback(self._on_abort)
         self._abort_set = False
@@ -79,9 +80,20 @@ class Runner:
         if failed:
             raise LoadFailed(failed)
 
-    def decode(self, batch: Batch, abort: Callable[[], bool] | None = None) -> dict[int, int]:
+    def decode(
+        self,
+        batch: Batch,
+        abort: Callable[[], bool] | None = None,
+        embeds: Mapping[int, npt.NDArray[np.float32]] | None = None,
+    ) -> dict[int, int]:
         """Run the batch; return slot -> batch position of the logits to sample from
         (a speculating item's first; its other outputs follow it).
+
+        ``embeds``: item index -> the embedding rows fed for that item's ids (image
+        rows, orin.engine.vision). llama.cpp takes tokens or embeddings per call, so
+        those items run first in a batch of their own, without outputs (a prompt
+        never ends with an image), and the token batch, whose logits are read,
+        second.
 
         ``abort`` (checked between graph nodes) is only installed for steps that
         carry prompt chunks: those are the long ones worth interrupting. Only the
@@ -90,11 +102,16 @@ class Runner:
         """
         if batch.n_tokens > self.n_batch:
             raise BackendError(f"a batch of {batch.n_tokens} tokens exceeds n_batch {self.n_batch}")
+        self._set_abort(abort)
+        if embeds:
+            self._decode_embeds(batch, embeds)
         b = self.batch
         n = 0
         rows: dict[int, int] = {}
         self._out_of_row = {}
-        for item in batch.items:
+        for index, item in enumerate(batch.items):
+            if embeds and index in embeds:
+                continue
             for j, token in enumerate(item.tokens):
                 b.token[n] = token
                 b.pos[n] = item.pos + j
@@ -109,7 +126,11 @@ class Runner:
                     b.logits[pos] = True
                     self._out_of_row[pos] = len(self._out_of_row)
         b.n_tokens = n
-        self._set_abort(abort)
+        if n:
+            self._run(b, n)
+        return rows
+
+    def _run(self, b: Any, n: int) -> None:
         ctx = self.backend.ctx
         ret = self.lib.llama_decode(ctx, b)
         self.lib.llama_synchronize(ctx)  # the GPU has finished: the step may end now
@@ -117,7 +138,30 @@ class Runner:
             raise Aborted()
         if ret != 0:
             raise BackendError(f"llama_decode failed with status {ret} on {n} tokens")
-        return rows
+
+    def _decode_embeds(self, batch: Batch, embeds: Mapping[int, npt.NDArray[np.float32]]) -> None:
+        """The items fed as embeddings, in one llama_batch of rows (no outputs)."""
+        width = int(self.lib.llama_model_n_embd_inp(self.backend.model))
+        if self.embd_batch is None:
+            self.embd_batch = self.lib.llama_batch_init(self.n_batch, width, 1)
+        b = self.embd_batch
+        n = 0
+        for index, rows in embeds.items():
+            item = batch.items[index]
+            if item.sample or rows.shape != (len(item.tokens), width):
+                raise BackendError(f"slot {item.slot}: embedding rows do not match its chunk")
+            data = np.ascontiguousarray(rows, dtype=np.float32)
+            ctypes.memmove(
+                ctypes.addressof(b.embd.contents) + n * width * 4, data.ctypes.data, data.nbytes
+            )
+            for j in range(len(item.tokens)):
+                b.pos[n] = item.pos + j
+                b.n_seq_id[n] = 1
+                b.seq_id[n][0] = item.slot
+                b.logits[n] = False
+                n += 1
+        b.n_tokens = n
+        self._run(b, n)
 
     def _set_abort(self, check: Callable[[], bool] | None) -> None:
         self._abort_check = check
@@ -170,3 +214,6 @@ class Runner:
             self._set_abort(None)
             self.lib.llama_batch_free(self.batch)
             self.batch = None
+        if self.embd_batch is not None:
+            self.lib.llama_batch_free(self.embd_batch)
+            self.embd_batch = None

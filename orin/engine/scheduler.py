@@ -441,7 +441,7 @@ class Scheduler:
         for slot in prefilling:
             if left <= 0:
                 break
-            chunk = slot.pending[:left]
+            chunk = _one_kind(slot.pending, left)
             done = len(chunk) == len(slot.pending)
             items.append(BatchItem(slot.id, tuple(chunk), len(slot.cache), done, prefill=True))
             left -= len(chunk)
@@ -605,6 +605,20 @@ class Scheduler:
 def _runs(ids: set[int]) -> int:
     """Runs of consecutive ids: llama.cpp's passes for one token per slot."""
     return sum(1 for i in ids if i - 1 not in ids)
+
+
+def _one_kind(pending: Sequence[int], limit: int) -> list[int]:
+    """The next prompt chunk, at most ``limit`` ids, all text or all image rows
+    (negative ids, orin.engine.vision): llama.cpp takes a batch of tokens or of
+    embeddings, never both, so a chunk ends where the kind changes."""
+    chunk = list(pending[:limit])
+    if not chunk or min(chunk) >= 0:
+        return chunk  # plain text: the common case costs one min()
+    image = chunk[0] < 0
+    for i, t in enumerate(chunk):
+        if (t < 0) != image:
+            return chunk[:i]
+    return chunk
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

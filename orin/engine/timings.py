@@ -20,6 +20,8 @@ class TimingRecorder:
     arrival_ns: int = field(default_factory=now_ns)
     prefill_start_ns: int | None = None
     token_ns: list[int] = field(default_factory=list)
+    encode_ns: int = 0  # images encoded for the request (its own phase, inside prefill)
+    images: int = 0
 
     def prefill_started(self, t: int) -> None:
         if self.prefill_start_ns is None:
@@ -56,6 +58,8 @@ class TimingRecorder:
             context_shifts=shifts,
             drafted_tokens=drafted,
             accepted_tokens=accepted,
+            encode_ms=self.encode_ns * ms,
+            images=self.images,
             arrival_ns=self.arrival_ns,
             prefill_start_ns=start,
             first_token_ns=first,

@@ -106,6 +106,8 @@ class RequestTimings:
     context_shifts: int
     drafted_tokens: int = 0  # speculative decoding: tokens drafted for this request
     accepted_tokens: int = 0  # of those, the ones the model confirmed
+    encode_ms: float = 0.0  # images encoded for this request (inside prefill_ms)
+    images: int = 0  # images in the prompt
     # the same instants on time.perf_counter_ns, for lining requests up with telemetry
     arrival_ns: int = 0
     prefill_start_ns: int = 0
@@ -163,6 +165,8 @@ class StepStats:
     micro_batches: int = 0  # llama.cpp passes the step cost (each reads every weight)
     drafted_tokens: int = 0  # speculative tokens verified in the step
     accepted_tokens: int = 0  # of those, the ones the model confirmed
+    encode_ns: int = 0  # of the step, the time spent encoding images (before its decode)
+    encoded_images: int = 0  # images encoded in the step
 
     @property
     def phase(self) -> Literal["prefill", "decode", "mixed", "idle"]:

@@ -31,6 +31,7 @@ from orin.engine.errors import InvalidRequest
 from orin.engine.scheduler import ContextPolicy
 from orin.engine.stream import Completion
 from orin.engine.types import FinishReason, RequestTimings, SamplingParams, TokenLogprob
+from orin.engine.vision import MEDIA_MARKER
 from orin.profile.schema import SamplingSection
 
 log = logging.getLogger("orin.server")
@@ -65,6 +66,23 @@ class TextPart(_Lenient):
     text: str
 
 
+class ImageURL(_Lenient):
+    url: str = Field(..., min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the projector decides
+
+
+class ImagePart(_Lenient):
+    """An image in a message (OpenAI's shape): a data: URL, or an http(s) URL of a
+    host the profile lists (orin/server/images.py)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL | str  # some clients send the URL itself
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
 class CalledFunction(_Lenient):
     name: str
     # a JSON string, as OpenAI sends it; an object is accepted and written as one
@@ -85,16 +103,24 @@ class ToolCallIn(_Lenient):
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant
     tool_call_id: str | None = None  # tool
     reasoning_content: str | None = None  # assistant: its thinking, for templates that show it
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+        if isinstance(self.content, list):  # an image is a marker where its rows go
+            return "".join(
+                p.text if isinstance(p, TextPart) else MEDIA_MARKER for p in self.content
+            )
         return self.content or ""
+
+    def images(self) -> list[tuple[int, ImagePart]]:
+        """The image parts, each with its index in ``content``."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, ImagePart)]
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it: content as one string, and the
@@ -529,6 +555,15 @@ class ChatCompletionRequest(_Common):
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
 
+    def image_parts(self) -> list[tuple[str, ImagePart]]:
+        """Every image part in prompt order, each with the param that names its URL
+        in an error (``messages[0].content[1].image_url``)."""
+        return [
+            (f"messages[{i}].content[{j}].image_url", part)
+            for i, m in enumerate(self.messages)
+            for j, part in m.images()
+        ]
+
     def constrain(self, tool_grammar: str | None) -> None:
         """The grammar that a required or named tool_choice puts on the output."""
         self._tool_grammar = tool_grammar
@@ -759,6 +794,9 @@ def timings(t: RequestTimings | None) -> dict[str, Any] | None:
         "draft_n": t.drafted_tokens,
         "draft_n_accepted": t.accepted_tokens,
         "draft_acceptance": t.acceptance_rate,
+        # images: their encoding, a phase of its own inside prefill (prompt_ms)
+        "encode_ms": t.encode_ms,
+        "images_n": t.images,
     }
 
 

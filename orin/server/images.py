@@ -1,0 +1,161 @@
+"""Images of chat requests: ``image_url`` content parts into RGB pixels.
+
+A part's URL is a ``data:`` URL (base64), always accepted, or an ``http(s)``
+URL whose host the profile lists in ``server.image_url_hosts`` (none by
+default: the server never fetches a URL a client chose). Fetches do not follow
+redirects and stop at ``server.max_image_bytes`` and ``FETCH_TIMEOUT_S``.
+
+Pillow decodes the common formats only; the pixel count
+(``server.max_image_pixels``) is checked from the header, before any pixel is
+decoded, so a small file that inflates to a huge bitmap is refused cheaply.
+Every failure is a 400 naming the content part, e.g.
+``messages[0].content[1].image_url``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import warnings
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httpx
+
+from orin.engine.vision import RGBImage
+from orin.profile.schema import ServerSection
+from orin.server.errors import ApiError
+
+FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
+FETCH_TIMEOUT_S = 10.0
+
+
+class BadImage(ApiError):
+    """An image part that cannot be used: broken, too large, or not allowed."""
+
+    status, type, code = 400, "invalid_request_error", "invalid_image"
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_bytes: int = 8 * 1024 * 1024
+    max_pixels: int = 16_777_216
+    hosts: frozenset[str] = frozenset()
+    timeout_s: float = FETCH_TIMEOUT_S
+
+    @classmethod
+    def from_server(cls, server: ServerSection) -> ImageLimits:
+        return cls(
+            max_bytes=server.max_image_bytes,
+            max_pixels=server.max_image_pixels,
+            hosts=frozenset(h.lower() for h in server.image_url_hosts),
+        )
+
+
+async def load(
+    url: str,
+    limits: ImageLimits,
+    param: str,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> RGBImage:
+    """The image a part's URL names, decoded within ``limits``; BadImage naming
+    ``param`` otherwise. ``transport``: for tests, a fetch without sockets."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url[:8] else ""
+    if scheme == "data":
+        raw = from_data_url(url, limits, param)
+    elif scheme in ("http", "https"):
+        raw = await fetch(url, limits, param, transport)
+    else:
+        raise BadImage("an image URL must be a data: URL (base64) or an http(s) URL", param)
+    return await asyncio.to_thread(decode, raw, limits, param)  # off the event loop
+
+
+def from_data_url(url: str, limits: ImageLimits, param: str) -> bytes:
+    """The bytes of a ``data:[<type>];base64,<data>`` URL, size checked before decoding."""
+    header, comma, payload = url[5:].partition(",")
+    if not comma or not header.lower().endswith(";base64"):
+        raise BadImage("an image data: URL must be base64 (data:image/png;base64,...)", param)
+    payload = "".join(payload.split())
+    if len(payload) // 4 * 3 > limits.max_bytes + 2:
+        raise _too_large(limits, param)
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadImage(f"the image's base64 data does not decode: {exc}", param) from exc
+    if len(raw) > limits.max_bytes:
+        raise _too_large(limits, param)
+    return raw
+
+
+async def fetch(
+    url: str,
+    limits: ImageLimits,
+    param: str,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> bytes:
+    """An image from a host the profile lists, within the byte and time limits."""
+    host = (urlsplit(url).hostname or "").lower()
+    if host not in limits.hosts:
+        allowed = ", ".join(sorted(limits.hosts)) or "none: send the image as a data: URL"
+        raise BadImage(
+            f"this server does not fetch images from {host or 'that URL'} "
+            f"(server.image_url_hosts: {allowed})",
+            param,
+        )
+    try:
+        async with (
+            httpx.AsyncClient(
+                timeout=limits.timeout_s, follow_redirects=False, transport=transport
+            ) as client,
+            client.stream("GET", url) as response,
+        ):
+            if response.status_code != 200:
+                raise BadImage(f"fetching the image failed: HTTP {response.status_code}", param)
+            size = response.headers.get("content-length")
+            if size is not None and size.isdigit() and int(size) > limits.max_bytes:
+                raise _too_large(limits, param)
+            data = bytearray()
+            async for block in response.aiter_bytes():
+                data += block
+                if len(data) > limits.max_bytes:
+                    raise _too_large(limits, param)
+            return bytes(data)
+    except httpx.HTTPError as exc:
+        raise BadImage(f"fetching the image failed: {type(exc).__name__}", param) from exc
+
+
+def decode(raw: bytes, limits: ImageLimits, param: str) -> RGBImage:
+    """Encoded image bytes into RGB pixels (the first frame of an animation)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(raw), formats=FORMATS)
+            width, height = img.size
+            if width * height > limits.max_pixels:
+                raise BadImage(
+                    f"the image is {width}x{height} pixels; at most {limits.max_pixels} "
+                    "(server.max_image_pixels)",
+                    param,
+                )
+            rgb = img.convert("RGB")
+    except BadImage:
+        raise
+    except UnidentifiedImageError as exc:
+        raise BadImage(
+            f"the image cannot be decoded: not a {', '.join(FORMATS)} image", param
+        ) from exc
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Warning) as exc:
+        raise BadImage(f"the image cannot be decoded: {exc}", param) from exc
+    if width < 1 or height < 1:
+        raise BadImage("the image has no pixels", param)
+    return RGBImage(width, height, rgb.tobytes())
+
+
+def _too_large(limits: ImageLimits, param: str) -> BadImage:
+    return BadImage(
+        f"the image is larger than {limits.max_bytes} bytes (server.max_image_bytes)", param
+    )

@@ -1,0 +1,320 @@
+"""Images in chat completions on real llama.cpp: the demo model with its generated
+vision projector (orin/model/mmproj.py), through the engine and the server."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from orin.engine.config import engine_config
+from orin.engine.engine import Engine
+from orin.engine.errors import InvalidRequest
+from orin.engine.types import SamplingParams, StepStats
+from orin.engine.vision import MEDIA_MARKER, ImageSpan, RGBImage
+from orin.model import demo, mmproj
+from orin.model.gguf import read_model_info
+from orin.profile.loader import parse_profile
+from orin.server.images import ImageLimits
+from orin.server.state import ServerState
+from tests.serverutil import live_server, wait_idle
+
+pytestmark = pytest.mark.llama
+
+VISION = "model: {demo: {size: tiny, quant: f16}, mmproj_demo: true}\n"
+ENGINE = "engine: {n_ctx: 512, slots: 10, n_batch: 64, n_ubatch: 64, prefill_chunk: 8}\n"
+SEEDED = dict(temperature=0.8, seed=1234)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    return demo.ensure("tiny", "f16")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny: Path) -> Iterator[Engine]:
+    profile = parse_profile(f"name: t\n{VISION}{ENGINE}")
+    cfg = engine_config(profile, tiny, read_model_info(tiny))
+    assert cfg.mmproj == mmproj.ensure("tiny")
+    with Engine(cfg) as e:
+        yield e
+
+
+def picture(seed: int, width: int = 48, height: int = 40) -> RGBImage:
+    rng = np.random.default_rng(seed)
+    return RGBImage(width, height, rng.integers(0, 256, width * height * 3, np.uint8).tobytes())
+
+
+def chat(question: str, images: int = 1) -> str:
+    marks = MEDIA_MARKER * images
+    return f"<|im_start|>user\n{marks}{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def png_url(seed: int, size: tuple[int, int] = (48, 40)) -> str:
+    img = picture(seed, *size)
+    buf = io.BytesIO()
+    Image.frombytes("RGB", (img.width, img.height), img.pixels).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def ask(engine: Engine, question: str, img: RGBImage, **params: Any) -> Any:
+    media = engine.tokenize_media(chat(question), [img])
+    return engine.submit(media.tokens, SamplingParams(**params), media=media)
+
+
+# -- engine ----------------------------------------------------------------------------
+
+
+def test_an_image_prompt_is_encoded_once_and_answered(engine: Engine) -> None:
+    steps: list[StepStats] = []
+    engine.add_step_observer(steps.append)
+    try:
+        media = engine.tokenize_media(chat("What is in the picture?"), [picture(1)])
+        assert len(media.spans) == 1 and media.image_tokens == mmproj.image_tokens()
+        c = engine.submit(media.tokens, SamplingParams(max_tokens=6), media=media).result()
+    finally:
+        engine.remove_step_observer(steps.append)
+    assert c.finish_reason == "length" and len(c.token_ids) == 6
+    assert c.timings is not None and c.timings.images == 1 and c.timings.encode_ms > 0
+    assert sum(s.encoded_images for s in steps) == 1
+    assert sum(s.encode_ns for s in steps) > 0
+    # the chunk budget (8) split the 16 image rows over two steps: one encode, both fed
+    assert sum(1 for s in steps if s.prefill_tokens == 8) >= 2
+
+
+def test_same_image_and_seed_give_the_same_tokens_alone_and_among_streams(
+    engine: Engine,
+) -> None:
+    img = picture(2)
+    alone = ask(engine, "Describe it.", img, max_tokens=12, **SEEDED).result()
+    with engine.idle():
+        engine.scheduler.clear_idle_cache()  # no cached cells: the image is fed again
+    texts = [
+        engine.submit(f"Stream {i} talks about boards " * 3, SamplingParams(max_tokens=400))
+        for i in range(8)
+    ]
+    deadline = time.time() + 30
+    while engine.status().slots_busy < 8 and time.time() < deadline:
+        time.sleep(0.005)  # the image arrives while the text streams decode
+    steps: list[StepStats] = []
+    engine.add_step_observer(steps.append)
+    try:
+        busy = ask(engine, "Describe it.", img, max_tokens=12, **SEEDED).result()
+    finally:
+        engine.remove_step_observer(steps.append)
+        for s in texts:
+            s.cancel()
+    for s in texts:
+        assert s.result().finish_reason in ("cancelled", "length")
+    assert busy.timings is not None and busy.timings.cached_tokens == 0
+    assert busy.token_ids == alone.token_ids
+    # the image was encoded and fed in steps that also decoded the other streams
+    assert any(s.encoded_images and s.decode_tokens >= 8 for s in steps)
+
+
+def test_a_different_image_changes_the_prompt_state(engine: Engine) -> None:
+    """The image rows reach the model: a different picture changes the logits."""
+    a = ask(engine, "Which?", picture(3), max_tokens=4, logprobs=0, temperature=0.0).result()
+    b = ask(engine, "Which?", picture(4), max_tokens=4, logprobs=0, temperature=0.0).result()
+    assert [e.logprob for e in a.logprobs] != [e.logprob for e in b.logprobs]
+
+
+def test_a_repeated_image_with_a_new_question_reuses_its_cells(engine: Engine) -> None:
+    img = picture(5)
+    first = ask(engine, "What colour is it?", img, max_tokens=3).result()
+    again = ask(engine, "How big is it?", img, max_tokens=3).result()
+    assert first.timings is not None and again.timings is not None
+    prefix = len(engine.tokenize("<|im_start|>user\n"))
+    assert again.timings.cached_tokens >= prefix + mmproj.image_tokens()
+    assert again.timings.encode_ms == 0.0  # its cells were reused: nothing to encode
+
+
+def test_an_image_cancelled_while_it_is_encoded_frees_its_slot(engine: Engine) -> None:
+    assert engine.vision is not None
+    vision = engine.vision
+    encode = vision.encode
+    started = threading.Event()
+    holder: list[Any] = []
+
+    def cancel_then_encode(span: ImageSpan) -> Any:
+        if holder and not started.is_set():
+            started.set()
+            holder[0].cancel()  # the client leaves while its image is being encoded
+        return encode(span)
+
+    vision.encode = cancel_then_encode  # type: ignore[method-assign]
+    try:
+        media = engine.tokenize_media(chat("Cancel me."), [picture(6)])
+        stream = engine.submit(media.tokens, SamplingParams(max_tokens=50), media=media)
+        holder.append(stream)
+        assert stream.result().finish_reason == "cancelled"
+    finally:
+        vision.encode = encode  # type: ignore[method-assign]
+    assert started.is_set()
+    assert engine.runner is not None
+    runner = engine.runner
+    with engine.idle():
+        engine.scheduler.clear_idle_cache()
+    with engine.idle():
+        assert engine.status().slots_busy == 0 and engine.status().kv_cells_used == 0
+        assert all(runner.seq_pos_max(s) == -1 for s in range(engine.cfg.slots))
+    ok = ask(engine, "And now?", picture(6), max_tokens=3).result()
+    assert ok.finish_reason == "length"
+
+
+def test_markers_and_images_must_pair_up(engine: Engine) -> None:
+    with pytest.raises(InvalidRequest):
+        engine.tokenize_media(chat("two markers", images=2), [picture(1)])
+    with pytest.raises(InvalidRequest):  # the answer starts from text, never an image
+        engine.tokenize_media(f"look {MEDIA_MARKER}", [picture(1)])
+
+
+# -- server ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny: Path) -> Iterator[tuple[str, ServerState]]:
+    hosts = "server: {image_url_hosts: [127.0.0.1]}\n"  # the profile's limits reach the routes
+    with live_server(tiny, VISION + ENGINE + hosts) as (base, state):
+        yield base, state
+
+
+def message(url: str, text: str = "What is this?") -> list[dict[str, Any]]:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": text},
+            ],
+        }
+    ]
+
+
+def post(base: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+
+
+def test_the_openai_client_streams_an_answer_about_an_image(
+    server: tuple[str, ServerState],
+) -> None:
+    from openai import OpenAI
+
+    base, _ = server
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model="demo",
+        messages=message(png_url(7)),  # type: ignore[arg-type]
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert text and usage is not None and usage.completion_tokens == 6
+    assert usage.prompt_tokens > mmproj.image_tokens()
+    assert wait_idle(base)["slots_busy"] == 0
+
+
+def test_a_repeated_image_is_a_cache_hit_in_usage(server: tuple[str, ServerState]) -> None:
+    base, _ = server
+    url = png_url(8)
+    first = post(base, {"messages": message(url, "Colour?"), "max_tokens": 2})
+    again = post(base, {"messages": message(url, "Size?"), "max_tokens": 2})
+    assert first.status_code == again.status_code == 200
+    cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > mmproj.image_tokens()
+    timings = first.json()["timings"]
+    assert timings["images_n"] == 1 and timings["encode_ms"] > 0
+
+
+def test_bad_images_are_400s_naming_the_part(server: tuple[str, ServerState]) -> None:
+    base, state = server
+    param = "messages[0].content[0].image_url"
+    for url in (
+        "data:image/png;base64,AAAA",  # not an image
+        "data:image/png;base64,@@@",  # not base64
+        "https://example.com/cat.png",  # no host is listed: never fetched
+        "file:///etc/hostname",
+    ):
+        r = post(base, {"messages": message(url), "max_tokens": 2})
+        assert r.status_code == 400, url
+        assert r.json()["error"]["param"] == param
+        assert r.json()["error"]["code"] == "invalid_image"
+    saved, state.image_limits = state.image_limits, ImageLimits(max_pixels=100)
+    try:
+        r = post(base, {"messages": message(png_url(9)), "max_tokens": 2})
+    finally:
+        state.image_limits = saved
+    assert r.status_code == 400 and "max_image_pixels" in r.json()["error"]["message"]
+    r = post(base, {"messages": message(png_url(9)), "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_a_model_without_a_projector_refuses_images(tiny: Path) -> None:
+    with live_server(tiny, "model: {demo: {size: tiny, quant: f16}}\n") as (base, _):
+        r = post(base, {"messages": message(png_url(1)), "max_tokens": 2})
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "messages[0].content[0]"
+        assert "mmproj" in r.json()["error"]["message"]
+        text = post(base, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert text.status_code == 200
+
+
+def test_a_listed_host_is_fetched_and_others_are_not(server: tuple[str, ServerState]) -> None:
+    base, state = server
+    body = base64.b64decode(png_url(10).split(",", 1)[1])
+
+    class Images(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    thread = threading.Thread(target=images.serve_forever, daemon=True)
+    thread.start()
+    port = images.server_address[1]
+    assert state.image_limits.hosts == frozenset({"127.0.0.1"})  # from the profile
+    try:  # the same server under a name the profile does not list, then the listed one
+        refused = post(
+            base, {"messages": message(f"http://localhost:{port}/c.png"), "max_tokens": 2}
+        )
+        fetched = post(
+            base, {"messages": message(f"http://127.0.0.1:{port}/c.png"), "max_tokens": 2}
+        )
+    finally:
+        images.shutdown()
+        images.server_close()
+    assert refused.status_code == 400 and "image_url_hosts" in refused.json()["error"]["message"]
+    assert fetched.status_code == 200, fetched.text
+    assert fetched.json()["timings"]["images_n"] == 1
+
+
+def test_choices_of_one_image_request_share_its_encoding(server: tuple[str, ServerState]) -> None:
+    base, state = server
+    steps: list[StepStats] = []
+    state.engine.add_step_observer(steps.append)
+    try:
+        r = post(base, {"messages": message(png_url(11)), "max_tokens": 3, "n": 2, "seed": 5})
+    finally:
+        state.engine.remove_step_observer(steps.append)
+    assert r.status_code == 200, r.text
+    assert sum(s.encoded_images for s in steps) == 1
+    assert [len(c["message"]["content"]) > 0 for c in r.json()["choices"]] == [True, True]

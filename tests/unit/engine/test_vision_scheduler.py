@@ -1,0 +1,88 @@
+"""Images in the scheduler's prompts: image rows are negative ids derived from the
+image's hash (orin.engine.vision), never mixed with text in one prompt chunk, and a
+repeated image is a reusable prefix like repeated text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orin.engine.scheduler import Batch, ContextPolicy, Scheduler, SlotState
+from orin.engine.vision import RGBImage, image_ids, is_image
+
+
+@dataclass
+class Req:
+    id: str
+    prompt_tokens: list[int]
+
+
+def sched(n_batch: int = 64, chunk: int | None = None) -> Scheduler:
+    return Scheduler(2, n_batch, ContextPolicy(window=256), prefill_chunk=chunk)
+
+
+def run(s: Scheduler, batch: Batch, token: int = 5) -> None:
+    s.update(batch, {i.slot: token for i in batch.items if i.sample})
+
+
+def prefill(s: Scheduler) -> list[tuple[int, ...]]:
+    """Every prompt chunk until no slot prefills."""
+    chunks = []
+    while s.queue or any(x.state is SlotState.PREFILL for x in s.slots):
+        batch = s.schedule()
+        chunks += [i.tokens for i in batch.items if i.prefill]
+        run(s, batch)
+    return chunks
+
+
+def picture(seed: int) -> RGBImage:
+    return RGBImage(2, 1, bytes([seed, 1, 2, 3, 4, 5]))
+
+
+def test_image_ids_are_negative_distinct_and_follow_the_pixels() -> None:
+    a = image_ids(picture(1).digest, 16)
+    assert all(is_image(t) for t in a) and len(set(a)) == 16
+    assert a == image_ids(picture(1).digest, 16)
+    assert not set(a) & set(image_ids(picture(2).digest, 16))
+    assert not is_image(0)
+
+
+def test_a_prompt_chunk_never_mixes_text_and_image_rows() -> None:
+    img = image_ids(picture(1).digest, 16)
+    prompt = [1, 2, 3, *img, 4, 5, 6]
+    s = sched()
+    s.add(Req("a", prompt))
+    chunks = prefill(s)
+    assert chunks == [(1, 2, 3), tuple(img), (4, 5, 6)]
+    for chunk in chunks:
+        assert len({is_image(t) for t in chunk}) == 1
+
+
+def test_the_chunk_budget_splits_an_image_across_steps() -> None:
+    img = image_ids(picture(1).digest, 16)
+    s = sched(chunk=8)
+    s.add(Req("a", [1, *img, 2]))
+    chunks = prefill(s)
+    assert chunks == [(1,), tuple(img[:8]), tuple(img[8:]), (2,)]
+
+
+def test_a_repeated_image_with_a_new_question_reuses_its_cells() -> None:
+    img = image_ids(picture(1).digest, 16)
+    s = sched()
+    s.add(Req("a", [1, *img, 7, 8]))
+    prefill(s)
+    s.release(s.slots[0], keep_cache=True)
+    s.add(Req("b", [1, *img, 9, 10]))
+    s.schedule()
+    slot = s.slot_of("b")
+    assert slot is not None and slot.cached_prompt == 17
+
+
+def test_a_different_image_reuses_only_the_text_before_it() -> None:
+    s = sched()
+    s.add(Req("a", [1, *image_ids(picture(1).digest, 16), 7]))
+    prefill(s)
+    s.release(s.slots[0], keep_cache=True)
+    s.add(Req("b", [1, *image_ids(picture(2).digest, 16), 7]))
+    s.schedule()
+    slot = s.slot_of("b")
+    assert slot is not None and slot.cached_prompt == 1

@@ -1,0 +1,73 @@
+"""The generated vision projector: deterministic, and shaped as clip.cpp's LLaVA
+loader reads it, its output as wide as the demo text model's embeddings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+
+from orin.errors import DemoModelError
+from orin.model import demo, mmproj
+
+
+def test_same_size_and_seed_give_the_same_file(tmp_path: Path) -> None:
+    a = mmproj.generate("tiny", tmp_path / "a.gguf")
+    b = mmproj.generate("tiny", tmp_path / "b.gguf")
+    assert a.read_bytes() == b.read_bytes()
+    c = mmproj.generate("tiny", tmp_path / "c.gguf", seed=1)
+    assert c.read_bytes() != a.read_bytes()
+
+
+def test_metadata_and_tensors_fit_the_text_model(tmp_path: Path) -> None:
+    path = mmproj.generate("small", tmp_path / "p.gguf")
+    r = gguf.GGUFReader(path)
+    fields = {name: f.contents() for name, f in r.fields.items()}
+    assert fields["general.architecture"] == "clip"
+    assert fields["clip.projector_type"] == "mlp"
+    assert fields["clip.vision.projection_dim"] == demo.SIZES["small"].n_embd
+    tensors = {t.name: [int(d) for d in t.shape] for t in r.tensors}
+    assert tensors["mm.2.weight"] == [64, demo.SIZES["small"].n_embd]  # ggml order: ne0 first
+    assert tensors["v.patch_embd.weight"] == [8, 8, 3, 32]
+    assert tensors["v.position_embd.weight"] == [32, mmproj.image_tokens()]
+    assert mmproj.image_tokens() == 16
+
+
+def test_ensure_caches_by_size(tmp_path: Path) -> None:
+    path = mmproj.ensure("tiny", tmp_path)
+    assert path.name == mmproj.file_name("tiny") and path.is_file()
+    stamp = path.stat().st_mtime_ns
+    assert mmproj.ensure("tiny", tmp_path).stat().st_mtime_ns == stamp
+
+
+def test_unknown_sizes_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(DemoModelError):
+        mmproj.file_name("huge")
+    with pytest.raises(DemoModelError):
+        mmproj.generate("tiny", tmp_path / "x.gguf", seed=-1)
+
+
+def test_the_memory_plans_count_the_projector(tmp_path: Path) -> None:
+    """memory-fit and the service's limits add the projector's weights and compute
+    buffer; without its file (not generated yet) they count nothing for it."""
+    from orin.install.units import service_plan
+    from orin.model.gguf import read_model_info
+    from orin.profile.fit import memory_fit, projector_bytes, projector_path
+    from orin.profile.loader import parse_profile
+
+    model = demo.ensure("tiny", "f16")
+    proj = mmproj.generate("tiny", tmp_path / "p.gguf")
+    text = parse_profile("name: t\nmodel: {path: m.gguf}\n")
+    vision = parse_profile(f"name: v\nmodel: {{path: m.gguf, mmproj: {proj}}}\n")
+    missing = parse_profile("name: v\nmodel: {path: m.gguf, mmproj: nowhere.gguf}\n")
+    size = mmproj.read_projector_info(proj).total_bytes
+    assert size > 0 and projector_path(vision) == proj
+    counted = [projector_bytes(p) for p in (text, vision, missing)]
+    assert counted == [0, size, 0]
+    info = read_model_info(model)
+    base, more = service_plan(text, info), service_plan(vision, info)
+    assert more.total_bytes == base.total_bytes + size
+    e = text.engine
+    fit = memory_fit(info, e, "f16", "f16", True, 2**40, projector_bytes(vision))
+    assert fit.plan is not None and fit.plan.total_bytes == base.total_bytes + size

@@ -1,0 +1,137 @@
+"""Image parts of chat requests: data: URLs and listed hosts decoded within limits,
+everything else a 400 naming the content part (no sockets: fetches go through
+httpx's MockTransport)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import httpx
+import pytest
+from PIL import Image
+
+from orin.engine.vision import MEDIA_MARKER
+from orin.profile.schema import ServerSection
+from orin.server import images
+from orin.server.images import BadImage, ImageLimits
+from orin.server.protocol import ChatCompletionRequest
+
+PARAM = "messages[0].content[1].image_url"
+
+
+def png(width: int = 8, height: int = 6, color: tuple[int, int, int] = (10, 20, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(raw: bytes, kind: str = "image/png") -> str:
+    return f"data:{kind};base64," + base64.b64encode(raw).decode()
+
+
+def load(url: str, limits: ImageLimits | None = None, transport: object = None) -> object:
+    return asyncio.run(images.load(url, limits or ImageLimits(), PARAM, transport))  # type: ignore[arg-type]
+
+
+def refused(url: str, limits: ImageLimits | None = None, transport: object = None) -> BadImage:
+    with pytest.raises(BadImage) as info:
+        load(url, limits, transport)
+    assert info.value.param == PARAM and info.value.status == 400
+    return info.value
+
+
+def test_a_data_url_decodes_to_rgb_pixels() -> None:
+    img = load(data_url(png(8, 6, (10, 20, 30))))
+    assert (img.width, img.height) == (8, 6)  # type: ignore[attr-defined]
+    assert img.pixels[:3] == bytes([10, 20, 30])  # type: ignore[attr-defined]
+    assert len(img.pixels) == 8 * 6 * 3  # type: ignore[attr-defined]
+
+
+def test_alpha_and_palette_images_become_rgb() -> None:
+    buf = io.BytesIO()
+    Image.new("RGBA", (4, 4), (1, 2, 3, 128)).save(buf, "PNG")
+    assert len(load(data_url(buf.getvalue())).pixels) == 4 * 4 * 3  # type: ignore[attr-defined]
+    buf = io.BytesIO()
+    Image.new("P", (5, 3)).save(buf, "GIF")
+    assert len(load(data_url(buf.getvalue(), "image/gif")).pixels) == 5 * 3 * 3  # type: ignore[attr-defined]
+
+
+def test_broken_images_are_refused() -> None:
+    assert "decoded" in str(refused(data_url(b"not an image at all")))
+    assert "base64" in str(refused("data:image/png;base64,@@@@"))
+    assert "base64" in str(refused("data:image/png," + "x" * 8))
+    truncated = png(64, 64)[:60]
+    refused(data_url(truncated))
+
+
+def test_sizes_over_the_limits_are_refused() -> None:
+    raw = png(16, 16)
+    assert "max_image_bytes" in str(refused(data_url(raw), ImageLimits(max_bytes=len(raw) - 1)))
+    assert "max_image_pixels" in str(refused(data_url(raw), ImageLimits(max_pixels=255)))
+    load(data_url(raw), ImageLimits(max_bytes=len(raw), max_pixels=256))
+
+
+def test_other_schemes_and_unlisted_hosts_are_refused() -> None:
+    assert "data: URL" in str(refused("file:///etc/passwd"))
+    assert "ftp" not in str(refused("ftp://example.com/a.png"))
+    message = str(refused("https://example.com/a.png"))
+    assert "image_url_hosts" in message and "data: URL" in message
+    hosts = ImageLimits(hosts=frozenset({"images.example.com"}))
+    assert "evil.example.com" in str(refused("http://evil.example.com/a.png", hosts))
+
+
+def served(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> object:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, content=body, headers=headers)
+
+    return httpx.MockTransport(handler)
+
+
+def test_a_listed_host_is_fetched_within_the_limits() -> None:
+    hosts = ImageLimits(hosts=frozenset({"images.example.com"}))
+    url = "https://images.example.com/cat.png"
+    img = load(url, hosts, served(png(4, 2)))
+    assert (img.width, img.height) == (4, 2)  # type: ignore[attr-defined]
+    small = ImageLimits(max_bytes=1024, hosts=hosts.hosts)
+    assert "max_image_bytes" in str(refused(url, small, served(b"x" * 4096)))
+    assert "HTTP 404" in str(refused(url, hosts, served(b"", 404)))
+    redirect = served(b"", 302, {"location": "http://169.254.169.254/"})
+    assert "HTTP 302" in str(refused(url, hosts, redirect))  # redirects are not followed
+
+
+def test_limits_come_from_the_server_section() -> None:
+    server = ServerSection(
+        image_url_hosts=["Images.Example.com"], max_image_bytes=4096, max_image_pixels=1000
+    )
+    limits = ImageLimits.from_server(server)
+    assert limits == ImageLimits(4096, 1000, frozenset({"images.example.com"}))
+    assert ServerSection().image_url_hosts == []
+
+
+def test_image_parts_parse_in_the_openai_shape() -> None:
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is "},
+                        {"type": "image_url", "image_url": {"url": "data:,", "detail": "low"}},
+                        {"type": "text", "text": " and "},
+                        {"type": "image_url", "image_url": "data:image/png;base64,AA=="},
+                    ],
+                },
+            ]
+        }
+    )
+    parts = body.image_parts()
+    assert [p for p, _ in parts] == [
+        "messages[1].content[1].image_url",
+        "messages[1].content[3].image_url",
+    ]
+    assert parts[1][1].url == "data:image/png;base64,AA=="
+    assert body.messages[1].text() == f"What is {MEDIA_MARKER} and {MEDIA_MARKER}"
+    assert body.template_messages()[0]["content"] == "Be brief."
