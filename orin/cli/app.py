@@ -9,7 +9,7 @@ import os
 import typer
 
 from orin import __version__
-from orin.cli import bench, doctor, install, model, monitor, profile, serve, tune
+from orin.cli import bench, deploy, doctor, install, model, monitor, profile, rpc, serve, tune
 from orin.cli.deps import Deps
 from orin.cli.logs import text_formatter
 
@@ -30,6 +30,9 @@ app.add_typer(tune.app, name="tune")
 app.command("install")(install.install)
 app.command("uninstall")(install.uninstall)
 app.command("status")(install.status)
+app.add_typer(deploy.app, name="deploy")
+app.command("rpc-worker")(rpc.rpc_worker)
+app.command("install-rpc-worker")(rpc.install_rpc_worker)
 
 
 def _version(value: bool) -> None:

@@ -66,11 +66,25 @@ def serve(
         Path | None,
         typer.Option(help="Write samples, steps and requests as JSON lines to this file."),
     ] = None,
+    rpc: Annotated[
+        str | None,
+        typer.Option(
+            envvar="ORIN_LLM_RPC_WORKERS",
+            help="llama.cpp RPC workers HOST:PORT[,HOST:PORT...] (orin-llm rpc-worker) to "
+            "split the layers across; replaces the profile's engine.rpc.",
+        ),
+    ] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     setup_logging(log_format.value)
     profile, note = serve_profile(profile_name, model)
     _apply_overrides(profile, host, port, slots, ctx, window)
+    if rpc is not None:
+        _apply_rpc(profile, rpc)
+    if profile.engine.rpc:  # llama.cpp aborts on a worker it cannot reach: ask first
+        from orin.engine.rpc import check_workers
+
+        check_workers(profile.engine.rpc)
     if note:
         log.info("%s", note)
     raise typer.Exit(run_server(profile, model, telemetry, record, telemetry_hz))
@@ -99,3 +113,13 @@ def _apply_overrides(
     elif window is not None:
         p.context.window = min(int(window), p.engine.n_ctx)
     Profile.model_validate(p.model_dump())  # the overrides obey the same bounds
+
+
+def _apply_rpc(p: Profile, value: str) -> None:
+    """--rpc replaces the profile's engine.rpc (an empty value: no workers)."""
+    from orin.engine.rpc import parse_endpoints
+
+    try:
+        p.engine.rpc = list(parse_endpoints(value))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--rpc") from None

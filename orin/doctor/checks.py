@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from orin.doctor import board
 from orin.doctor.context import DoctorContext
 from orin.doctor.findings import Finding
 from orin.profile.board import load_settings
-from orin.profile.fit import gib, memory_fit
+from orin.profile.fit import gib, memory_fit, projector_bytes, projector_path
 from orin.severity import worst
 from orin.system.loadmode import mmap_policy
 
@@ -200,7 +201,10 @@ def check_memory_fit(ctx: DoctorContext) -> Finding:
     if avail is None:
         return Finding("memory-fit", "warn", "cannot read /proc/meminfo", fix="check /proc")
     d = ctx.kv
-    fit = memory_fit(info, ctx.profile.engine, d.type_k, d.type_v, d.flash_attn != "off", avail)
+    proj = projector_bytes(ctx.profile)
+    fit = memory_fit(
+        info, ctx.profile.engine, d.type_k, d.type_v, d.flash_attn != "off", avail, proj
+    )
     return Finding("memory-fit", fit.severity, fit.found, why=fit.why, fix=fit.fix)
 
 
@@ -246,6 +250,68 @@ def check_context(ctx: DoctorContext) -> Finding:
     return Finding("context", "ok", found)
 
 
+def check_mmproj(ctx: DoctorContext) -> Finding:
+    """The vision projector (model.mmproj) against the model: a vision projector whose
+    image rows are as wide as the model's embeddings, of a type the engine serves; its
+    weights and compute buffer beside the memory there is."""
+    from orin.model import mmproj
+
+    path = _projector_path(ctx)
+    if path is None:
+        return Finding("mmproj", "ok", "no vision projector: the server takes text only")
+    if not path.is_file():
+        if ctx.profile.model.mmproj_demo:
+            return Finding(
+                "mmproj", "info", f"the demo projector {path.name} is generated on first use"
+            )
+        return Finding(
+            "mmproj",
+            "fail",
+            f"model.mmproj: {path} does not exist",
+            why="the server cannot load the model with its projector",
+            fix="the projector GGUF made for this model (llama-server's --mmproj)",
+        )
+    try:
+        proj = mmproj.read_projector_info(path)
+    except (OSError, ValueError) as exc:
+        return Finding(
+            "mmproj",
+            "fail",
+            f"model.mmproj: {path}: {exc}",
+            fix="the projector GGUF made for this model (mmproj-*.gguf)",
+        )
+    if ctx.model is None:
+        return skipped("mmproj", ctx)
+    problem = mmproj.fit_problem(proj, ctx.model.n_embd)
+    if problem is not None:
+        return Finding(
+            "mmproj",
+            "fail",
+            f"{path.name}: {problem}",
+            why="llama.cpp refuses the projector when the model loads",
+            fix="the projector published with this model, or no model.mmproj",
+        )
+    mib = 2**20
+    found = (
+        f"{proj.projector_type} projector, {proj.n_patches or '?'} image tokens per image: "
+        f"{proj.weights_bytes / mib:.1f} MiB of weights + ~{proj.compute_bytes / mib:.1f} MiB "
+        "of compute buffer beside the model"
+    )
+    if ctx.available is not None and proj.total_bytes > ctx.available:
+        return Finding(
+            "mmproj",
+            "fail",
+            found + f"; {gib(ctx.available)} available",
+            fix="free memory, or serve without model.mmproj",
+        )
+    return Finding("mmproj", "ok", found)
+
+
+def _projector_path(ctx: DoctorContext) -> Path | None:
+    """The projector serve would load, without generating a demo one."""
+    return projector_path(ctx.profile)
+
+
 def check_mmap(ctx: DoctorContext) -> Finding:
     """mmap while every layer is on the GPU of a unified-memory board."""
     p, info, build = ctx.platform, ctx.model, ctx.build
@@ -277,6 +343,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("kv-type", check_kv_type),
     ("memory-fit", check_memory_fit),
     ("context", check_context),
+    ("mmproj", check_mmproj),
     ("mmap", check_mmap),
     ("swappiness", board.check_swappiness),
     ("zram", board.check_zram),

@@ -98,6 +98,9 @@ class EngineConfig:
     tpot_target_ms: float | None = None
     speculative: SpecConfig = SpecConfig()
     prompt_cache: PromptCacheConfig | None = None
+    # llama.cpp RPC workers (host:port) registered as devices before the model loads
+    rpc: tuple[str, ...] = ()
+    mmproj: Path | None = None  # the vision projector (orin.engine.vision); None: text only
 
     def with_(self, **changes: object) -> EngineConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -182,7 +185,21 @@ def engine_config(
         tpot_target_ms=profile.slo.tpot_p90_ms,
         speculative=spec_config(profile),
         prompt_cache=prompt_cache_config(profile),
+        rpc=tuple(e.rpc),
+        mmproj=mmproj_path(profile),
     )
+
+
+def mmproj_path(profile: Profile) -> Path | None:
+    """The profile's vision projector: its file, or the generated one of a demo model."""
+    m = profile.model
+    if m.mmproj is not None:
+        return _relative(profile, Path(m.mmproj))
+    if m.mmproj_demo and m.demo is not None:
+        from orin.model import mmproj
+
+        return mmproj.ensure(m.demo.size)
+    return None
 
 
 def _relative(profile: Profile, path: Path) -> Path:

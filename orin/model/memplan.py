@@ -13,7 +13,10 @@ compute-buffer figure is an estimate and is labelled as one.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from itertools import accumulate
 from typing import Any
 
 from orin.errors import KVConfigError
@@ -305,6 +308,8 @@ class MemoryPlan:
     kv_estimated: bool = False
     kv_note: str | None = None
     ctx_train: int = 0  # the model's training context (0: the file does not say)
+    # a vision projector's weights and compute buffer (orin.model.mmproj), 0 without one
+    mmproj_bytes: int = 0
 
     @property
     def max_ctx_usable(self) -> dict[str, int | None]:
@@ -328,7 +333,13 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.state_bytes + self.compute_bytes
+        return (
+            self.weights_bytes
+            + self.kv_bytes
+            + self.state_bytes
+            + self.compute_bytes
+            + self.mmproj_bytes
+        )
 
     @property
     def fits(self) -> bool | None:
@@ -430,8 +441,13 @@ def plan_memory(
     flash_attn: bool = True,
     n_batch: int | None = None,
     swa_full: bool = False,
+    mmproj_bytes: int = 0,
 ) -> MemoryPlan:
     """The memory a configuration needs, and the largest context per KV type.
+
+    ``mmproj_bytes``: a vision projector loaded beside the model
+    (``orin.model.mmproj.ProjectorInfo.total_bytes``), taken from the memory the
+    context may use.
 
     ``swa_full`` follows llama.cpp's context parameter of that name (the profile's
     engine.swa_full, off by default); ``n_batch`` (default: n_ubatch) only matters for the
@@ -450,7 +466,7 @@ def plan_memory(
             continue
         if available is not None:
             max_ctx[t] = max_context(
-                info, slots, t, t, available, n_ubatch, flash_attn, n_batch, swa_full
+                info, slots, t, t, available - mmproj_bytes, n_ubatch, flash_attn, n_batch, swa_full
             )
     return MemoryPlan(
         ctx=ctx,
@@ -473,4 +489,31 @@ def plan_memory(
         kv_estimated=not info.kv_exact,
         kv_note=info.kv_note,
         ctx_train=info.n_ctx_train or 0,
+        mmproj_bytes=mmproj_bytes,
     )
+
+
+def layer_split(n_layer: int, free: Sequence[int], gpu_layers: int = -1) -> tuple[int, list[int]]:
+    """(repeating layers left on the CPU, layers on each device) as llama.cpp assigns
+    them: the last ``gpu_layers`` of the n_layer + 1 (the output counts as one) go to
+    the devices in order (``engine.rpc`` workers first, then the local GPU), each
+    taking a share proportional to its free memory (llama_model::load_tensors)."""
+    if not free:
+        return n_layer, []
+    offload = n_layer + 1 if gpu_layers < 0 else min(gpu_layers, n_layer + 1)
+    start = n_layer + 1 - offload
+    total = sum(free)
+    shares = [f / total for f in free] if total else [1 / len(free)] * len(free)
+    cumulative = list(accumulate(shares))
+    counts = [0] * len(free)
+    for il in range(start, n_layer):
+        device = bisect_right(cumulative, (il - start) / offload)  # std::upper_bound
+        counts[min(device, len(free) - 1)] += 1
+    return min(start, n_layer), counts
+
+
+def split_bytes(plan: MemoryPlan, n_layer: int, layers: Sequence[int]) -> list[int]:
+    """Each device's part of the weights and the KV cache for its layers (the
+    repeating layers hold nearly all of both; embeddings stay on the host)."""
+    per_layer = (plan.weights_bytes + plan.kv_bytes + plan.state_bytes) / max(n_layer, 1)
+    return [int(per_layer * n) for n in layers]

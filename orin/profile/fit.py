@@ -8,12 +8,14 @@ on the shared severity scale, with the largest per-slot context that fits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from orin.errors import KVConfigError
+from orin.errors import KVConfigError, OrinError
 from orin.model.gguf import ModelInfo
-from orin.model.memplan import MemoryPlan, max_context, plan_memory
-from orin.profile.schema import EngineSection
+from orin.model.memplan import MemoryPlan, layer_split, max_context, plan_memory, split_bytes
+from orin.profile.schema import EngineSection, Profile
 from orin.severity import Severity
 
 HEADROOM = 0.10  # below this share of available memory left over, the fit warns
@@ -41,6 +43,36 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def projector_path(profile: Profile) -> Path | None:
+    """The vision projector serve would load (model.mmproj, relative paths from the
+    profile's folder, or the demo one's cache file), without generating it."""
+    m = profile.model
+    if m.mmproj is not None:
+        p = Path(m.mmproj).expanduser()
+        source = profile.source
+        return p if p.is_absolute() or source is None else source.parent / p
+    if m.mmproj_demo and m.demo is not None:
+        from orin.model import mmproj
+        from orin.paths import models_cache_dir
+
+        return models_cache_dir() / mmproj.file_name(m.demo.size)
+    return None
+
+
+def projector_bytes(profile: Profile) -> int:
+    """The projector's weights and compute buffer; 0 without one, or while its file is
+    not there or unreadable (doctor's mmproj check reports that)."""
+    path = projector_path(profile)
+    if path is None or not path.is_file():
+        return 0
+    from orin.model import mmproj
+
+    try:
+        return mmproj.read_projector_info(path).total_bytes
+    except (OrinError, OSError, ValueError):
+        return 0
+
+
 def memory_fit(
     info: ModelInfo,
     engine: EngineSection,
@@ -48,6 +80,7 @@ def memory_fit(
     type_v: str,
     flash_attn: bool,
     available: int,
+    mmproj_bytes: int = 0,
 ) -> MemoryFit:
     """Weights + KV at ``engine.n_ctx`` x ``engine.slots`` + compute, against ``available``.
 
@@ -67,6 +100,7 @@ def memory_fit(
             flash_attn,
             e.n_batch,
             e.swa_full,
+            mmproj_bytes=mmproj_bytes,
         )
     except KVConfigError as exc:
         return MemoryFit("fail", str(exc), fix="engine.type_k/type_v: f16 or q8_0")
@@ -83,8 +117,48 @@ def memory_fit(
         fix = "a smaller quantization or model, or fewer slots"
     else:
         fix = f"engine.n_ctx: {best} (or fewer slots, or a smaller KV type)"
+    if plan.total_bytes > available and e.rpc:  # part of it goes to the workers' memory
+        return MemoryFit(
+            "warn",
+            f"{found}; engine.rpc lists {len(e.rpc)} RPC worker(s) whose memory holds part "
+            "of the layers",
+            "the split follows each worker's free memory, known only when the server "
+            "connects: its log line 'layers: ...' shows it (docs/fleet.md)",
+            "",
+            plan,
+            best,
+        )
     if plan.total_bytes > available:
         return MemoryFit("fail", found, WHY_FAIL, fix, plan, best)
     if plan.total_bytes > available * (1 - HEADROOM):
         return MemoryFit("warn", found, WHY_WARN, fix, plan, best)
     return MemoryFit("ok", found, plan=plan, best_ctx=best)
+
+
+def rpc_fit(
+    plan: MemoryPlan,
+    n_layer: int,
+    devices: Sequence[tuple[str, int]],
+    gpu_layers: int = -1,
+) -> MemoryFit:
+    """The layers split across ``devices`` ((name, free bytes): the ``engine.rpc``
+    workers first, then the local GPU, as llama.cpp orders them) by free memory: fails
+    when a device's share of weights and KV cache is more than it has free."""
+    cpu, layers = layer_split(n_layer, [free for _, free in devices], gpu_layers)
+    shares = split_bytes(plan, n_layer, layers)
+    parts = [f"{cpu} layers on the host CPU"] if cpu else []
+    over = []
+    for (name, free), n, need in zip(devices, layers, shares, strict=True):
+        parts.append(f"{name}: {n} layers, {gib(need)} of {gib(free)} free")
+        if need > free:
+            over.append(name)
+    found = "; ".join(parts)
+    if over:
+        return MemoryFit(
+            "fail",
+            found,
+            "llama.cpp splits the layers by free memory, and a device's share must fit in it",
+            f"more workers, or a smaller model or context ({', '.join(over)} over)",
+            plan,
+        )
+    return MemoryFit("ok", found, plan=plan)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,6 +75,17 @@ class ModelSection(_Section):
         "neither (or with pooling none) cannot embed.",
     )
 
+    mmproj: str | None = Field(
+        None,
+        description="Path of a multimodal projector GGUF (llama-server's --mmproj): images in "
+        "chat messages; relative paths are taken from the profile's folder.",
+    )
+    mmproj_demo: bool = Field(
+        False,
+        description="With model.demo: a generated vision projector for the demo model "
+        "(random weights; for trying images out and for tests).",
+    )
+
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
         given = [k for k in ("path", "demo", "packaged", "hf") if getattr(self, k) is not None]
@@ -81,6 +93,8 @@ class ModelSection(_Section):
             raise ValueError(
                 f"give one of model.path, model.demo, model.packaged or model.hf, not {given}"
             )
+        if self.mmproj_demo and (self.demo is None or self.mmproj is not None):
+            raise ValueError("model.mmproj_demo needs model.demo and no model.mmproj")
         return self
 
 
@@ -153,6 +167,26 @@ class EngineSection(_Section):
         description="Override of the model's RoPE frequency base; none = from the GGUF metadata "
         "(an override that differs from training gives garbage at long context).",
     )
+    rpc: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description="llama.cpp RPC workers ('host:port', started with 'orin-llm rpc-worker') "
+        "whose memory holds part of the layers; the offloaded layers are split across them "
+        "and the local GPU by free memory. The RPC protocol has no authentication or "
+        "encryption: use a private network (docs/fleet.md).",
+    )
+
+    @field_validator("rpc")
+    @classmethod
+    def _rpc_endpoints(cls, value: list[str]) -> list[str]:
+        """Each 'host:port' with a port in 1-65535; duplicates are refused."""
+        for item in value:  # llama.cpp splits at the first colon: no IPv6 address
+            host, sep, port = item.strip().partition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"engine.rpc: {item!r} is not host:port")
+        if len(set(value)) != len(value):
+            raise ValueError("engine.rpc: a worker is listed twice")
+        return [v.strip() for v in value]
 
     @field_validator("flash_attn", mode="before")
     @classmethod
@@ -336,6 +370,52 @@ class SystemSection(_Section):
     disable_zram: bool = Field(False, description="Disable the nvzramconfig zram swap service.")
 
 
+RoutingStyle = Literal["auto", "vllm", "sglang", "llamacpp", "none"]
+# The Prometheus text format's metric names (no UTF-8 quoting: routers parse the classic set).
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+class RoutingMetricsSection(_Section):
+    style: RoutingStyle = Field(
+        "auto",
+        description="Whose names the load signals are also exported under, for a router that "
+        "scrapes /metrics: 'vllm' (vllm:num_requests_waiting, vllm:num_requests_running, "
+        "vllm:kv_cache_usage_perc, vllm:cache_config_info: what the Gateway API Inference "
+        "Extension's endpoint picker reads by default), 'sglang', 'llamacpp' (llama-server's "
+        "names), 'none' (only the orin_llm_* gauges and the names set below); 'auto' is "
+        "'vllm' when server.host is not a loopback address (a router can reach the server), "
+        "'none' otherwise.",
+    )
+    queue: str | None = Field(
+        None,
+        max_length=200,
+        description="Name for the requests waiting for a slot; overrides the style's.",
+    )
+    running: str | None = Field(
+        None,
+        max_length=200,
+        description="Name for the requests holding a slot; overrides the style's.",
+    )
+    kv_usage: str | None = Field(
+        None,
+        max_length=200,
+        description="Name for the fraction of KV cache cells held by running requests "
+        "(0 to 1); overrides the style's.",
+    )
+
+    @field_validator("queue", "running", "kv_usage")
+    @classmethod
+    def _metric_name(cls, value: str | None) -> str | None:
+        """A classic Prometheus name outside orin-llm's own prefix (those names are taken)."""
+        if value is None:
+            return None
+        if not _METRIC_NAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not a Prometheus metric name [a-zA-Z_:][a-zA-Z0-9_:]*")
+        if value.startswith("orin_llm_"):
+            raise ValueError(f"{value!r}: names starting orin_llm_ are orin-llm's own metrics")
+        return value
+
+
 class ServerSection(_Section):
     host: str = Field("127.0.0.1", description="Address to bind; loopback by default.")
     port: int = Field(8080, ge=1, le=65535, description="TCP port.")
@@ -384,6 +464,29 @@ class ServerSection(_Section):
         False,
         description="Answer /metrics without the API key (for a Prometheus scraper that holds "
         "no key); every other route but /health still requires it.",
+    )
+    image_url_hosts: list[str] = Field(
+        default_factory=list,
+        description="Hosts whose http(s) image URLs chat requests may name, fetched by the "
+        "server within max_image_bytes and a 10 s limit; empty = data: URLs only (the "
+        "default: the server never fetches a URL a client chose).",
+    )
+    max_image_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=1024,
+        le=256 * 1024 * 1024,
+        description="Largest encoded image (PNG, JPEG, ...) a chat request may carry (400).",
+    )
+    max_image_pixels: int = Field(
+        16_777_216,
+        ge=64,
+        le=268_435_456,
+        description="Largest decoded image, width x height (400); checked before decoding.",
+    )
+    routing_metrics: RoutingMetricsSection = Field(
+        default_factory=RoutingMetricsSection,
+        description="Queue length, running requests and KV cache usage under the names a "
+        "load-aware router reads (docs/fleet.md).",
     )
 
 

@@ -12,7 +12,8 @@ from starlette.exceptions import HTTPException
 
 from orin.engine.errors import EngineError
 from orin.engine.stream import Completion, RequestStream, collect
-from orin.server import dashboard, errors, extras, protocol, tools
+from orin.engine.vision import MediaPrompt, RGBImage
+from orin.server import dashboard, errors, extras, images, protocol, tools
 from orin.server.auth import protect
 from orin.server.errors import Loading, ModelNotFound
 from orin.server.middleware import RequestContext
@@ -65,16 +66,22 @@ def _register(app: FastAPI, state: ServerState) -> None:
     async def chat(body: protocol.ChatCompletionRequest, request: Request) -> Any:
         _check_model(state, body.model)
         protocol.check_message_order(body.messages)
+        pictures = await _images(state, body)
         text, add_bos = state.engine.render_chat(
             body.template_messages(), body.offered_tools(), body.chat_template_kwargs
         )
-        prompt = state.engine.tokenize(text, add_special=add_bos)
+        media = None
+        if pictures:  # tokenized with the images (preprocessing them) off the event loop
+            media = await asyncio.to_thread(state.engine.tokenize_media, text, pictures, add_bos)
+            prompt = media.tokens
+        else:
+            prompt = state.engine.tokenize(text, add_special=add_bos)
         caps = state.engine.chat_caps()
         output = tools.output_spec(body, caps, text)
         body.constrain(tools.required_grammar(body, output))
         fmt = ChatFormatter(state, body, _rid(request), output)
         preserve = state.engine.control_tokens(output.marker_texts())
-        return await _run(state, request, body, prompt, fmt, preserve)
+        return await _run(state, request, body, prompt, fmt, preserve, media)
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request) -> Any:
@@ -86,6 +93,22 @@ def _register(app: FastAPI, state: ServerState) -> None:
 
     extras.register(app, state)  # embeddings, tokenize, detokenize, /v1/models/{id}
     dashboard.register(app, state)  # /, /login, assets, /dashboard/data, /slots
+
+
+async def _images(state: ServerState, body: protocol.ChatCompletionRequest) -> list[RGBImage]:
+    """The request's images, decoded within the profile's limits (orin/server/images.py);
+    a 400 naming the content part when one is broken, too large, not allowed, or when
+    the model has no vision projector."""
+    parts = body.image_parts()
+    if not parts:
+        return []
+    if not state.engine.supports_images:
+        raise images.BadImage(
+            "this model takes no images: the profile sets no model.mmproj",
+            parts[0][0].removesuffix(".image_url"),
+        )
+    limits = state.image_limits
+    return [await images.load(part.url, limits, param) for param, part in parts]
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -105,12 +128,13 @@ async def _run(
     prompt: list[int],
     fmt: Formatter,
     preserve: tuple[int, ...] = (),
+    media: MediaPrompt | None = None,
 ) -> Any:
     body.refuse_unsupported()
     ignored = body.ignored_fields()
     if ignored:
         protocol.log.info("request %s: ignoring unknown fields %s", _rid(request), ignored)
-    streams = await _submit(state, request, body, prompt, preserve)
+    streams = await _submit(state, request, body, prompt, preserve, media)
     if body.stream:
 
         def finished(c: Completion) -> None:
@@ -131,6 +155,7 @@ async def _submit(
     body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
     prompt: list[int],
     preserve: tuple[int, ...],
+    media: MediaPrompt | None = None,
 ) -> list[RequestStream]:
     """One engine request per choice (``n``), all of the same prompt: the scheduler
     prefills it once and the other choices copy its cells. A choice the engine
@@ -152,6 +177,7 @@ async def _submit(
                     params,
                     request_id=rid if body.n == 1 else f"{rid}.{i}",
                     whole=not body.stream,
+                    media=media,
                 )
             )
     except BaseException:

@@ -80,8 +80,10 @@ def build_server(
     from orin.llamacpp import build_info
     from orin.model.gguf import read_model_info
     from orin.server.app import create_app
+    from orin.server.images import ImageLimits
     from orin.server.lifecycle import FLUSH_S, OrinServer
     from orin.server.metrics import ServerMetrics
+    from orin.server.routing import register_routing
     from orin.server.state import ServerState
 
     path = resolve_model_path(profile, model)
@@ -101,11 +103,13 @@ def build_server(
         metrics_public=profile.server.metrics_public,
         cors_origins=tuple(profile.server.cors_origins),
         dashboard=profile.server.dashboard,
+        image_limits=ImageLimits.from_server(profile.server),
         max_body_bytes=profile.server.max_body_bytes,
         max_tokens_cap=profile.server.max_tokens_limit,
     )
     engine.add_step_observer(state.metrics.on_step)
     engine.add_finish_observer(state.metrics.on_finish)
+    register_routing(state.metrics.registry, profile.server, engine.status, name)
     host, port = profile.server.host, profile.server.port
     log.info(
         "model %s (%s), %d slots x %d tokens, K=%s V=%s, flash_attn=%s, on http://%s:%d",

@@ -15,6 +15,7 @@ from orin.engine.client import EngineClient, EngineStatus
 from orin.engine.types import RequestTimings
 from orin.profile.schema import SamplingSection
 from orin.server import protocol
+from orin.server.images import ImageLimits
 from orin.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class ServerState:
     metrics_public: bool = False
     cors_origins: tuple[str, ...] = ()  # server.cors_origins; empty: no CORS headers
     dashboard: bool = True  # server.dashboard: the web page at / (off: 404)
+    # server.image_url_hosts / max_image_bytes / max_image_pixels
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
     max_body_bytes: int = 2 * 1024 * 1024
     max_tokens_cap: int = 4096
     version: str = __version__
