@@ -603,6 +603,10 @@ class Engine:
                     self.scheduler.stored = self.prompt_cache.stored
                 if self.cfg.mmproj is not None:
                     self.vision = _load_vision(self.cfg, backend)
+                if self.cfg.rpc:
+                    from orin.engine import rpc
+
+                    rpc.on_lost(self._fail_all)
             except BaseException:
                 self._chat = None
                 if self.speculation is not None:
@@ -843,6 +847,19 @@ class Engine:
                 request = self.scheduler.slots[item.slot].request
                 if isinstance(request, ActiveRequest):
                     self._finish(request, "error", message)
+
+    def _fail_all(self, message: str) -> None:
+        """End every request in flight with ``message`` (a lost RPC worker, just before
+        the process exits). Called from inside llama.cpp on whichever thread aborted:
+        the lock is taken only if it is free soon, never waited on for long."""
+        if not self._lock.acquire(timeout=0.5):
+            return
+        try:
+            for request in list(self._requests.values()):
+                self._finish(request, "error", message)
+            self._lock.notify_all()
+        finally:
+            self._lock.release()
 
     def _abort_check(self) -> bool:
         return self._abort_flag

@@ -28,7 +28,8 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,16 @@ def add_workers(endpoints: Sequence[str]) -> list[RpcDevice]:
 
 _hook: Any = None  # keeps the ctypes callback alive
 _endpoints: tuple[str, ...] = ()
+# Called with the lost-worker line before the exit, so the requests in flight end
+# with that error rather than a cut connection; then the server's event loop gets
+# LAST_WORDS_S to write it out.
+_last_words: list[Callable[[str], None]] = []
+LAST_WORDS_S = 1.0
+
+
+def on_lost(fn: Callable[[str], None]) -> None:
+    """Have ``fn(message)`` run when a worker is lost, before the process exits."""
+    _last_words.append(fn)
 
 
 def install_abort_hook(endpoints: Sequence[str]) -> None:
@@ -288,6 +299,10 @@ def _on_abort(message: bytes | None) -> None:
         prefix = "<3>orin-llm: " if os.environ.get("JOURNAL_STREAM") else "orin-llm: "
         sys.stderr.write(prefix + text + "\n")
         sys.stderr.flush()
+        for fn in _last_words:
+            fn(text)
+        if _last_words:
+            time.sleep(LAST_WORDS_S)
     finally:
         os._exit(RPC_LOST_EXIT)
 
