@@ -17,19 +17,16 @@ import typer
 from rich.console import Console
 from rich.progress import (
     BarColumn,
-    DownloadColumn,
     Progress,
     SpinnerColumn,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
 )
 
 from orin.cli.deps import HttpGet, deps
 from orin.cli.errors import handle_errors
 from orin.cli.options import JsonOpt, RootOpt
-from orin.cli.output import Output, human_bytes, progress_wanted
+from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.doctor.report import Report
 from orin.install import probe
 from orin.install.apply import apply_install, apply_uninstall
@@ -174,7 +171,7 @@ def _pull_model(
     result = hub.pull(
         ref,
         models,
-        progress=_DownloadBar if progress_wanted() else None,
+        progress=DownloadBar if progress_wanted() else None,
         chown=_chown(runner, facts.user) if facts.user_exists else None,
     )
     out.line(
@@ -196,28 +193,6 @@ def _chown(runner: CommandRunner, user: str) -> Callable[[Path], None]:
             raise InstallError(f"chown {user}: {path} failed: {(res.stderr or res.stdout).strip()}")
 
     return chown
-
-
-class _DownloadBar:
-    """A rich download bar on stderr for the model pull."""
-
-    def __init__(self, description: str, total: int | None, initial: int) -> None:
-        self._progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),
-        )
-        self._progress.start()
-        self._task = self._progress.add_task(description, total=total, completed=initial)
-
-    def update(self, n: int) -> None:
-        self._progress.advance(self._task, n)
-
-    def close(self) -> None:
-        self._progress.stop()
 
 
 @contextmanager

@@ -11,20 +11,16 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.progress import (
-    BarColumn,
-    DownloadColumn,
     Progress,
     SpinnerColumn,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
 )
 
 from orin.cli.deps import deps
 from orin.cli.errors import handle_errors
 from orin.cli.options import CtxOpt, JsonOpt, RootOpt
-from orin.cli.output import Output, human_bytes, progress_wanted
+from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.errors import ModelFileError, OrinError, ProfileError
 from orin.model import store
 from orin.model.gguf import ModelInfo, read_model_info
@@ -347,28 +343,6 @@ def _working(description: str, quiet: bool = False) -> Iterator[None]:
         yield
 
 
-class _DownloadBar:
-    """A rich download bar on stderr (bytes, speed, time left) for hub.pull."""
-
-    def __init__(self, description: str, total: int | None, initial: int) -> None:
-        self._progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),
-        )
-        self._progress.start()
-        self._task = self._progress.add_task(description, total=total, completed=initial)
-
-    def update(self, n: int) -> None:
-        self._progress.advance(self._task, n)
-
-    def close(self) -> None:
-        self._progress.stop()
-
-
 def _hub_ref(value: str) -> str:
     try:
         store.parse_ref(value)
@@ -453,7 +427,7 @@ def pull(
     chown = None
     if uid == 0 and folder == sysroot.path(store.SYSTEM_MODELS_DIR):
         chown = _service_chown(d.runner, sysroot)
-    progress = _DownloadBar if progress_wanted(quiet or as_json) else None
+    progress = DownloadBar if progress_wanted(quiet or as_json) else None
     result = hub.pull(
         store.parse_ref(spec),
         folder,

@@ -160,3 +160,35 @@ def progress_wanted(
     or stderr is not a terminal (a pipe, a file, a service's journal)."""
     streams = (stdout or sys.stdout, stderr or sys.stderr)
     return not quiet and all(s.isatty() for s in streams)
+
+
+class DownloadBar:
+    """A rich download bar on stderr (bytes, speed, time left): the progress that
+    ``orin.model.hub.pull`` reports, for ``model pull`` and ``install``."""
+
+    def __init__(self, description: str, total: int | None, initial: int) -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(description, total=total, completed=initial)
+
+    def update(self, n: int) -> None:
+        self._progress.advance(self._task, n)
+
+    def close(self) -> None:
+        self._progress.stop()
