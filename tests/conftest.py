@@ -1,10 +1,24 @@
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.fakes.board import FakeBoard
+
+
+@pytest.fixture(autouse=True)
+def _root_logging() -> Iterator[None]:
+    """Each test starts from the same logging set-up: a command that configures
+    logging (serve's setup_logging) in one test must not decide what the next test's
+    commands print."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture

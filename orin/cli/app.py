@@ -11,7 +11,7 @@ import typer
 from orin import __version__
 from orin.cli import bench, deploy, doctor, install, model, monitor, profile, rpc, serve, tune
 from orin.cli.deps import Deps
-from orin.cli.logs import text_formatter
+from orin.cli.logs import StderrHandler, text_formatter
 
 app = typer.Typer(
     name="orin-llm",
@@ -54,7 +54,7 @@ def _root(
 
 def main() -> None:
     level = logging.DEBUG if os.environ.get("ORIN_LLM_DEBUG") else logging.WARNING
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     handler.setFormatter(text_formatter("%(levelname)s %(name)s: %(message)s", None))
     logging.basicConfig(level=level, handlers=[handler])
     app()

@@ -89,11 +89,29 @@ def text_formatter(
     return (JournalFormatter if journal else logging.Formatter)(fmt, datefmt)
 
 
+class StderrHandler(logging.StreamHandler):
+    """A handler that writes to whatever ``sys.stderr`` is at each record (as the
+    logging module's last-resort handler does), not the stream of the moment it was
+    made: a command run in-process with stderr captured (tests, an embedding program)
+    leaves no handler behind that writes to a closed stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
 def setup_logging(fmt: str = "text", journal: bool | None = None) -> None:
     """INFO to stderr (DEBUG with ORIN_LLM_DEBUG); llama.cpp's own log stays at WARNING."""
     if fmt not in ("text", "json"):
         raise ValueError(f"log format must be text or json, not {fmt!r}")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:

@@ -15,7 +15,13 @@ import pytest
 
 from orin.cli import logs
 from orin.cli.errors import fail
-from orin.cli.logs import JournalFormatter, JsonFormatter, journal_stderr, syslog_priority
+from orin.cli.logs import (
+    JournalFormatter,
+    JsonFormatter,
+    StderrHandler,
+    journal_stderr,
+    syslog_priority,
+)
 
 
 def record(level: int, message: str, exc: bool = False) -> logging.LogRecord:
@@ -103,3 +109,21 @@ def test_error_messages_are_at_error_priority_in_the_journal(
     stderr_file.flush()
     text = (tmp_path / "stderr").read_text()
     assert text == "<3>orin-llm: address in use\n<3>orin-llm: second line\n"
+
+
+def test_the_handler_writes_to_the_stderr_of_the_moment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command run in-process with stderr captured must not leave a handler bound to
+    that (later closed) stream: each record goes to the current sys.stderr."""
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    handler = StderrHandler()
+    log = logging.getLogger("orin.test.stderr")
+    log.addHandler(handler)
+    try:
+        log.warning("one")
+        first.close()
+        monkeypatch.setattr(sys, "stderr", second)
+        log.warning("two")
+    finally:
+        log.removeHandler(handler)
+    assert second.getvalue() == "two\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -63,6 +64,11 @@ def test_a_second_signal_cancels_every_request_and_shortens_the_flush() -> None:
     srv.handle_exit(signal.SIGINT, None)
     assert srv._drain_thread is not None
     srv._drain_thread.join(timeout=60)
+    # the flush is the drain's or the cancelling thread's, whichever ends first: wait
+    # for the one that took it to hand over to uvicorn
+    deadline = time.monotonic() + 60
+    while not srv.should_exit and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert (False, 5.0) in engine.calls  # every request cancelled now
     assert srv.cut_short and srv.should_exit and not srv.force_exit
     timeout = srv.config.timeout_graceful_shutdown
