@@ -271,7 +271,7 @@ def write_profile(profile: dict[str, Any], folder: Path) -> Path:
 
 def orin_argv(s: Settings, port: int, profile: Path | None = None) -> list[str]:
     argv = [sys.executable, "-m", "orin", "serve", "--model", str(s.model),
-            "--slots", str(s.slots), "--ctx", str(s.ctx_total), "--telemetry", "off",
+            "--slots", str(s.slots), "--ctx", str(s.ctx_per_slot), "--telemetry", "off",
             "--port", str(port)]  # fmt: skip
     if profile is not None:
         argv += ["--profile", str(profile)]

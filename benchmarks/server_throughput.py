@@ -59,7 +59,7 @@ def start_orin(
         extra = ["--profile", str(profile)]
     return subprocess.Popen(
         [sys.executable, "-m", "orin", "serve", "--model", str(model), "--port", str(port),
-         "--slots", str(slots), "--ctx", str(N_CTX_PER_SLOT * slots), "--telemetry", "off",
+         "--slots", str(slots), "--ctx", str(N_CTX_PER_SLOT), "--telemetry", "off",
          *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip

@@ -226,11 +226,11 @@ def test_orin_profiles_validate_against_the_profile_schema(tmp_path: Path) -> No
     assert plain == {"name": "cold"}  # everything else as `serve --model` runs it
 
 
-def test_orin_argv_passes_slots_total_context_and_profile() -> None:
+def test_orin_argv_passes_slots_context_per_slot_and_profile() -> None:
     argv = peers.orin_argv(SETTINGS, 8123, Path("/tmp/p.yaml"))
     assert argv[1:4] == ["-m", "orin", "serve"]
     assert _flag(argv, "--slots") == "8"
-    assert _flag(argv, "--ctx") == "16384"  # total, shared by the slots
+    assert _flag(argv, "--ctx") == "2048"  # per slot, as serve reads it (llama-server's -c: total)
     assert _flag(argv, "--port") == "8123"
     assert _flag(argv, "--profile") == "/tmp/p.yaml"
     assert "--profile" not in peers.orin_argv(SETTINGS, 1)
