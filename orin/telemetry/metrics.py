@@ -31,7 +31,7 @@ PREFIX = "orin_llm_"  # every metric of orin-llm, the server's included
 
 disable_created_metrics()
 
-TELEMETRY_PHASES = ("prefill", "decode", "idle")
+TELEMETRY_PHASES = ("prefill", "decode", "encode", "idle")
 UTIL_EWMA = 0.2  # weight of the newest sample in the per-phase utilization gauge
 
 

@@ -5,7 +5,9 @@ inside a prefill-only step counts for prefill, inside a decode-only step for
 decode, and outside any step for idle. A sample inside a mixed step (decode
 tokens and prompt chunks in one batch) is split between prefill and decode by
 the step's token shares, and the share of such samples is reported, so a
-reader knows how much of a figure is apportioned rather than observed.
+reader knows how much of a figure is apportioned rather than observed. A step
+that encodes images does so first (``encode_ns`` of it): a sample in that part
+counts for the encode phase.
 Boundaries: a step covers [start, end); a sample exactly at an end belongs to
 whatever comes next.
 """
@@ -18,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-Phase = Literal["prefill", "decode", "idle"]
-PHASES: tuple[Phase, ...] = ("prefill", "decode", "idle")
+Phase = Literal["prefill", "decode", "encode", "idle"]
+PHASES: tuple[Phase, ...] = ("prefill", "decode", "encode", "idle")
 METRICS = ("gpu_util", "emc_util", "cpu_util", "proc_cpu_util")
 
 
@@ -70,11 +72,15 @@ def prompt_tokens(step: StepLike) -> int:
     return step.prefill_tokens + int(getattr(step, "embedded_tokens", 0))
 
 
-def phase_shares(step: StepLike | None) -> tuple[Share, ...]:
-    """How one sample taken during ``step`` (None: between steps) divides among phases;
-    an embedding pass counts as prefill."""
+def phase_shares(step: StepLike | None, t_ns: int | None = None) -> tuple[Share, ...]:
+    """How one sample taken at ``t_ns`` during ``step`` (None: between steps) divides
+    among phases; an embedding pass counts as prefill, the image encoding at the start
+    of a step (its ``encode_ns``) as encode."""
     if step is None:
         return (Share("idle", 1.0),)
+    encode = int(getattr(step, "encode_ns", 0))
+    if encode and t_ns is not None and t_ns < step.start_ns + encode:
+        return (Share("encode", 1.0),)
     p, d = prompt_tokens(step), step.decode_tokens
     if p and d:
         w = p / (p + d)
@@ -191,7 +197,7 @@ def summarize(
         # inside a step the sampler runs at its full rate: a sample next to an idle-rate
         # gap (the first of a request) stands for at most a period on that side
         dt = lo + hi if step is None else min(lo, period) + min(hi, period)
-        for share in phase_shares(step):
+        for share in phase_shares(step, sample.t_ns):
             summary = out[share.phase]
             summary.seconds += dt * share.weight
             weight_total[share.phase] += share.weight

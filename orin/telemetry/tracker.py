@@ -88,7 +88,7 @@ class PhaseTracker:
             if running is not None and t >= running:
                 break  # inside the step that is still running
             step = self._step_at(t)
-            out.append((p, phase_shares(step)))
+            out.append((p, phase_shares(step, t)))
             self._pending.popleft()
         return out
 

@@ -40,6 +40,25 @@ def test_shares_by_step_kind() -> None:
     ]
 
 
+@dataclass(frozen=True)
+class ImageStep(Step):
+    encode_ns: int = 0
+    encoded_images: int = 0
+
+
+def test_the_image_encoding_at_a_steps_start_is_its_own_phase() -> None:
+    step = ImageStep(0, 10 * MS, 16, 8, encode_ns=4 * MS, encoded_images=1)
+    assert [(s.phase, s.weight) for s in phase_shares(step, 3 * MS)] == [("encode", 1.0)]
+    after = phase_shares(step, 4 * MS)  # the encoding is over: the step's batch
+    assert [s.phase for s in after] == ["prefill", "decode"]
+    assert [s.weight for s in after] == pytest.approx([2 / 3, 1 / 3])
+    samples = [S(t * MS, gpu_util=0.9 if t < 4 else 0.3) for t in range(0, 10)]
+    out = summarize(samples, [step])
+    assert out["encode"].seconds == pytest.approx(0.004)
+    assert out["encode"].stats["gpu_util"].mean == pytest.approx(0.9)
+    assert out["prefill"].stats["gpu_util"].mean == pytest.approx(0.3)
+
+
 def test_boundaries_belong_to_what_comes_next() -> None:
     idx = StepIndex([Step(0, 10, 5, 0), Step(10, 20, 0, 1)])
     assert idx.at(0) is idx.steps[0]
