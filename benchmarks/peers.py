@@ -387,6 +387,7 @@ def concurrent(url: str, k: int, n: int) -> Metrics:
     tpots = [t for r in results if (t := r.tpot_ms) is not None]
     return {
         "throughput": sum(r.tokens for r in results) / wall,
+        "ttft_p50_ms": sc.pct(ttfts, 0.5),
         "ttft_p95_ms": sc.pct(ttfts, 0.95),
         "tpot_p90_ms": sc.pct(tpots, 0.90),
         "errors": float(sum(1 for r in results if r.error)),
