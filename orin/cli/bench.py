@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from orin.bench.bandwidth import BandwidthRequest
 from orin.bench.stats import SLO, RequestResult, by_bucket
 from orin.cli.errors import handle_errors, usage_error
-from orin.cli.options import JsonOpt, OutputOpt, check_url
+from orin.cli.options import ApiKeyOpt, JsonOpt, OutputOpt, check_url
 from orin.cli.output import Output, human_bytes, progress_wanted
 
 if TYPE_CHECKING:  # the HTTP client stack loads only when a benchmark runs
@@ -95,9 +95,7 @@ def bench(
     ] = None,
     as_json: JsonOpt = False,
     output: OutputOpt = None,
-    api_key: Annotated[
-        str | None, typer.Option(envvar="ORIN_LLM_API_KEY", help="Bearer token, if needed.")
-    ] = None,
+    api_key: ApiKeyOpt = None,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds per request.")] = 600.0,
     model_file: Annotated[
         Path | None,

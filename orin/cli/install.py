@@ -25,7 +25,7 @@ from rich.progress import (
 
 from orin.cli.deps import HttpGet, deps
 from orin.cli.errors import handle_errors
-from orin.cli.options import JsonOpt, RootOpt
+from orin.cli.options import ApiKeyOpt, JsonOpt, RootOpt, bearer
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.doctor.report import Report
 from orin.install import probe
@@ -315,19 +315,13 @@ def status(
             "/health, /v1/models and latency instead of the installed service's.",
         ),
     ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="ORIN_LLM_API_KEY",
-            help="The server's API key: /metrics and /v1/models need it when one is set.",
-        ),
-    ] = None,
+    api_key: ApiKeyOpt = None,
     unit_dir: UnitDirOpt = UNIT_DIR,
     root: RootOpt = Path("/"),
 ) -> None:
     """The units' state, /health, and TTFT/TPOT since the server started (from /metrics)."""
     d = deps(ctx)
-    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    auth = bearer(api_key) or None
 
     def get(u: str, timeout: float, /, headers: dict[str, str] | None = None) -> probe.HttpResult:
         return d.http_get(u, timeout, headers or auth)

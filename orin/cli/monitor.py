@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from orin.cli.errors import handle_errors
-from orin.cli.options import JsonOpt, check_url
+from orin.cli.options import ApiKeyOpt, JsonOpt, bearer, check_url
 from orin.cli.output import Output
 from orin.errors import OrinError
 
@@ -228,13 +228,7 @@ def monitor(
     ] = None,
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 0.25,
     once: Annotated[bool, typer.Option(help="Print one frame and exit.")] = False,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="ORIN_LLM_API_KEY",
-            help="The server's API key (every route but /health needs it when one is set).",
-        ),
-    ] = None,
+    api_key: ApiKeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """GPU load, phase, running requests and the latest TTFT/TPOT, a few times a second."""
@@ -247,8 +241,7 @@ def monitor(
             out.print(render(snap))
         return
     base = url.rstrip("/")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(timeout=2.0, headers=headers) as client:
+    with httpx.Client(timeout=2.0, headers=bearer(api_key)) as client:
         if as_json:
             snap, health = fetch(base, client)
             out.json({**snap, "health": health})

@@ -26,6 +26,22 @@ ProfileOpt = Annotated[
     typer.Option("--profile", envvar="ORIN_LLM_PROFILE", help="Built-in profile or YAML file."),
 ]
 
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="ORIN_LLM_API_KEY",
+        help="The server's API key, sent as Authorization: Bearer (a server with a key "
+        "wants it on every route but /health).",
+    ),
+]
+
+
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The headers that carry ``api_key``; none without one."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 CTX_HELP = (
     "Context per slot in tokens (the profile's engine.n_ctx); the KV cache holds this "
     "times the slot count (llama.cpp's -c is the total)."
