@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from orin.doctor import board
 from orin.doctor.context import DoctorContext
@@ -256,7 +255,7 @@ def check_mmproj(ctx: DoctorContext) -> Finding:
     weights and compute buffer beside the memory there is."""
     from orin.model import mmproj
 
-    path = _projector_path(ctx)
+    path = projector_path(ctx.profile)
     if path is None:
         return Finding("mmproj", "ok", "no vision projector: the server takes text only")
     if not path.is_file():
@@ -305,11 +304,6 @@ def check_mmproj(ctx: DoctorContext) -> Finding:
             fix="free memory, or serve without model.mmproj",
         )
     return Finding("mmproj", "ok", found)
-
-
-def _projector_path(ctx: DoctorContext) -> Path | None:
-    """The projector serve would load, without generating a demo one."""
-    return projector_path(ctx.profile)
 
 
 def check_mmap(ctx: DoctorContext) -> Finding:

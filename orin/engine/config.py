@@ -27,6 +27,7 @@ from orin.model.gguf import (
 from orin.model.memplan import kv_cells_per_seq
 from orin.paths import cache_dir
 from orin.profile.board import load_settings
+from orin.profile.fit import projector_path
 from orin.profile.kvmatch import resolve_kv
 from orin.profile.schema import Profile
 from orin.system.loadmode import mmap_policy
@@ -191,23 +192,14 @@ def engine_config(
 
 
 def mmproj_path(profile: Profile) -> Path | None:
-    """The profile's vision projector: its file, or the generated one of a demo model."""
+    """The profile's vision projector: its file, or the demo model's, generated here
+    on first use."""
     m = profile.model
-    if m.mmproj is not None:
-        return _relative(profile, Path(m.mmproj))
-    if m.mmproj_demo and m.demo is not None:
+    if m.mmproj is None and m.mmproj_demo and m.demo is not None:
         from orin.model import mmproj
 
         return mmproj.ensure(m.demo.size)
-    return None
-
-
-def _relative(profile: Profile, path: Path) -> Path:
-    """A path from the profile, relative ones starting at the profile's directory."""
-    p = path.expanduser()
-    if not p.is_absolute() and profile.source is not None:
-        p = profile.source.parent / p
-    return p
+    return projector_path(profile)
 
 
 def spec_config(profile: Profile) -> SpecConfig:
@@ -217,7 +209,7 @@ def spec_config(profile: Profile) -> SpecConfig:
         n_draft=s.n_draft,
         ngram_min=s.ngram_min,
         ngram_max=s.ngram_max,
-        draft_model=None if s.draft_model is None else _relative(profile, s.draft_model),
+        draft_model=None if s.draft_model is None else profile.path_from(s.draft_model),
         draft_gpu_layers=s.draft_gpu_layers,
         cost_aware=s.cost_aware,
         min_acceptance=s.min_acceptance,
@@ -231,7 +223,7 @@ def prompt_cache_config(profile: Profile) -> PromptCacheConfig | None:
     pc = profile.prompt_cache
     prompts = list(pc.prompts)
     if pc.prompt_dir is not None:
-        folder = _relative(profile, pc.prompt_dir)
+        folder = profile.path_from(pc.prompt_dir)
         if not folder.is_dir():
             raise ProfileError(f"prompt_cache.prompt_dir: {folder} is not a directory")
         for f in sorted(folder.glob("*.txt")):
@@ -242,7 +234,7 @@ def prompt_cache_config(profile: Profile) -> PromptCacheConfig | None:
     if not prompts:
         return None
     directory = (
-        _relative(profile, pc.directory)
+        profile.path_from(pc.directory)
         if pc.directory is not None
         else cache_dir() / "prompt-cache"
     )

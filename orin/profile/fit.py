@@ -48,9 +48,7 @@ def projector_path(profile: Profile) -> Path | None:
     profile's folder, or the demo one's cache file), without generating it."""
     m = profile.model
     if m.mmproj is not None:
-        p = Path(m.mmproj).expanduser()
-        source = profile.source
-        return p if p.is_absolute() or source is None else source.parent / p
+        return profile.path_from(m.mmproj)
     if m.mmproj_demo and m.demo is not None:
         from orin.model import mmproj
         from orin.paths import models_cache_dir

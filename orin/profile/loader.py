@@ -183,8 +183,5 @@ def resolve_model_path(profile: Profile, override: str | Path | None = None) -> 
 
         return demo.ensure(profile.model.demo.size, profile.model.demo.quant)
     if profile.model.path:
-        p = Path(profile.model.path).expanduser()
-        if not p.is_absolute() and profile.source is not None:
-            p = profile.source.parent / p
-        return p
+        return profile.path_from(profile.model.path)
     raise ProfileError(f"profile '{profile.name}' names no model; give one with --model PATH")

@@ -524,6 +524,14 @@ class Profile(_Section):
     def source(self, value: Path | None) -> None:
         self._source = value
 
+    def path_from(self, path: str | Path) -> Path:
+        """A path the profile names: ``~`` expanded, a relative one taken from the
+        profile's folder (from the working directory for a profile not read from a file)."""
+        p = Path(path).expanduser()
+        if not p.is_absolute() and self._source is not None:
+            p = self._source.parent / p
+        return p
+
     @model_validator(mode="after")
     def _window_fits_ctx(self) -> Profile:
         window = self.context.window

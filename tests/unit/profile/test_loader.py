@@ -116,3 +116,13 @@ def test_relative_model_path_from_profile_folder(tmp_path: Path) -> None:
     empty = parse_profile("name: e\n")
     with pytest.raises(ProfileError, match="names no model"):
         resolve_model_path(empty)
+
+
+def test_paths_a_profile_names_start_at_its_folder(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("name: p\nmodel: {path: m.gguf}\n")
+    profile = load_profile(str(f))
+    assert profile.path_from("m.gguf") == tmp_path / "m.gguf"
+    assert profile.path_from("/abs/m.gguf") == Path("/abs/m.gguf")
+    assert profile.path_from("~/m.gguf") == Path.home() / "m.gguf"
+    assert parse_profile("name: q\n").path_from("m.gguf") == Path("m.gguf")
