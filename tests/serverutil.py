@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -69,3 +70,18 @@ def wait_idle(base: str, timeout: float = 10.0) -> dict[str, int]:
             return health
         time.sleep(0.02)
     return health
+
+
+def wait_healthy(base: str, proc: subprocess.Popen[str], timeout: float = 90.0) -> None:
+    """Poll ``base``/health until it answers 200; the server process's stderr when it
+    exits first (``proc`` started with ``stderr=PIPE``)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the server never became healthy")

@@ -28,7 +28,9 @@ import httpx
 import pytest
 
 from orin.engine.rpc import RPC_LOST_EXIT, probe, rpc_available
-from tests.serverutil import free_port, live_server
+from tests.serverutil import free_port, live_server, wait_healthy
+
+RPC_LOAD_S = 120.0  # a load across workers: every layer goes over loopback first
 
 pytestmark = pytest.mark.llama
 
@@ -85,19 +87,6 @@ def serve(model: Path, port: int, workers: list[int]) -> subprocess.Popen[str]:
         "serve", "--model", str(model), "--port", str(port), "--slots", "1", "--ctx", "512",
         "--telemetry", "off", "--rpc", rpc,
     )  # fmt: skip
-
-
-def wait_healthy(base: str, proc: subprocess.Popen[str], timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, stop(proc)
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("the server never became healthy")
 
 
 def complete(base: str) -> list[int]:
@@ -190,7 +179,7 @@ def test_two_workers_serve_the_same_greedy_tokens_as_one_process(
     with worker(a), worker(b):
         proc = serve(small_f16, port, [a, b])
         try:
-            wait_healthy(f"http://127.0.0.1:{port}", proc)
+            wait_healthy(f"http://127.0.0.1:{port}", proc, RPC_LOAD_S)
             assert complete(f"http://127.0.0.1:{port}") == local_tokens
         finally:
             err = stop(proc)
@@ -208,7 +197,7 @@ def test_a_lost_worker_ends_the_server_with_exit_6_and_a_restart_recovers(
         with worker(b) as wb:
             proc = serve(small_f16, port, [a, b])
             try:
-                wait_healthy(base, proc)
+                wait_healthy(base, proc, RPC_LOAD_S)
                 body = {**BODY, "max_tokens": 4096, "ignore_eos": True, "stream": True}
                 chunks, errors = 0, []
                 # the stream ends with the error naming the worker, then the server exits
@@ -239,7 +228,7 @@ def test_a_lost_worker_ends_the_server_with_exit_6_and_a_restart_recovers(
         with worker(b):
             again = serve(small_f16, port, [a, b])
             try:
-                wait_healthy(base, again)
+                wait_healthy(base, again, RPC_LOAD_S)
                 assert complete(base) == local_tokens
             finally:
                 stop(again)
@@ -267,7 +256,7 @@ def traffic(
         base = f"http://127.0.0.1:{port}"
         proc = serve(model, port, [x.port for x in proxies] if proxy else ports)
         stack.callback(stop, proc)
-        wait_healthy(base, proc)
+        wait_healthy(base, proc, RPC_LOAD_S)
         counts, rates = [], []
         warm = httpx.post(f"{base}/v1/completions", json={**BODY, "max_tokens": 1}, timeout=300)
         assert warm.status_code == 200, warm.text

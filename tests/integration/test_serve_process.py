@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from orin.model import demo
-from tests.serverutil import free_port
+from tests.serverutil import free_port, wait_healthy
 
 pytestmark = pytest.mark.llama
 
@@ -30,19 +30,6 @@ def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str
         text=True,
         env={**os.environ, **(env or {})},
     )
-
-
-def wait_healthy(base: str, proc: subprocess.Popen[str], timeout: float = 90) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("server never became healthy")
 
 
 def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path: Path) -> None:
