@@ -3,9 +3,7 @@ without a warning and `security` rates its exposure at most 3.0 (OK)."""
 
 from __future__ import annotations
 
-import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,23 +15,12 @@ from orin.install.units import (
     render_rpc_worker_unit,
 )
 from tests.unit.install.conftest import EXECUTABLE
-
-ANALYZE = shutil.which("systemd-analyze")
-SYSTEM_UNITS = next(
-    (p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system")) if p.is_dir()),
-    None,
-)
-EXPOSURE = re.compile(r"Overall exposure level for \S+: (\d+(?:\.\d+)?) (\w+)")
+from tests.unit.install.test_systemd_analyze import ANALYZE, EXPOSURE, SYSTEM_UNITS, analyze
 
 pytestmark = pytest.mark.skipif(
     ANALYZE is None or SYSTEM_UNITS is None,
     reason="systemd-analyze not found: install Debian's systemd package (apt-get install systemd)",
 )
-
-
-def analyze(*args: str) -> subprocess.CompletedProcess[str]:
-    assert ANALYZE is not None
-    return subprocess.run([ANALYZE, *args], capture_output=True, text=True, timeout=60, check=False)
 
 
 def unit_root(tmp_path: Path) -> Path:
