@@ -6,11 +6,13 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 from orin.profile.loader import parse_profile
 from orin.server.main import build_server
@@ -85,3 +87,15 @@ def wait_healthy(base: str, proc: subprocess.Popen[str], timeout: float = 90.0) 
             pass
         time.sleep(0.1)
     raise AssertionError("the server never became healthy")
+
+
+def poll(condition: Callable[[], Any], what: str, deadline_s: float = 60.0) -> Any:
+    """``condition()`` once it is truthy; fails naming ``what`` after a deadline that is
+    generous, so that a busy machine only makes the wait longer."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 
 from orin.model import demo
 from orin.server.state import ServerState
+from tests import serverutil
 from tests.serverutil import live_server
 
 pytestmark = pytest.mark.llama
@@ -112,14 +112,7 @@ def watched_page(context: BrowserContext) -> Iterator[tuple[Page, list[str]]]:
 
 
 def poll(condition: Callable[[], Any], what: str, deadline_s: float = DEADLINE_S) -> Any:
-    """``condition()`` once it is truthy; fails naming ``what`` after the deadline."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    pytest.fail(f"timed out waiting for {what}")
+    return serverutil.poll(condition, what, deadline_s)
 
 
 def points(page: Page, chart: str) -> int:

@@ -3,8 +3,7 @@ its id and token counts, and the history records its tokens and latencies."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from orin.server.main import build_server
 from orin.server.state import ServerState
 from orin.telemetry.service import Telemetry
 from tests.fakes.boards_telemetry import agx_orin_64gb
-from tests.serverutil import live_server, wait_idle
+from tests.serverutil import live_server, poll, wait_idle
 
 pytestmark = pytest.mark.llama
 
@@ -36,16 +35,6 @@ server: {max_tokens_limit: 400}
 def server() -> Iterator[tuple[str, ServerState]]:
     with live_server(demo.ensure("tiny", "f16"), PROFILE) as s:
         yield s
-
-
-def poll(condition: Callable[[], Any], what: str, deadline_s: float = 60.0) -> Any:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def test_a_running_request_shows_in_its_slot(server: tuple[str, ServerState]) -> None:
