@@ -105,6 +105,12 @@ scheduler copies its cells (or holds a request back for a prefill in progress):
 a copy moves a whole KV stream, worth it only when it saves a prefill. Shorter
 prompts share when the other slot holds all of it but the last token."""
 
+HOLE_GRACE_STEPS = 8
+"""Steps a hole among the busy slots may last before a move closes it, when the move
+would overwrite prompt cells no other slot holds (``_close_holes``): most holes are
+gone within a step or two (the other requests of a burst finish, or a new one takes
+the hole), and a move then would only have lost a cached prompt."""
+
 
 @dataclass(frozen=True)
 class BatchItem:
@@ -229,6 +235,7 @@ class Scheduler:
         self.drafts: Callable[[Slot, int], Sequence[int]] = lambda slot, room: ()
         self.stored: Callable[[list[int]], tuple[int, object] | None] = lambda prompt: None
         self.moves = 0  # busy slots moved down to close a hole (one stream per slot)
+        self._hole_steps = 0  # consecutive steps with a hole among the busy slots
         self.decoding = 0  # slots decoding in the step being built (read by the hooks)
         self._ops: list[KVOp] = []
         self._admissions = 0
@@ -279,13 +286,38 @@ class Scheduler:
         of consecutive sequence ids, and every pass reads all the weights again: only
         the idle slots that do not split the busy ones into more runs are candidates
         (a better prefix elsewhere is copied in by ``_start``).
+
+        Two exceptions keep other prompts' cells alive, which matters when a burst
+        of users repeats its prompts in another order: an idle slot holding the
+        whole prompt is taken even where it splits the busy slots (a copy into a
+        packed slot would overwrite that slot's prompt; if the hole is still there
+        when admission ends, ``_close_holes`` moves a slot into it, the same copy
+        as before), and among slots that share equally little with the prompt,
+        the one whose cells no other slot also holds least is overwritten.
         """
+        held = {s.id: _common_prefix(s.cache[: s.reusable], prompt) for s in idle}
         if not self.unified:
             busy = {s.id for s in self.slots if s.busy}
             now = _runs(busy)
             packed = [s for s in idle if _runs(busy | {s.id}) <= max(now, 1)]
-            idle = packed or idle
-        return max(idle, key=lambda s: (_common_prefix(s.cache[: s.reusable], prompt), -s.id))
+            whole = [s for s in idle if self.prefix_reuse and held[s.id] >= len(prompt) - 1 > 0]
+            holder_unpacked = whole and not any(s in packed for s in whole)
+            idle = whole if holder_unpacked else packed or idle
+        if len(idle) == 1:
+            return idle[0]
+        return max(idle, key=lambda s: (held[s.id], -self._exclusive(s), -s.id))
+
+    def _exclusive(self, slot: Slot) -> int:
+        """How many of ``slot``'s reusable cells no other slot holds as well: what
+        overwriting it would lose."""
+        mine = slot.cache[: slot.reusable]
+        if not mine:
+            return 0
+        shared = max(
+            (_common_prefix(o.cache[: o.reusable], mine) for o in self.slots if o is not slot),
+            default=0,
+        )
+        return len(mine) - shared
 
     def _worth_sharing(self, gain: int, prompt: Sequence[int]) -> bool:
         return gain > 0 and gain >= min(SHARE_MIN, len(prompt) - 1)
@@ -445,6 +477,8 @@ class Scheduler:
             done = len(chunk) == len(slot.pending)
             items.append(BatchItem(slot.id, tuple(chunk), len(slot.cache), done, prefill=True))
             left -= len(chunk)
+        if not self.unified:  # llama.cpp's split takes increasing ids in batch order
+            items.sort(key=lambda i: i.slot)
         passes = micro_batches(
             [(i.slot, len(i.tokens)) for i in items], self.n_ubatch, self.unified
         )
@@ -467,14 +501,22 @@ class Scheduler:
         """One KV stream per slot: while the busy slots do not have consecutive ids
         (a slot between them finished), move the highest busy slot down into the
         lowest hole, so a step stays one llama.cpp pass. The move copies the stream
-        (``Copy``); the slot it left keeps the same cells as an idle prefix cache."""
+        (``Copy``); the slot it left keeps the same cells as an idle prefix cache.
+
+        A move overwrites the hole's cells. When those are a prompt no other slot
+        holds, the hole is left for up to ``HOLE_GRACE_STEPS`` steps first (a step
+        with a hole costs one more pass): most holes close by themselves."""
         while True:
             busy = [s for s in self.slots if s.busy]
             if len(busy) < 2 or busy[-1].id - busy[0].id + 1 == len(busy):
+                self._hole_steps = 0
                 return
             ids = {s.id for s in busy}
-            hole = next(i for i in range(busy[0].id, busy[-1].id) if i not in ids)
-            self._move(busy[-1], self.slots[hole])
+            hole = self.slots[next(i for i in range(busy[0].id, busy[-1].id) if i not in ids)]
+            if self._exclusive(hole) >= SHARE_MIN and self._hole_steps < HOLE_GRACE_STEPS:
+                self._hole_steps += 1
+                return
+            self._move(busy[-1], hole)
 
     def _move(self, src: Slot, dst: Slot) -> None:
         self._ops.append(Copy(src.id, dst.id))

@@ -10,6 +10,7 @@ import pytest
 
 from orin.engine.costmodel import MIN_CHUNK, ChunkPolicy, StepCostModel
 from orin.engine.scheduler import (
+    HOLE_GRACE_STEPS,
     Batch,
     ContextPolicy,
     Copy,
@@ -249,3 +250,73 @@ def test_draft_length_follows_the_cost_of_a_row() -> None:
     assert draft_length(0.5, a=3.0, b=3.0, rows=1, k_max=8) == 0
     assert draft_length(0.95, a=3.0, b=3.0, rows=1, k_max=8) > 4
     assert draft_length(0.0, a=20.0, b=0.1, rows=1, k_max=8) == 0
+
+
+def test_a_burst_in_another_order_finds_every_prompt_where_it_was() -> None:
+    """Four users send their prompts again, in another order: the first starts alone,
+    the other three arrive during its step. Each is admitted to the slot holding its
+    prompt, even where that splits the busy slots for a moment, so no copy overwrites
+    another user's cells and every prompt is reused whole."""
+    s = sched(n_slots=8)
+    prompts = {name: [1, 2, 3, 50 + i, 60 + i, 70 + i] for i, name in enumerate("abcd")}
+    for name, prompt in prompts.items():
+        s.add(Req(name, prompt))
+    decode_all(s)
+    for slot in s.slots[:4]:
+        s.release(slot, keep_cache=True)
+    s.add(Req("d2", prompts["d"]))
+    run(s, s.schedule())
+    for name in "acb":
+        s.add(Req(f"{name}2", prompts[name]))
+    batch = s.schedule()
+    assert not any(isinstance(op, Copy) for op in batch.ops)
+    assert [x.request.id for x in s.slots[:4] if x.request] == ["a2", "b2", "c2", "d2"]
+    assert all(x.cached_prompt == 5 for x in s.slots[:4])
+    assert batch.passes == 1
+
+
+def test_a_new_prompt_overwrites_the_cells_another_slot_also_holds() -> None:
+    """Two packed slots share nothing with the new prompt: the one whose cells are
+    duplicated elsewhere is overwritten, not the only copy of a prompt."""
+    s = sched(n_slots=6)
+    only, twice = [7, 7, 7, 7], [9, 9, 9, 9]
+    for i, cells in ((0, only), (2, twice), (5, twice)):
+        s.slots[i].cache, s.slots[i].reusable = list(cells), len(cells)
+    s.add(Req("x", [1, 2]))
+    s.slots[1].state = SlotState.DECODE  # a busy slot between the two candidates
+    s.slots[1].request, s.slots[1].cache, s.slots[1].pending = Req("x", [1, 2]), [1, 2], [3]
+    s.queue.clear()
+    s.add(Req("new", [4, 5, 6]))
+    s.schedule()
+    assert s.slot_of("new") is s.slots[2]
+    assert s.slots[0].cache == only
+
+
+def test_a_hole_over_a_cached_prompt_waits_before_a_move_overwrites_it() -> None:
+    """The middle request finishes and its slot holds a long prompt no other slot has:
+    the hole costs a pass per step for a while rather than losing that prompt at
+    once. A hole that lasts is closed; one that a new request fills costs no move."""
+    s = sched(n_slots=4)
+    long = {name: [ord(name)] * 30 for name in "abc"}
+    for name in "abc":
+        s.add(Req(name, long[name]))
+    decode_all(s)
+    s.release(s.slots[1], keep_cache=True)  # "b" finishes in the middle
+    for _ in range(HOLE_GRACE_STEPS):
+        batch = s.schedule()
+        run(s, batch)
+        assert batch.passes == 2 and s.moves == 0
+    assert s.slots[1].cache[:30] == long["b"]
+    batch = s.schedule()
+    assert Copy(2, 1) in batch.ops and batch.passes == 1 and s.moves == 1
+
+    s2 = sched(n_slots=4)
+    for name in "abc":
+        s2.add(Req(name, long[name]))
+    decode_all(s2)
+    s2.release(s2.slots[1], keep_cache=True)
+    run(s2, s2.schedule())
+    s2.add(Req("b2", long["b"]))  # "b" comes back: its prompt is still there
+    batch = s2.schedule()
+    assert s2.slot_of("b2") is s2.slots[1] and s2.slots[1].cached_prompt == 29
+    assert s2.moves == 0 and batch.passes == 1
