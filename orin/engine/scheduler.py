@@ -105,11 +105,12 @@ scheduler copies its cells (or holds a request back for a prefill in progress):
 a copy moves a whole KV stream, worth it only when it saves a prefill. Shorter
 prompts share when the other slot holds all of it but the last token."""
 
-HOLE_GRACE_STEPS = 8
+HOLE_GRACE_STEPS = 2
 """Steps a hole among the busy slots may last before a move closes it, when the move
-would overwrite prompt cells no other slot holds (``_close_holes``): most holes are
-gone within a step or two (the other requests of a burst finish, or a new one takes
-the hole), and a move then would only have lost a cached prompt."""
+would overwrite prompt cells no other slot holds (``_close_holes``): in a burst most
+holes are gone within a step (the requests that started together finish together,
+or a new one takes the hole), and a move then would only have lost a cached prompt.
+Short, because each step with a hole costs the running streams one more pass."""
 
 
 @dataclass(frozen=True)
