@@ -281,44 +281,53 @@ class Scheduler:
         self.queue.extendleft(reversed(held))
 
     def _pick_slot(self, idle: list[Slot], prompt: list[int]) -> Slot:
-        """The idle slot whose cache shares the longest prefix; ties: the lowest id.
+        """The idle slot whose cache shares the longest prefix with the prompt, net of
+        the cells taking it would lose (its cells past the shared prefix that no
+        other slot holds as well); ties: the lowest id. So a prompt sharing two
+        tokens with another user's cached conversation takes an empty slot rather
+        than overwrite that conversation (llama-server asks for a similarity of at
+        least half the prompt for the same reason).
 
         With one KV stream per slot, llama.cpp splits a batch into one pass per run
         of consecutive sequence ids, and every pass reads all the weights again: only
         the idle slots that do not split the busy ones into more runs are candidates
-        (a better prefix elsewhere is copied in by ``_start``).
-
-        Two exceptions keep other prompts' cells alive, which matters when a burst
-        of users repeats its prompts in another order: an idle slot holding the
-        whole prompt is taken even where it splits the busy slots (a copy into a
-        packed slot would overwrite that slot's prompt; if the hole is still there
-        when admission ends, ``_close_holes`` moves a slot into it, the same copy
-        as before), and among slots that share equally little with the prompt,
-        the one whose cells no other slot also holds least is overwritten.
+        (a better prefix elsewhere is copied in by ``_start``). Two exceptions keep
+        other users' cached prompts, which matters when a burst of users repeats
+        its prompts in another order: an idle slot holding the whole prompt is
+        taken even where it splits the busy slots, and so is a slot that loses
+        nothing when every packed one would lose a cached prompt. The rest of the
+        burst usually fills the gap; if not, ``_close_holes`` moves a slot into it
+        after a short grace.
         """
         held = {s.id: _common_prefix(s.cache[: s.reusable], prompt) for s in idle}
+        net = {s.id: held[s.id] - self._lost(s, held[s.id]) for s in idle}
         if not self.unified:
             busy = {s.id for s in self.slots if s.busy}
             now = _runs(busy)
             packed = [s for s in idle if _runs(busy | {s.id}) <= max(now, 1)]
             whole = [s for s in idle if self.prefix_reuse and held[s.id] >= len(prompt) - 1 > 0]
-            holder_unpacked = whole and not any(s in packed for s in whole)
-            idle = whole if holder_unpacked else packed or idle
+            lossless = [s for s in idle if net[s.id] >= 0]
+            if whole and not any(s in packed for s in whole):
+                idle = whole
+            elif packed and max(net[s.id] for s in packed) < 0 and lossless:
+                idle = lossless
+            else:
+                idle = packed or idle
         if len(idle) == 1:
             return idle[0]
-        return max(idle, key=lambda s: (held[s.id], -self._exclusive(s), -s.id))
+        return max(idle, key=lambda s: (net[s.id], -s.id))
 
-    def _exclusive(self, slot: Slot) -> int:
-        """How many of ``slot``'s reusable cells no other slot holds as well: what
-        overwriting it would lose."""
+    def _lost(self, slot: Slot, kept: int = 0) -> int:
+        """How many of ``slot``'s reusable cells overwriting it from position ``kept``
+        would lose: those past ``kept`` that no other slot holds as well."""
         mine = slot.cache[: slot.reusable]
-        if not mine:
+        if len(mine) <= kept:
             return 0
         shared = max(
             (_common_prefix(o.cache[: o.reusable], mine) for o in self.slots if o is not slot),
             default=0,
         )
-        return len(mine) - shared
+        return len(mine) - max(kept, shared)
 
     def _worth_sharing(self, gain: int, prompt: Sequence[int]) -> bool:
         return gain > 0 and gain >= min(SHARE_MIN, len(prompt) - 1)
@@ -514,7 +523,7 @@ class Scheduler:
                 return
             ids = {s.id for s in busy}
             hole = self.slots[next(i for i in range(busy[0].id, busy[-1].id) if i not in ids)]
-            if self._exclusive(hole) >= SHARE_MIN and self._hole_steps < HOLE_GRACE_STEPS:
+            if self._lost(hole) >= SHARE_MIN and self._hole_steps < HOLE_GRACE_STEPS:
                 self._hole_steps += 1
                 return
             self._move(busy[-1], hole)

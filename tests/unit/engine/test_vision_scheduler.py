@@ -81,8 +81,10 @@ def test_a_different_image_reuses_only_the_text_before_it() -> None:
     s = sched()
     s.add(Req("a", [1, *image_ids(picture(1).digest, 16), 7]))
     prefill(s)
+    s.add(Req("c", [9, 9, 9]))  # the other slot is busy: "b" has to take "a"'s
+    prefill(s)
     s.release(s.slots[0], keep_cache=True)
     s.add(Req("b", [1, *image_ids(picture(2).digest, 16), 7]))
     s.schedule()
     slot = s.slot_of("b")
-    assert slot is not None and slot.cached_prompt == 1
+    assert slot is s.slots[0] and slot.cached_prompt == 1
