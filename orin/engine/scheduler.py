@@ -299,7 +299,7 @@ class Scheduler:
         burst usually fills the gap; if not, ``_close_holes`` moves a slot into it
         after a short grace.
         """
-        held = {s.id: _common_prefix(s.cache[: s.reusable], prompt) for s in idle}
+        held = {s.id: min(common_prefix(s.cache, prompt), s.reusable) for s in idle}
         net = {s.id: held[s.id] - self._lost(s, held[s.id]) for s in idle}
         if not self.unified:
             busy = {s.id for s in self.slots if s.busy}
@@ -320,14 +320,18 @@ class Scheduler:
     def _lost(self, slot: Slot, kept: int = 0) -> int:
         """How many of ``slot``'s reusable cells overwriting it from position ``kept``
         would lose: those past ``kept`` that no other slot holds as well."""
-        mine = slot.cache[: slot.reusable]
-        if len(mine) <= kept:
+        mine = min(slot.reusable, len(slot.cache))
+        if mine <= kept:
             return 0
         shared = max(
-            (_common_prefix(o.cache[: o.reusable], mine) for o in self.slots if o is not slot),
+            (
+                min(common_prefix(o.cache, slot.cache), o.reusable)
+                for o in self.slots
+                if o is not slot and o.reusable
+            ),
             default=0,
         )
-        return len(mine) - max(kept, shared)
+        return mine - min(max(kept, shared), mine)
 
     def _worth_sharing(self, gain: int, prompt: Sequence[int]) -> bool:
         return gain > 0 and gain >= min(SHARE_MIN, len(prompt) - 1)
@@ -340,10 +344,10 @@ class Scheduler:
         if not self.prefix_reuse:
             return False
         limit = len(prompt) - 1
-        now = max((_common_prefix(s.cache[: s.reusable], prompt) for s in self.slots), default=0)
+        now = max((common_prefix(s.cache[: s.reusable], prompt) for s in self.slots), default=0)
         for s in self.slots:
             if s.state is SlotState.PREFILL and s.shifts == 0:
-                soon = min(_common_prefix(s.cache + s.pending, prompt), limit)
+                soon = min(common_prefix(s.cache + s.pending, prompt), limit)
                 if soon > min(now, limit) and self._worth_sharing(soon, prompt):
                     return True
         return False
@@ -359,11 +363,11 @@ class Scheduler:
         prompt = request.prompt_tokens
         # at least the last prompt token is fed again: its logits start the generation
         limit = len(prompt) - 1 if self.prefix_reuse else 0
-        reuse = self._usable(slot, min(_common_prefix(slot.cache[: slot.reusable], prompt), limit))
+        reuse = self._usable(slot, min(common_prefix(slot.cache[: slot.reusable], prompt), limit))
         donor, shared = None, reuse
         for other in self.slots if self.prefix_reuse else ():
             if other is not slot:
-                n = min(_common_prefix(other.cache[: other.reusable], prompt), limit)
+                n = min(common_prefix(other.cache[: other.reusable], prompt), limit)
                 if n > shared and self._usable(other, n) == n:
                     donor, shared = other, n
         stored = self.stored(prompt) if self.prefix_reuse else None
@@ -673,9 +677,18 @@ def _one_kind(pending: Sequence[int], limit: int) -> list[int]:
     return chunk
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix, compared in blocks that double in
+    size: slots that share a long system prompt make a long common run the usual
+    case, and an admission compares every pair of slots, so C-level comparisons of
+    slices rather than a Python loop over thousands of tokens."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    same = type(a) is type(b)  # a list slice never equals a tuple slice
+    lo, block = 0, 32
+    while lo < n:
+        hi = min(n, lo + block)
+        x, y = a[lo:hi], b[lo:hi]
+        if (x != y) if same else (list(x) != list(y)):
+            return next(i for i in range(lo, hi) if a[i] != b[i])
+        lo, block = hi, block * 2
+    return n

@@ -42,6 +42,7 @@ import numpy as np
 from orin.engine.backend import FLASH_ATTN, LOAD_MODES, Backend, _reason, ggml_type
 from orin.engine.config import EngineConfig, SpecConfig, default_threads
 from orin.engine.errors import BackendError
+from orin.engine.scheduler import common_prefix
 from orin.errors import OrinError
 from orin.llamacpp import capture_log, llama
 from orin.model.gguf import read_model_info
@@ -544,7 +545,7 @@ class DraftModel:
             self._drop(seq, 0)
             cells.base = base
         window = context[base:] if base else context
-        keep = min(_common_prefix(cells.tokens, window), len(window) - 1)
+        keep = min(common_prefix(cells.tokens, window), len(window) - 1)
         tail = window[keep:]
         if any(t >= self.n_vocab or t < 0 for t in tail):
             self._drop(seq, keep)
@@ -651,20 +652,3 @@ def load_draft_model(cfg: EngineConfig, target: Backend) -> DraftModel:
         draft.n_ctx_seq,
     )
     return draft
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix, compared a block at a time (the usual
-    case, cells equal to all of the context but its tail, costs a few C-level list
-    comparisons rather than a Python loop over thousands of tokens)."""
-    n = min(len(a), len(b))
-    a_list, b_list = list(a[:n]), list(b[:n])
-    if a_list == b_list:
-        return n
-    lo, block = 0, 256
-    while lo < n:
-        hi = min(n, lo + block)
-        if a_list[lo:hi] != b_list[lo:hi]:
-            return next(i for i in range(lo, hi) if a_list[i] != b_list[i])
-        lo = hi
-    return n

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from orin.engine.config import SpecConfig
-from orin.engine.speculative import Acceptance, NgramDrafter, _common_prefix, _vocab_sample, verify
+from orin.engine.scheduler import common_prefix
+from orin.engine.speculative import Acceptance, NgramDrafter, _vocab_sample, verify
 
 
 def naive_draft(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
@@ -240,15 +241,15 @@ def test_acceptance_reads_the_profile_section() -> None:
 # -- helpers of the draft model -------------------------------------------------------
 
 
-def test_common_prefix() -> None:
-    assert _common_prefix([], [1]) == 0
-    assert _common_prefix([1, 2, 3], [1, 2, 3]) == 3
-    assert _common_prefix([1, 2, 3], [1, 2]) == 2
+def testcommon_prefix() -> None:
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3
+    assert common_prefix([1, 2, 3], [1, 2]) == 2
     long = list(range(1000))
     for cut in (0, 1, 255, 256, 257, 700, 999):
         other = [*long[:cut], -1, *long[cut + 1 :]]
-        assert _common_prefix(long, other) == cut
-        assert _common_prefix(tuple(long), other) == cut
+        assert common_prefix(long, other) == cut
+        assert common_prefix(tuple(long), other) == cut
 
 
 def test_vocab_sample_covers_small_vocabularies_and_bounds_large_ones() -> None:
