@@ -513,24 +513,36 @@ class Scheduler:
 
     def _close_holes(self) -> None:
         """One KV stream per slot: while the busy slots do not have consecutive ids
-        (a slot between them finished), move the highest busy slot down into the
-        lowest hole, so a step stays one llama.cpp pass. The move copies the stream
+        (a slot between them finished), move one busy slot into an idle one so that
+        they do, and a step stays one llama.cpp pass. The move copies the stream
         (``Copy``); the slot it left keeps the same cells as an idle prefix cache.
 
-        A move overwrites the hole's cells. When those are a prompt no other slot
-        holds, the hole is left for up to ``HOLE_GRACE_STEPS`` steps first (a step
-        with a hole costs one more pass): most holes close by themselves."""
+        A move overwrites the cells of the slot it goes to, so a move onto a slot
+        whose prompt no other slot holds comes last: busy 0 and 2 around a finished
+        1 holding its user's prompt, slot 0 goes to an empty 3 rather than 2 onto 1.
+        Otherwise the highest busy slot goes to the lowest hole. When every move
+        that joins the busy slots would lose a cached prompt, the hole is left for
+        up to ``HOLE_GRACE_STEPS`` steps first (a step with a hole costs one more
+        pass): most holes close by themselves."""
         while True:
-            busy = [s for s in self.slots if s.busy]
-            if len(busy) < 2 or busy[-1].id - busy[0].id + 1 == len(busy):
+            busy = {s.id for s in self.slots if s.busy}
+            runs = _runs(busy)
+            if runs <= 1:
                 self._hole_steps = 0
                 return
-            ids = {s.id for s in busy}
-            hole = self.slots[next(i for i in range(busy[0].id, busy[-1].id) if i not in ids)]
-            if self._lost(hole) >= SHARE_MIN and self._hole_steps < HOLE_GRACE_STEPS:
+            moves = [
+                (self._lost(dst) >= SHARE_MIN, after, -src, dst.id)
+                for src in busy
+                for dst in self.slots
+                if not dst.busy and (after := _runs((busy - {src}) | {dst.id})) < runs
+            ]
+            if not moves:
+                return
+            lossy, _, src, dst = min(moves)
+            if lossy and self._hole_steps < HOLE_GRACE_STEPS:
                 self._hole_steps += 1
                 return
-            self._move(busy[-1], hole)
+            self._move(self.slots[-src], self.slots[dst])
 
     def _move(self, src: Slot, dst: Slot) -> None:
         self._ops.append(Copy(src.id, dst.id))

@@ -293,10 +293,11 @@ def test_a_new_prompt_overwrites_the_cells_another_slot_also_holds() -> None:
 
 
 def test_a_hole_over_a_cached_prompt_waits_before_a_move_overwrites_it() -> None:
-    """The middle request finishes and its slot holds a long prompt no other slot has:
-    the hole costs a pass per step for a while rather than losing that prompt at
-    once. A hole that lasts is closed; one that a new request fills costs no move."""
-    s = sched(n_slots=4)
+    """The middle request finishes and its slot holds a long prompt no other slot has,
+    and no other slot is free: the hole costs a pass per step for a while rather than
+    losing that prompt at once. A hole that lasts is closed; one that a new request
+    fills costs no move."""
+    s = sched(n_slots=3)
     long = {name: [ord(name)] * 30 for name in "abc"}
     for name in "abc":
         s.add(Req(name, long[name]))
@@ -310,7 +311,7 @@ def test_a_hole_over_a_cached_prompt_waits_before_a_move_overwrites_it() -> None
     batch = s.schedule()
     assert Copy(2, 1) in batch.ops and batch.passes == 1 and s.moves == 1
 
-    s2 = sched(n_slots=4)
+    s2 = sched(n_slots=3)
     for name in "abc":
         s2.add(Req(name, long[name]))
     decode_all(s2)
@@ -322,21 +323,19 @@ def test_a_hole_over_a_cached_prompt_waits_before_a_move_overwrites_it() -> None
     assert s2.moves == 0 and batch.passes == 1
 
 
-def test_a_short_common_prefix_does_not_take_another_users_cached_prompt() -> None:
-    """A prompt that shares two tokens with a finished user's 30 cached cells takes
-    an empty slot: reusing two tokens there would lose the other 28."""
-    s = sched(n_slots=3)
-    s.add(Req("a", [1, 2, *range(100, 128)]))
+def test_a_hole_is_closed_by_a_move_onto_a_free_slot_when_there_is_one() -> None:
+    """Busy 0 and 2 around a finished 1 that holds its user's prompt, slot 3 empty:
+    slot 0 moves to 3, so the steps are one pass at once and 1's prompt stays."""
+    s = sched(n_slots=4)
+    long = {name: [ord(name)] * 30 for name in "abc"}
+    for name in "abc":
+        s.add(Req(name, long[name]))
     decode_all(s)
-    s.release(s.slots[0], keep_cache=True)
-    s.add(Req("b", [1, 2, 3]))
-    s.schedule()
-    assert s.slot_of("b") is s.slots[1]
-    assert s.slots[0].cache[:30] == [1, 2, *range(100, 128)]
-    s.add(Req("c", [1, 2, *range(100, 120), 7]))  # most of "a"'s prompt: reused in place
-    s.schedule()
-    slot = s.slot_of("c")
-    assert slot is s.slots[0] and slot.cached_prompt == 22
+    s.release(s.slots[1], keep_cache=True)
+    batch = s.schedule()
+    assert Copy(0, 3) in batch.ops and batch.passes == 1 and s.moves == 1
+    assert s.slots[3].request is not None and s.slots[3].request.id == "a"
+    assert s.slots[1].cache[:30] == long["b"] and not s.slots[1].busy
 
 
 def test_an_empty_slot_beats_a_packed_one_holding_another_users_prompt() -> None:
@@ -355,3 +354,20 @@ def test_an_empty_slot_beats_a_packed_one_holding_another_users_prompt() -> None
     batch = s.schedule()
     assert s.slot_of("back") is s.slots[1] and s.slots[1].cached_prompt == 20
     assert batch.passes == 1 and not any(isinstance(op, Copy) for op in batch.ops)
+
+
+def test_a_short_common_prefix_does_not_take_another_users_cached_prompt() -> None:
+    """A prompt that shares two tokens with a finished user's 30 cached cells takes
+    an empty slot: reusing two tokens there would lose the other 28."""
+    s = sched(n_slots=3)
+    s.add(Req("a", [1, 2, *range(100, 128)]))
+    decode_all(s)
+    s.release(s.slots[0], keep_cache=True)
+    s.add(Req("b", [1, 2, 3]))
+    s.schedule()
+    assert s.slot_of("b") is s.slots[1]
+    assert s.slots[0].cache[:30] == [1, 2, *range(100, 128)]
+    s.add(Req("c", [1, 2, *range(100, 120), 7]))  # most of "a"'s prompt: reused in place
+    s.schedule()
+    slot = s.slot_of("c")
+    assert slot is s.slots[0] and slot.cached_prompt == 22
