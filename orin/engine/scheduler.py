@@ -291,13 +291,18 @@ class Scheduler:
         With one KV stream per slot, llama.cpp splits a batch into one pass per run
         of consecutive sequence ids, and every pass reads all the weights again: only
         the idle slots that do not split the busy ones into more runs are candidates
-        (a better prefix elsewhere is copied in by ``_start``). Two exceptions keep
+        (a better prefix elsewhere is copied in by ``_start``). One exception keeps
         other users' cached prompts, which matters when a burst of users repeats
         its prompts in another order: an idle slot holding the whole prompt is
-        taken even where it splits the busy slots, and so is a slot that loses
-        nothing when every packed one would lose a cached prompt. The rest of the
-        burst usually fills the gap; if not, ``_close_holes`` moves a slot into it
-        after a short grace.
+        taken even where it splits the busy slots (a copy into a packed slot would
+        overwrite that slot's prompt). The rest of the burst usually fills the
+        gap; if not, ``_close_holes`` moves a slot to close it.
+
+        Taking an empty slot away from the busy ones, rather than overwrite a
+        packed slot's cached prompt, is not done. The hole it leaves costs a pass
+        per step, or a move that overwrites a cached prompt anyway. In 6
+        alternating runs of the burst benchmark (docs/performance.md), its TTFT
+        could not be told from the spread.
         """
         held = {s.id: min(common_prefix(s.cache, prompt), s.reusable) for s in idle}
         net = {s.id: held[s.id] - self._lost(s, held[s.id]) for s in idle}
@@ -306,13 +311,8 @@ class Scheduler:
             now = _runs(busy)
             packed = [s for s in idle if _runs(busy | {s.id}) <= max(now, 1)]
             whole = [s for s in idle if self.prefix_reuse and held[s.id] >= len(prompt) - 1 > 0]
-            lossless = [s for s in idle if net[s.id] >= 0]
-            if whole and not any(s in packed for s in whole):
-                idle = whole
-            elif packed and max(net[s.id] for s in packed) < 0 and lossless:
-                idle = lossless
-            else:
-                idle = packed or idle
+            holder_unpacked = whole and not any(s in packed for s in whole)
+            idle = whole if holder_unpacked else packed or idle
         if len(idle) == 1:
             return idle[0]
         return max(idle, key=lambda s: (net[s.id], -s.id))

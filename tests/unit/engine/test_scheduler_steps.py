@@ -338,24 +338,6 @@ def test_a_hole_is_closed_by_a_move_onto_a_free_slot_when_there_is_one() -> None
     assert s.slots[1].cache[:30] == long["b"] and not s.slots[1].busy
 
 
-def test_an_empty_slot_beats_a_packed_one_holding_another_users_prompt() -> None:
-    """Slot 0 decodes; the slot next to it keeps another user's cached prompt. A new
-    prompt that shares nothing takes an empty slot further on rather than overwrite
-    that prompt, and the other user, arriving next, finds it whole."""
-    s = sched(n_slots=4)
-    kept = [7] * 20
-    s.slots[1].cache, s.slots[1].reusable = list(kept), len(kept)
-    s.add(Req("a", [1, 2, 3]))
-    run(s, s.schedule())
-    s.add(Req("new", [4, 5, 6]))
-    run(s, s.schedule())
-    assert s.slot_of("new") is s.slots[2]
-    s.add(Req("back", [*kept, 8]))
-    batch = s.schedule()
-    assert s.slot_of("back") is s.slots[1] and s.slots[1].cached_prompt == 20
-    assert batch.passes == 1 and not any(isinstance(op, Copy) for op in batch.ops)
-
-
 def test_a_short_common_prefix_does_not_take_another_users_cached_prompt() -> None:
     """A prompt that shares two tokens with a finished user's 30 cached cells takes
     an empty slot: reusing two tokens there would lose the other 28."""
