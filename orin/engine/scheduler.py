@@ -305,7 +305,6 @@ class Scheduler:
         could not be told from the spread.
         """
         held = {s.id: min(common_prefix(s.cache, prompt), s.reusable) for s in idle}
-        net = {s.id: held[s.id] - self._lost(s, held[s.id]) for s in idle}
         if not self.unified:
             busy = {s.id for s in self.slots if s.busy}
             now = _runs(busy)
@@ -315,7 +314,7 @@ class Scheduler:
             idle = whole if holder_unpacked else packed or idle
         if len(idle) == 1:
             return idle[0]
-        return max(idle, key=lambda s: (net[s.id], -s.id))
+        return max(idle, key=lambda s: (held[s.id] - self._lost(s, held[s.id]), -s.id))
 
     def _lost(self, slot: Slot, kept: int = 0) -> int:
         """How many of ``slot``'s reusable cells overwriting it from position ``kept``
@@ -530,19 +529,21 @@ class Scheduler:
             if runs <= 1:
                 self._hole_steps = 0
                 return
+            lossy = {d.id: self._lost(d) >= SHARE_MIN for d in self.slots if not d.busy}
+            # (loses a prompt, runs after, the highest source first, the lowest target)
             moves = [
-                (self._lost(dst) >= SHARE_MIN, after, -src, dst.id)
+                (lossy[dst], after, -src, dst)
                 for src in busy
-                for dst in self.slots
-                if not dst.busy and (after := _runs((busy - {src}) | {dst.id})) < runs
+                for dst in lossy
+                if (after := _runs((busy - {src}) | {dst})) < runs
             ]
             if not moves:
                 return
-            lossy, _, src, dst = min(moves)
-            if lossy and self._hole_steps < HOLE_GRACE_STEPS:
+            loses, _, minus_src, dst = min(moves)
+            if loses and self._hole_steps < HOLE_GRACE_STEPS:
                 self._hole_steps += 1
                 return
-            self._move(self.slots[-src], self.slots[dst])
+            self._move(self.slots[-minus_src], self.slots[dst])
 
     def _move(self, src: Slot, dst: Slot) -> None:
         self._ops.append(Copy(src.id, dst.id))
