@@ -266,8 +266,15 @@ class Scheduler:
         """Start queued requests in arrival order while slots are idle. A request
         whose prompt prefix another slot is prefilling right now waits for that
         prefill to end and then copies its cells (``n`` > 1 choices, users of one
-        system prompt arriving together); the requests behind it go first."""
+        system prompt arriving together); the requests behind it go first.
+
+        When every queued request has an idle slot, so that all start in this step
+        whatever the order, those whose whole prompt an idle slot holds go first:
+        each takes its own cells before a request that has none could be given
+        that slot (a burst of returning users, the first of whom started alone)."""
         held: list[SchedRequest] = []
+        if self.prefix_reuse and 1 < len(self.queue) <= sum(1 for s in self.slots if not s.busy):
+            self.queue = deque(sorted(self.queue, key=lambda r: not self._held_whole(r)))
         while self.queue:
             idle = [s for s in self.slots if not s.busy]
             if not idle:
@@ -279,6 +286,15 @@ class Scheduler:
             slot = self._pick_slot(idle, request.prompt_tokens)
             self._start(slot, request)
         self.queue.extendleft(reversed(held))
+
+    def _held_whole(self, request: SchedRequest) -> bool:
+        """Whether an idle slot holds all of the request's prompt but its last token."""
+        prompt = request.prompt_tokens
+        need = len(prompt) - 1
+        return need > 0 and any(
+            not s.busy and min(s.reusable, len(s.cache)) >= need and s.cache[:need] == prompt[:need]
+            for s in self.slots
+        )
 
     def _pick_slot(self, idle: list[Slot], prompt: list[int]) -> Slot:
         """The idle slot whose cache shares the longest prefix with the prompt, net of

@@ -353,3 +353,25 @@ def test_a_short_common_prefix_does_not_take_another_users_cached_prompt() -> No
     s.schedule()
     slot = s.slot_of("c")
     assert slot is s.slots[0] and slot.cached_prompt == 22
+
+
+def test_returning_users_take_their_own_cells_before_a_new_prompt_takes_their_slot() -> None:
+    """Slot 0 runs; "b" and "c" return while a new prompt arrives before them. All
+    three start in this step, so the returning users are placed first and each
+    finds its prompt whole; the new prompt takes a free slot."""
+    s = sched(n_slots=4)
+    prompts = {name: [ord(name)] * 20 for name in "abc"}
+    for name in "abc":
+        s.add(Req(name, prompts[name]))
+    decode_all(s)
+    s.release(s.slots[1], keep_cache=True)
+    s.release(s.slots[2], keep_cache=True)
+    run(s, s.schedule())  # "a" decodes on alone; 1 and 2 keep "b" and "c"
+    s.add(Req("new", [9, 9, 9]))
+    s.add(Req("c2", prompts["c"]))
+    s.add(Req("b2", prompts["b"]))
+    batch = s.schedule()
+    assert s.slot_of("b2") is s.slots[1] and s.slots[1].cached_prompt == 19
+    assert s.slot_of("c2") is s.slots[2] and s.slots[2].cached_prompt == 19
+    assert s.slot_of("new") is s.slots[3]
+    assert not any(isinstance(op, Copy) for op in batch.ops)
