@@ -43,6 +43,16 @@ def decode_all(s: Scheduler) -> None:
         run(s, s.schedule())
 
 
+def users_decoding(n_slots: int, length: int) -> tuple[Scheduler, dict[str, list[int]]]:
+    """Users "a", "b" and "c", prompts of ``length`` tokens, decoding in slots 0-2."""
+    s = sched(n_slots=n_slots)
+    prompts = {name: [ord(name)] * length for name in "abc"}
+    for name, prompt in prompts.items():
+        s.add(Req(name, prompt))
+    decode_all(s)
+    return s, prompts
+
+
 # -- micro-batches (llama.cpp's split rules) ------------------------------------------
 
 
@@ -297,11 +307,7 @@ def test_a_hole_over_a_cached_prompt_waits_before_a_move_overwrites_it() -> None
     and no other slot is free: the hole costs a pass per step for a while rather than
     losing that prompt at once. A hole that lasts is closed; one that a new request
     fills costs no move."""
-    s = sched(n_slots=3)
-    long = {name: [ord(name)] * 30 for name in "abc"}
-    for name in "abc":
-        s.add(Req(name, long[name]))
-    decode_all(s)
+    s, long = users_decoding(3, 30)
     s.release(s.slots[1], keep_cache=True)  # "b" finishes in the middle
     for _ in range(HOLE_GRACE_STEPS):
         batch = s.schedule()
@@ -311,10 +317,7 @@ def test_a_hole_over_a_cached_prompt_waits_before_a_move_overwrites_it() -> None
     batch = s.schedule()
     assert Copy(2, 1) in batch.ops and batch.passes == 1 and s.moves == 1
 
-    s2 = sched(n_slots=3)
-    for name in "abc":
-        s2.add(Req(name, long[name]))
-    decode_all(s2)
+    s2, _ = users_decoding(3, 30)
     s2.release(s2.slots[1], keep_cache=True)
     run(s2, s2.schedule())
     s2.add(Req("b2", long["b"]))  # "b" comes back: its prompt is still there
@@ -326,11 +329,7 @@ def test_a_hole_over_a_cached_prompt_waits_before_a_move_overwrites_it() -> None
 def test_a_hole_is_closed_by_a_move_onto_a_free_slot_when_there_is_one() -> None:
     """Busy 0 and 2 around a finished 1 that holds its user's prompt, slot 3 empty:
     slot 0 moves to 3, so the steps are one pass at once and 1's prompt stays."""
-    s = sched(n_slots=4)
-    long = {name: [ord(name)] * 30 for name in "abc"}
-    for name in "abc":
-        s.add(Req(name, long[name]))
-    decode_all(s)
+    s, long = users_decoding(4, 30)
     s.release(s.slots[1], keep_cache=True)
     batch = s.schedule()
     assert Copy(0, 3) in batch.ops and batch.passes == 1 and s.moves == 1
@@ -359,11 +358,7 @@ def test_returning_users_take_their_own_cells_before_a_new_prompt_takes_their_sl
     """Slot 0 runs; "b" and "c" return while a new prompt arrives before them. All
     three start in this step, so the returning users are placed first and each
     finds its prompt whole; the new prompt takes a free slot."""
-    s = sched(n_slots=4)
-    prompts = {name: [ord(name)] * 20 for name in "abc"}
-    for name in "abc":
-        s.add(Req(name, prompts[name]))
-    decode_all(s)
+    s, prompts = users_decoding(4, 20)
     s.release(s.slots[1], keep_cache=True)
     s.release(s.slots[2], keep_cache=True)
     run(s, s.schedule())  # "a" decodes on alone; 1 and 2 keep "b" and "c"
