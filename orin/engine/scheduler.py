@@ -274,7 +274,7 @@ class Scheduler:
         that slot (a burst of returning users, the first of whom started alone)."""
         held: list[SchedRequest] = []
         if self.prefix_reuse and 1 < len(self.queue) <= sum(1 for s in self.slots if not s.busy):
-            self.queue = deque(sorted(self.queue, key=lambda r: not self._held_whole(r)))
+            self.queue = deque(sorted(self.queue, key=lambda r: not self._whole_prompt_cached(r)))
         while self.queue:
             idle = [s for s in self.slots if not s.busy]
             if not idle:
@@ -287,13 +287,11 @@ class Scheduler:
             self._start(slot, request)
         self.queue.extendleft(reversed(held))
 
-    def _held_whole(self, request: SchedRequest) -> bool:
+    def _whole_prompt_cached(self, request: SchedRequest) -> bool:
         """Whether an idle slot holds all of the request's prompt but its last token."""
-        prompt = request.prompt_tokens
-        need = len(prompt) - 1
+        need = len(request.prompt_tokens) - 1
         return need > 0 and any(
-            not s.busy and min(s.reusable, len(s.cache)) >= need and s.cache[:need] == prompt[:need]
-            for s in self.slots
+            not s.busy and _reusable_prefix(s, request.prompt_tokens) >= need for s in self.slots
         )
 
     def _pick_slot(self, idle: list[Slot], prompt: list[int]) -> Slot:
@@ -320,7 +318,7 @@ class Scheduler:
         alternating runs of the burst benchmark (docs/performance.md), its TTFT
         could not be told from the spread.
         """
-        held = {s.id: min(common_prefix(s.cache, prompt), s.reusable) for s in idle}
+        held = {s.id: _reusable_prefix(s, prompt) for s in idle}
         if not self.unified:
             busy = {s.id for s in self.slots if s.busy}
             now = _runs(busy)
@@ -339,11 +337,7 @@ class Scheduler:
         if mine <= kept:
             return 0
         shared = max(
-            (
-                min(common_prefix(o.cache, slot.cache), o.reusable)
-                for o in self.slots
-                if o is not slot and o.reusable
-            ),
+            (_reusable_prefix(o, slot.cache) for o in self.slots if o is not slot and o.reusable),
             default=0,
         )
         return mine - min(max(kept, shared), mine)
@@ -359,7 +353,7 @@ class Scheduler:
         if not self.prefix_reuse:
             return False
         limit = len(prompt) - 1
-        now = max((common_prefix(s.cache[: s.reusable], prompt) for s in self.slots), default=0)
+        now = max((_reusable_prefix(s, prompt) for s in self.slots), default=0)
         for s in self.slots:
             if s.state is SlotState.PREFILL and s.shifts == 0:
                 soon = min(common_prefix(s.cache + s.pending, prompt), limit)
@@ -378,11 +372,11 @@ class Scheduler:
         prompt = request.prompt_tokens
         # at least the last prompt token is fed again: its logits start the generation
         limit = len(prompt) - 1 if self.prefix_reuse else 0
-        reuse = self._usable(slot, min(common_prefix(slot.cache[: slot.reusable], prompt), limit))
+        reuse = self._usable(slot, min(_reusable_prefix(slot, prompt), limit))
         donor, shared = None, reuse
         for other in self.slots if self.prefix_reuse else ():
             if other is not slot:
-                n = min(common_prefix(other.cache[: other.reusable], prompt), limit)
+                n = min(_reusable_prefix(other, prompt), limit)
                 if n > shared and self._usable(other, n) == n:
                     donor, shared = other, n
         stored = self.stored(prompt) if self.prefix_reuse else None
@@ -704,6 +698,11 @@ def _one_kind(pending: Sequence[int], limit: int) -> list[int]:
         if (t < 0) != image:
             return chunk[:i]
     return chunk
+
+
+def _reusable_prefix(slot: Slot, tokens: Sequence[int]) -> int:
+    """How many leading ``tokens`` the slot's reusable cells hold."""
+    return min(common_prefix(slot.cache, tokens), slot.reusable)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
