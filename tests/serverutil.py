@@ -42,16 +42,7 @@ def live_server(
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    else:
-        raise RuntimeError("the test server did not become healthy")
+    wait_healthy(base, None, 60.0)
     try:
         yield base, state
     finally:
@@ -74,12 +65,14 @@ def wait_idle(base: str, timeout: float = 10.0) -> dict[str, int]:
     return health
 
 
-def wait_healthy(base: str, proc: subprocess.Popen[str], timeout: float = 90.0) -> None:
+def wait_healthy(base: str, proc: subprocess.Popen[str] | None, timeout: float = 90.0) -> None:
     """Poll ``base``/health until it answers 200; the server process's stderr when it
-    exits first (``proc`` started with ``stderr=PIPE``)."""
+    exits first (``proc`` started with ``stderr=PIPE``; None for a server in this
+    process)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        if proc is not None:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                 return
