@@ -42,9 +42,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from orin.bench.client import stream
 from orin.engine.client import EngineStatus
+from orin.engine.scheduler import ContextPolicy
 from orin.engine.stream import RequestStream, batched_delivery
 from orin.engine.timings import TimingRecorder, now_ns
 from orin.engine.types import SamplingParams, TokenEvent
@@ -66,7 +68,12 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.cfg = SimpleNamespace(
-            model_path="/models/fake.gguf", n_ctx=512, slots=8, type_k="f16", type_v="f16"
+            model_path="/models/fake.gguf",
+            n_ctx=512,
+            slots=8,
+            type_k="f16",
+            type_v="f16",
+            context=ContextPolicy(512),
         )
         self.model_info = None
         self.state = "ready"
@@ -94,12 +101,25 @@ class FakeEngine:
     def cancel(self, request_id: str) -> None:
         pass
 
+    def add_step_observer(self, fn: object) -> None:  # the dashboard's history
+        pass
+
+    def remove_step_observer(self, fn: object) -> None:
+        pass
+
+    def add_finish_observer(self, fn: object) -> None:
+        pass
+
+    def remove_finish_observer(self, fn: object) -> None:
+        pass
+
     async def submit_async(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         whole: bool = False,
+        media: object = None,
     ) -> RequestStream:
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id or "req", self.cancel, loop, whole)
@@ -134,12 +154,9 @@ class FakeEngine:
                     self._active = [a for a in self._active if a not in finished]
 
 
-def serve(port: int) -> None:
-    """The child: orin-llm's app on uvicorn, as ``orin-llm serve`` runs it."""
-    import uvicorn
-
+def fake_app() -> Any:
+    """orin-llm's FastAPI app over the fake engine."""
     from orin.server.app import create_app
-    from orin.server.main import http_stack
     from orin.server.metrics import ServerMetrics
     from orin.server.state import ServerState
 
@@ -148,9 +165,18 @@ def serve(port: int) -> None:
         model_name="fake",
         metrics=ServerMetrics(8, 4096, "fake"),
     )
+    return create_app(state)
+
+
+def serve(port: int) -> None:
+    """The child: orin-llm's app on uvicorn, as ``orin-llm serve`` runs it."""
+    import uvicorn
+
+    from orin.server.main import http_stack
+
     loop, http = http_stack()
     config = uvicorn.Config(
-        create_app(state),
+        fake_app(),
         host="127.0.0.1",
         port=port,
         loop=loop,

@@ -236,6 +236,7 @@ class Scheduler:
         self.drafts: Callable[[Slot, int], Sequence[int]] = lambda slot, room: ()
         self.stored: Callable[[list[int]], tuple[int, object] | None] = lambda prompt: None
         self.moves = 0  # busy slots moved down to close a hole (one stream per slot)
+        self.evacuations = 0  # cached prompts copied aside before a new prompt took their slot
         self._hole_steps = 0  # consecutive steps with a hole among the busy slots
         self.decoding = 0  # slots decoding in the step being built (read by the hooks)
         self._ops: list[KVOp] = []
@@ -316,7 +317,8 @@ class Scheduler:
         packed slot's cached prompt, is not done. The hole it leaves costs a pass
         per step, or a move that overwrites a cached prompt anyway. In 6
         alternating runs of the burst benchmark (docs/performance.md), its TTFT
-        could not be told from the spread.
+        could not be told from the spread. Instead ``_start`` copies such a prompt
+        into a free slot before overwriting it (``_evacuate``).
         """
         held = {s.id: _reusable_prefix(s, prompt) for s in idle}
         if not self.unified:
@@ -373,6 +375,8 @@ class Scheduler:
         # at least the last prompt token is fed again: its logits start the generation
         limit = len(prompt) - 1 if self.prefix_reuse else 0
         reuse = self._usable(slot, min(_reusable_prefix(slot, prompt), limit))
+        if reuse < limit:  # a slot holding the whole prompt is the same request again
+            self._evacuate(slot, reuse)
         donor, shared = None, reuse
         for other in self.slots if self.prefix_reuse else ():
             if other is not slot:
@@ -415,6 +419,32 @@ class Scheduler:
         slot.generated = 0
         slot.shifts = 0
         slot.admitted_seq = self._admissions
+
+    def _evacuate(self, slot: Slot, kept: int) -> None:
+        """Before a new prompt overwrites ``slot`` past its first ``kept`` cells, copy
+        the slot's cached prompt into a free slot (one whose cells another slot also
+        holds, or none) when overwriting would lose at least ``SHARE_MIN`` cells that
+        no other slot holds: the user who comes back a moment later finds the prompt
+        whole instead of prefilling it again. Of the free slots, the one that keeps
+        the busy slots in the fewest runs, then the lowest. Not when the slot holds
+        the whole new prompt: that is the same prompt again (a retry), and what it
+        overwrites is its own earlier answer.
+
+        This is what the packing costs otherwise (``_pick_slot``): the slot next to
+        the busy ones is the one a new prompt takes, whatever it holds. A copy moves
+        a whole KV stream, which is cheaper than the prefill it saves when the user
+        returns (and wasted when nobody does). One KV stream per slot only: with one
+        buffer for all slots nothing forces a new prompt onto a cached one."""
+        if self.unified or not self.prefix_reuse or self._lost(slot, kept) < SHARE_MIN:
+            return
+        busy = {s.id for s in self.slots if s.busy} | {slot.id}
+        free = [d for d in self.slots if d is not slot and not d.busy and self._lost(d) == 0]
+        if not free:
+            return
+        dst = min(free, key=lambda d: (_runs(busy | {d.id}), d.id))
+        self._ops.append(Copy(slot.id, dst.id))
+        dst.cache, dst.reusable = list(slot.cache), slot.reusable
+        self.evacuations += 1
 
     # -- cancellation and completion ------------------------------------------
 

@@ -144,6 +144,26 @@ def test_finished_middle_slot_does_not_split_steps(plain: Engine) -> None:
     assert after[HOLE_GRACE_STEPS:] == [1] * (len(after) - HOLE_GRACE_STEPS)
 
 
+def test_a_cached_prompt_copied_aside_is_reused_whole(small: Path, plain: Engine) -> None:
+    """User "a" runs in slot 0 and slot 1 holds "b"'s prompt when a new prompt comes: the
+    new prompt takes slot 1 (next to the running one), and "b"'s cells are copied
+    into a free slot first. "b", back, feeds one token and answers as before."""
+    a, b, new = [p for p in prompts(plain, 12, seed=9) if len(p) > 24][:3]
+    forever = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    with Engine(config(small, "{n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128}")) as e:
+        want_b = run_all(e, [a, b])[1]  # "a" in slot 0, "b" in slot 1
+        running = e.submit(a, forever)
+        next(iter(running))  # "a" is back in slot 0 and decoding
+        newer = e.submit(new, forever)
+        next(iter(newer))  # the new prompt has taken slot 1
+        again = e.submit(b, GREEDY).result()
+        running.cancel()
+        newer.cancel()
+        assert e.scheduler.evacuations == 1
+    assert again.timings is not None and again.timings.cached_tokens == len(b) - 1
+    assert list(again.token_ids) == want_b
+
+
 def spec_engine(path: Path, mode: str = "ngram", extra: str = "") -> Engine:
     return Engine(
         config(

@@ -370,3 +370,45 @@ def test_returning_users_take_their_own_cells_before_a_new_prompt_takes_their_sl
     assert s.slot_of("c2") is s.slots[2] and s.slots[2].cached_prompt == 19
     assert s.slot_of("new") is s.slots[3]
     assert not any(isinstance(op, Copy) for op in batch.ops)
+
+
+def test_a_cached_prompt_is_copied_aside_before_a_new_prompt_takes_its_slot() -> None:
+    """User "a" runs in slot 0; slot 1, next to it, holds "b"'s prompt. A new prompt
+    arrives before "b" comes back and takes slot 1 (packed): "b"'s cells are copied
+    into a free slot first, so "b" then feeds one token instead of its prompt."""
+    s, prompts = users_decoding(5, 20)
+    for slot in s.slots[1:3]:
+        s.release(slot, keep_cache=True)
+    run(s, s.schedule())  # "a" decodes on in slot 0; 1 and 2 keep "b" and "c"
+    s.add(Req("new", [9, 9, 9]))
+    batch = s.schedule()
+    assert s.slot_of("new") is s.slots[1]
+    assert batch.ops[0] == Copy(1, 3) and s.evacuations == 1
+    assert s.slots[3].cache[:20] == prompts["b"] and not s.slots[3].busy
+    run(s, batch)
+    s.add(Req("b2", prompts["b"]))
+    s.schedule()
+    slot = s.slot_of("b2")
+    assert slot is s.slots[3] and slot.cached_prompt == 19
+    assert s.slots[2].cache[:20] == prompts["c"]  # nothing else was overwritten
+
+
+def test_no_copy_aside_without_a_free_slot_or_for_a_short_prompt() -> None:
+    """The copy is made only into a slot that loses nothing, and only for a prompt
+    worth a copy (SHARE_MIN cells)."""
+    s, _ = users_decoding(3, 20)  # "c" fills the last slot: no free one
+    for slot in s.slots[1:3]:
+        s.release(slot, keep_cache=True)
+    run(s, s.schedule())
+    s.add(Req("new", [9, 9, 9]))
+    batch = s.schedule()
+    assert s.slot_of("new") is s.slots[1] and not any(isinstance(o, Copy) for o in batch.ops)
+    assert s.evacuations == 0
+
+    short, _ = users_decoding(5, 4)
+    for slot in short.slots[1:3]:
+        short.release(slot, keep_cache=True)
+    run(short, short.schedule())
+    short.add(Req("new", [9, 9, 9]))
+    batch = short.schedule()
+    assert short.slot_of("new") is short.slots[1] and short.evacuations == 0
