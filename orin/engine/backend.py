@@ -79,6 +79,7 @@ class Backend:
                 + ("" if cfg.swa_full or not cfg.swa_window else ", or engine.swa_full: true")
             )
         self._pieces: dict[int, bytes] = {}
+        self._is_eog: dict[int, bool] = {}
         self._eog: tuple[int, ...] | None = None
 
     def _load_model(self) -> Any:
@@ -178,7 +179,12 @@ class Backend:
         return buf.raw[:n]
 
     def is_eog(self, token: int) -> bool:
-        return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
+        """Whether ``token`` ends a generation; remembered per token like ``piece``
+        (asked once per generated token: a dict lookup instead of a ctypes call)."""
+        known = self._is_eog.get(token)
+        if known is None:
+            known = self._is_eog[token] = bool(self.lib.llama_vocab_is_eog(self.vocab, token))
+        return known
 
     def eog_tokens(self) -> tuple[int, ...]:
         """Every end-of-generation token; one ctypes call per vocabulary entry, so it

@@ -781,7 +781,9 @@ class Engine:
         if not batch.items:  # only cells to remove (a cancellation): nothing to decode
             return
         requests = self._batch_requests(batch)
+        by_slot: dict[int, ActiveRequest] = {}
         for item, request in zip(batch.items, requests, strict=True):
+            by_slot[item.slot] = request
             request.start(self.backend)
             if item.prefill:
                 request.timings.prefill_started(start)
@@ -798,14 +800,14 @@ class Engine:
                 rows = self.runner.decode(batch, abort, embeds=embeds)
             else:
                 rows = self.runner.decode(batch, abort)
-            emitted, accepted = self._sample(batch, rows)
+            emitted, accepted = self._sample(batch, rows, by_slot)
         except Aborted:
             aborted = True
         except BackendError as exc:
             log.error("decode failed: %s", exc)
             self._fail_batch(batch, str(exc))
             return
-        self._record(batch, emitted, accepted, aborted, start, (encode_ns, images))
+        self._record(batch, by_slot, emitted, accepted, aborted, start, (encode_ns, images))
 
     def _encode(
         self, batch: Batch, requests: list[ActiveRequest]
@@ -865,7 +867,7 @@ class Engine:
         return self._abort_flag
 
     def _sample(
-        self, batch: Batch, rows: dict[int, int]
+        self, batch: Batch, rows: dict[int, int], by_slot: dict[int, ActiveRequest]
     ) -> tuple[dict[int, list[tuple[int, int]]], dict[int, int]]:
         """slot -> the tokens it emits this step, each with its batch position, and
         slot -> drafted tokens accepted (speculating slots).
@@ -881,7 +883,7 @@ class Engine:
         greedy_slots: list[int] = []
         greedy_rows: list[int] = []
         for slot_id, row in rows.items():
-            sampler = self._request_in(slot_id).sampler
+            sampler = by_slot[slot_id].sampler
             assert sampler is not None
             n = len(drafts.get(slot_id, ())) + 1
             if sampler.plain_greedy:
@@ -905,7 +907,7 @@ class Engine:
             for slot_id in greedy_slots:
                 row, draft = rows[slot_id], drafts.get(slot_id, ())
                 sampled = tokens[k : k + len(draft) + 1]
-                kept = verify(draft, sampled) + 1
+                kept = verify(draft, sampled) + 1 if draft else 1
                 emitted[slot_id] = [(t, row + j) for j, t in enumerate(sampled[:kept])]
                 k += len(draft) + 1
         accepted = {slot_id: len(emitted[slot_id]) - 1 for slot_id in drafts}
@@ -914,6 +916,7 @@ class Engine:
     def _record(
         self,
         batch: Batch,
+        by_slot: dict[int, ActiveRequest],
         emitted: dict[int, list[tuple[int, int]]],
         accepted: dict[int, int],
         aborted: bool,
@@ -932,10 +935,9 @@ class Engine:
             else:
                 drafted = {i.slot: i.draft for i in batch.items if i.draft}
                 last = {slot_id: out[-1][0] for slot_id, out in emitted.items()}
-                requests = {slot_id: self._request_in(slot_id) for slot_id in emitted}
                 self.scheduler.update(batch, last, accepted)
                 for slot_id, out in emitted.items():
-                    request = requests[slot_id]
+                    request = by_slot[slot_id]
                     if request.id in self._cancels:
                         continue
                     if slot_id in drafted:
@@ -966,7 +968,9 @@ class Engine:
                 slots_busy=busy,
                 kv_cells_used=cells,
                 waiting=self.waiting,
-                context_shifts=sum(1 for op in batch.ops if isinstance(op, Shift)),
+                context_shifts=sum(1 for op in batch.ops if isinstance(op, Shift))
+                if batch.ops
+                else 0,
                 aborted=aborted,
                 prefill_budget=batch.budget,
                 micro_batches=batch.passes,

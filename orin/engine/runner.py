@@ -40,6 +40,10 @@ class Runner:
         self.lib = backend.lib
         self.n_batch = n_batch
         self.batch = self.lib.llama_batch_init(n_batch, 0, 1)
+        # the batch's arrays, fetched once: each field read of the ctypes struct makes a
+        # new pointer object, and decode writes five per token
+        b = self.batch
+        self._arrays = (b.token, b.pos, b.n_seq_id, b.seq_id, b.logits)
         self.embd_batch: Any = None  # image rows (orin.engine.vision), made on first use
         self._abort_check: Callable[[], bool] | None = None
         self._abort_cb: Any = self.lib.ggml_abort_callback(self._on_abort)
@@ -106,25 +110,29 @@ class Runner:
         if embeds:
             self._decode_embeds(batch, embeds)
         b = self.batch
+        token, position, n_seq_id, seq_id, logits = self._arrays
         n = 0
         rows: dict[int, int] = {}
-        self._out_of_row = {}
+        out_of_row: dict[int, int] = {}
+        self._out_of_row = out_of_row
         for index, item in enumerate(batch.items):
             if embeds and index in embeds:
                 continue
-            for j, token in enumerate(item.tokens):
-                b.token[n] = token
-                b.pos[n] = item.pos + j
-                b.n_seq_id[n] = 1
-                b.seq_id[n][0] = item.slot
-                b.logits[n] = False
+            pos, slot = item.pos, item.slot
+            for t in item.tokens:
+                token[n] = t
+                position[n] = pos
+                n_seq_id[n] = 1
+                seq_id[n][0] = slot
+                logits[n] = False
+                pos += 1
                 n += 1
             if item.sample:
                 first = n - item.outputs
-                rows[item.slot] = first
-                for pos in range(first, n):
-                    b.logits[pos] = True
-                    self._out_of_row[pos] = len(self._out_of_row)
+                rows[slot] = first
+                for row in range(first, n):
+                    logits[row] = True
+                    out_of_row[row] = len(out_of_row)
         b.n_tokens = n
         if n:
             self._run(b, n)

@@ -19,7 +19,6 @@ import enum
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Protocol
 
 from orin.engine.errors import ContextLengthExceeded, InvalidRequest, QueueFull
@@ -138,22 +137,26 @@ class Batch:
     budget: int = 0  # prompt tokens this step could have carried (the chunk budget)
     passes: int = 0  # llama.cpp micro-batches the items cost (ubatch.micro_batches)
 
-    # counted once: the engine reads them several times per step
-    @cached_property
-    def n_decode(self) -> int:
-        return sum(len(i.tokens) for i in self.items if not i.prefill)
+    # counted once, in one pass when the batch is made: the engine reads them several
+    # times per step (cached properties took a lock on each first read, Python < 3.12)
+    n_decode: int = field(init=False, repr=False, compare=False)
+    n_drafted: int = field(init=False, repr=False, compare=False)
+    n_prefill: int = field(init=False, repr=False, compare=False)
+    n_tokens: int = field(init=False, repr=False, compare=False)
 
-    @cached_property
-    def n_drafted(self) -> int:
-        return sum(i.draft for i in self.items)
-
-    @cached_property
-    def n_prefill(self) -> int:
-        return sum(len(i.tokens) for i in self.items if i.prefill)
-
-    @cached_property
-    def n_tokens(self) -> int:
-        return self.n_decode + self.n_prefill
+    def __post_init__(self) -> None:
+        decode = drafted = prefill = 0
+        for i in self.items:
+            if i.prefill:
+                prefill += len(i.tokens)
+            else:
+                decode += len(i.tokens)
+            drafted += i.draft
+        put = object.__setattr__  # frozen
+        put(self, "n_decode", decode)
+        put(self, "n_drafted", drafted)
+        put(self, "n_prefill", prefill)
+        put(self, "n_tokens", decode + prefill)
 
     def __bool__(self) -> bool:
         return bool(self.ops or self.items)
@@ -669,8 +672,9 @@ class Scheduler:
     def usage(self) -> tuple[int, int]:
         """(busy_slots, kv_cells_used) in one pass over the slots (once per step)."""
         busy = cells = 0
+        idle = SlotState.IDLE
         for s in self.slots:
-            if s.busy:
+            if s.state is not idle:
                 busy += 1
                 cells += len(s.cache)
         return busy, cells
@@ -685,7 +689,10 @@ class Scheduler:
         return len(self.queue)
 
     def has_work(self) -> bool:
-        return bool(self.queue or self._ops or any(s.busy for s in self.slots))
+        if self.queue or self._ops:
+            return True
+        idle = SlotState.IDLE
+        return any(s.state is not idle for s in self.slots)
 
     # -- embeddings
 

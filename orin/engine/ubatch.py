@@ -21,6 +21,7 @@ llama.cpp's own graph computations.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 
 def micro_batches(items: Sequence[tuple[int, int]], n_ubatch: int, unified: bool) -> int:
@@ -31,6 +32,12 @@ def micro_batches(items: Sequence[tuple[int, int]], n_ubatch: int, unified: bool
         return 0
     if unified:
         return -(-total // n_ubatch)
+    if (  # the steady decode step: one token per slot at consecutive ids is one pass
+        len(items) <= n_ubatch
+        and all(n == 1 for _, n in items)
+        and all(b[0] == a[0] + 1 for a, b in pairwise(items))
+    ):
+        return 1
     # tokens left per sequence, and the sequences in order of their first unused token
     left: dict[int, int] = {}
     order: list[int] = []

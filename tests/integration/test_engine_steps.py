@@ -169,7 +169,7 @@ def spec_engine(path: Path, mode: str = "ngram", extra: str = "") -> Engine:
         config(
             path,
             "{n_ctx: 1024, slots: 4, n_batch: 256, n_ubatch: 256, type_k: f16, type_v: f16, "
-            "flash_attn: off}",
+            "flash_attn: on}",
             # fixed draft lengths: the measured step cost would make them timing-dependent
             f"speculative: {{mode: {mode}, cost_aware: false{extra or ', n_draft: 6'}}}\n",
         )
