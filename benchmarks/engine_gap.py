@@ -24,13 +24,11 @@ import json
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
 
-from benchmarks.engine_throughput import bench_config
+from benchmarks.engine_throughput import _timed, bench_config
 from orin.engine.engine import Engine
 from orin.engine.types import SamplingParams
 from orin.model import demo
@@ -58,30 +56,21 @@ class Gaps:
 
 def measure(path: Path, threads: int, requests: int, tokens: int) -> Gaps:
     cfg = replace(bench_config(path, 8, "on"), threads=threads, threads_batch=threads)
-    calls: list[tuple[int, int]] = []
+    calls: list[tuple[int, int]] = []  # (start, duration) of each decode in ns
     gaps: list[float] = []
     decodes: list[float] = []
     params = SamplingParams(max_tokens=tokens, temperature=0.0)
     with Engine(cfg) as eng:
         runner = eng.runner
         assert runner is not None
-        run = runner._run
-
-        def timed(b: Any, n: int) -> None:
-            t = time.perf_counter_ns()
-            try:
-                run(b, n)
-            finally:
-                calls.append((t, time.perf_counter_ns()))
-
-        runner._run = timed  # type: ignore[method-assign]
+        runner._run = _timed(runner._run, calls)  # type: ignore[method-assign]
         eng.generate("Warm-up on the edge board.", params)
         for i in range(requests):
             calls.clear()
             eng.generate(f"Single stream {i} on the edge board.", params)
             steady = calls[SKIP:]
-            gaps += [(b[0] - a[1]) / 1e3 for a, b in pairwise(steady)]
-            decodes += [(b - a) / 1e3 for a, b in steady]
+            gaps += [(b[0] - a[0] - a[1]) / 1e3 for a, b in pairwise(steady)]
+            decodes += [d / 1e3 for _, d in steady]
     return Gaps(gaps, decodes)
 
 

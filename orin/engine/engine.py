@@ -643,7 +643,8 @@ class Engine:
                 batch = self.scheduler.schedule() if embed is None else _NO_BATCH
                 for slot_id in batch.length_limited:
                     self._finish(self._request_in(slot_id), "length")
-                self._in_batch = {r.id for r in self._batch_requests(batch)}
+                requests = self._batch_requests(batch)
+                self._in_batch = {r.id for r in requests}
                 self._abort_flag = False
                 self._stepping = bool(batch) or embed is not None
             self.heartbeat_ns = now_ns()
@@ -652,7 +653,7 @@ class Engine:
                 continue
             if batch:
                 try:
-                    self._step(batch)
+                    self._step(batch, requests)
                 except Exception as exc:  # a bug in one step must not take the engine down
                     log.exception("engine step failed; failing its requests")
                     self._fail_batch(batch, f"internal error: {type(exc).__name__}")
@@ -767,7 +768,9 @@ class Engine:
             self._emit_final(request, "cancelled", slot=slot)
         self._cancels.clear()
 
-    def _step(self, batch: Batch) -> None:
+    def _step(self, batch: Batch, requests: list[ActiveRequest]) -> None:
+        """Run one scheduled batch; ``requests`` are its items' requests, in item order
+        (looked up once, under the lock, when the batch was made)."""
         assert self.runner is not None and self.backend is not None
         start = now_ns()
         self.step_started_ns = start
@@ -780,7 +783,6 @@ class Engine:
             return  # the batch assumed the cells: schedule again
         if not batch.items:  # only cells to remove (a cancellation): nothing to decode
             return
-        requests = self._batch_requests(batch)
         by_slot: dict[int, ActiveRequest] = {}
         for item, request in zip(batch.items, requests, strict=True):
             by_slot[item.slot] = request
