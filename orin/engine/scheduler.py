@@ -173,7 +173,8 @@ class Slot:
     cached_prompt: int = 0  # prompt tokens taken from the cache instead of prefilled
     generated: int = 0
     shifts: int = 0
-    admitted_seq: int = 0  # admission order, for fair chunking
+    admitted_seq: int = 0  # admission order: ties in the prefill order
+    passed_over: bool = False  # prefilling, and the last step left it no prompt budget
 
     @property
     def busy(self) -> bool:
@@ -422,6 +423,7 @@ class Scheduler:
         slot.generated = 0
         slot.shifts = 0
         slot.admitted_seq = self._admissions
+        slot.passed_over = False
 
     def _evacuate(self, slot: Slot, kept: int) -> None:
         """Before a new prompt overwrites ``slot`` past its first ``kept`` cells, copy
@@ -521,17 +523,15 @@ class Scheduler:
         rows = sum(len(i.tokens) for i in items)
         allowed = min(self.prefill_chunk, max(0, self.chunk_budget(rows)))
         budget = min(self.n_batch - rows, allowed)
-        prefilling = sorted(
-            (s for s in self.slots if s.state is SlotState.PREFILL),
-            key=lambda s: s.admitted_seq,
-        )
         left = budget
-        for slot in prefilling:
+        for slot in _prefill_order(self.slots):
             if left <= 0:
-                break
+                slot.passed_over = True
+                continue
             chunk = _one_kind(slot.pending, left)
             done = len(chunk) == len(slot.pending)
             items.append(BatchItem(slot.id, tuple(chunk), len(slot.cache), done, prefill=True))
+            slot.passed_over = False
             left -= len(chunk)
         if not self.unified:  # llama.cpp's split takes increasing ids in batch order
             items.sort(key=lambda i: i.slot)
@@ -594,6 +594,7 @@ class Scheduler:
         dst.cache, dst.pending = list(src.cache), src.pending
         dst.reusable, dst.cached_prompt = src.reusable, src.cached_prompt
         dst.generated, dst.shifts, dst.admitted_seq = src.generated, src.shifts, src.admitted_seq
+        dst.passed_over = src.passed_over
         src.state, src.request, src.pending = SlotState.IDLE, None, []
         src.reusable = min(src.reusable, len(src.cache))
         self.moves += 1
@@ -716,6 +717,26 @@ class Scheduler:
             slot.cache = []
             slot.reusable = 0
         return self.take_ops()
+
+
+def _prefill_order(slots: Sequence[Slot]) -> list[Slot]:
+    """The prefilling slots in the order they share a step's prompt budget: the
+    fewest prompt tokens left first (a short prompt is not held behind a long one's
+    chunks: its first token comes a step later instead of after the whole long
+    prefill, and the long one loses only the short one's tokens), ties by
+    admission. Slots the previous step passed over go first, oldest first, so a
+    stream of short prompts cannot starve a long one: it gets a chunk at least every
+    other step."""
+    prefilling = [s for s in slots if s.state is SlotState.PREFILL]
+    if len(prefilling) > 1:
+        prefilling.sort(key=_prefill_rank)
+    return prefilling
+
+
+def _prefill_rank(slot: Slot) -> tuple[int, int, int]:
+    if slot.passed_over:
+        return (0, slot.admitted_seq, 0)
+    return (1, len(slot.pending), slot.admitted_seq)
 
 
 def _runs(ids: set[int]) -> int:

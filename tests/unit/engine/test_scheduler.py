@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 
@@ -86,14 +87,51 @@ def test_decode_tokens_first_then_prefill_chunks_within_budget() -> None:
     assert s.slots[2].state is SlotState.DECODE
 
 
-def test_prefill_chunks_follow_admission_order() -> None:
+def test_the_shortest_prompt_takes_the_budget_first() -> None:
     s, r = make(slots=2, n_batch=40, window=512), FakeRunner()
     s.add(Req("first", list(range(50))))
     s.add(Req("second", list(range(100, 130))))
     b = step(s, r)
-    assert [(i.slot, len(i.tokens)) for i in b.items] == [(0, 40)]
+    # the 30-token prompt completes in this step; the 50-token one gets what is left
+    assert [(i.slot, len(i.tokens), i.sample) for i in b.items] == [(0, 10, False), (1, 30, True)]
     b = step(s, r)
-    assert [(i.slot, len(i.tokens)) for i in b.items] == [(0, 10), (1, 30)]
+    assert [(i.slot, len(i.tokens), i.prefill) for i in b.items] == [(0, 39, True), (1, 1, False)]
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_prompts_chunks() -> None:
+    s, r = make(slots=3, n_batch=64, window=512), FakeRunner()
+    s.chunk_budget = lambda rows: 16  # a TPOT target's budget while streams decode
+    s.add(Req("a", [1, 2, 3]))
+    step(s, r)  # slot 0 decodes
+    s.add(Req("long", list(range(100, 200))))
+    step(s, r)  # the long prompt's first chunk
+    s.add(Req("short", list(range(300, 306))))
+    b = step(s, r)
+    prompt = [(i.slot, len(i.tokens), i.sample) for i in b.items if i.prefill]
+    assert prompt == [(1, 10, False), (2, 6, True)]  # the short one's first token now
+
+
+def test_ties_in_remaining_prompt_go_by_admission() -> None:
+    s, r = make(slots=2, n_batch=24, window=512), FakeRunner()
+    s.add(Req("first", list(range(1, 21))))
+    s.add(Req("second", list(range(100, 120))))
+    b = step(s, r)
+    assert [(i.slot, len(i.tokens)) for i in b.items] == [(0, 20), (1, 4)]
+
+
+def test_a_stream_of_short_prompts_cannot_starve_a_long_one() -> None:
+    s, r = make(slots=8, n_batch=64, window=512), FakeRunner()
+    s.chunk_budget = lambda rows: 8
+    s.add(Req("long", list(range(1000, 1100))))
+    step(s, r)  # nothing decodes: its first chunk (the budget's rows == 0 is still 8 here)
+    fed: list[int] = []
+    for k in range(6):
+        s.add(Req(f"short{k}", [k + 1] * 8))  # each alone fills the budget
+        b = step(s, r)
+        fed.append(sum(len(i.tokens) for i in b.items if i.prefill and i.slot == 0))
+    # the long prompt is passed over at most one step in two
+    assert all(a or b for a, b in itertools.pairwise(fed)), fed
+    assert sum(fed) >= 3 * 8
 
 
 def test_prefill_chunk_caps_the_prompt_tokens_of_a_step() -> None:
@@ -108,8 +146,9 @@ def test_prefill_chunk_caps_the_prompt_tokens_of_a_step() -> None:
         b = step(s, r)
         assert not b.items[0].prefill  # the running stream is never held back by the cap
         prompt_sizes.append([(i.slot, len(i.tokens)) for i in b.items if i.prefill])
-    # 16 prompt tokens per step, all slots together, though n_batch has room for 63
-    assert prompt_sizes == [[(1, 16)], [(1, 16)], [(1, 8), (2, 8)], [(2, 2)]]
+    # 16 prompt tokens per step, all slots together, though n_batch has room for 63;
+    # the shorter prompt first
+    assert prompt_sizes == [[(1, 6), (2, 10)], [(1, 16)], [(1, 16)], [(1, 2)]]
 
 
 def test_a_cancelled_prompt_is_fed_no_further_chunk() -> None:
