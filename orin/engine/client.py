@@ -54,6 +54,14 @@ class EngineStatus:
         return self.step_started_ns is not None or self.waiting > 0 or self.slots_busy > 0
 
 
+class Arrival(Protocol):
+    """A request the server has read and is still preparing (``EngineClient.arrival``)."""
+
+    def close(self) -> None:
+        """It is queued, or failed before that; a second close does nothing."""
+        ...
+
+
 class EngineClient(Protocol):
     """The engine as the server and telemetry see it."""
 
@@ -106,10 +114,18 @@ class EngineClient(Protocol):
         request_id: str | None = None,
         whole: bool = False,
         media: MediaPrompt | None = None,
+        arrival: Arrival | None = None,
     ) -> RequestStream:
         """Queue a request for an asyncio consumer; the preparation (tokenizing,
         grammar parsing, sampler construction) runs off the event loop, and its
-        errors are raised here, before any event."""
+        errors are raised here, before any event. ``arrival``: the request's ticket,
+        closed once it is queued."""
+        ...
+
+    def arrival(self) -> Arrival:
+        """A ticket for a request being prepared: while one is open, an idle engine
+        holds its first step back a few milliseconds so that requests arriving
+        together start in one step."""
         ...
 
     def cancel(self, request_id: str) -> None: ...

@@ -27,6 +27,7 @@ from typing import Any
 from orin.engine.backend import Backend
 from orin.engine.chat import ChatTemplate, RenderedChat, TemplateCaps
 from orin.engine.client import (
+    Arrival,
     EngineClient,
     EngineState,
     EngineStatus,
@@ -74,6 +75,11 @@ _ids = itertools.count(1)
 INLINE_PROMPT_TOKENS = 2048
 INLINE_BIASES = 64  # logit biases copied into the sampler at most, inline
 _NO_BATCH = Batch((), ())  # a loop turn that runs an embedding pass instead
+GATHER_S = 0.010
+"""How long an idle engine's first step may wait for requests the server is still
+preparing (``Engine.arrival``): a burst's requests reach the event loop within a few
+milliseconds of each other and each takes about a millisecond to prepare, while a
+step started on the first one alone makes all the others wait for it."""
 
 
 class Engine:
@@ -123,6 +129,11 @@ class Engine:
         self._embeds: deque[EmbedJob] = deque()  # jobs with inputs no pass has taken yet
         self._embeds_waiting = 0  # of those, the jobs no pass has started (in ``waiting``)
         self._embedded_last = False  # the last step was an embedding pass: generation next
+        self._arriving = 0  # requests the server is preparing (Arrival tickets open)
+        self._idle_since_step = False  # the loop found no work since the last step
+        self._submitted = 0  # requests queued so far (``_gather`` sees new ones)
+        self.gather_s = GATHER_S
+        self._server_loop: asyncio.AbstractEventLoop | None = None  # the last submitter's
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -246,12 +257,33 @@ class Engine:
         request_id: str | None = None,
         whole: bool = False,
         media: MediaPrompt | None = None,
+        arrival: Arrival | None = None,
     ) -> RequestStream:
         """Queue a request; raises QueueFull, ContextLengthExceeded, InvalidRequest,
         EngineStopped synchronously, so a server can answer with the right status.
         ``whole``: deliver the events only once the request has finished. ``media``:
-        a prompt with images (``tokenize_media``); ``prompt`` is then its tokens."""
-        return self._submit(prompt, params, request_id, None, whole, media)
+        a prompt with images (``tokenize_media``); ``prompt`` is then its tokens.
+        ``arrival``: the request's ticket from ``arrival()``, closed once it is queued."""
+        return self._submit(prompt, params, request_id, None, whole, media, arrival)
+
+    def arrival(self) -> Arrival:
+        """A ticket for a request the server has read and is preparing (parsing,
+        templating, tokenizing): while any ticket is open, an idle engine holds its
+        first step back, at most ``GATHER_S``, so that requests arriving together
+        start together instead of all but the first waiting for a step of its own.
+        The submission closes the ticket; the server closes it when the request fails
+        before that. A lone request never waits: its ticket is closed when it is
+        queued, before the engine looks."""
+        with self._lock:
+            self._arriving += 1
+        return _Ticket(self)
+
+    def _arrived(self) -> None:
+        """One ticket closed (the caller holds the lock)."""
+        self._arriving -= 1
+        if self._arriving <= 0:
+            self._arriving = 0
+            self._lock.notify_all()
 
     @property
     def supports_images(self) -> bool:
@@ -278,6 +310,7 @@ class Engine:
         request_id: str | None = None,
         whole: bool = False,
         media: MediaPrompt | None = None,
+        arrival: Arrival | None = None,
     ) -> RequestStream:
         """``submit`` for an asyncio consumer. The preparation (tokenizing, a grammar's
         parse, the sampler chain, penalties fed the whole prompt) runs on a worker
@@ -292,9 +325,12 @@ class Engine:
         load (docs/performance.md, "Burst TTFT")."""
         loop = asyncio.get_running_loop()
         if media is None and self._cheap_to_prepare(prompt, params):
-            return self._submit(prompt, params, request_id, loop, whole)
+            return self._submit(prompt, params, request_id, loop, whole, None, arrival)
         prepared = loop.run_in_executor(
-            None, functools.partial(self._submit, prompt, params, request_id, loop, whole, media)
+            None,
+            functools.partial(
+                self._submit, prompt, params, request_id, loop, whole, media, arrival
+            ),
         )
         try:
             return await asyncio.shield(prepared)
@@ -321,6 +357,7 @@ class Engine:
         loop: asyncio.AbstractEventLoop | None,
         whole: bool,
         media: MediaPrompt | None = None,
+        arrival: Arrival | None = None,
     ) -> RequestStream:
         backend = self._loaded()
         params = params or SamplingParams()
@@ -341,6 +378,7 @@ class Engine:
         tokens = checked
         rid = request_id or f"req-{next(_ids)}"
         stream = RequestStream(rid, self.cancel, loop, whole)
+        self._server_loop = loop  # None: a blocking caller, no loop to let turn
         request = ActiveRequest(rid, tokens, params, stream, media=media)
         if media is not None:
             request.timings.images = len(media.spans)
@@ -355,7 +393,11 @@ class Engine:
             except EngineError:
                 request.close()
                 raise
+            finally:
+                if arrival is not None:
+                    arrival.close()  # the lock is reentrant
             self._requests[rid] = request
+            self._submitted += 1
             self._lock.notify_all()
         return stream
 
@@ -633,9 +675,13 @@ class Engine:
             with self._lock:
                 while not self._has_work() and self._state in ("ready", "draining"):
                     self.heartbeat_ns = now_ns()
+                    self._idle_since_step = True
                     self._lock.wait(0.5)
                 if self._state == "stopped" and not self._cancels:
                     return
+                if self._idle_since_step:
+                    self._idle_since_step = False
+                    self._gather()
                 self._apply_cancels()
                 if self.speculation is not None:
                     self.speculation.prepare(self.scheduler)  # a draft model drafts here
@@ -660,6 +706,50 @@ class Engine:
                 finally:
                     self.step_started_ns = None
                     self._stepping = False
+
+    def _gather(self) -> None:
+        """Before an idle engine's first step (the lock held, released while waiting):
+        take in the requests that reached the server together with the one that woke
+        the engine, at most ``gather_s`` (``GATHER_S``) in all, so that they start in one step
+        instead of all but the first waiting for a step of its own.
+
+        Two things make a request late for that step: the server's event loop has not
+        looked at it yet (its bytes wait in the socket while the loop prepares the
+        first request), or the loop is preparing it (its ``arrival`` ticket is open).
+        So the engine lets the loop run what it has ready (two callbacks) and waits
+        for the open tickets, and does it again while that brought a new request.
+        A lone request pays two loop callbacks. While streams decode nothing waits:
+        they would pay for it, and new requests join the next step anyway."""
+        loop = self._server_loop
+        if self.scheduler.decoding_slots():
+            return
+        deadline = time.monotonic() + self.gather_s
+        while self._state == "ready":
+            seen = self._submitted
+            if loop is not None and not self._let_loop_turn(loop, deadline):
+                loop = None
+            while self._arriving and (left := deadline - time.monotonic()) > 0:
+                self._lock.wait(left)
+            if self._submitted == seen or time.monotonic() >= deadline:
+                return
+
+    def _let_loop_turn(self, loop: asyncio.AbstractEventLoop, deadline: float) -> bool:
+        """Wait until ``loop`` has run every callback it had ready (the lock released
+        meanwhile); False when the loop is closed."""
+        turned = threading.Event()
+
+        def second() -> None:  # queued behind whatever was ready when the first ran
+            with self._lock:
+                turned.set()
+                self._lock.notify_all()
+
+        try:
+            loop.call_soon_threadsafe(loop.call_soon, second)
+        except RuntimeError:  # closed
+            return False
+        while not turned.is_set() and (left := deadline - time.monotonic()) > 0:
+            self._lock.wait(left)
+        return True
 
     def _drafts(self, slot: Slot, room: int) -> Sequence[int]:
         """Speculative tokens for a decoding slot (the scheduler's hook): none when
@@ -1068,3 +1158,20 @@ def _safe(fn: Callable[..., None], *args: Any) -> None:
 
 def _implements_client(engine: Engine) -> EngineClient:
     return engine  # mypy checks that Engine satisfies EngineClient
+
+
+class _Ticket:
+    """``Engine.arrival``'s ticket; closing it twice is harmless, so the server
+    closes it whatever happened to the request."""
+
+    __slots__ = ("_engine", "_open")
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._open = True
+
+    def close(self) -> None:
+        with self._engine._lock:
+            if self._open:
+                self._open = False
+                self._engine._arrived()

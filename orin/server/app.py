@@ -170,6 +170,8 @@ async def _submit(
             prompt_tokens=len(prompt),
             context=state.engine.cfg.context,
         )
+        arrival = getattr(request.state, "arrival", None)
+        last = len(choices) - 1
         for i, params in enumerate(choices):
             streams.append(
                 await state.engine.submit_async(
@@ -178,6 +180,7 @@ async def _submit(
                     request_id=rid if body.n == 1 else f"{rid}.{i}",
                     whole=not body.stream,
                     media=media,
+                    arrival=arrival if i == last else None,  # queued: the engine may start
                 )
             )
     except BaseException:

@@ -26,6 +26,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 access_log = logging.getLogger("orin.access")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""Routes whose requests an idle engine waits for while they are prepared (Engine.arrival)."""
 
 
 class Draining(ApiError):
@@ -57,14 +59,20 @@ class RequestContext:
             await send(message)
 
         self.state.inflight += 1
+        arrival = None
         try:
             error = self._refusal(scope)
             replay = None if error else await self._read_body(scope, receive)
             if error is not None or isinstance(replay, ApiError):
                 await to_response(error or replay, rid)(scope, receive, send_with_id)  # type: ignore[arg-type]
             else:
+                if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+                    # read: from here until it is queued the engine may wait for it
+                    arrival = scope["state"]["arrival"] = self.state.engine.arrival()
                 await self.app(scope, replay or receive, send_with_id)
         finally:
+            if arrival is not None:
+                arrival.close()  # refused, failed or cancelled before it was queued
             self.state.inflight -= 1
             self._log(scope, rid, status["code"], time.perf_counter() - started)
 

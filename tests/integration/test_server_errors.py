@@ -289,3 +289,32 @@ def test_unexpected_errors_carry_the_request_id_not_a_traceback() -> None:
     assert body["error"]["request_id"] == "req-abc"
     assert "secret internals" not in body["error"]["message"]
     assert "req-abc" in body["error"]["message"]
+
+
+def test_a_generation_request_holds_an_arrival_ticket_until_queued_or_refused(
+    server: tuple[str, ServerState],
+) -> None:
+    """The ticket that lets an idle engine wait for a request being prepared is
+    opened for generation routes only, and closed whatever becomes of the request:
+    one left open would hold every idle engine's first step back."""
+    base, state = server
+    engine: Any = state.engine
+    opened: list[int] = []
+    real = engine.arrival
+
+    def counting() -> Any:
+        opened.append(1)
+        return real()
+
+    engine.arrival = counting
+    try:
+        ok = post(base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        refused = post(base, "/v1/completions", {"prompt": "x", "temperature": 2.5})
+        broken = post(base, "/v1/chat/completions", b"{not json")
+        unauthorized = post(base, "/v1/completions", {"prompt": "x"}, {"Authorization": "no"})
+        httpx.get(base + "/v1/models", headers=KEY, timeout=60)
+    finally:
+        del engine.arrival
+    assert [r.status_code for r in (ok, refused, broken, unauthorized)] == [200, 400, 400, 401]
+    assert len(opened) == 4  # the models list opens none
+    assert engine._arriving == 0

@@ -1,0 +1,103 @@
+"""An idle engine's first step takes in the requests that arrived together."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orin.engine.config import EngineConfig, engine_config
+from orin.engine.engine import Engine
+from orin.engine.types import SamplingParams, StepStats
+from orin.model import demo
+from orin.model.gguf import read_model_info
+from orin.profile.loader import parse_profile
+
+pytestmark = pytest.mark.llama
+
+A = [5, 6, 7, 8, 9, 10]
+B = [40, 41, 42, 43]  # no common prefix with A: nothing is shared or held back
+
+
+def config(path: Path) -> EngineConfig:
+    profile = parse_profile("name: t\nengine: {n_ctx: 256, slots: 4, n_batch: 64, n_ubatch: 64}\n")
+    return engine_config(profile, path, read_model_info(path))
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    with Engine(config(demo.ensure("small", "f16"))) as e:
+        yield e
+
+
+def params() -> SamplingParams:
+    return SamplingParams(max_tokens=3, temperature=0.0)
+
+
+def first_steps(engine: Engine, run: object) -> list[StepStats]:
+    stats: list[StepStats] = []
+    engine.add_step_observer(stats.append)
+    try:
+        assert callable(run)
+        run()
+    finally:
+        engine.remove_step_observer(stats.append)
+    return stats
+
+
+def test_a_request_still_being_prepared_joins_the_first_step(engine: Engine) -> None:
+    engine.gather_s = 60.0  # far longer than any machine takes to queue B
+    ticket = engine.arrival()  # B has reached the server and is being prepared
+
+    def run() -> None:
+        a = engine.submit(A, params())  # wakes the idle engine, which waits for B
+        time.sleep(0.2)  # B's preparation takes a while: an engine that did not wait starts A
+        b = engine.submit(B, params(), arrival=ticket)  # queued: the ticket closes
+        assert a.result().finish_reason == "length" and b.result().finish_reason == "length"
+
+    stats = first_steps(engine, run)
+    assert stats[0].prefill_tokens == len(A) + len(B)
+    assert engine._arriving == 0
+
+
+def test_an_unclosed_ticket_holds_the_first_step_back_only_so_long(engine: Engine) -> None:
+    engine.gather_s = 0.05
+    ticket = engine.arrival()  # a request whose preparation never ends
+    done = engine.submit(A, params()).result()
+    assert done.finish_reason == "length" and len(done.token_ids) == 3
+    ticket.close()
+    ticket.close()  # twice is harmless
+    assert engine._arriving == 0
+
+
+def test_requests_the_event_loop_has_ready_start_in_one_step(engine: Engine) -> None:
+    """Two requests whose tasks are ready on the loop together: the engine, woken by
+    the first, lets the loop run the second's task before it builds the step."""
+    engine.gather_s = 60.0
+
+    async def both() -> None:
+        async def one(prompt: list[int], busy: float) -> int:
+            stream = await engine.submit_async(prompt, params())
+            time.sleep(busy)  # the loop busy after A: an engine that did not wait starts A
+            return sum([e.token_id is not None async for e in stream])
+
+        assert await asyncio.gather(one(A, 0.2), one(B, 0)) == [3, 3]
+
+    stats = first_steps(engine, lambda: asyncio.run(both()))
+    assert stats[0].prefill_tokens == len(A) + len(B)
+
+
+def test_nothing_waits_while_streams_decode(engine: Engine) -> None:
+    """A ticket left open while a request decodes: the next requests still run, and
+    the open ticket is not waited for (it would stall the running stream)."""
+    engine.gather_s = 60.0
+    running = engine.submit(A, SamplingParams(max_tokens=40, temperature=0.0))
+    next(iter(running))  # A decodes now
+    ticket = engine.arrival()
+    later = engine.submit(B, params()).result()  # would wait 60 s if the engine waited
+    assert later.finish_reason == "length"
+    assert running.result().finish_reason == "length"
+    ticket.close()
