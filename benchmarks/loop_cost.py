@@ -45,7 +45,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from orin.bench.client import stream
-from orin.engine.client import EngineStatus
+from orin.engine.client import Arrival, EngineStatus
 from orin.engine.scheduler import ContextPolicy
 from orin.engine.stream import RequestStream, batched_delivery
 from orin.engine.timings import TimingRecorder, now_ns
@@ -61,6 +61,11 @@ class _Stream:
     prompt: int
     timings: TimingRecorder = field(default_factory=TimingRecorder)
     sent: int = 0
+
+
+class _Ticket:
+    def close(self) -> None:
+        pass
 
 
 class FakeEngine:
@@ -110,6 +115,9 @@ class FakeEngine:
     def add_finish_observer(self, fn: object) -> None:
         pass
 
+    def arrival(self) -> Arrival:
+        return _Ticket()  # nothing waits for requests being prepared here
+
     def remove_finish_observer(self, fn: object) -> None:
         pass
 
@@ -120,7 +128,10 @@ class FakeEngine:
         request_id: str | None = None,
         whole: bool = False,
         media: object = None,
+        arrival: Arrival | None = None,
     ) -> RequestStream:
+        if arrival is not None:
+            arrival.close()
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id or "req", self.cancel, loop, whole)
         limit = params.max_tokens if params is not None else 16

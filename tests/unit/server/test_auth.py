@@ -47,6 +47,10 @@ class FakeEngine:
     def detokenize(self, tokens: list[int], special: bool = False) -> str:
         return " ".join(f"w{t}" for t in tokens)
 
+    def arrival(self) -> SimpleNamespace:
+        """A generation request's ticket (the middleware opens one): nothing waits."""
+        return SimpleNamespace(close=lambda: None)
+
     def __getattr__(self, name: str) -> Any:
         """add_/remove_ step and finish observers: nothing to observe here."""
         if name.endswith("_observer"):
