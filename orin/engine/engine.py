@@ -131,7 +131,6 @@ class Engine:
         self._embedded_last = False  # the last step was an embedding pass: generation next
         self._arriving = 0  # requests the server is preparing (Arrival tickets open)
         self._idle_since_step = False  # the loop found no work since the last step
-        self._submitted = 0  # requests queued so far (``_gather`` sees new ones)
         self.gather_s = GATHER_S
         self._server_loop: asyncio.AbstractEventLoop | None = None  # the last submitter's
 
@@ -281,8 +280,7 @@ class Engine:
     def _arrived(self) -> None:
         """One ticket closed (the caller holds the lock)."""
         self._arriving -= 1
-        if self._arriving <= 0:
-            self._arriving = 0
+        if not self._arriving:
             self._lock.notify_all()
 
     @property
@@ -397,7 +395,6 @@ class Engine:
                 if arrival is not None:
                     arrival.close()  # the lock is reentrant
             self._requests[rid] = request
-            self._submitted += 1
             self._lock.notify_all()
         return stream
 
@@ -718,19 +715,18 @@ class Engine:
         first request), or the loop is preparing it (its ``arrival`` ticket is open).
         So the engine lets the loop run what it has ready (two callbacks) and waits
         for the open tickets, and does it again while that brought a new request.
-        A lone request pays two loop callbacks. While streams decode nothing waits:
-        they would pay for it, and new requests join the next step anyway."""
+        A lone request pays two loop callbacks. The engine was idle, so no stream
+        decodes meanwhile; once one does, new requests join its next step and nothing
+        waits for them."""
         loop = self._server_loop
-        if self.scheduler.decoding_slots():
-            return
         deadline = time.monotonic() + self.gather_s
         while self._state == "ready":
-            seen = self._submitted
+            seen = self.scheduler.waiting  # nothing is admitted before the step
             if loop is not None and not self._let_loop_turn(loop, deadline):
                 loop = None
             while self._arriving and (left := deadline - time.monotonic()) > 0:
                 self._lock.wait(left)
-            if self._submitted == seen or time.monotonic() >= deadline:
+            if self.scheduler.waiting == seen or time.monotonic() >= deadline:
                 return
 
     def _let_loop_turn(self, loop: asyncio.AbstractEventLoop, deadline: float) -> bool:

@@ -661,10 +661,6 @@ class Scheduler:
 
     # -- views -------------------------------------------------------------------
 
-    def decoding_slots(self) -> int:
-        """Slots generating right now (a prompt done, tokens still to come)."""
-        return sum(1 for s in self.slots if s.state is SlotState.DECODE)
-
     @property
     def busy_slots(self) -> int:
         return self.usage()[0]

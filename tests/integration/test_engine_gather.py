@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,11 +37,10 @@ def params() -> SamplingParams:
     return SamplingParams(max_tokens=3, temperature=0.0)
 
 
-def first_steps(engine: Engine, run: object) -> list[StepStats]:
+def first_steps(engine: Engine, run: Callable[[], object]) -> list[StepStats]:
     stats: list[StepStats] = []
     engine.add_step_observer(stats.append)
     try:
-        assert callable(run)
         run()
     finally:
         engine.remove_step_observer(stats.append)
