@@ -92,6 +92,8 @@ class EngineConfig:
     rope_freq_base: float | None = None  # None: llama.cpp takes it from the metadata
     max_backlog: int = 4096  # unread events before a slow client's request is cut off
     prefill_chunk: int = 0  # prompt tokens per step, all slots together; 0: n_batch
+    # prompt tokens a copy of another slot's cells must save; 0: measured at load
+    share_min: int = 0
     chat_template: str | None = None  # the profile's; None: the model's own
     pooling: str | None = None  # embeddings: the profile's mean|cls|last; None: the GGUF's
     kv_unified: bool = False  # one KV buffer for all slots instead of one stream each
@@ -179,6 +181,7 @@ def engine_config(
         rope_freq_base=e.rope_freq_base,
         max_backlog=profile.server.max_stream_backlog,
         prefill_chunk=prefill_chunk(e.prefill_chunk, e.n_batch, offloaded),
+        share_min=e.share_min,
         chat_template=profile.model.chat_template,
         pooling=profile.model.pooling,
         # a recurrent state is split per sequence whatever the layout: keep streams

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from orin.engine import sharecost
 from orin.engine.backend import Backend
 from orin.engine.chat import ChatTemplate, RenderedChat, TemplateCaps
 from orin.engine.client import (
@@ -57,7 +58,7 @@ from orin.engine.errors import (
 )
 from orin.engine.request import ActiveRequest
 from orin.engine.runner import Aborted, Runner
-from orin.engine.scheduler import Batch, KVOp, LoadFailed, Scheduler, Shift, Slot
+from orin.engine.scheduler import SHARE_MIN, Batch, KVOp, LoadFailed, Scheduler, Shift, Slot
 from orin.engine.specrun import Speculation, WarmCache
 from orin.engine.speculative import verify
 from orin.engine.stream import Completion, RequestStream, batched_delivery
@@ -631,6 +632,7 @@ class Engine:
                 )
                 self.runner = self._runner_factory(backend, self.cfg.n_batch)
                 self.scheduler.pos_min = self.runner.seq_pos_min
+                self.scheduler.share_min = self._share_min(backend, self.runner)
                 self._chat = chat
                 if self.cfg.speculative.mode != "off":
                     self.speculation = Speculation(self.cfg, backend)
@@ -666,6 +668,17 @@ class Engine:
             self._loop()
         finally:
             self._shutdown()
+
+    def _share_min(self, backend: Backend, runner: Runner) -> int:
+        """Prompt tokens a copy of another slot's cells must save: the profile's, or
+        measured now (orin.engine.sharecost) when prompts can share cells at all."""
+        cfg = self.cfg
+        if cfg.share_min:
+            return cfg.share_min
+        if cfg.slots < 2 or not cfg.prefix_reuse:
+            return SHARE_MIN
+        word = backend.tokenize(" the", add_special=False, parse_special=False)
+        return sharecost.share_min(runner, word[0] if word else 0)
 
     def _loop(self) -> None:
         while True:

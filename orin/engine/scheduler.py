@@ -100,9 +100,12 @@ class LoadFailed(Exception):
 
 SHARE_MIN = 16
 """Prompt tokens another slot must hold beyond what the chosen slot has before the
-scheduler copies its cells (or holds a request back for a prefill in progress):
-a copy moves a whole KV stream, worth it only when it saves a prefill. Shorter
-prompts share when the other slot holds all of it but the last token."""
+scheduler copies its cells, unless the engine measured what a copy costs
+(``Scheduler.share_min``): a copy moves a whole KV stream, worth it only when it
+saves a prefill. Shorter prompts share when the other slot holds all of it but
+the last token. Also the bar for holding a request back for a prefill in
+progress, for restoring a saved prompt from disk, and for a cached prompt worth
+keeping (a copy aside, a hole left open): costs nothing measures."""
 
 HOLE_GRACE_STEPS = 2
 """Steps a hole among the busy slots may last before a move closes it, when the move
@@ -239,6 +242,9 @@ class Scheduler:
         self.chunk_budget: Callable[[int], int] = lambda rows: self.prefill_chunk
         self.drafts: Callable[[Slot, int], Sequence[int]] = lambda slot, room: ()
         self.stored: Callable[[list[int]], tuple[int, object] | None] = lambda prompt: None
+        # prompt tokens a copy of another slot's cells must save (``_worth_copying``):
+        # the engine sets it from a copy's measured cost (orin.engine.sharecost)
+        self.share_min = SHARE_MIN
         self.moves = 0  # busy slots moved down to close a hole (one stream per slot)
         self.evacuations = 0  # cached prompts copied aside before a new prompt took their slot
         self._hole_steps = 0  # consecutive steps with a hole among the busy slots
@@ -351,6 +357,12 @@ class Scheduler:
     def _worth_sharing(self, gain: int, prompt: Sequence[int]) -> bool:
         return gain > 0 and gain >= min(SHARE_MIN, len(prompt) - 1)
 
+    def _worth_copying(self, gain: int, prompt: Sequence[int]) -> bool:
+        """Whether copying another slot's cells now, to feed ``gain`` fewer prompt
+        tokens, pays: at least ``share_min`` tokens (a copy's measured cost in prompt
+        tokens), or the whole prompt but its last token."""
+        return gain > 0 and gain >= min(self.share_min, len(prompt) - 1)
+
     def _prefix_in_progress(self, prompt: list[int]) -> bool:
         """Whether a prefilling slot will soon hold more of ``prompt`` than any slot
         holds now, enough to be worth a copy. Waiting costs nothing: the prompt
@@ -400,7 +412,7 @@ class Scheduler:
             slot.cache = list(prompt[:n])
             reuse = min(n, limit)
         elif donor is not None and (
-            self._worth_sharing(shared - reuse, prompt) or shared == limit
+            self._worth_copying(shared - reuse, prompt) or shared == limit
         ):  # a copy of the whole prompt leaves one token to feed, as llama-server does
             if self.unified:  # cells are shared, not copied: tag the prefix only
                 if slot.cache:

@@ -119,6 +119,14 @@ class EngineSection(_Section):
         "0 = n_batch, or 256 when layers are offloaded to a GPU (a GPU decode cannot be "
         "interrupted: a cancelled prompt runs to the end of its chunk).",
     )
+    share_min: int = Field(
+        0,
+        ge=0,
+        le=16384,
+        description="Prompt tokens that copying another slot's cached cells must save before "
+        "a new prompt copies them instead of computing them; 0 = measured when the model "
+        "loads (a copy's time over a prompt token's, at most 16; docs/engine.md).",
+    )
     threads: int = Field(
         0, ge=0, le=256, description="CPU threads for generation; 0 = one per physical core."
     )

@@ -276,7 +276,9 @@ class AbortIgnoringRunner(Runner):
 def test_a_cancel_the_backend_ignores_stops_the_prompt_after_its_chunk(small: Path) -> None:
     """On a GPU a cancel cannot interrupt llama_decode: the chunk being decoded finishes,
     no further chunk of the prompt is fed, and the chunk's cells are removed."""
-    cfg = config(small, "{n_ctx: 512, slots: 2, n_batch: 128, n_ubatch: 128, prefill_chunk: 32}")
+    # share_min set: no copy is timed at load, so the runner sees this prompt's chunks only
+    engine = "{n_ctx: 512, slots: 2, n_batch: 128, n_ubatch: 128, prefill_chunk: 32, share_min: 16}"
+    cfg = config(small, engine)
     assert cfg.prefill_chunk == 32
     runners: list[AbortIgnoringRunner] = []
     engines: list[Engine] = []

@@ -6,13 +6,16 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from orin.engine import sharecost
 from orin.engine.config import EngineConfig, SpecConfig, engine_config
 from orin.engine.costmodel import MIN_CHUNK
 from orin.engine.engine import Engine
-from orin.engine.scheduler import HOLE_GRACE_STEPS
+from orin.engine.runner import Runner
+from orin.engine.scheduler import HOLE_GRACE_STEPS, SHARE_MIN, Batch
 from orin.engine.types import SamplingParams, StepStats
 from orin.model import demo
 from orin.model.gguf import read_model_info
@@ -259,3 +262,53 @@ def test_draft_model_speculation_is_token_identical(small: Path, plain: Engine) 
 
 def test_spec_config_defaults_off() -> None:
     assert SpecConfig().mode == "off"
+
+
+# -- what a copy of another slot's cells must save (orin.engine.sharecost) ----------------
+
+
+def test_a_copys_cost_is_measured_at_load_and_leaves_the_cells_empty(small: Path) -> None:
+    """With engine.share_min unset the engine times a copy against prompt tokens before
+    it serves: a threshold within 1..16, and no cell left in the sequences it used.
+    A profile's own value is taken as it is, with no decode at load."""
+    decodes: list[int] = []
+
+    class Counting(Runner):
+        def decode(self, batch: Batch, abort: Any = None, embeds: Any = None) -> dict[int, int]:
+            decodes.append(batch.n_tokens)
+            return super().decode(batch, abort, embeds)
+
+    cfg = config(small, "{n_ctx: 256, slots: 3, n_batch: 64, n_ubatch: 64}")
+    assert cfg.share_min == 0
+    with Engine(cfg, runner_factory=Counting) as e:
+        assert 1 <= e.scheduler.share_min <= SHARE_MIN
+        assert len(decodes) == 2 + 3 * sharecost.REPEATS
+        runner = e.runner
+        assert runner is not None
+        assert [runner.seq_pos_max(seq) for seq in range(3)] == [-1, -1, -1]
+        assert e.generate("After the measurement.", GREEDY).finish_reason == "length"
+    decodes.clear()
+    with Engine(config(small, "{n_ctx: 256, slots: 3, share_min: 5}"), Counting) as e:
+        assert e.scheduler.share_min == 5 and decodes == []
+    with Engine(config(small, "{n_ctx: 256, slots: 1}"), Counting) as e:
+        assert e.scheduler.share_min == SHARE_MIN and decodes == []  # nothing to copy from
+
+
+def test_a_short_shared_prefix_copied_from_another_slot_gives_the_same_tokens(
+    small: Path, plain: Engine
+) -> None:
+    """A request that shares 6 tokens with the previous one's cached conversation,
+    with the threshold at 2: it copies that slot's cells, feeds the rest, and
+    generates what the plain engine does from its whole prompt."""
+    previous = plain.tokenize("Single stream 1 on the edge board.")
+    new = plain.tokenize("Single stream 2 on the edge board.")
+    shared = next(i for i, (a, b) in enumerate(zip(previous, new, strict=False)) if a != b)
+    assert 2 <= shared < 16
+    want = run_all(plain, [new])[0]
+    cfg = config(small, "{n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128, share_min: 2}")
+    with Engine(cfg) as e:
+        e.generate(previous, GREEDY)
+        again = e.submit(new, GREEDY).result()
+        assert again.timings is not None and again.timings.cached_tokens == shared
+        assert list(again.token_ids) == want
+        assert e.scheduler.slots[0].cache[: len(previous)] == previous  # still held

@@ -151,6 +151,27 @@ def test_admission_keeps_busy_slots_consecutive_and_copies_a_better_prefix() -> 
     assert batch.passes == 1  # slot 0's decode token and slot 1's last prompt token
 
 
+def test_a_short_shared_prefix_is_copied_when_a_copy_costs_less_than_its_tokens() -> None:
+    """The previous request's conversation in slot 0 shares 6 tokens with a new
+    14-token prompt. With the fixed threshold (16 tokens) the new prompt prefills all
+    14 in an empty slot; with a copy measured at 2 prompt tokens' cost it copies
+    slot 0's cells and feeds 8, and slot 0 keeps its conversation."""
+    shared = [1, 2, 3, 4, 5, 6]
+    previous = shared + [7] * 8 + [8] * 20  # its prompt and answer
+    new = shared + [9] * 8
+    for share_min, copied in ((16, False), (6, True), (7, False), (2, True)):
+        s = sched(n_slots=4)
+        s.share_min = share_min
+        s.slots[0].cache, s.slots[0].reusable = list(previous), len(previous)
+        s.add(Req("new", new))
+        batch = s.schedule()
+        slot = s.slot_of("new")
+        assert slot is s.slots[1] and s.slots[0].cache == previous
+        assert (Copy(0, 1) in batch.ops) is copied, share_min
+        assert slot.cached_prompt == (6 if copied else 0)
+        assert batch.n_prefill == (8 if copied else 14)
+
+
 def test_a_hole_is_closed_by_moving_the_highest_busy_slot() -> None:
     s = sched(n_slots=4)
     for name in "abc":
