@@ -251,6 +251,8 @@ class Scheduler:
         self.decoding = 0  # slots decoding in the step being built (read by the hooks)
         self._ops: list[KVOp] = []
         self._admissions = 0
+        # prompt chunks split off the last step, to run next (``_first_pass_alone``)
+        self._after: tuple[tuple[BatchItem, ...], int] | None = None
 
     # -- admission -----------------------------------------------------------
 
@@ -509,6 +511,9 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------
 
     def schedule(self) -> Batch:
+        after = self._run_after()
+        if after is not None:
+            return after
         self._admit()
         if not self.unified:
             self._close_holes()
@@ -547,9 +552,13 @@ class Scheduler:
             left -= len(chunk)
         if not self.unified:  # llama.cpp's split takes increasing ids in batch order
             items.sort(key=lambda i: i.slot)
-        passes = micro_batches(
-            [(i.slot, len(i.tokens)) for i in items], self.n_ubatch, self.unified
-        )
+        passes = self._passes(items)
+        if passes > 1 and not self.unified:
+            split = self._first_pass_alone(items, passes)
+            if split is not None:
+                items, rest = split
+                self._after = (rest, budget)
+                passes = self._passes(items)
         return Batch(
             tuple(self.take_ops()),
             tuple(items),
@@ -557,6 +566,52 @@ class Scheduler:
             budget=budget,
             passes=passes,
         )
+
+    def _passes(self, items: Sequence[BatchItem]) -> int:
+        return micro_batches([(i.slot, len(i.tokens)) for i in items], self.n_ubatch, self.unified)
+
+    def _first_pass_alone(
+        self, items: list[BatchItem], passes: int
+    ) -> tuple[list[BatchItem], tuple[BatchItem, ...]] | None:
+        """With one KV stream per slot llama.cpp splits a step whose sequences feed
+        different numbers of tokens into passes of equal shares (``micro_batches``):
+        the first pass takes as many tokens of every sequence as the shortest feeds.
+        When the items of that length include a prompt's last token (a returning
+        user's one token, the shortest prompt of a burst) and everything longer is
+        prompt, running those items as a step of their own and the rest as the next
+        step costs no more passes: the same tokens, split where llama.cpp would
+        split them anyway, and the shortest prompts get their first token after the
+        first pass instead of after the whole step. The rest runs next, alone
+        (``_run_after``), so that the decode rows of those who just started do not
+        split it again. None when that would cost a pass or give no first token."""
+        shortest = min(len(i.tokens) for i in items)
+        first = [i for i in items if len(i.tokens) == shortest]
+        rest = tuple(i for i in items if len(i.tokens) != shortest)
+        if not rest or any(not i.prefill for i in rest):
+            return None
+        if not any(i.prefill and i.sample for i in first):
+            return None
+        if self._passes(first) + self._passes(rest) > passes:
+            return None
+        return first, rest
+
+    def _run_after(self) -> Batch | None:
+        """The prompt chunks ``_first_pass_alone`` left for this step, those still due
+        (a cancel may have freed a slot since); None when none are."""
+        if self._after is None:
+            return None
+        rest, budget = self._after
+        self._after = None
+        due = [
+            i
+            for i in rest
+            if (slot := self.slots[i.slot]).state is SlotState.PREFILL
+            and len(slot.cache) == i.pos
+            and tuple(slot.pending[: len(i.tokens)]) == i.tokens
+        ]
+        if not due:
+            return None
+        return Batch(tuple(self.take_ops()), tuple(due), budget=budget, passes=self._passes(due))
 
     def passes_for(self, rows: int, prompt: int) -> int:
         """llama.cpp passes of a step with ``rows`` decode tokens (one per slot, at

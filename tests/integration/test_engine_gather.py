@@ -19,7 +19,9 @@ from orin.profile.loader import parse_profile
 pytestmark = pytest.mark.llama
 
 A = [5, 6, 7, 8, 9, 10]
-B = [40, 41, 42, 43]  # no common prefix with A: nothing is shared or held back
+# no common prefix with A: nothing is shared or held back; as long as A: the step is one
+# llama.cpp pass, which the scheduler does not split (Scheduler._first_pass_alone)
+B = [40, 41, 42, 43, 44, 45]
 
 
 def config(path: Path) -> EngineConfig:
@@ -100,3 +102,28 @@ def test_nothing_waits_while_streams_decode(engine: Engine) -> None:
     assert later.finish_reason == "length"
     assert running.result().finish_reason == "length"
     ticket.close()
+
+
+def test_a_returning_user_has_the_first_pass_to_itself(engine: Engine) -> None:
+    """A returning user (its whole prompt cached: one token to feed) and a new prompt
+    start together. llama.cpp would run one token of each and then the rest of the new
+    prompt, two passes: the returning user's pass runs as a step of its own and the new
+    prompt as the next, in as many passes, with the tokens a plain run gives."""
+    want_a = list(engine.submit(A, params()).result().token_ids)
+    with Engine(config(demo.ensure("small", "f16"))) as plain:
+        want_b = list(plain.submit(B + B, params()).result().token_ids)
+    engine.gather_s = 60.0
+    ticket = engine.arrival()
+    got: list[list[int]] = []
+
+    def run() -> None:
+        a = engine.submit(A, params())
+        time.sleep(0.2)
+        b = engine.submit(B + B, params(), arrival=ticket)
+        got.extend([list(a.result().token_ids), list(b.result().token_ids)])
+
+    stats = first_steps(engine, run)
+    assert got == [want_a, want_b]
+    assert (stats[0].prefill_tokens, stats[0].decode_tokens, stats[0].micro_batches) == (1, 0, 1)
+    assert (stats[1].prefill_tokens, stats[1].decode_tokens, stats[1].micro_batches) == (12, 0, 1)
+    assert stats[2].decode_tokens == 2

@@ -433,3 +433,66 @@ def test_no_copy_aside_without_a_free_slot_or_for_a_short_prompt() -> None:
     short.add(Req("new", [9, 9, 9]))
     batch = short.schedule()
     assert short.slot_of("new") is short.slots[1] and short.evacuations == 0
+
+
+# -- the first pass alone ------------------------------------------------------------------
+
+
+def test_returning_users_tokens_run_before_the_new_prompts_in_as_many_passes() -> None:
+    """A burst: two users whose whole prompt a slot holds (one token each to feed) and
+    two new 12-token prompts. llama.cpp would run one token of each sequence and then
+    11 of each new one (two passes): the returning users' pass runs as a step of its
+    own and the new prompts as the next, alone, so the returning users have their
+    first token after one pass and nobody waits longer."""
+    s = sched(n_slots=4)
+    for slot, user in ((0, 1), (1, 2)):
+        s.slots[slot].cache = [user] * 8
+        s.slots[slot].reusable = 8
+    for name, prompt in (("u1", [1] * 8), ("u2", [2] * 8), ("n3", [3] * 12), ("n4", [4] * 12)):
+        s.add(Req(name, prompt))
+    whole = micro_batches([(0, 1), (1, 1), (2, 12), (3, 12)], s.n_ubatch, unified=False)
+    assert whole == 2
+    first = s.schedule()
+    assert [(i.slot, len(i.tokens), i.sample) for i in first.items] == [(0, 1, True), (1, 1, True)]
+    assert first.passes == 1
+    run(s, first)
+    second = s.schedule()  # the new prompts alone: the returning users' next tokens wait
+    assert [(i.slot, len(i.tokens)) for i in second.items] == [(2, 12), (3, 12)]
+    assert second.passes == 1 and second.n_decode == 0
+    run(s, second)
+    third = s.schedule()
+    assert [(i.slot, len(i.tokens), i.prefill) for i in third.items] == [
+        (n, 1, False) for n in range(4)
+    ]
+
+
+def test_no_split_for_decode_rows_beside_a_prompt_or_when_drafts_would_wait() -> None:
+    """Running streams beside a prompt chunk: nobody gets a first token from the
+    first pass, so the step stays whole; a prompt's last token beside a stream's
+    drafted tokens: the drafts would wait, so it stays whole too."""
+    s, _ = users_decoding(4, 6)
+    s.add(Req("new", [7] * 20))
+    b = s.schedule()
+    assert b.n_decode == 3 and b.n_prefill == 20 and b.passes == 2
+    run(s, b)
+
+    d, _ = users_decoding(4, 6)
+    d.drafts = lambda slot, room: (5, 5) if slot.id == 0 else ()
+    d.slots[3].cache, d.slots[3].reusable = [9] * 6, 6
+    d.add(Req("back", [9] * 6))  # one token to feed
+    b = d.schedule()
+    assert {i.slot for i in b.items} == {0, 1, 2, 3} and b.n_drafted == 2
+
+
+def test_a_prompt_split_off_and_cancelled_meanwhile_is_not_fed() -> None:
+    s = sched(n_slots=2)
+    s.slots[0].cache, s.slots[0].reusable = [1] * 8, 8
+    s.add(Req("back", [1] * 8))
+    s.add(Req("new", [2] * 12))
+    first = s.schedule()
+    assert [i.slot for i in first.items] == [0]
+    run(s, first)
+    s.cancel("new")
+    after = s.schedule()
+    assert [(i.slot, i.prefill) for i in after.items] == [(0, False)]
+    assert not s.slots[1].busy and s.slots[1].cache == []
