@@ -9,7 +9,7 @@ Both costs depend on the machine and the model: on the 2-core development VMs
 a stream of 512 cells of the medium demo model copied in the time of one or
 two prompt tokens, while a fixed threshold of 16 tokens (``SHARE_MIN``) made
 a request that shared 6 tokens with the previous one prefill them all
-(docs/performance.md, "A copy's cost, measured at load").
+(docs/performance.md, "Another machine; a copy's cost, measured at load").
 
 ``measure`` times, on two empty sequences before the engine serves anything:
 a one-token decode, the same with a copy of the other sequence pending, and a
