@@ -693,8 +693,10 @@ class Engine:
                     self._idle_since_step = False
                     self._gather()
                 self._apply_cancels()
-                if self.speculation is not None:
-                    self.speculation.prepare(self.scheduler)  # a draft model drafts here
+                # a draft model drafts here; not for a step of split-off prompt chunks,
+                # which no decoding slot joins
+                if self.speculation is not None and not self.scheduler.split_pending:
+                    self.speculation.prepare(self.scheduler)
                 embed = self._embed_pass()  # an embedding pass is a step of its own
                 batch = self.scheduler.schedule() if embed is None else _NO_BATCH
                 for slot_id in batch.length_limited:

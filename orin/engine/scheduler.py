@@ -595,6 +595,11 @@ class Scheduler:
             return None
         return first, rest
 
+    @property
+    def split_pending(self) -> bool:
+        """The next step is the prompt chunks split off the last one (no decode rows)."""
+        return self._after is not None
+
     def _run_after(self) -> Batch | None:
         """The prompt chunks ``_first_pass_alone`` left for this step, those still due
         (a cancel may have freed a slot since); None when none are."""

@@ -454,9 +454,10 @@ def test_returning_users_tokens_run_before_the_new_prompts_in_as_many_passes() -
     assert whole == 2
     first = s.schedule()
     assert [(i.slot, len(i.tokens), i.sample) for i in first.items] == [(0, 1, True), (1, 1, True)]
-    assert first.passes == 1
+    assert first.passes == 1 and s.split_pending
     run(s, first)
     second = s.schedule()  # the new prompts alone: the returning users' next tokens wait
+    assert not s.split_pending
     assert [(i.slot, len(i.tokens)) for i in second.items] == [(2, 12), (3, 12)]
     assert second.passes == 1 and second.n_decode == 0
     run(s, second)
