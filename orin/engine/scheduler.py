@@ -242,7 +242,7 @@ class Scheduler:
         self.chunk_budget: Callable[[int], int] = lambda rows: self.prefill_chunk
         self.drafts: Callable[[Slot, int], Sequence[int]] = lambda slot, room: ()
         self.stored: Callable[[list[int]], tuple[int, object] | None] = lambda prompt: None
-        # prompt tokens a copy of another slot's cells must save (``_worth_copying``):
+        # prompt tokens a copy of another slot's cells must save (``_start``):
         # the engine sets it from a copy's measured cost (orin.engine.sharecost)
         self.share_min = SHARE_MIN
         self.moves = 0  # busy slots moved down to close a hole (one stream per slot)
@@ -356,14 +356,11 @@ class Scheduler:
         )
         return mine - min(max(kept, shared), mine)
 
-    def _worth_sharing(self, gain: int, prompt: Sequence[int]) -> bool:
-        return gain > 0 and gain >= min(SHARE_MIN, len(prompt) - 1)
-
-    def _worth_copying(self, gain: int, prompt: Sequence[int]) -> bool:
-        """Whether copying another slot's cells now, to feed ``gain`` fewer prompt
-        tokens, pays: at least ``share_min`` tokens (a copy's measured cost in prompt
-        tokens), or the whole prompt but its last token."""
-        return gain > 0 and gain >= min(self.share_min, len(prompt) - 1)
+    def _worth_sharing(self, gain: int, prompt: Sequence[int], bar: int = SHARE_MIN) -> bool:
+        """Whether taking ``gain`` more prompt tokens from elsewhere pays: at least
+        ``bar`` tokens, or the whole prompt but its last token. A copy from another
+        slot now passes ``share_min`` (a copy's measured cost in prompt tokens)."""
+        return gain > 0 and gain >= min(bar, len(prompt) - 1)
 
     def _prefix_in_progress(self, prompt: list[int]) -> bool:
         """Whether a prefilling slot will soon hold more of ``prompt`` than any slot
@@ -414,7 +411,7 @@ class Scheduler:
             slot.cache = list(prompt[:n])
             reuse = min(n, limit)
         elif donor is not None and (
-            self._worth_copying(shared - reuse, prompt) or shared == limit
+            self._worth_sharing(shared - reuse, prompt, self.share_min) or shared == limit
         ):  # a copy of the whole prompt leaves one token to feed, as llama-server does
             if self.unified:  # cells are shared, not copied: tag the prefix only
                 if slot.cache:
