@@ -46,6 +46,11 @@
    With `--free-core`, single runs again with both servers pinned to all cores but
    one (taskset, one llama.cpp thread per core they keep) and the client on the
    remaining core: single_free_core.
+   - single_paired (against llama-server only): orin-llm and llama-server up at
+     once, 10 single-stream requests to each in turns (A B, B A, ...), so each pair
+     of requests meets the same state of a shared machine; besides each server's
+     single metrics, orin-llm's tpot_pair_ratio is the median of the per-pair TPOT
+     ratios. With `--free-core` also single_paired_free_core, pinned as above.
 3. Prints (stdout; one line per rep and server on stderr, all reps with `--json`)
    per scenario and metric each server's median (min-max) over the reps and
    orin-llm / peer: the ratio of the medians (min-max of the per-rep ratios). For
@@ -77,7 +82,7 @@ import yaml
 
 from benchmarks import scenarios as sc
 from benchmarks.server_throughput import stop, wait_up
-from orin.bench.client import request, stream, streams
+from orin.bench.client import Timed, request, stream, streams
 from orin.engine.config import default_threads
 from orin.model import demo, packaged
 from orin.paths import cache_dir
@@ -89,7 +94,9 @@ LONG_CTX_PER_SLOT = 2048  # shared_prefix, restart, copy_task: a ~1,000-token sy
 ORIN, LLAMA, LCPP = "orin-llm", "llama-server", "llama-cpp-python"
 
 BASE = ("single", "streams_4", "streams_8", "long_prompt", "past_context")
-SCENARIOS = (*BASE, "mixed", "shared_prefix", "restart", "copy_task", "no_match")
+SCENARIOS = (*BASE, "single_paired", "mixed", "shared_prefix", "restart", "copy_task", "no_match")
+PAIRED_REQUESTS = 10  # single_paired: requests to each server per rep
+SINGLE_STREAM = ("single", "single_free_core", "single_paired", "single_paired_free_core")
 COPY = frozenset({"copy_task", "no_match"})
 SINGLE_PROMPT_TOKENS = 14  # "Single stream {i} on the edge board." with BOS, demo tokenizer
 RESTART_TOKENS = 8
@@ -397,7 +404,38 @@ def concurrent(url: str, k: int, n: int) -> Metrics:
 def one_at_a_time(url: str, k: int, n: int) -> Metrics:
     """``k`` single-stream requests one after another: a TPOT median over k requests
     rather than the figure of one."""
-    results = [stream(url, f"Single stream {i} on the edge board.", n) for i in range(k)]
+    return single_metrics([stream(url, single_prompt(i), n) for i in range(k)])
+
+
+def single_prompt(i: int) -> str:
+    return f"Single stream {i} on the edge board."
+
+
+def alternating(urls: dict[str, str], k: int, n: int, rep: int) -> dict[str, Metrics]:
+    """``k`` single-stream requests to each of two servers that are up at once, in
+    turns: A B, B A, A B, ... (who opens rotates by rep), so that each server's i-th
+    request runs seconds from the other's and the machine's drift, which moves one
+    server's run against the next by 10 % and more on a shared VM, hits both alike.
+    The waiting server is idle meanwhile. Each server's metrics are one_at_a_time's;
+    the first also gets ``tpot_pair_ratio``: the median over i of its i-th request's
+    TPOT over the other's."""
+    first, second = rotate(sorted(urls), rep)
+    got: dict[str, list[Timed]] = {first: [], second: []}
+    for i in range(k):
+        for name in (first, second) if i % 2 == 0 else (second, first):
+            got[name].append(stream(urls[name], single_prompt(i), n))
+    out = {name: single_metrics(results) for name, results in got.items()}
+    ours, theirs = sorted(urls, key=lambda name: name != ORIN)
+    pairs = [
+        a / b
+        for x, y in zip(got[ours], got[theirs], strict=True)
+        if (a := x.tpot_ms) is not None and (b := y.tpot_ms)
+    ]
+    out[ours]["tpot_pair_ratio"] = statistics.median(pairs) if pairs else None
+    return out
+
+
+def single_metrics(results: Sequence[Timed]) -> Metrics:
     wall = sum(r.token_times[-1] - r.t0 for r in results if r.token_times)
     ttfts = [t for r in results if (t := r.ttft_ms) is not None]
     tpots = [t for r in results if (t := r.tpot_ms) is not None]
@@ -456,6 +494,7 @@ class Bench:
     picked: frozenset[str]
     work: Path
     tpot_target: float | None = None  # orin-llm's slo.tpot_p90_ms in the base group
+    free_core: bool = False  # --free-core: single_paired also with a core left free
 
     def peer(
         self,
@@ -512,6 +551,30 @@ def run_free_core(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
         with running(b.peer(name, p, profile)) as peer, client_on(client):
             concurrent(peer.url, 2, 8)  # warm-up
             out[name] = {"single_free_core": one_at_a_time(peer.url, 5, b.tokens)}
+    return out
+
+
+def run_paired(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
+    """single_paired: orin-llm and llama-server up at once, their requests in turns
+    (``alternating``); with ``--free-core`` again with both on all cores but one and
+    the client on that one (single_paired_free_core)."""
+    out: dict[str, RepResult] = {ORIN: {}, LLAMA: {}}
+    layouts = [("single_paired", s, None)]
+    if b.free_core:
+        servers, client = split_cores(os.sched_getaffinity(0))
+        layouts.append(("single_paired_free_core", pinned(s, servers), client))
+    for scenario, settings_, core in layouts:
+        with contextlib.ExitStack() as up:
+            # made one after the other: each takes a free port once the one before holds its own
+            profile = b.profile(settings_, "paired")
+            orin = up.enter_context(running(b.peer(ORIN, settings_, profile)))
+            llama = up.enter_context(running(b.peer(LLAMA, settings_)))
+            up.enter_context(client_on(core))
+            urls = {ORIN: orin.url, LLAMA: llama.url}
+            for url in urls.values():
+                concurrent(url, 2, 8)  # warm-up
+            for name, metrics in alternating(urls, PAIRED_REQUESTS, b.tokens, rep).items():
+                out[name][scenario] = metrics
     return out
 
 
@@ -642,9 +705,10 @@ def step_bytes(s: Settings, kv_cells: int) -> int | None:
 
 
 def add_bandwidth(rep: dict[str, RepResult], bytes_per_step: int | None, bps: float | None) -> None:
-    """bw_util beside every single-stream TPOT median (single, single_free_core)."""
+    """bw_util beside every single-stream TPOT median (single, single_paired, each also
+    with a core left free)."""
     for result in rep.values():
-        for scenario in ("single", "single_free_core"):
+        for scenario in SINGLE_STREAM:
             m = result.get(scenario)
             if m is not None:
                 m["bw_util"] = sc.bandwidth_utilization(
@@ -725,7 +789,7 @@ def main() -> None:
     args = ap.parse_args()
     try:
         picked = picked_scenarios(args.scenarios)
-        if args.free_core:
+        if args.free_core and picked & {"single", "single_paired"}:
             split_cores(os.sched_getaffinity(0))
         if picked & set(BASE):
             importlib.import_module("llama_cpp.server.app")
@@ -735,7 +799,9 @@ def main() -> None:
         ap.error(f"llama-cpp-python's server does not import ({exc}): make install-bench")
     work = Path(tempfile.mkdtemp(prefix="orin-peers-"))
     print(f"server logs and saved state: {work}", file=sys.stderr)
-    b = Bench(build_llama_server(), args.tokens, picked, work, args.orin_tpot_target)
+    b = Bench(
+        build_llama_server(), args.tokens, picked, work, args.orin_tpot_target, args.free_core
+    )
     bps, bw_note = memory_bandwidth()
     notes = [bw_note]
     report: dict[str, Any] = {"settings": vars(args) | {"json": str(args.json)}, "notes": notes,
@@ -743,6 +809,7 @@ def main() -> None:
     groups: list[tuple[str, Group, bool]] = [
         ("base", run_base, bool(picked & {*BASE, "mixed"})),
         ("free_core", run_free_core, args.free_core and "single" in picked),
+        ("paired", run_paired, "single_paired" in picked),
         ("shared_prefix", run_shared_prefix, "shared_prefix" in picked),
         ("restart", run_restart, "restart" in picked),
     ]

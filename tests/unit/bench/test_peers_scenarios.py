@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import peers
 from benchmarks import scenarios as sc
+from orin.bench.client import Timed
 from orin.profile.loader import load_profile
 
 MODEL = Path("/models/medium.gguf")
@@ -280,6 +281,46 @@ def test_who_goes_first_rotates_by_rep() -> None:
     names = ["a", "b", "c"]
     assert [peers.rotate(names, r)[0] for r in range(4)] == ["a", "b", "c", "a"]
     assert sorted(peers.rotate(names, 2)) == names
+
+
+def test_paired_requests_take_turns_and_compare_each_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, str]] = []
+    ms_per_token = {"http://orin": 6.0, "http://ls": 5.0}
+
+    def fake_stream(url: str, prompt: str, n: int) -> Timed:
+        calls.append((url, prompt))
+        i = len(calls)  # each request a little slower than the one before: drift
+        step = (ms_per_token[url] + 0.1 * i) / 1e3
+        return Timed(0.0, [0.01 + k * step for k in range(n)], usage_tokens=n)
+
+    monkeypatch.setattr(peers, "stream", fake_stream)
+    urls = {peers.ORIN: "http://orin", peers.LLAMA: "http://ls"}
+    out = peers.alternating(urls, 4, 5, rep=1)
+    # rep 1: orin-llm opens; then the order flips every pair
+    o, ls = "http://orin", "http://ls"
+    assert [u for u, _ in calls] == [o, ls, ls, o, o, ls, ls, o]
+    # both servers got the same prompts, the i-th pair the same one
+    assert [p for u, p in calls if u == o] == [p for u, p in calls if u == ls]
+    # pairs (orin, llama-server) in ms per token: (6.1, 5.2), (6.4, 5.3), (6.5, 5.6), (6.8, 5.7)
+    want = sorted([6.1 / 5.2, 6.4 / 5.3, 6.5 / 5.6, 6.8 / 5.7])
+    assert out[peers.ORIN]["tpot_pair_ratio"] == pytest.approx((want[1] + want[2]) / 2)
+    assert "tpot_pair_ratio" not in out[peers.LLAMA]
+    assert out[peers.ORIN]["tpot_median_ms"] == pytest.approx((6.4 + 6.5) / 2)
+    assert peers.alternating(urls, 2, 5, rep=0)  # rep 0: llama-server opens
+    assert calls[8][0] == ls
+    assert out[peers.LLAMA]["errors"] == 0.0
+
+
+def test_a_failed_request_leaves_its_pair_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake_stream(url: str, prompt: str, n: int) -> Timed:
+        if url == "http://ls" and prompt.startswith("Single stream 0"):
+            return Timed(0.0, error="http 500")
+        return Timed(0.0, [0.0, 0.01, 0.02], usage_tokens=3)
+
+    monkeypatch.setattr(peers, "stream", fake_stream)
+    out = peers.alternating({peers.ORIN: "http://orin", peers.LLAMA: "http://ls"}, 2, 3, rep=0)
+    assert out[peers.ORIN]["tpot_pair_ratio"] == pytest.approx(1.0)
+    assert out[peers.LLAMA]["errors"] == 1.0
 
 
 def test_scenario_names_are_checked() -> None:
