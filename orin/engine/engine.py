@@ -981,6 +981,11 @@ class Engine:
         token is sampled once, from the context it follows, so the output is the one
         decoding without speculation gives, greedy or seeded."""
         assert self.runner is not None
+        samplers = [by_slot[s].sampler for s in rows]
+        if not batch.n_drafted and all(x is not None and x.plain_greedy for x in samplers):
+            # the usual step: every row greedy, nothing drafted: one argmax, a token each
+            tokens = self.runner.argmax(list(rows.values()))
+            return {s: [(t, row)] for (s, row), t in zip(rows.items(), tokens, strict=True)}, {}
         drafts = {i.slot: i.tokens[len(i.tokens) - i.draft :] for i in batch.items if i.draft}
         emitted: dict[int, list[tuple[int, int]]] = {}
         greedy_slots: list[int] = []
@@ -1036,7 +1041,7 @@ class Engine:
             if aborted:
                 self.scheduler.discard(batch)
             else:
-                drafted = {i.slot: i.draft for i in batch.items if i.draft}
+                drafted = {i.slot: i.draft for i in batch.items if i.draft} if accepted else {}
                 last = {slot_id: out[-1][0] for slot_id, out in emitted.items()}
                 self.scheduler.update(batch, last, accepted)
                 for slot_id, out in emitted.items():

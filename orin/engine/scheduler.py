@@ -115,7 +115,7 @@ or a new one takes the hole), and a move then would only have lost a cached prom
 Short, because each step with a hole costs the running streams one more pass."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BatchItem:
     """Consecutive tokens of one sequence, starting at position ``pos``."""
 
@@ -508,6 +508,9 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------
 
     def schedule(self) -> Batch:
+        steady = self._steady()
+        if steady is not None:
+            return steady
         after = self._run_after()
         if after is not None:
             return after
@@ -563,6 +566,51 @@ class Scheduler:
             budget=budget,
             passes=passes,
         )
+
+    def _steady(self) -> Batch | None:
+        """The step between two steps like it, built in one pass over the slots: nothing
+        queued, no KV operations or split-off chunks due, no slot prefilling, and the
+        busy slots decoding at consecutive ids (no hole to close). That is every step
+        of a stream decoding on its own and most of a steady load, and the step's
+        Python runs after each decode, on caches the decode has just filled with
+        weights, so every step pays for what it touches (docs/performance.md,
+        "Single-stream TPOT in pairs"). The batch is the one ``schedule``'s full path
+        makes in that state; None: take the full path."""
+        if self.queue or self._ops or self._after is not None:
+            return None
+        decoding: list[Slot] = []
+        last = -2
+        decode, idle = SlotState.DECODE, SlotState.IDLE
+        for slot in self.slots:
+            state = slot.state
+            if state is idle:
+                continue
+            if state is not decode or (decoding and slot.id != last + 1):
+                return None  # a prompt to feed, or a hole
+            if len(slot.cache) + 1 > self.context.window:
+                return None  # a shift or the length limit: the full path decides
+            decoding.append(slot)
+            last = slot.id
+        if not decoding or len(decoding) > self.n_ubatch:
+            return None
+        if not self.unified:
+            self._hole_steps = 0  # what _close_holes records for a step without a hole
+        self.decoding = len(decoding)
+        items: list[BatchItem] = []
+        spare = self.n_batch - len(decoding)  # batch room for drafted tokens
+        window = self.context.window
+        drafted = 0
+        for slot in decoding:
+            room = min(spare, window - len(slot.cache) - 1)
+            draft = tuple(self.drafts(slot, room)[:room]) if room > 0 else ()
+            spare -= len(draft)
+            drafted += len(draft)
+            tokens = (slot.pending[0], *draft) if draft else (slot.pending[0],)
+            items.append(BatchItem(slot.id, tokens, len(slot.cache), True, False, len(draft)))
+        rows = len(decoding) + drafted
+        budget = min(self.n_batch - rows, self.prefill_chunk, max(0, self.chunk_budget(rows)))
+        passes = self._passes(items) if drafted else 1  # one token per slot, consecutive ids
+        return Batch((), tuple(items), (), budget=budget, passes=passes)
 
     def _passes(self, items: Sequence[BatchItem]) -> int:
         return micro_batches([(i.slot, len(i.tokens)) for i in items], self.n_ubatch, self.unified)

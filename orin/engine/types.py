@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from orin import params
 from orin.engine.errors import InvalidRequest
@@ -128,14 +128,18 @@ class RequestTimings:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):
     """One step of a request's stream.
 
     ``token_id`` is the generated id (None on a final event without a token);
     ``text`` is the newly complete text (may be empty while a multi-byte
     character or a possible stop string is held back). The last event has
     ``finish_reason`` and ``timings``.
+
+    A named tuple rather than a frozen dataclass, like ``StepStats``: one is made
+    per token on the engine thread, and a frozen dataclass's ``__init__`` sets each
+    field through ``object.__setattr__`` (docs/performance.md, "Single-stream TPOT
+    in pairs").
     """
 
     request_id: str
@@ -147,9 +151,14 @@ class TokenEvent:
     error: str | None = None
 
 
-@dataclass(frozen=True)
-class StepStats:
-    """One engine step, on the perf_counter_ns clock the telemetry sampler shares."""
+class StepStats(NamedTuple):
+    """One engine step, on the perf_counter_ns clock the telemetry sampler shares.
+
+    A named tuple (immutable, built in one call) rather than a frozen dataclass,
+    whose ``__init__`` sets each of these 16 fields through ``object.__setattr__``:
+    one is made after every decode, on caches the decode has just filled, where
+    that took 20 µs on a 2-core VM (docs/performance.md, "Single-stream TPOT in
+    pairs")."""
 
     start_ns: int
     end_ns: int

@@ -37,7 +37,7 @@ class Recorder:
         self._q.put({"type": "sample", **asdict(s)})
 
     def on_step(self, s: StepStats) -> None:
-        self._q.put({"type": "step", **asdict(s)})
+        self._q.put({"type": "step", **s._asdict()})
 
     def on_finish(self, request_id: str, reason: FinishReason, t: RequestTimings) -> None:
         self._q.put({"type": "request", "id": request_id, "finish_reason": reason, **asdict(t)})

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import itertools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -412,3 +415,78 @@ def test_requests_behind_a_held_one_are_not_blocked() -> None:
     step(s, r)
     assert s.slot_of("same") is None and s.slot_of("other") is not None
     assert [q.id for q in s.queue] == ["same"]
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_a_steady_step_is_the_step_the_full_path_makes(unified: bool) -> None:
+    """Random arrivals, cancellations, finishes (cells kept or not), drafts, windows that
+    shift or stop: before every step a copy of the scheduler takes the full path only,
+    and the batch (and what the step records) must be the same either way."""
+    rng = random.Random(11)
+    taken = [0]
+
+    def counting(steady: Callable[[], Batch | None]) -> Callable[[], Batch | None]:
+        def wrapper() -> Batch | None:
+            out = steady()
+            taken[0] += out is not None
+            return out
+
+        return wrapper
+
+    for trial in range(30):
+        s = Scheduler(
+            rng.choice([1, 2, 4, 8]),
+            rng.choice([16, 64]),
+            ContextPolicy(window=rng.choice([24, 64, 512]), keep=2, sliding=rng.random() < 0.7),
+            unified=unified,
+            n_ubatch=rng.choice([4, 16, 64]),
+        )
+        if trial % 3:  # a drafter that depends only on the slot: the copy drafts alike
+            s.drafts = lambda slot, room: tuple(range(7, 7 + min(room, slot.generated % 3)))
+        s.chunk_budget = lambda rows: 3 + 2 * rows
+        s._steady = counting(s._steady)  # type: ignore[method-assign]
+        limits: dict[str, int] = {}
+        for n in range(80):
+            if rng.random() < 0.25:
+                prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 30))]
+                with contextlib.suppress(QueueFull):
+                    s.add(Req(f"r{n}", prompt))
+                limits[f"r{n}"] = rng.randrange(1, 30)
+            busy = [sl.request.id for sl in s.slots if sl.request is not None]
+            if busy and rng.random() < 0.05:
+                s.cancel(rng.choice(busy))
+            twin = copy.deepcopy(s)
+            twin._steady = lambda: None  # type: ignore[method-assign]
+            want = twin.schedule()
+            got = s.schedule()
+            assert got == want
+            assert (got.passes, got.budget) == (want.passes, want.budget)
+            assert (s._hole_steps, s.decoding) == (twin._hole_steps, twin.decoding)
+            for slot_id in got.length_limited:
+                s.release(s.slots[slot_id], keep_cache=False)
+            sampled = {i.slot: (i.tokens[-1] * 7 + 1) % 1000 for i in got.items if i.sample}
+            accepted = {i.slot: rng.randrange(i.draft + 1) for i in got.items if i.draft}
+            s.update(got, sampled, accepted)
+            for slot in s.slots:
+                r = slot.request
+                if (
+                    slot.state is SlotState.DECODE
+                    and r is not None
+                    and slot.generated >= limits[r.id]
+                ):
+                    s.release(slot, keep_cache=rng.random() < 0.5)
+    assert taken[0] > 100  # the fast path was taken, and often
+
+
+def test_a_steady_step_forgets_a_hole_that_closed_by_itself() -> None:
+    s, r = make(slots=3, n_batch=64, window=512), FakeRunner()
+    for i in range(3):
+        s.add(Req(f"u{i}", list(range(100 * i + 1, 100 * i + 21))))
+    while any(sl.state is not SlotState.DECODE for sl in s.slots):
+        step(s, r)
+    s.release(s.slots[1], keep_cache=True)  # a hole; a move into it would lose its prompt
+    waited = step(s, r)
+    assert waited.passes == 2 and s._hole_steps == 1  # the hole is left for a step
+    s.release(s.slots[2], keep_cache=True)  # ...and goes away by itself
+    steady = step(s, r)
+    assert [i.slot for i in steady.items] == [0] and s._hole_steps == 0
