@@ -660,19 +660,22 @@ def wait_for_files(folder: Path, timeout: float = 120.0) -> int:
 
 
 def run_copy(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
-    """copy_task and no_match with speculation off and on (which first rotates too)."""
+    """copy_task and no_match with speculation off and on: per server, both arms up at
+    once and their requests in turns (sc.copy_requests); which server goes first
+    rotates by rep."""
     want = b.picked & COPY
     out = {}
     for name in rotate([ORIN, LLAMA], rep):
-        got: dict[str, sc.CopyRun] = {}
-        for mode in rotate(["off", "ngram"], rep):
-            if name == ORIN:
-                peer = b.peer(name, s, profile=b.profile(s, f"spec-{mode}", speculative=mode))
-            else:
-                peer = b.peer(name, s, ngram=NGRAM if mode == "ngram" else None)
-            with running(peer):
+        if name == ORIN:
+            arms = {m: b.peer(name, s, profile=b.profile(s, f"spec-{m}", speculative=m))
+                    for m in ("off", "ngram")}  # fmt: skip
+        else:
+            arms = {m: b.peer(name, s, ngram=NGRAM if m == "ngram" else None)
+                    for m in ("off", "ngram")}  # fmt: skip
+        with running(arms["off"]) as off, running(arms["ngram"]) as on:
+            for peer in (off, on):
                 sc.chat(peer.url, "Say hello.", 8)  # warm-up
-                got[mode] = sc.copy_requests(peer.url, picked=want)
+            got = sc.copy_requests({"off": off.url, "ngram": on.url}, picked=want, rep=rep)
         out[name] = sc.copy_metrics(got["off"], got["ngram"])
     return out
 

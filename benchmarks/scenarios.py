@@ -51,6 +51,7 @@ QUESTION_WORDS = 4  # ~16 tokens
 # copy_task / no_match on SmolLM2-135M-Instruct, greedy
 COPY_TOKENS, FREE_TOKENS = 400, 128  # SmolLM2 starts repeating itself after ~150 free tokens
 COPY_REQUESTS = 3
+FREE_REQUESTS = 6  # 128 tokens each: cheap, and more pairs to take the median of
 PASSAGE = (
     "The lighthouse on the northern cape was built in 1871 from granite cut in a quarry "
     "two miles inland. Oxen pulled the blocks to the shore on wooden sledges, and the "
@@ -359,15 +360,32 @@ class CopyRun:
     free: list[Streamed]
 
 
-def copy_requests(url: str, picked: frozenset[str], k: int = COPY_REQUESTS) -> CopyRun:
-    """``k`` requests to quote PASSAGE (copy_task) and ``k`` free-text requests
-    (no_match), one after another, for those of the two picked."""
+def copy_requests(
+    urls: Mapping[str, str],
+    picked: frozenset[str],
+    rep: int = 0,
+    k: int = COPY_REQUESTS,
+    k_free: int = FREE_REQUESTS,
+) -> dict[str, CopyRun]:
+    """``k`` requests to quote PASSAGE (copy_task) and ``k_free`` free-text requests
+    (no_match), for those of the two picked, to each of two servers that are up at
+    once (speculation off and on: ``urls`` by mode), in turns: A B, B A, ... (who
+    opens rotates by ``rep``). Each pair of i-th requests runs seconds apart, so the
+    machine's drift, which moves one server's run against the next by 10 % and more
+    on a shared VM, hits both arms alike."""
     copies = k if "copy_task" in picked else 0
-    frees = k if "no_match" in picked else 0
-    return CopyRun(
-        [chat(url, f"{COPY_ASK}\n\n{PASSAGE}", COPY_TOKENS) for _ in range(copies)],
-        [chat(url, FREE_ASK, FREE_TOKENS) for _ in range(frees)],
-    )
+    frees = k_free if "no_match" in picked else 0
+    names = sorted(urls)
+    shift = rep % len(names)
+    order = names[shift:] + names[:shift]
+    got = {name: CopyRun([], []) for name in urls}
+    for i in range(copies):
+        for name in order if i % 2 == 0 else order[::-1]:
+            got[name].copy.append(chat(urls[name], f"{COPY_ASK}\n\n{PASSAGE}", COPY_TOKENS))
+    for i in range(frees):
+        for name in order if i % 2 == 0 else order[::-1]:
+            got[name].free.append(chat(urls[name], FREE_ASK, FREE_TOKENS))
+    return got
 
 
 def accept_rate(results: Sequence[Streamed]) -> float | None:
@@ -387,11 +405,23 @@ def speculation_metrics(off: Sequence[Streamed], on: Sequence[Streamed]) -> Metr
         "tpot_off_ms": t_off,
         "tpot_ngram_ms": t_on,
         "ngram_over_off": ratio(t_on, t_off),
+        "pair_ratio": pair_ratio(off, on),
         "tokens": median([float(r.tokens) for r in off]),
         "same_output": float(all(same)) if same else None,
         "accept_rate": accept_rate(on),
         "errors": errors([*off, *on]),
     }
+
+
+def pair_ratio(off: Sequence[Streamed], on: Sequence[Streamed]) -> float | None:
+    """The median over i of the i-th request's TPOT with speculation over the i-th
+    without it: the requests of a pair ran seconds apart (``copy_requests``)."""
+    pairs = [
+        a / b
+        for x, y in zip(on, off, strict=False)
+        if (a := x.tpot_ms) is not None and (b := y.tpot_ms)
+    ]
+    return median(pairs) if pairs else None
 
 
 def copy_metrics(off: CopyRun, on: CopyRun) -> dict[str, Metrics]:

@@ -165,6 +165,40 @@ def test_copy_metrics_report_only_the_variants_that_ran() -> None:
     assert set(only) == {"no_match"}
 
 
+def test_copy_requests_go_to_both_arms_in_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, int]] = []
+
+    def fake_chat(url: str, user: str, n: int, system: str | None = None) -> sc.Streamed:
+        calls.append((url, n))
+        return streamed([0.0, 1.0], usage(n))
+
+    monkeypatch.setattr(sc, "chat", fake_chat)
+    urls = {"off": "http://off", "ngram": "http://on"}
+    got = sc.copy_requests(urls, frozenset({"copy_task", "no_match"}), rep=1, k=2, k_free=3)
+    on, off = "http://on", "http://off"
+    # rep 1: the arm without speculation opens; the order flips every pair, copies first
+    assert [u for u, _ in calls] == [off, on, on, off, off, on, on, off, off, on]
+    assert [n for _, n in calls[:4]] == [sc.COPY_TOKENS] * 4
+    assert [n for _, n in calls[4:]] == [sc.FREE_TOKENS] * 6
+    assert (len(got["off"].copy), len(got["off"].free)) == (2, 3)
+    assert (len(got["ngram"].copy), len(got["ngram"].free)) == (2, 3)
+    calls.clear()
+    only = sc.copy_requests(urls, frozenset({"no_match"}), rep=0, k=2, k_free=2)
+    assert [u for u, _ in calls] == [on, off, off, on]  # rep 0: the speculating arm opens
+    assert only["off"].copy == [] and len(only["ngram"].free) == 2
+
+
+def test_pair_ratio_is_the_median_of_per_pair_ratios_and_skips_failures() -> None:
+    off = [streamed([0.0, 1.0], usage(11)), streamed([0.0, 2.0], usage(11)),
+           streamed([0.0, 1.0], usage(11)), sc.Streamed(0.0, error="http 500")]  # fmt: skip
+    on = [streamed([0.0, 1.1], usage(11)), streamed([0.0, 1.0], usage(11)),
+          streamed([0.0, 1.3], usage(11)), streamed([0.0, 9.0], usage(11))]  # fmt: skip
+    # pairs: 1.1, 0.5, 1.3; the failed fourth is left out
+    assert sc.pair_ratio(off, on) == pytest.approx(1.1)
+    assert sc.speculation_metrics(off, on)["pair_ratio"] == pytest.approx(1.1)
+    assert sc.pair_ratio([], on) is None
+
+
 def test_restart_counts_the_restore_call_in_the_ttft() -> None:
     cold = streamed([0.9], usage(8), t0=0.0)
     warm = streamed([0.05], usage(8, prompt=1019, cached=1000), t0=0.0)
