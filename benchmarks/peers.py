@@ -36,13 +36,16 @@
      `POST /slots/0?action=save` before stopping and `action=restore` after the
      restart, the restore call counted in the TTFT;
    - copy_task / no_match: SmolLM2-135M-Instruct (the packaged model), greedy, one
-     stream, 3 requests each: TPOT when asked to quote a ~290-token passage of the
-     prompt verbatim, and writing 128 tokens of free text that shares nothing with
-     it, with speculation off and on; also whether the output stayed the same and the
-     share of drafted tokens accepted. orin-llm: `speculative: {mode: ngram}` against
-     `mode: off`; llama-server: `--spec-type ngram-simple` (look up the last n tokens
-     in the context, draft the m that followed) with orin-llm's longest n-gram (4)
-     and draft length (8), against no speculation.
+     stream, 3 and 6 requests per arm: TPOT when asked to quote a ~290-token passage
+     of the prompt verbatim, and writing 128 tokens of free text that shares nothing
+     with it, with speculation off and on; also whether the output stayed the same
+     and the share of drafted tokens accepted. Both arms of a server are up at once
+     and get their requests in turns (A B, B A, ...): pair_ratio is the median of the
+     per-pair TPOT ratios on/off, beside ngram_over_off (the ratio of the medians).
+     orin-llm: `speculative: {mode: ngram}` against `mode: off`; llama-server:
+     `--spec-type ngram-simple` (look up the last n tokens in the context, draft the
+     m that followed) with orin-llm's longest n-gram (4) and draft length (8),
+     against no speculation.
    With `--free-core`, single runs again with both servers pinned to all cores but
    one (taskset, one llama.cpp thread per core they keep) and the client on the
    remaining core: single_free_core.
