@@ -381,10 +381,7 @@ def client_on(core: int | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def rotate(names: Sequence[str], rep: int) -> list[str]:
-    """Who goes first changes from rep to rep."""
-    k = rep % len(names)
-    return [*names[k:], *names[:k]]
+rotate = sc.rotate  # who goes first changes from rep to rep
 
 
 # -- the base scenarios (all three servers) -------------------------------------------------
@@ -416,25 +413,15 @@ def single_prompt(i: int) -> str:
 
 def alternating(urls: dict[str, str], k: int, n: int, rep: int) -> dict[str, Metrics]:
     """``k`` single-stream requests to each of two servers that are up at once, in
-    turns: A B, B A, A B, ... (who opens rotates by rep), so that each server's i-th
-    request runs seconds from the other's and the machine's drift, which moves one
-    server's run against the next by 10 % and more on a shared VM, hits both alike.
-    The waiting server is idle meanwhile. Each server's metrics are one_at_a_time's;
-    the first also gets ``tpot_pair_ratio``: the median over i of its i-th request's
-    TPOT over the other's."""
-    first, second = rotate(sorted(urls), rep)
-    got: dict[str, list[Timed]] = {first: [], second: []}
-    for i in range(k):
-        for name in (first, second) if i % 2 == 0 else (second, first):
-            got[name].append(stream(urls[name], single_prompt(i), n))
+    turns (sc.in_turns); the waiting server is idle meanwhile. Each server's metrics
+    are one_at_a_time's; orin-llm's also get ``tpot_pair_ratio``: the median over i of
+    its i-th request's TPOT over the other's."""
+    got: dict[str, list[Timed]] = {name: [] for name in urls}
+    for name in sc.in_turns(list(urls), k, rep):
+        got[name].append(stream(urls[name], single_prompt(len(got[name])), n))
     out = {name: single_metrics(results) for name, results in got.items()}
     ours, theirs = sorted(urls, key=lambda name: name != ORIN)
-    pairs = [
-        a / b
-        for x, y in zip(got[ours], got[theirs], strict=True)
-        if (a := x.tpot_ms) is not None and (b := y.tpot_ms)
-    ]
-    out[ours]["tpot_pair_ratio"] = statistics.median(pairs) if pairs else None
+    out[ours]["tpot_pair_ratio"] = sc.pair_ratio(got[theirs], got[ours])
     return out
 
 
@@ -662,6 +649,13 @@ def wait_for_files(folder: Path, timeout: float = 120.0) -> int:
         time.sleep(0.5)
 
 
+def spec_arm(b: Bench, s: Settings, name: str, mode: str) -> Peer:
+    """A server with speculation ``mode`` (off or ngram), each with its own options."""
+    if name == ORIN:
+        return b.peer(name, s, profile=b.profile(s, f"spec-{mode}", speculative=mode))
+    return b.peer(name, s, ngram=NGRAM if mode == "ngram" else None)
+
+
 def run_copy(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
     """copy_task and no_match with speculation off and on: per server, both arms up at
     once and their requests in turns (sc.copy_requests); which server goes first
@@ -669,13 +663,10 @@ def run_copy(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
     want = b.picked & COPY
     out = {}
     for name in rotate([ORIN, LLAMA], rep):
-        if name == ORIN:
-            arms = {m: b.peer(name, s, profile=b.profile(s, f"spec-{m}", speculative=m))
-                    for m in ("off", "ngram")}  # fmt: skip
-        else:
-            arms = {m: b.peer(name, s, ngram=NGRAM if m == "ngram" else None)
-                    for m in ("off", "ngram")}  # fmt: skip
-        with running(arms["off"]) as off, running(arms["ngram"]) as on:
+        with (
+            running(spec_arm(b, s, name, "off")) as off,
+            running(spec_arm(b, s, name, "ngram")) as on,
+        ):
             for peer in (off, on):
                 sc.chat(peer.url, "Say hello.", 8)  # warm-up
             got = sc.copy_requests({"off": off.url, "ngram": on.url}, picked=want, rep=rep)

@@ -24,10 +24,10 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from orin.bench.client import http_error
@@ -108,6 +108,39 @@ def median(values: Sequence[float | None]) -> float | None:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+class HasTpot(Protocol):
+    @property
+    def tpot_ms(self) -> float | None: ...
+
+
+def pair_ratio(base: Sequence[HasTpot], other: Sequence[HasTpot]) -> float | None:
+    """The median over i of ``other[i]``'s TPOT over ``base[i]``'s, the pairs where both
+    have one: requests of a pair that ran seconds apart (``in_turns``)."""
+    pairs = [
+        a / b
+        for x, y in zip(other, base, strict=False)
+        if (a := x.tpot_ms) is not None and (b := y.tpot_ms)
+    ]
+    return median(pairs) if pairs else None
+
+
+def rotate(names: Sequence[str], rep: int) -> list[str]:
+    """Who goes first changes from rep to rep."""
+    k = rep % len(names)
+    return [*names[k:], *names[:k]]
+
+
+def in_turns(names: Sequence[str], k: int, rep: int) -> Iterator[str]:
+    """``k`` rounds of one request to each of ``names`` (servers that are up at once),
+    in turns: A B, B A, A B, ... (who opens rotates by ``rep``, names sorted), so that
+    the i-th requests of all run seconds apart and the machine's drift, which moves
+    one server's run against the next by 10 % and more on a shared VM, hits them
+    alike."""
+    order = rotate(sorted(names), rep)
+    for i in range(k):
+        yield from order if i % 2 == 0 else order[::-1]
 
 
 def itl_metrics(streams: Sequence[Sequence[float]]) -> Metrics:
@@ -369,22 +402,14 @@ def copy_requests(
 ) -> dict[str, CopyRun]:
     """``k`` requests to quote PASSAGE (copy_task) and ``k_free`` free-text requests
     (no_match), for those of the two picked, to each of two servers that are up at
-    once (speculation off and on: ``urls`` by mode), in turns: A B, B A, ... (who
-    opens rotates by ``rep``). Each pair of i-th requests runs seconds apart, so the
-    machine's drift, which moves one server's run against the next by 10 % and more
-    on a shared VM, hits both arms alike."""
+    once (speculation off and on: ``urls`` by mode), in turns (``in_turns``)."""
     copies = k if "copy_task" in picked else 0
     frees = k_free if "no_match" in picked else 0
-    names = sorted(urls)
-    shift = rep % len(names)
-    order = names[shift:] + names[:shift]
     got = {name: CopyRun([], []) for name in urls}
-    for i in range(copies):
-        for name in order if i % 2 == 0 else order[::-1]:
-            got[name].copy.append(chat(urls[name], f"{COPY_ASK}\n\n{PASSAGE}", COPY_TOKENS))
-    for i in range(frees):
-        for name in order if i % 2 == 0 else order[::-1]:
-            got[name].free.append(chat(urls[name], FREE_ASK, FREE_TOKENS))
+    for name in in_turns(list(urls), copies, rep):
+        got[name].copy.append(chat(urls[name], f"{COPY_ASK}\n\n{PASSAGE}", COPY_TOKENS))
+    for name in in_turns(list(urls), frees, rep):
+        got[name].free.append(chat(urls[name], FREE_ASK, FREE_TOKENS))
     return got
 
 
@@ -411,17 +436,6 @@ def speculation_metrics(off: Sequence[Streamed], on: Sequence[Streamed]) -> Metr
         "accept_rate": accept_rate(on),
         "errors": errors([*off, *on]),
     }
-
-
-def pair_ratio(off: Sequence[Streamed], on: Sequence[Streamed]) -> float | None:
-    """The median over i of the i-th request's TPOT with speculation over the i-th
-    without it: the requests of a pair ran seconds apart (``copy_requests``)."""
-    pairs = [
-        a / b
-        for x, y in zip(on, off, strict=False)
-        if (a := x.tpot_ms) is not None and (b := y.tpot_ms)
-    ]
-    return median(pairs) if pairs else None
 
 
 def copy_metrics(off: CopyRun, on: CopyRun) -> dict[str, Metrics]:
