@@ -104,6 +104,11 @@ class StepCostModel:
         return a * passes + b * rows + c * prompt
 
 
+StepCost = tuple[float, float, int]
+"""What a draft's length weighs: (ms per llama.cpp pass, ms per decode row, the rows
+the step has without the draft)."""
+
+
 def draft_length(p: float, a: float, b: float, rows: int, k_max: int) -> int:
     """The number of tokens to draft for one stream that maximizes its tokens per unit
     of step time: a draft of ``k`` tokens, each accepted with probability ``p`` given

@@ -37,7 +37,7 @@ from orin.engine.client import (
     StepObserver,
 )
 from orin.engine.config import EngineConfig
-from orin.engine.costmodel import ChunkPolicy
+from orin.engine.costmodel import ChunkPolicy, StepCost
 from orin.engine.embed import (
     MAX_INPUTS,
     Embeddings,
@@ -774,8 +774,13 @@ class Engine:
             return ()
         if not self.cfg.speculative.cost_aware:
             return request.spec.draft(room)
+        return request.spec.draft(room, self._draft_cost)
+
+    def _draft_cost(self) -> StepCost:
+        """The step-cost model's figures for a draft's length (asked only when there
+        is a draft to weigh)."""
         a, b, _ = self.chunks.model.coefficients()
-        return request.spec.draft(room, (a, b, self.scheduler.decoding))
+        return a, b, self.scheduler.decoding
 
     def _has_work(self) -> bool:
         return bool(self._cancels) or self.scheduler.has_work() or bool(self._embeds)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from orin.engine.backend import Backend
+from orin.engine.costmodel import StepCost
 from orin.engine.detok import Detokenizer, StopMatcher
 from orin.engine.sampling import SlotSampler
 from orin.engine.stream import RequestStream
@@ -22,7 +23,7 @@ class Drafter(Protocol):
     """A request's speculative decoding state (orin.engine.specrun)."""
 
     def draft(
-        self, max_tokens: int, cost: tuple[float, float, int] | None = None
+        self, max_tokens: int, cost: Callable[[], StepCost] | None = None
     ) -> Sequence[int]: ...
 
     def extend(self, token: int) -> None: ...

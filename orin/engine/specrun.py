@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from orin.engine.backend import Backend
 from orin.engine.chat import ChatTemplate
 from orin.engine.config import EngineConfig
-from orin.engine.costmodel import draft_length
+from orin.engine.costmodel import StepCost, draft_length
 from orin.engine.scheduler import BatchItem, Scheduler, SlotState
 from orin.engine.speculative import (
     Acceptance,
@@ -48,21 +48,25 @@ class RequestSpec:
         self.proposed: list[int] = []  # the draft model's tokens for the next step
         self.stops = 0  # drafts that ended in a rejected token
 
-    def draft(self, max_tokens: int, cost: tuple[float, float, int] | None = None) -> Sequence[int]:
-        """Up to ``max_tokens`` drafted tokens; with ``cost`` (ms per llama.cpp pass,
-        per decode row, rows in the step), only as many as pay for their rows at this
-        request's acceptance rate so far (``costmodel.draft_length``)."""
+    def draft(self, max_tokens: int, cost: Callable[[], StepCost] | None = None) -> Sequence[int]:
+        """Up to ``max_tokens`` drafted tokens; with ``cost`` (giving ms per llama.cpp
+        pass, per decode row, and the rows in the step), only as many as pay for their
+        rows at this request's acceptance rate so far (``costmodel.draft_length``).
+        The lookup comes first: most steps of a text that does not repeat itself find
+        nothing to draft, and then pay for no cost figures."""
         k = min(self.acceptance.budget(), max_tokens)
-        if k > 0 and cost is not None:
-            a, b, rows = cost
-            k = draft_length(self.continue_chance, a, b, rows, k)
         if k <= 0:
             return ()
-        return self.context.draft(k) if self.ngram else self.proposed[:k]
+        proposal = self.context.draft(k) if self.ngram else self.proposed[:k]
+        if not proposal or cost is None:
+            return proposal
+        a, b, rows = cost()
+        return proposal[: draft_length(self.continue_chance, a, b, rows, len(proposal))]
 
     def extend(self, token: int) -> None:
         self.context.extend((token,))
-        self.proposed = []
+        if self.proposed:
+            self.proposed = []
 
     @property
     def continue_chance(self) -> float:

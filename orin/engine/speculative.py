@@ -243,6 +243,12 @@ class NgramState:
         start = self._indexed
         if stop <= start:
             return
+        if stop == start + 1:  # one token more (every decode step): one n-gram per n
+            for n, index in self._index.items():
+                if start >= n - 1:
+                    index[tuple(toks[start - n + 1 : stop])] = start
+            self._indexed = stop
+            return
         for n, index in self._index.items():
             first = max(start, n - 1)  # end positions of the n-grams to add
             if first >= stop:
