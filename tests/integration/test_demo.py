@@ -186,6 +186,38 @@ def test_quantizer_failure_is_a_demo_model_error(tmp_path: Path) -> None:
         demo._quantize(tmp_path / "missing.gguf", tmp_path / "out.gguf", demo.QUANTS["q8_0"])
 
 
+def weights(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a GGUF file, dequantized to float32."""
+    reader = gguf.GGUFReader(path)
+    return {
+        t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).ravel()
+        for t in reader.tensors
+    }
+
+
+def test_convert_keeps_a_quantized_models_weights(models: dict[str, Path], tmp_path: Path) -> None:
+    src = models["tiny-q8_0"]
+    out = demo.convert(src, tmp_path / "conv" / "tiny.f16.gguf", "f16")
+    reader = gguf.GGUFReader(out)
+    assert field_value(reader, "general.file_type") == demo.QUANTS["f16"]
+    assert gguf.GGMLQuantizationType.Q8_0 not in {t.tensor_type for t in reader.tensors}
+    before, after = weights(src), weights(out)
+    assert before.keys() == after.keys()
+    for name, w in before.items():  # q8_0 values are f16 scales times small integers
+        np.testing.assert_allclose(after[name], w, rtol=1e-3, atol=1e-6, err_msg=name)
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temporary left
+
+
+def test_convert_rejects_an_unknown_type_and_a_broken_source(tmp_path: Path) -> None:
+    with pytest.raises(DemoModelError, match="valid"):
+        demo.convert(tmp_path / "x.gguf", tmp_path / "y.gguf", "q9_9")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF not really")
+    with pytest.raises(DemoModelError, match=r"bad\.gguf"):
+        demo.convert(bad, tmp_path / "out.gguf", "f16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
+
+
 @pytest.mark.parametrize(("size", "quant"), [("huge", "f16"), ("tiny", "q9_9"), ("", "")])
 def test_bad_names_raise(tmp_path: Path, size: str, quant: str) -> None:
     with pytest.raises(DemoModelError, match="valid"):

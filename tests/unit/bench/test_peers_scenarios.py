@@ -408,3 +408,21 @@ def test_summary_has_a_row_per_metric_and_dashes_where_a_server_did_not_run_it()
 
 def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
+
+
+@pytest.mark.llama
+def test_copy_model_converts_the_packaged_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orin.model import demo
+
+    shipped = demo.generate("tiny", "q8_0", tmp_path / "wheel" / "Shipped.Q8_0.gguf")
+    monkeypatch.setattr(peers.packaged, "fetch", lambda model: shipped)
+    monkeypatch.setenv("ORIN_LLM_CACHE_DIR", str(tmp_path / "cache"))
+    assert peers.copy_model(None) == shipped
+    out = peers.copy_model("f16")
+    assert out == tmp_path / "cache" / "models" / "Shipped.Q8_0.as-f16.gguf"
+    assert out.stat().st_size > shipped.stat().st_size  # 16 bits a weight against 8.5
+    stamp = out.stat().st_mtime_ns
+    assert peers.copy_model("f16") == out
+    assert out.stat().st_mtime_ns == stamp  # reused, not converted again
