@@ -552,7 +552,7 @@ def run_paired(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
     (``alternating``); with ``--free-core`` again with both on all cores but one and
     the client on that one (single_paired_free_core)."""
     out: dict[str, RepResult] = {ORIN: {}, LLAMA: {}}
-    layouts = [("single_paired", s, None)]
+    layouts: list[tuple[str, Settings, int | None]] = [("single_paired", s, None)]
     if b.free_core:
         servers, client = split_cores(os.sched_getaffinity(0))
         layouts.append(("single_paired_free_core", pinned(s, servers), client))
