@@ -57,6 +57,12 @@
      of requests meets the same state of a shared machine; besides each server's
      single metrics, orin-llm's tpot_pair_ratio is the median of the per-pair TPOT
      ratios. With `--free-core` also single_paired_free_core, pinned as above.
+   - streams_paired (against llama-server only): both up at once, 4 bursts of 4
+     and then 4 of 8 concurrent streams to each in turns, new prompts each round
+     (the same for both): streams_4_paired and streams_8_paired with each server's
+     median throughput, TTFT p50/p95 and TPOT p90 over its bursts, and orin-llm's
+     throughput_pair_ratio, ttft_p50_ms_pair_ratio and ttft_p95_ms_pair_ratio: the
+     medians of the per-burst ratios, as tpot_pair_ratio is for single requests.
 3. Prints (stdout; one line per rep and server on stderr, all reps with `--json`)
    per scenario and metric each server's median (min-max) over the reps and
    orin-llm / peer: the ratio of the medians (min-max of the per-rep ratios). For
@@ -100,8 +106,13 @@ LONG_CTX_PER_SLOT = 2048  # shared_prefix, restart, copy_task: a ~1,000-token sy
 ORIN, LLAMA, LCPP = "orin-llm", "llama-server", "llama-cpp-python"
 
 BASE = ("single", "streams_4", "streams_8", "long_prompt", "past_context")
-SCENARIOS = (*BASE, "single_paired", "mixed", "shared_prefix", "restart", "copy_task", "no_match")
+SCENARIOS = (
+    *BASE, "single_paired", "streams_paired", "mixed", "shared_prefix", "restart", "copy_task",
+    "no_match",
+)  # fmt: skip
 PAIRED_REQUESTS = 10  # single_paired: requests to each server per rep
+PAIRED_BURSTS = 4  # streams_paired: bursts of each size to each server per rep
+PAIRED = frozenset({"single_paired", "streams_paired"})
 SINGLE_STREAM = ("single", "single_free_core", "single_paired", "single_paired_free_core")
 COPY = frozenset({"copy_task", "no_match"})
 SINGLE_PROMPT_TOKENS = 14  # "Single stream {i} on the edge board." with BOS, demo tokenizer
@@ -390,8 +401,11 @@ rotate = sc.rotate  # who goes first changes from rep to rep
 # -- the base scenarios (all three servers) -------------------------------------------------
 
 
-def concurrent(url: str, k: int, n: int) -> Metrics:
-    prompts = [f"Stream {i} of the benchmark on the edge board." for i in range(k)]
+def concurrent(url: str, k: int, n: int, burst: int | None = None) -> Metrics:
+    """``k`` streams at once; ``burst`` numbers the prompts apart from another burst's
+    (paired bursts: each round new prompts, the same for both servers)."""
+    where = "the benchmark" if burst is None else f"burst {burst}"
+    prompts = [f"Stream {i} of {where} on the edge board." for i in range(k)]
     wall, results = streams(url, prompts, n)
     ttfts = [t for r in results if (t := r.ttft_ms) is not None]
     tpots = [t for r in results if (t := r.tpot_ms) is not None]
@@ -425,6 +439,31 @@ def alternating(urls: dict[str, str], k: int, n: int, rep: int) -> dict[str, Met
     out = {name: single_metrics(results) for name, results in got.items()}
     ours, theirs = sorted(urls, key=lambda name: name != ORIN)
     out[ours]["tpot_pair_ratio"] = sc.pair_ratio(got[theirs], got[ours])
+    return out
+
+
+BURST_METRICS = ("throughput", "ttft_p50_ms", "ttft_p95_ms", "tpot_p90_ms")
+
+
+def bursts_in_turns(
+    urls: dict[str, str], k: int, rounds: int, n: int, rep: int
+) -> dict[str, Metrics]:
+    """``rounds`` bursts of ``k`` concurrent streams to each of two servers that are up
+    at once, in turns (sc.in_turns; round j's prompts the same for both). Each server's
+    metrics are the median over its bursts of concurrent's (errors: their sum);
+    orin-llm's also get ``<metric>_pair_ratio``: the median over j of its j-th burst's
+    figure over the other's."""
+    got: dict[str, list[Metrics]] = {name: [] for name in urls}
+    for name in sc.in_turns(list(urls), rounds, rep):
+        got[name].append(concurrent(urls[name], k, n, burst=len(got[name])))
+    out: dict[str, Metrics] = {}
+    for name, bursts in got.items():
+        out[name] = {m: sc.median([b[m] for b in bursts]) for m in BURST_METRICS}
+        out[name]["errors"] = sum(b["errors"] or 0.0 for b in bursts)
+    ours, theirs = sorted(urls, key=lambda name: name != ORIN)
+    for m in BURST_METRICS[:3]:
+        pairs = [sc.ratio(a[m], b[m]) for a, b in zip(got[ours], got[theirs], strict=True)]
+        out[ours][f"{m}_pair_ratio"] = sc.median(pairs)
     return out
 
 
@@ -550,10 +589,11 @@ def run_free_core(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
 def run_paired(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
     """single_paired: orin-llm and llama-server up at once, their requests in turns
     (``alternating``); with ``--free-core`` again with both on all cores but one and
-    the client on that one (single_paired_free_core)."""
+    the client on that one (single_paired_free_core). streams_paired: bursts of 4 and
+    8 streams in turns (``bursts_in_turns``; streams_4_paired, streams_8_paired)."""
     out: dict[str, RepResult] = {ORIN: {}, LLAMA: {}}
     layouts: list[tuple[str, Settings, int | None]] = [("single_paired", s, None)]
-    if b.free_core:
+    if b.free_core and "single_paired" in b.picked:
         servers, client = split_cores(os.sched_getaffinity(0))
         layouts.append(("single_paired_free_core", pinned(s, servers), client))
     for scenario, settings_, core in layouts:
@@ -566,8 +606,14 @@ def run_paired(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
             urls = {ORIN: orin.url, LLAMA: llama.url}
             for url in urls.values():
                 concurrent(url, 2, 8)  # warm-up
-            for name, metrics in alternating(urls, PAIRED_REQUESTS, b.tokens, rep).items():
-                out[name][scenario] = metrics
+            if "single_paired" in b.picked:
+                for name, metrics in alternating(urls, PAIRED_REQUESTS, b.tokens, rep).items():
+                    out[name][scenario] = metrics
+            if "streams_paired" in b.picked and core is None:
+                for k in (4, 8):
+                    burst = bursts_in_turns(urls, k, PAIRED_BURSTS, b.tokens, rep)
+                    for name, metrics in burst.items():
+                        out[name][f"streams_{k}_paired"] = metrics
     return out
 
 
@@ -823,7 +869,7 @@ def main() -> None:
     groups: list[tuple[str, Group, bool]] = [
         ("base", run_base, bool(picked & {*BASE, "mixed"})),
         ("free_core", run_free_core, args.free_core and "single" in picked),
-        ("paired", run_paired, "single_paired" in picked),
+        ("paired", run_paired, bool(picked & PAIRED)),
         ("shared_prefix", run_shared_prefix, "shared_prefix" in picked),
         ("restart", run_restart, "restart" in picked),
     ]

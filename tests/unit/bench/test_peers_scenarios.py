@@ -357,6 +357,42 @@ def test_a_failed_request_leaves_its_pair_out(monkeypatch: pytest.MonkeyPatch) -
     assert out[peers.LLAMA]["errors"] == 1.0
 
 
+def test_paired_bursts_take_turns_with_new_prompts_and_compare_each_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[str, list[str]]] = []
+    ttft_s = {"http://orin": 0.030, "http://ls": 0.040}
+
+    def fake_streams(url: str, prompts: list[str], n: int) -> tuple[float, list[Timed]]:
+        calls.append((url, prompts))
+        drift = 0.001 * len(calls)  # each burst a little slower than the one before
+        first = ttft_s[url] + drift
+        results = [
+            Timed(0.0, [first + i * 0.001 + k * 0.01 for k in range(n)], usage_tokens=n)
+            for i in range(len(prompts))
+        ]
+        wall = first + len(prompts) * 0.001 + (n - 1) * 0.01
+        return wall, results
+
+    monkeypatch.setattr(peers, "streams", fake_streams)
+    urls = {peers.ORIN: "http://orin", peers.LLAMA: "http://ls"}
+    out = peers.bursts_in_turns(urls, 4, 3, 5, rep=1)
+    o, ls = "http://orin", "http://ls"
+    assert [u for u, _ in calls] == [o, ls, ls, o, o, ls]
+    # each round new prompts, the same for both servers
+    rounds = [p for u, p in calls if u == o]
+    assert rounds == [p for u, p in calls if u == ls]
+    assert len({tuple(p) for p in rounds}) == 3 and all(len(p) == 4 for p in rounds)
+    # TTFT p50 of a burst: its first token at ttft + drift, the streams 1 ms apart
+    pairs = sorted([(0.031 + 0.0015) / (0.042 + 0.0015), (0.034 + 0.0015) / (0.043 + 0.0015),
+                    (0.035 + 0.0015) / (0.046 + 0.0015)])  # fmt: skip
+    assert out[peers.ORIN]["ttft_p50_ms_pair_ratio"] == pytest.approx(pairs[1])
+    assert out[peers.ORIN]["ttft_p50_ms"] == pytest.approx((0.034 + 0.0015) * 1e3)
+    assert out[peers.ORIN]["throughput_pair_ratio"] > 1.0  # the faster first tokens
+    assert "throughput_pair_ratio" not in out[peers.LLAMA]
+    assert out[peers.LLAMA]["errors"] == 0.0
+
+
 def test_scenario_names_are_checked() -> None:
     assert peers.picked_scenarios("mixed, shared_prefix") == {"mixed", "shared_prefix"}
     assert peers.picked_scenarios(",".join(peers.SCENARIOS)) == set(peers.SCENARIOS)
