@@ -108,6 +108,7 @@ class Engine:
             cfg.tpot_target_ms, self.scheduler.prefill_chunk, self.scheduler.passes_for
         )
         self.scheduler.chunk_budget = self.chunks.budget
+        self.scheduler.prompts_first = cfg.tpot_target_ms is None
         self.scheduler.drafts = self._drafts
         self.speculation: Speculation | None = None
         self.prompt_cache: WarmCache | None = None

@@ -242,6 +242,9 @@ class Scheduler:
         self.chunk_budget: Callable[[int], int] = lambda rows: self.prefill_chunk
         self.drafts: Callable[[Slot, int], Sequence[int]] = lambda slot, room: ()
         self.stored: Callable[[list[int]], tuple[int, object] | None] = lambda prompt: None
+        # prompts that end in a step run before the decode rows that would cost them
+        # passes (``_prompts_first``); the engine turns it off with a TPOT target
+        self.prompts_first = True
         # prompt tokens a copy of another slot's cells must save (``_start``):
         # the engine sets it from a copy's measured cost (orin.engine.sharecost)
         self.share_min = SHARE_MIN
@@ -559,6 +562,9 @@ class Scheduler:
                 items, rest = split
                 self._after = (rest, budget)
                 passes = self._passes(items)
+            elif (prompts := self._prompts_first(items, passes)) is not None:
+                items = prompts
+                passes = self._passes(items)
         return Batch(
             tuple(self.take_ops()),
             tuple(items),
@@ -639,6 +645,27 @@ class Scheduler:
         if self._passes(first) + self._passes(rest) > passes:
             return None
         return first, rest
+
+    def _prompts_first(self, items: list[BatchItem], passes: int) -> list[BatchItem] | None:
+        """With one KV stream per slot, decode rows beside prompts that end in this step
+        cost llama.cpp extra passes: one token of every sequence, then the rest of
+        the prompts. The prompts alone take fewer passes, and the decode rows run
+        next, with the new streams' first decode rows, in the pass that step makes
+        anyway: where a pass costs a read of the weights the running streams get
+        their tokens when they would have, and the new prompts their first token a
+        step sooner (a burst whose first request started alone). Only for prompts
+        that end here (a chunk of a longer prompt would make the streams wait for
+        every chunk), decode rows without drafts, and without a TPOT target
+        (``prompts_first`` off: the chunk budget was set for a step that carries the
+        decode rows). None: the step stays whole."""
+        if not self.prompts_first:
+            return None
+        prompts = [i for i in items if i.prefill]
+        if not prompts or len(prompts) == len(items):
+            return None
+        if any(i.draft for i in items) or not all(i.sample for i in prompts):
+            return None
+        return prompts if self._passes(prompts) < passes else None
 
     @property
     def split_pending(self) -> bool:

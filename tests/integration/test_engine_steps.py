@@ -123,8 +123,11 @@ def test_no_target_keeps_the_whole_chunk(plain: Engine) -> None:
     steps = collect(plain)
     run_all(plain, prompts(plain, 3, seed=5))
     plain.remove_step_observer(steps.append)
-    # the whole chunk, less the batch room the decode rows take
-    assert {s.prefill_budget + s.decode_tokens for s in steps if s.prefill_tokens} == {128}
+    # the whole chunk, less the batch room the decode rows take (at most one per slot;
+    # a prompt that ends beside them may run first, the rows left for the next step)
+    fed = [s for s in steps if s.prefill_tokens]
+    assert fed and all(128 - 4 <= s.prefill_budget <= 128 for s in fed)
+    assert all(s.prefill_budget + s.decode_tokens == 128 for s in fed if s.decode_tokens)
 
 
 def test_finished_middle_slot_does_not_split_steps(plain: Engine) -> None:

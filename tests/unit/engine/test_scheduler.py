@@ -145,6 +145,7 @@ def test_a_stream_of_short_prompts_cannot_starve_a_long_one() -> None:
 
 def test_prefill_chunk_caps_the_prompt_tokens_of_a_step() -> None:
     s = Scheduler(3, 64, ContextPolicy(window=512), prefill_chunk=16)
+    s.prompts_first = False  # the last chunk would run before the decode rows
     r = FakeRunner()
     s.add(Req("a", [1, 2, 3]))
     step(s, r)  # slot 0 now decodes
@@ -290,6 +291,7 @@ def test_over_long_prompt_rejected_or_truncated() -> None:
 
 def test_discard_after_abort_removes_partial_cells() -> None:
     s, r = make(slots=2, window=512), FakeRunner()
+    s.prompts_first = False  # a step of a decode row and a prompt, in two passes
     s.add(Req("a", [1, 2, 3]))
     step(s, r)
     s.add(Req("b", list(range(10, 40))))

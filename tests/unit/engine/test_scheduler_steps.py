@@ -467,15 +467,60 @@ def test_returning_users_tokens_run_before_the_new_prompts_in_as_many_passes() -
     ]
 
 
-def test_no_split_for_decode_rows_beside_a_prompt_or_when_drafts_would_wait() -> None:
-    """Running streams beside a prompt chunk: nobody gets a first token from the
-    first pass, so the step stays whole; a prompt's last token beside a stream's
-    drafted tokens: the drafts would wait, so it stays whole too."""
+def test_a_prompt_that_ends_runs_before_the_decode_rows_that_would_split_it() -> None:
+    """Three streams decoding and a new 20-token prompt: one token of each sequence,
+    then 19 of the prompt, is two passes. The prompt alone is one, and the streams'
+    rows go with the new stream's first row in the next step's one pass."""
     s, _ = users_decoding(4, 6)
     s.add(Req("new", [7] * 20))
+    whole = micro_batches([(0, 1), (1, 1), (2, 1), (3, 20)], s.n_ubatch, unified=False)
+    assert whole == 2
     b = s.schedule()
-    assert b.n_decode == 3 and b.n_prefill == 20 and b.passes == 2
+    assert [(i.slot, len(i.tokens), i.sample) for i in b.items] == [(3, 20, True)]
+    assert b.passes == 1 and b.n_decode == 0 and not s.split_pending
     run(s, b)
+    after = s.schedule()
+    assert [(i.slot, len(i.tokens), i.prefill) for i in after.items] == [
+        (n, 1, False) for n in range(4)
+    ]
+    assert after.passes == 1
+
+
+def test_a_burst_whose_first_request_started_alone() -> None:
+    """The first of four requests started alone and decodes in slot 0; the other
+    three prompts (8 tokens each) run as a step of their own (one pass instead of
+    two), then all four decode together."""
+    s = sched(n_slots=4)
+    s.add(Req("first", [1] * 8))
+    run(s, s.schedule())
+    for k in range(3):
+        s.add(Req(f"late{k}", [k + 2] * 8))
+    b = s.schedule()
+    assert [(i.slot, len(i.tokens)) for i in b.items] == [(1, 8), (2, 8), (3, 8)]
+    assert b.passes == 1
+    run(s, b)
+    assert s.schedule().n_decode == 4
+
+
+def test_decode_rows_stay_beside_a_chunk_that_does_not_end_its_prompt() -> None:
+    """A prompt longer than the step's room: the streams would wait for every chunk,
+    so the step stays whole; with a TPOT target (prompts_first off) too, since the
+    chunk budget was set for a step that carries the decode rows."""
+    s, _ = users_decoding(4, 6)
+    s.add(Req("long", [7] * 100))  # more than the 61 tokens left beside 3 rows
+    b = s.schedule()
+    assert b.n_decode == 3 and 0 < b.n_prefill < 100 and b.passes == 2
+
+    slo, _ = users_decoding(4, 6)
+    slo.prompts_first = False
+    slo.add(Req("new", [7] * 20))
+    b = slo.schedule()
+    assert b.n_decode == 3 and b.n_prefill == 20 and b.passes == 2
+
+
+def test_no_split_when_drafts_would_wait() -> None:
+    """A prompt's last token beside a stream's drafted tokens: the drafts would
+    wait, so the step stays whole."""
 
     d, _ = users_decoding(4, 6)
     d.drafts = lambda slot, room: (5, 5) if slot.id == 0 else ()
