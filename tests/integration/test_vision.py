@@ -114,7 +114,11 @@ def test_same_image_and_seed_give_the_same_tokens_alone_and_among_streams(
             s.cancel()
     for s in texts:
         assert s.result().finish_reason in ("cancelled", "length")
-    assert busy.timings is not None and busy.timings.cached_tokens == 0
+    # no image row came from a cache (a text stream's first tokens may be copied: the
+    # copy threshold is measured at load, as low as 1 token on a loaded machine)
+    media = engine.tokenize_media(chat("Describe it."), [img])
+    first_row = next(i for i, t in enumerate(media.tokens) if t < 0)
+    assert busy.timings is not None and busy.timings.cached_tokens < first_row
     assert busy.token_ids == alone.token_ids
     # the image was encoded and fed in steps that also decoded the other streams
     assert any(s.encoded_images and s.decode_tokens >= 8 for s in steps)
