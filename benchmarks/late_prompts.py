@@ -5,14 +5,16 @@ One request decodes; then three more arrive at once (the rest of a burst whose f
 request started alone). With one KV stream per slot the step that feeds their prompts
 beside the running stream's decode row costs llama.cpp two passes; with
 ``Scheduler.prompts_first`` the prompts run as a step of their own (one pass) and the
-decode row goes into the next step with the new streams' first rows. Per round, the
+decode row goes into the next step with the new streams' first rows. With
+``--shared`` the late prompts share a prefix, so the later ones wait to copy the first
+one's cells and their prompts are fed in two steps. Per round, the
 late prompts' TTFT (median of the three, from the engine's own timings) and the running
 stream's longest gap between two tokens, for each setting; the rounds alternate which
 setting goes first. The engine runs alone (no server), greedy, on a generated demo
 model.
 
     .venv/bin/python -m benchmarks.late_prompts [--quant f16] [--size medium]
-        [--threads 2] [--rounds 10] [--late 3] [--tokens 48] [--json FILE]
+        [--threads 2] [--rounds 10] [--late 3] [--tokens 48] [--shared] [--json FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from orin.model import demo
 
 PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 SETTINGS = {"prompts_first": True, "whole_step": False}
+WORDS = ("Alpha", "Bravo", "Charlie", "Delta", "Echo", "Foxtrot", "Golf", "Hotel")
 
 
 @dataclass(frozen=True)
@@ -39,18 +42,21 @@ class Round:
     prompt_steps: tuple[tuple[int, int, int], ...]  # (prompt tokens, decode rows, passes)
 
 
-def one_round(engine: Engine, tag: str, late: int, tokens: int) -> Round:
+def one_round(engine: Engine, tag: str, late: int, tokens: int, shared: bool) -> Round:
     tok = engine.tokenize
     params = replace(PARAMS, max_tokens=tokens)
     steps: list[StepStats] = []
-    running = engine.submit(tok(f"Stream {tag} starts the burst on the edge board."), params)
+    running = engine.submit(tok(f"Round {tag}: a stream starts the burst on the board."), params)
     events = iter(running)
     next(events)
     next(events)  # its first decode step is done: it is decoding
-    prompts = [
-        tok(f"Late prompt {i} of round {tag} on the board, a little longer than one token.")
+    texts = [
+        f"Round {tag}, late prompt {i}: on the board, a little longer than one token."
+        if shared
+        else f"{WORDS[i % len(WORDS)]} {i} asks in round {tag}, a little longer than one token."
         for i in range(late)
     ]
+    prompts = [tok(text) for text in texts]
     engine.add_step_observer(steps.append)
     try:
         streams = [engine.submit(p, params) for p in prompts]
@@ -67,7 +73,12 @@ def one_round(engine: Engine, tag: str, late: int, tokens: int) -> Round:
 
 
 def measure(
-    model: Path, threads: int = 2, rounds: int = 10, late: int = 3, tokens: int = 48
+    model: Path,
+    threads: int = 2,
+    rounds: int = 10,
+    late: int = 3,
+    tokens: int = 48,
+    shared: bool = False,
 ) -> dict[str, list[Round]]:
     """Each setting's rounds, alternated (which goes first changes every round)."""
     cfg = bench_config(model, 8, "on")
@@ -79,7 +90,9 @@ def measure(
             order = list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]
             for name in order:
                 engine.scheduler.prompts_first = SETTINGS[name]
-                got[name].append(one_round(engine, f"{r}-{name}", late, tokens))
+                # prompts of the same length for both settings, new ones every round
+                tag = f"{r}-{list(SETTINGS).index(name)}"
+                got[name].append(one_round(engine, tag, late, tokens, shared))
     return got
 
 
@@ -91,10 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--late", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--shared", action="store_true",
+                    help="late prompts with a common prefix: the later ones wait to copy "
+                    "the first one's cells, so their prompts are fed in two steps")  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     model = demo.ensure(args.size, args.quant)
-    got = measure(model, args.threads, args.rounds, args.late, args.tokens)
+    got = measure(model, args.threads, args.rounds, args.late, args.tokens, args.shared)
     report = {}
     for name, rounds in got.items():
         ttft = statistics.median(r.late_ttft_ms for r in rounds)

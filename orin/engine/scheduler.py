@@ -245,6 +245,7 @@ class Scheduler:
         # prompts that end in a step run before the decode rows that would cost them
         # passes (``_prompts_first``); the engine turns it off with a TPOT target
         self.prompts_first = True
+        self._rows_waited = False  # the last step left decode rows for the next one
         # prompt tokens a copy of another slot's cells must save (``_start``):
         # the engine sets it from a copy's measured cost (orin.engine.sharecost)
         self.share_min = SHARE_MIN
@@ -516,6 +517,7 @@ class Scheduler:
             return steady
         after = self._run_after()
         if after is not None:
+            self._rows_waited = True  # the decode rows of those who just started wait
             return after
         self._admit()
         if not self.unified:
@@ -556,15 +558,17 @@ class Scheduler:
         if not self.unified:  # llama.cpp's split takes increasing ids in batch order
             items.sort(key=lambda i: i.slot)
         passes = self._passes(items)
+        waited, self._rows_waited = self._rows_waited, False
         if passes > 1 and not self.unified:
             split = self._first_pass_alone(items, passes)
             if split is not None:
                 items, rest = split
                 self._after = (rest, budget)
                 passes = self._passes(items)
-            elif (prompts := self._prompts_first(items, passes)) is not None:
+            elif not waited and (prompts := self._prompts_first(items, passes)) is not None:
                 items = prompts
                 passes = self._passes(items)
+                self._rows_waited = True
         return Batch(
             tuple(self.take_ops()),
             tuple(items),
@@ -616,6 +620,7 @@ class Scheduler:
         rows = len(decoding) + drafted
         budget = min(self.n_batch - rows, self.prefill_chunk, max(0, self.chunk_budget(rows)))
         passes = self._passes(items) if drafted else 1  # one token per slot, consecutive ids
+        self._rows_waited = False
         return Batch((), tuple(items), (), budget=budget, passes=passes)
 
     def _passes(self, items: Sequence[BatchItem]) -> int:
@@ -653,18 +658,25 @@ class Scheduler:
         next, with the new streams' first decode rows, in the pass that step makes
         anyway: where a pass costs a read of the weights the running streams get
         their tokens when they would have, and the new prompts their first token a
-        step sooner (a burst whose first request started alone). Only for prompts
-        that end here (a chunk of a longer prompt would make the streams wait for
-        every chunk), decode rows without drafts, and without a TPOT target
-        (``prompts_first`` off: the chunk budget was set for a step that carries the
-        decode rows). None: the step stays whole."""
-        if not self.prompts_first:
+        step sooner (a burst whose first request started alone).
+
+        Only when the next step decodes only: every prompt being fed ends here (a
+        chunk of a longer prompt would make the streams wait for every chunk), none
+        is queued or left to feed, and the decode rows did not wait in the step
+        before (prompts arriving one after another would hold the streams back step
+        after step). Not with drafts, and not with a TPOT target (``prompts_first``
+        off: the chunk budget was set for a step that carries the decode rows).
+        None: the step stays whole."""
+        if not self.prompts_first or self.queue:
             return None
         prompts = [i for i in items if i.prefill]
         if not prompts or len(prompts) == len(items):
             return None
         if any(i.draft for i in items) or not all(i.sample for i in prompts):
             return None
+        fed = {i.slot for i in prompts}
+        if any(s.state is SlotState.PREFILL and s.id not in fed for s in self.slots):
+            return None  # another prompt is still to feed: the next step is not decode only
         return prompts if self._passes(prompts) < passes else None
 
     @property

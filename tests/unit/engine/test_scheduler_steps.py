@@ -502,6 +502,22 @@ def test_a_burst_whose_first_request_started_alone() -> None:
     assert s.schedule().n_decode == 4
 
 
+def test_decode_rows_wait_one_step_at_most() -> None:
+    """Prompts that end in two steps one after the other (a second arrival, or one
+    that waited to copy the first one's prefix): the decode rows wait for the first,
+    not for the second too."""
+    s, _ = users_decoding(4, 6)
+    s.add(Req("new", [7] * 20))
+    first = s.schedule()
+    assert first.n_decode == 0 and first.n_prefill == 20
+    s.add(Req("next", [8] * 12))  # arrives meanwhile: slot 3 is the only idle one
+    run(s, first)
+    s.release(s.slots[2], keep_cache=False)  # a stream ends: its slot is free
+    second = s.schedule()
+    assert second.n_prefill == 12 and second.n_decode == 3  # the rows do not wait again
+    run(s, second)
+
+
 def test_decode_rows_stay_beside_a_chunk_that_does_not_end_its_prompt() -> None:
     """A prompt longer than the step's room: the streams would wait for every chunk,
     so the step stays whole; with a TPOT target (prompts_first off) too, since the
