@@ -104,6 +104,9 @@ class EngineConfig:
     # llama.cpp RPC workers (host:port) registered as devices before the model loads
     rpc: tuple[str, ...] = ()
     mmproj: Path | None = None  # the vision projector (orin.engine.vision); None: text only
+    # hand a step's events to the event loops just before the next decode instead of at
+    # the step's end (Engine.hold_events): only where the decode leaves the loop a core
+    events_before_decode: bool = False
 
     def with_(self, **changes: object) -> EngineConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -191,7 +194,25 @@ def engine_config(
         prompt_cache=prompt_cache_config(profile),
         rpc=tuple(e.rpc),
         mmproj=mmproj_path(profile),
+        events_before_decode=loop_has_a_core(offloaded, max(threads, e.threads_batch or 0)),
     )
+
+
+def loop_has_a_core(offloaded: bool, threads: int, cpus: int | None = None) -> bool:
+    """Whether the event loop keeps a core while llama.cpp decodes: the layers are on a
+    GPU, or llama.cpp's threads are fewer than the CPUs this process may run on.
+
+    Only then does the engine hand a step's events over just before the next decode
+    (docs/engine.md, on request streams): the loop's SSE work then runs beside the
+    decode. Where the decode threads take every core, the woken loop waits for the
+    kernel to give it one, and burst TTFT at 4 streams came out longer on the 2-core
+    development VM; handed over at the step's end, the engine thread waiting for the
+    GIL leaves its core to the loop (docs/performance.md, "Events handed over before
+    the next decode")."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+        cpus = cpus or os.cpu_count() or 1
+    return offloaded or threads < cpus
 
 
 def mmproj_path(profile: Profile) -> Path | None:

@@ -61,7 +61,7 @@ from orin.engine.runner import Aborted, Runner
 from orin.engine.scheduler import SHARE_MIN, Batch, KVOp, LoadFailed, Scheduler, Shift, Slot
 from orin.engine.specrun import Speculation, WarmCache
 from orin.engine.speculative import verify
-from orin.engine.stream import Completion, RequestStream, batched_delivery
+from orin.engine.stream import Completion, RequestStream, batched_delivery, deliver_held
 from orin.engine.timings import now_ns
 from orin.engine.types import FinishReason, SamplingParams, StepStats, TokenEvent
 from orin.engine.vision import MediaPrompt, RGBImage, Vision, is_image
@@ -134,6 +134,13 @@ class Engine:
         self._arriving = 0  # requests the server is preparing (Arrival tickets open)
         self._idle_since_step = False  # the loop found no work since the last step
         self.gather_s = GATHER_S
+        # hand a step's events to the event loops just before the next decode (or
+        # anything else long, or going idle) rather than at the step's end: the loop
+        # turns them into SSE writes while the decode runs without the GIL, instead of
+        # holding the GIL the engine needs to build the next batch (stream.deliver_held).
+        # Where the decode leaves the loop a core (config.loop_has_a_core); set it
+        # before start to compare
+        self.hold_events = cfg.events_before_decode
         self._server_loop: asyncio.AbstractEventLoop | None = None  # the last submitter's
 
     # -- lifecycle ------------------------------------------------------------
@@ -665,8 +672,12 @@ class Engine:
             if self._state == "loading":
                 self._state = "ready"
         self._ready.set()
+        held = batched_delivery() if self.hold_events else contextlib.nullcontext()
+        if self.hold_events:  # a step's events go just before the next decode
+            self.runner.before_wait = deliver_held
         try:
-            self._loop()
+            with held:
+                self._loop()
         finally:
             self._shutdown()
 
@@ -687,6 +698,7 @@ class Engine:
                 while not self._has_work() and self._state in ("ready", "draining"):
                     self.heartbeat_ns = now_ns()
                     self._idle_since_step = True
+                    deliver_held()
                     self._lock.wait(0.5)
                 if self._state == "stopped" and not self._cancels:
                     return
@@ -697,6 +709,8 @@ class Engine:
                 # a draft model drafts here; not for a step of split-off prompt chunks,
                 # which no decoding slot joins
                 if self.speculation is not None and not self.scheduler.split_pending:
+                    if self.speculation.model is not None:
+                        deliver_held()  # the draft model decodes first
                     self.speculation.prepare(self.scheduler)
                 embed = self._embed_pass()  # an embedding pass is a step of its own
                 batch = self.scheduler.schedule() if embed is None else _NO_BATCH
@@ -708,6 +722,7 @@ class Engine:
                 self._stepping = bool(batch) or embed is not None
             self.heartbeat_ns = now_ns()
             if embed is not None:
+                deliver_held()
                 self._run_embed_pass(*embed)
                 continue
             if batch:
@@ -719,6 +734,8 @@ class Engine:
                 finally:
                     self.step_started_ns = None
                     self._stepping = False
+            else:
+                deliver_held()  # no decode follows at once: the events go now
 
     def _gather(self) -> None:
         """Before an idle engine's first step (the lock held, released while waiting):
@@ -932,6 +949,7 @@ class Engine:
             if not item.prefill or not item.tokens or not is_image(item.tokens[0]):
                 continue
             assert self.vision is not None and request.media is not None
+            deliver_held()  # nothing waits for an image's encoding
             t0 = now_ns()
             try:
                 span, row = request.media.locate(item.tokens)
@@ -968,6 +986,7 @@ class Engine:
         try:
             for request in list(self._requests.values()):
                 self._finish(request, "error", message)
+            deliver_held()  # on the engine thread, its events held so far: now
             self._lock.notify_all()
         finally:
             self._lock.release()

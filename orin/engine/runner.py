@@ -27,6 +27,10 @@ from orin.engine.scheduler import Batch, Copy, KVOp, Load, LoadFailed, Remove
 DECODE_ABORTED = 2  # llama_decode's return value when the abort callback fired
 
 
+def _nothing() -> None:
+    pass
+
+
 class Aborted(Exception):
     """llama_decode stopped early because the abort callback asked it to."""
 
@@ -37,6 +41,9 @@ class Runner:
         # restores a saved prompt into an empty sequence (the persistent prompt cache,
         # set by the engine): (seq, entry) -> whether it worked
         self.load: Callable[[int, object], bool] = lambda seq, entry: False
+        # called just before a call that runs long without the GIL (each llama_decode,
+        # a saved prompt's restore): the engine hands its held events over there
+        self.before_wait: Callable[[], None] = _nothing
         self.lib = backend.lib
         self.n_batch = n_batch
         self.batch = self.lib.llama_batch_init(n_batch, 0, 1)
@@ -74,6 +81,7 @@ class Runner:
             elif isinstance(op, Copy):
                 lib.llama_memory_seq_cp(mem, op.src, op.dst, -1 if op.p1 < 0 else 0, op.p1)
             elif isinstance(op, Load):
+                self.before_wait()
                 if not self.load(op.seq, op.entry):
                     lib.llama_memory_seq_rm(mem, op.seq, 0, -1)
                     failed.append(op.seq)
@@ -140,6 +148,7 @@ class Runner:
 
     def _run(self, b: Any, n: int) -> None:
         ctx = self.backend.ctx
+        self.before_wait()
         ret = self.lib.llama_decode(ctx, b)
         self.lib.llama_synchronize(ctx)  # the GPU has finished: the step may end now
         if ret == DECODE_ABORTED:

@@ -427,6 +427,46 @@ def test_step_stats_and_async_stream(engine: Engine) -> None:
     assert all(s.end_ns >= s.start_ns for s in stats)
 
 
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_steps_events_reach_the_loop_just_before_the_next_decode(small: Path, hold: bool) -> None:
+    """The engine thread holds a step's events and hands them to the event loop just
+    before its next llama_decode (the loop's SSE work then runs beside the decode,
+    not against the engine for the GIL); the last ones go when it is idle. Without
+    ``hold_events`` they go at the end of each step."""
+    import asyncio
+
+    from orin.engine import stream as stream_module
+
+    def held() -> int:
+        pending = stream_module._outbox.pending  # this (the engine's) thread's
+        return sum(len(items) for items in (pending or {}).values())
+
+    seen: list[tuple[int, int]] = []  # at each decode: events held, then left after
+
+    class Recording(Runner):
+        def _run(self, b: Any, n: int) -> None:
+            before = held()
+            self.before_wait()
+            seen.append((before, held()))
+            super()._run(b, n)
+
+    engine = Engine(config(small, "{n_ctx: 256, slots: 2, share_min: 4}"), Recording)
+    engine.hold_events = hold
+    with engine:
+
+        async def run() -> list[str]:
+            stream = await engine.submit_async("hand over", SamplingParams(max_tokens=6, **GREEDY))
+            return [e.text async for e in stream]
+
+        texts = asyncio.run(asyncio.wait_for(run(), 120))
+    assert len(texts) == 6 + 1  # six tokens, then the final event, which went when idle
+    assert len(seen) == 6  # the prompt's decode, then one for each token but the last
+    if hold:
+        assert seen == [(0, 0)] + [(1, 0)] * 5  # the step before's token, handed over here
+    else:
+        assert seen == [(0, 0)] * 6
+
+
 def test_clean_shutdown_leaves_no_thread(small: Path) -> None:
     cfg = config(small, "{n_ctx: 256, slots: 2, n_batch: 64, n_ubatch: 64}")
     e = Engine(cfg).start()

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from orin.engine.config import GPU_PREFILL_CHUNK, engine_config
+from orin.engine.config import GPU_PREFILL_CHUNK, engine_config, loop_has_a_core
 from orin.errors import KVConfigError
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, read_model_info
@@ -69,6 +70,31 @@ def test_prefill_chunk_is_smaller_when_layers_are_offloaded(tmp_path: Path) -> N
     assert chunk("{n_batch: 1024, prefill_chunk: 64}", cuda) == 64
     assert chunk("{n_batch: 1024, prefill_chunk: 64}", cpu) == 64
     assert chunk("{n_batch: 256, n_ubatch: 256, prefill_chunk: 512}", cpu) == 256
+
+
+def test_events_go_before_the_decode_only_where_it_leaves_the_loop_a_core(
+    tmp_path: Path,
+) -> None:
+    """A GPU decodes, or llama.cpp's threads are fewer than the CPUs: the loop keeps a
+    core while the decode runs. Every core taken by the decode: the end of the step."""
+    assert loop_has_a_core(offloaded=True, threads=8, cpus=8)
+    assert loop_has_a_core(offloaded=False, threads=4, cpus=8)
+    assert not loop_has_a_core(offloaded=False, threads=8, cpus=8)
+    assert not loop_has_a_core(offloaded=False, threads=2, cpus=1)  # pinned to one core
+    path, info = model(tmp_path)
+    cuda = BuildInfo(version="x", gpu_offload=True, system_info="CUDA : ARCHS = 870 |")
+    cpu = BuildInfo(version="x", gpu_offload=False, system_info="CPU : NEON = 1 |")
+    n = len(os.sched_getaffinity(0))  # the CPUs this process may run on
+
+    def held(yaml_engine: str, build: BuildInfo | None) -> bool:
+        profile = parse_profile(f"name: p\nengine: {yaml_engine}\n")
+        return engine_config(profile, path, info, build).events_before_decode
+
+    assert held("{threads: 256}", cuda)  # offloaded: the threads do not matter
+    assert held("{threads: 256, gpu_layers: 0}", cuda) == (n > 256)  # nothing offloaded
+    assert held("{threads: 256}", cpu) == (n > 256)
+    assert held("{threads: 1, threads_batch: 256}", cpu) == (n > 256)  # prompt steps: all
+    assert held("{threads: 1}", cpu) == (n > 1)
 
 
 def test_the_kv_layout_decides_prefix_reuse_and_serving(tmp_path: Path) -> None:

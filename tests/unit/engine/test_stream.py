@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from orin.engine.stream import RequestStream, batched_delivery
+from orin.engine.stream import RequestStream, batched_delivery, deliver_held
 from orin.engine.types import TokenEvent
 
 
@@ -87,6 +87,44 @@ def test_nested_blocks_deliver_at_the_outer_end() -> None:
         return [e.token_id async for e in stream]
 
     assert asyncio.run(main()) == [0, 1]
+
+
+def test_held_events_go_when_asked_in_order_and_the_rest_at_the_end() -> None:
+    async def main() -> tuple[list[int], list[int | None]]:
+        loop = CountingLoop(asyncio.get_running_loop())
+        stream = RequestStream("r", lambda _: None, loop)  # type: ignore[arg-type]
+        wakeups: list[int] = []
+
+        def engine() -> None:  # the engine thread: one block around its whole loop
+            with batched_delivery():
+                for step in range(3):
+                    with batched_delivery():  # a step's bookkeeping
+                        stream.put(event("r", step))
+                    wakeups.append(loop.wakeups)  # nothing yet: held for the decode
+                    deliver_held()  # just before the next decode
+                    deliver_held()  # nothing held: no wake-up
+                stream.put(event("r", 3, final=True))  # the final one, at the block's end
+                wakeups.append(loop.wakeups)
+
+        run_engine_thread(engine)
+        wakeups.append(loop.wakeups)
+        return wakeups, [e.token_id async for e in stream]
+
+    wakeups, ids = asyncio.run(main())
+    assert wakeups == [0, 1, 2, 3, 4]
+    assert ids == [0, 1, 2, 3]
+
+
+def test_delivering_outside_a_block_does_nothing() -> None:
+    async def main() -> int:
+        loop = CountingLoop(asyncio.get_running_loop())
+        stream = RequestStream("r", lambda _: None, loop)  # type: ignore[arg-type]
+        run_engine_thread(deliver_held)
+        run_engine_thread(lambda: stream.put(event("r", 0, final=True)))
+        assert [e.token_id async for e in stream] == [0]
+        return loop.wakeups
+
+    assert asyncio.run(main()) == 1
 
 
 def test_batches_hand_over_everything_that_is_ready() -> None:
