@@ -1,6 +1,6 @@
 """The engine's gap between two steps under the HTTP server, with a step's events handed
-to the event loop just before the next decode (``Engine.hold_events``, the default) and
-at the end of the step.
+to the event loop just before the next decode (``Engine.hold_events``, the default where
+the decode leaves the loop a core) and at the end of the step.
 
 Two ``orin-llm serve`` servers on one generated demo model, one with each setting, up
 at once; bursts of ``--streams`` streaming completions go to each in turns, with new
@@ -130,9 +130,9 @@ def measure(
             got[name].append(res)
     out = {}
     for name, bursts in got.items():
-        steps = [tuple(map(int, line.split())) for line in logs[name].read_text().splitlines()]
+        lines = (line.split() for line in logs[name].read_text().splitlines())
         out[name] = Arm(
-            gaps_in([(x[0], x[1]) for x in steps], bursts),
+            gaps_in([(int(start), int(end)) for start, end in lines], bursts),
             [t for burst in bursts for r in burst if (t := r.tpot_ms) is not None],
             [statistics.median(r.ttft_ms or 0.0 for r in burst) for burst in bursts],
         )
@@ -166,10 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "threads": args.threads,
         "cores": len(os.sched_getaffinity(0)),
-        **{name: arm.summary() for name, arm in arms.items()},
     }
     for name, arm in arms.items():
-        f = arm.summary()
+        f = result[name] = arm.summary()
         print(
             f"{name}: gap median {f['gap_median_us']:.0f} us, p90 {f['gap_p90_us']:.0f}, "
             f"max {f['gap_max_us']:.0f} over {f['gaps']:.0f}; TPOT {f['tpot_median_ms']:.2f} ms; "

@@ -31,7 +31,7 @@ from orin.profile.fit import projector_path
 from orin.profile.kvmatch import resolve_kv
 from orin.profile.schema import Profile
 from orin.system.loadmode import mmap_policy
-from orin.system.platform import is_jetson
+from orin.system.platform import is_jetson, usable_cpus
 from orin.system.root import SysRoot
 
 # Prompt tokens per step when layers run on a GPU, where llama.cpp's abort callback
@@ -209,10 +209,7 @@ def loop_has_a_core(offloaded: bool, threads: int, cpus: int | None = None) -> b
     development VM; handed over at the step's end, the engine thread waiting for the
     GIL leaves its core to the loop (docs/performance.md, "Events handed over before
     the next decode")."""
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
-        cpus = cpus or os.cpu_count() or 1
-    return offloaded or threads < cpus
+    return offloaded or threads < (usable_cpus() if cpus is None else cpus)
 
 
 def mmproj_path(profile: Profile) -> Path | None:

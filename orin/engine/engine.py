@@ -672,9 +672,10 @@ class Engine:
             if self._state == "loading":
                 self._state = "ready"
         self._ready.set()
-        held = batched_delivery() if self.hold_events else contextlib.nullcontext()
+        held: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if self.hold_events:  # a step's events go just before the next decode
             self.runner.before_wait = deliver_held
+            held = batched_delivery()
         try:
             with held:
                 self._loop()

@@ -36,7 +36,7 @@ from orin.system.jetson import (
     parse_module,
 )
 from orin.system.memory import read_meminfo
-from orin.system.platform import is_jetson
+from orin.system.platform import is_jetson, usable_cpus
 from orin.system.root import SysRoot
 
 GB = 1e9  # data sheets count bandwidth in decimal gigabytes per second
@@ -167,7 +167,7 @@ def copy_bandwidth(nbytes: int, reps: int = PROBE_REPS, threads: int | None = No
 
     if nbytes < 1 or reps < 1:
         raise ValueError("the probe needs a buffer and at least one repetition")
-    n = max(1, min(threads or _cores(), PROBE_MAX_THREADS, nbytes))
+    n = max(1, min(threads or usable_cpus(), PROBE_MAX_THREADS, nbytes))
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     bounds = [nbytes * i // n for i in range(n + 1)]
@@ -184,13 +184,6 @@ def copy_bandwidth(nbytes: int, reps: int = PROBE_REPS, threads: int | None = No
         for _ in range(reps):
             best = min(best, once())
     return 2 * nbytes / max(best, 1e-9)
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def last_level_cache_bytes(root: SysRoot) -> int | None:

@@ -13,6 +13,7 @@ callers (tune, doctor) say what that means.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -163,6 +164,15 @@ class Platform:
             },
         )
         return d
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask), or all of them where the
+    mask cannot be read."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def is_jetson(root: SysRoot) -> bool:

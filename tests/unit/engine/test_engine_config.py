@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ from orin.errors import KVConfigError
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.profile.loader import parse_profile
+from orin.system.platform import usable_cpus
 from tests.fakes.board import FakeBoard
 from tests.ggufutil import LLAMA2_7B, write_gguf
 
@@ -84,7 +84,7 @@ def test_events_go_before_the_decode_only_where_it_leaves_the_loop_a_core(
     path, info = model(tmp_path)
     cuda = BuildInfo(version="x", gpu_offload=True, system_info="CUDA : ARCHS = 870 |")
     cpu = BuildInfo(version="x", gpu_offload=False, system_info="CPU : NEON = 1 |")
-    n = len(os.sched_getaffinity(0))  # the CPUs this process may run on
+    n = usable_cpus()  # the CPUs this process may run on
 
     def held(yaml_engine: str, build: BuildInfo | None) -> bool:
         profile = parse_profile(f"name: p\nengine: {yaml_engine}\n")
