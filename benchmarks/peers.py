@@ -2,7 +2,7 @@
 
     make install-bench
     .venv/bin/python -m benchmarks.peers [--quant f16,q4_k_m] [--reps 3] [--scenarios LIST]
-        [--free-core] [--copy-quant TYPE] [--json FILE]
+        [--free-core] [--http-core] [--copy-quant TYPE] [--json FILE]
 
 1. Builds llama.cpp's own `llama-server` from the llama.cpp sources vendored in
    the llama-cpp-python source distribution the project pins (so all three
@@ -63,6 +63,12 @@
      median throughput, TTFT p50/p95 and TPOT p90 over its bursts, and orin-llm's
      throughput_pair_ratio, ttft_p50_ms_pair_ratio and ttft_p95_ms_pair_ratio: the
      medians of the per-burst ratios, as tpot_pair_ratio is for single requests.
+   - With `--http-core`, both paired scenarios again (single_paired_http_core,
+     streams_4_paired_http_core, streams_8_paired_http_core) with both servers on
+     all cores and one llama.cpp thread fewer (one on a 2-core machine): the decode
+     leaves a core to the HTTP layers and the client, as a board's GPU decode leaves
+     its CPU. orin-llm then hands a step's events over just before the next decode
+     (`config.loop_has_a_core`).
 3. Prints (stdout; one line per rep and server on stderr, all reps with `--json`)
    per scenario and metric each server's median (min-max) over the reps and
    orin-llm / peer: the ratio of the medians (min-max of the per-rep ratios). For
@@ -113,7 +119,10 @@ SCENARIOS = (
 PAIRED_REQUESTS = 10  # single_paired: requests to each server per rep
 PAIRED_BURSTS = 4  # streams_paired: bursts of each size to each server per rep
 PAIRED = frozenset({"single_paired", "streams_paired"})
-SINGLE_STREAM = ("single", "single_free_core", "single_paired", "single_paired_free_core")
+SINGLE_STREAM = (
+    "single", "single_free_core", "single_paired", "single_paired_free_core",
+    "single_paired_http_core",
+)  # fmt: skip
 COPY = frozenset({"copy_task", "no_match"})
 SINGLE_PROMPT_TOKENS = 14  # "Single stream {i} on the edge board." with BOS, demo tokenizer
 RESTART_TOKENS = 8
@@ -246,6 +255,16 @@ def pinned(s: Settings, cores: Sequence[int]) -> Settings:
     """The settings on ``cores`` only, with one llama.cpp thread per core (at most the
     usual one per physical core)."""
     return replace(s, cores=tuple(cores), threads=min(s.threads, len(cores)))
+
+
+def http_core(s: Settings, available: Iterable[int] | None = None) -> Settings:
+    """The settings with one llama.cpp thread fewer than the cores there are (at least
+    one), unpinned: the decode leaves a core to the HTTP layer and the client, as a
+    board's GPU leaves its CPU (``--http-core``)."""
+    cores = len(set(os.sched_getaffinity(0) if available is None else available))
+    if cores < 2:
+        raise ValueError("--http-core needs at least two cores")
+    return replace(s, cores=(), threads=min(s.threads, cores - 1))
 
 
 def split_cores(available: Iterable[int]) -> tuple[list[int], int]:
@@ -527,6 +546,7 @@ class Bench:
     work: Path
     tpot_target: float | None = None  # orin-llm's slo.tpot_p90_ms in the base group
     free_core: bool = False  # --free-core: single_paired also with a core left free
+    http_core: bool = False  # --http-core: single_paired also with a core left to HTTP
 
     def peer(
         self,
@@ -588,15 +608,22 @@ def run_free_core(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
 
 def run_paired(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
     """single_paired: orin-llm and llama-server up at once, their requests in turns
-    (``alternating``); with ``--free-core`` again with both on all cores but one and
-    the client on that one (single_paired_free_core). streams_paired: bursts of 4 and
-    8 streams in turns (``bursts_in_turns``; streams_4_paired, streams_8_paired)."""
+    (``alternating``). streams_paired: bursts of 4 and 8 streams in turns
+    (``bursts_in_turns``; streams_4_paired, streams_8_paired). With ``--free-core``,
+    single_paired again with both on all cores but one and the client on that one
+    (single_paired_free_core); with ``--http-core``, both scenarios again with both
+    servers on all cores and one llama.cpp thread fewer, so that the decode leaves a
+    core to the HTTP layers and the client (single_paired_http_core,
+    streams_4_paired_http_core, streams_8_paired_http_core)."""
     out: dict[str, RepResult] = {ORIN: {}, LLAMA: {}}
-    layouts: list[tuple[str, Settings, int | None]] = [("single_paired", s, None)]
+    # (name suffix, settings, the client's core, whether bursts run in this layout)
+    layouts: list[tuple[str, Settings, int | None, bool]] = [("", s, None, True)]
     if b.free_core and "single_paired" in b.picked:
         servers, client = split_cores(os.sched_getaffinity(0))
-        layouts.append(("single_paired_free_core", pinned(s, servers), client))
-    for scenario, settings_, core in layouts:
+        layouts.append(("_free_core", pinned(s, servers), client, False))
+    if b.http_core:
+        layouts.append(("_http_core", http_core(s), None, True))
+    for suffix, settings_, core, bursts in layouts:
         with contextlib.ExitStack() as up:
             # made one after the other: each takes a free port once the one before holds its own
             profile = b.profile(settings_, "paired")
@@ -608,12 +635,12 @@ def run_paired(b: Bench, s: Settings, rep: int) -> dict[str, RepResult]:
                 concurrent(url, 2, 8)  # warm-up
             if "single_paired" in b.picked:
                 for name, metrics in alternating(urls, PAIRED_REQUESTS, b.tokens, rep).items():
-                    out[name][scenario] = metrics
-            if "streams_paired" in b.picked and core is None:
+                    out[name][f"single_paired{suffix}"] = metrics
+            if "streams_paired" in b.picked and bursts:
                 for k in (4, 8):
                     burst = bursts_in_turns(urls, k, PAIRED_BURSTS, b.tokens, rep)
                     for name, metrics in burst.items():
-                        out[name][f"streams_{k}_paired"] = metrics
+                        out[name][f"streams_{k}_paired{suffix}"] = metrics
     return out
 
 
@@ -838,6 +865,9 @@ def main() -> None:
     ap.add_argument("--free-core", action="store_true",
                     help="also single with the servers on all cores but one, "
                     "the client on the one left")  # fmt: skip
+    ap.add_argument("--http-core", action="store_true",
+                    help="also single_paired and streams_paired with one llama.cpp "
+                    "thread fewer than the cores: a core left to HTTP and the client")  # fmt: skip
     ap.add_argument("--orin-tpot-target", type=float, default=None, metavar="MS",
                     help="orin-llm's slo.tpot_p90_ms in the base group (mixed): SLO-aware "
                     "prompt chunks; llama-server has no counterpart")  # fmt: skip
@@ -849,8 +879,13 @@ def main() -> None:
     args = ap.parse_args()
     try:
         picked = picked_scenarios(args.scenarios)
-        if args.free_core and picked & {"single", "single_paired"}:
-            split_cores(os.sched_getaffinity(0))
+        spare = {
+            "--free-core": args.free_core and bool(picked & {"single", "single_paired"}),
+            "--http-core": args.http_core and bool(picked & PAIRED),
+        }
+        for flag, wanted in spare.items():
+            if wanted and len(os.sched_getaffinity(0)) < 2:
+                raise ValueError(f"{flag} needs at least two cores")
         if picked & set(BASE):
             importlib.import_module("llama_cpp.server.app")
     except ValueError as exc:
@@ -860,7 +895,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="orin-peers-"))
     print(f"server logs and saved state: {work}", file=sys.stderr)
     b = Bench(
-        build_llama_server(), args.tokens, picked, work, args.orin_tpot_target, args.free_core
+        build_llama_server(),
+        args.tokens,
+        picked,
+        work,
+        args.orin_tpot_target,
+        args.free_core,
+        args.http_core,
     )
     bps, bw_note = memory_bandwidth()
     notes = [bw_note]

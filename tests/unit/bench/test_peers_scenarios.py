@@ -4,7 +4,10 @@ scenario starts with, and the ratio summaries."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -311,6 +314,21 @@ def test_free_core_pins_servers_to_all_cores_but_one() -> None:
     assert peers.taskset(["x"], ()) == ["x"]
 
 
+def test_http_core_leaves_one_core_to_the_http_layer_unpinned() -> None:
+    wide = replace(SETTINGS, threads=4)
+    h = peers.http_core(wide, {0, 1, 2, 3})
+    assert (h.threads, h.cores) == (3, ())
+    assert peers.http_core(SETTINGS, {0, 1}).threads == 1  # 2 threads on 2 cores: one
+    assert peers.http_core(SETTINGS, range(8)).threads == 2  # never more than before
+    with pytest.raises(ValueError, match="two cores"):
+        peers.http_core(SETTINGS, {0})
+    argv = peers.llama_server_argv(Path("/bin/llama-server"), peers.http_core(SETTINGS, {0, 1}), 1)
+    assert argv[0] != "taskset"
+    assert _flag(argv, "-t") == "1"
+    assert peers.orin_argv(h, 1)[0] != "taskset"
+    assert "single_paired_http_core" in peers.SINGLE_STREAM  # bw_util beside its TPOT
+
+
 def test_who_goes_first_rotates_by_rep() -> None:
     names = ["a", "b", "c"]
     assert [peers.rotate(names, r)[0] for r in range(4)] == ["a", "b", "c", "a"]
@@ -462,3 +480,49 @@ def test_copy_model_converts_the_packaged_file_once(
     stamp = out.stat().st_mtime_ns
     assert peers.copy_model("f16") == out
     assert out.stat().st_mtime_ns == stamp  # reused, not converted again
+
+
+def test_paired_layouts_name_their_scenarios(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--free-core adds single_paired on pinned servers; --http-core adds both paired
+    scenarios with one llama.cpp thread fewer; bursts never run with the client pinned."""
+    started: list[tuple[str, int, tuple[int, ...]]] = []
+
+    @contextlib.contextmanager
+    def fake_running(peer: peers.Peer) -> Iterator[peers.Peer]:
+        yield peer
+
+    def fake_peer(b: peers.Bench, name: str, s: peers.Settings, *_: object) -> peers.Peer:
+        started.append((name, s.threads, s.cores))
+        return peers.Peer(name, [], len(started), tmp_path / "log")
+
+    monkeypatch.setattr(peers, "running", fake_running)
+    monkeypatch.setattr(peers.Bench, "peer", fake_peer)
+    monkeypatch.setattr(peers.os, "sched_getaffinity", lambda _: {0, 1})
+    monkeypatch.setattr(peers, "concurrent", lambda *a, **k: {})
+    monkeypatch.setattr(peers, "alternating", lambda urls, *a: {n: {"single": 1.0} for n in urls})
+    monkeypatch.setattr(
+        peers, "bursts_in_turns", lambda urls, k, *a: {n: {"burst": float(k)} for n in urls}
+    )
+    b = peers.Bench(Path("/bin/llama-server"), 8, frozenset(peers.PAIRED), tmp_path,
+                    free_core=True, http_core=True)  # fmt: skip
+    out = peers.run_paired(b, SETTINGS, 0)
+    assert sorted(out[peers.ORIN]) == [
+        "single_paired", "single_paired_free_core", "single_paired_http_core",
+        "streams_4_paired", "streams_4_paired_http_core", "streams_8_paired",
+        "streams_8_paired_http_core",
+    ]  # fmt: skip
+    assert out[peers.LLAMA].keys() == out[peers.ORIN].keys()
+    assert out[peers.ORIN]["streams_8_paired_http_core"] == {"burst": 8.0}
+    # each layout starts both servers with the same settings: as given, pinned, one thread
+    assert started == [
+        (peers.ORIN, 2, ()), (peers.LLAMA, 2, ()),
+        (peers.ORIN, 1, (0,)), (peers.LLAMA, 1, (0,)),
+        (peers.ORIN, 1, ()), (peers.LLAMA, 1, ()),
+    ]  # fmt: skip
+    only_bursts = replace(b, picked=frozenset({"streams_paired"}), free_core=True)
+    assert sorted(peers.run_paired(only_bursts, SETTINGS, 0)[peers.ORIN]) == [
+        "streams_4_paired", "streams_4_paired_http_core", "streams_8_paired",
+        "streams_8_paired_http_core",
+    ]  # fmt: skip
