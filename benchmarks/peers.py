@@ -546,7 +546,7 @@ class Bench:
     work: Path
     tpot_target: float | None = None  # orin-llm's slo.tpot_p90_ms in the base group
     free_core: bool = False  # --free-core: single_paired also with a core left free
-    http_core: bool = False  # --http-core: single_paired also with a core left to HTTP
+    http_core: bool = False  # --http-core: both paired scenarios also with a core left to HTTP
 
     def peer(
         self,
