@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -306,9 +306,11 @@ class Scheduler:
 
     def _whole_prompt_cached(self, request: SchedRequest) -> bool:
         """Whether an idle slot holds all of the request's prompt but its last token."""
-        need = len(request.prompt_tokens) - 1
+        prompt = request.prompt_tokens
+        need = len(prompt) - 1
         return need > 0 and any(
-            not s.busy and _reusable_prefix(s, request.prompt_tokens) >= need for s in self.slots
+            not s.busy and _holds_more(s, prompt, need - 1) and _reusable_prefix(s, prompt) >= need
+            for s in self.slots
         )
 
     def _pick_slot(self, idle: list[Slot], prompt: list[int]) -> Slot:
@@ -354,11 +356,18 @@ class Scheduler:
         mine = min(slot.reusable, len(slot.cache))
         if mine <= kept:
             return 0
-        shared = max(
-            (_reusable_prefix(o, slot.cache) for o in self.slots if o is not slot and o.reusable),
-            default=0,
+        shared = _longest_prefix((o for o in self.slots if o is not slot), slot.cache, kept)
+        return mine - min(shared, mine)
+
+    def _loses_nothing(self, slot: Slot) -> bool:
+        """``_lost(slot) == 0``, told without finding how much the others hold: whether
+        the slot has no reusable cells or another slot holds all of them."""
+        mine = min(slot.reusable, len(slot.cache))
+        return mine == 0 or any(
+            _holds_more(o, slot.cache, mine - 1) and _reusable_prefix(o, slot.cache) >= mine
+            for o in self.slots
+            if o is not slot
         )
-        return mine - min(max(kept, shared), mine)
 
     def _worth_sharing(self, gain: int, prompt: Sequence[int], bar: int = SHARE_MIN) -> bool:
         """Whether taking ``gain`` more prompt tokens from elsewhere pays: at least
@@ -374,7 +383,7 @@ class Scheduler:
         if not self.prefix_reuse:
             return False
         limit = len(prompt) - 1
-        now = max((_reusable_prefix(s, prompt) for s in self.slots), default=0)
+        now = _longest_prefix(self.slots, prompt)
         for s in self.slots:
             if s.state is SlotState.PREFILL and s.shifts == 0:
                 soon = min(common_prefix(s.cache + s.pending, prompt), limit)
@@ -398,7 +407,7 @@ class Scheduler:
             self._evacuate(slot, reuse)
         donor, shared = None, reuse
         for other in self.slots if self.prefix_reuse else ():
-            if other is not slot:
+            if other is not slot and _holds_more(other, prompt, shared):
                 n = min(_reusable_prefix(other, prompt), limit)
                 if n > shared and self._usable(other, n) == n:
                     donor, shared = other, n
@@ -458,7 +467,7 @@ class Scheduler:
         if self.unified or not self.prefix_reuse or self._lost(slot, kept) < SHARE_MIN:
             return
         busy = {s.id for s in self.slots if s.busy} | {slot.id}
-        free = [d for d in self.slots if d is not slot and not d.busy and self._lost(d) == 0]
+        free = [d for d in self.slots if d is not slot and not d.busy and self._loses_nothing(d)]
         if not free:
             return
         dst = min(free, key=lambda d: (_runs(busy | {d.id}), d.id))
@@ -917,6 +926,27 @@ def _one_kind(pending: Sequence[int], limit: int) -> list[int]:
 def _reusable_prefix(slot: Slot, tokens: Sequence[int]) -> int:
     """How many leading ``tokens`` the slot's reusable cells hold."""
     return min(common_prefix(slot.cache, tokens), slot.reusable)
+
+
+def _holds_more(slot: Slot, tokens: Sequence[int], n: int) -> bool:
+    """Whether the slot's reusable cells may hold more than ``n`` leading ``tokens``:
+    False when they cannot, told from one token. An admission weighs every slot
+    against the prompt and every pair of slots against each other (``_lost``), and
+    most pairs part early; this check spares the comparison of those that part
+    before ``n``. A burst of 4 new users on 8 slots that held other users'
+    conversations took ``schedule`` 1.1-1.2 ms without it and 0.4 ms with it
+    (benchmarks/admit_cost.py, docs/performance.md)."""
+    return slot.reusable > n and len(slot.cache) > n < len(tokens) and slot.cache[n] == tokens[n]
+
+
+def _longest_prefix(slots: Iterable[Slot], tokens: Sequence[int], floor: int = 0) -> int:
+    """The most leading ``tokens`` any of ``slots``' reusable cells hold, or ``floor``
+    when none holds more."""
+    best = floor
+    for s in slots:
+        if _holds_more(s, tokens, best):
+            best = max(best, _reusable_prefix(s, tokens))
+    return best
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -38,8 +38,9 @@ class FakeRunner:
 
     def run(self, batch: Batch) -> dict[int, int]:
         for op in batch.ops:
-            if isinstance(op, Copy):  # llama.cpp copies the whole stream
-                self.kv[op.dst] = list(self.kv.get(op.src, []))
+            if isinstance(op, Copy):  # one stream per slot: the whole stream (p1 = -1)
+                cells = self.kv.get(op.src, [])
+                self.kv[op.dst] = list(cells if op.p1 < 0 else cells[: op.p1])
                 continue
             cells = self.kv.setdefault(op.seq, [])
             if isinstance(op, Remove):
@@ -492,3 +493,49 @@ def test_a_steady_step_forgets_a_hole_that_closed_by_itself() -> None:
     s.release(s.slots[2], keep_cache=True)  # ...and goes away by itself
     steady = step(s, r)
     assert [i.slot for i in steady.items] == [0] and s._hole_steps == 0
+
+
+def _bursts_of_returning_users(s: Scheduler, seed: int) -> list[Batch]:
+    """Bursts of users of two system prompts, some coming back with their whole
+    conversation, on slots that keep what they held: every batch, in order."""
+    rng = random.Random(seed)
+    r = FakeRunner()
+    s.max_queue = 1000
+    systems = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9, 9]]
+    said: list[list[int]] = []
+    batches: list[Batch] = []
+    for burst in range(30):
+        for k in range(rng.randrange(1, len(s.slots) + 1)):
+            if said and rng.random() < 0.5:  # one comes back: a retry, or a new question
+                prompt = rng.choice(said) + [rng.randrange(10, 14)] * rng.randrange(0, 2)
+            else:
+                prompt = rng.choice(systems) + [rng.randrange(10, 40) for _ in range(3)]
+            s.add(Req(f"{burst}.{k}", s.check_prompt(prompt)))
+        while s.queue or any(slot.busy for slot in s.slots):
+            batches.append(step(s, r))
+            for slot in s.slots:
+                if slot.busy and slot.generated >= rng.randrange(1, 4):
+                    said.append(list(slot.cache))  # the conversation so far
+                    s.release(slot, keep_cache=True)
+    return batches
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_slots_told_apart_by_one_token_schedule_as_if_compared_whole(
+    unified: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler skips comparing a slot's cells with a prompt (or another slot's
+    cells) when one token shows they part too early to matter (_holds_more). Its
+    batches and KV operations must be those of comparing every pair in full."""
+    import orin.engine.scheduler as scheduler
+
+    def make_one() -> Scheduler:
+        return Scheduler(6, 64, ContextPolicy(window=256), unified=unified)
+
+    for seed in range(3):
+        pruned = _bursts_of_returning_users(make_one(), seed)
+        with monkeypatch.context() as m:
+            m.setattr(scheduler, "_holds_more", lambda slot, tokens, n: True)
+            whole = _bursts_of_returning_users(make_one(), seed)
+        assert pruned == whole
+        assert any(isinstance(op, Copy) for b in pruned for op in b.ops)  # cells were shared
