@@ -25,17 +25,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from benchmarks.burst_replay import Req
 from orin.engine import scheduler as sched
 from orin.engine.scheduler import ContextPolicy, Scheduler, SlotState
 
 SLOTS, WINDOW, N_BATCH = 8, 512, 512
 PROMPT_TOKENS, ANSWER_TOKENS = 16, 8
 VARIANTS = ("one-token check", "full comparison")
-
-
-class Req:
-    def __init__(self, rid: str, prompt: list[int]) -> None:
-        self.id, self.prompt_tokens = rid, prompt
 
 
 @contextmanager
