@@ -221,7 +221,8 @@ class Scheduler:
         ``rows`` decode tokens may carry: the SLO-aware chunking), ``drafts(slot,
         room)`` (speculative tokens for a decoding slot, at most ``room``) and
         ``stored(prompt)`` (the persistent prompt cache's longest saved prefix of a
-        prompt: (tokens, handle), or None)."""
+        prompt: (tokens, handle), or None) and ``pass_tokens()`` (the prompt tokens
+        one llama.cpp pass costs as much as: ``_even_tails``)."""
         if n_batch < n_slots:
             raise ValueError(f"n_batch ({n_batch}) must be at least the slot count ({n_slots})")
         if prefill_chunk is not None and not 1 <= prefill_chunk <= n_batch:
@@ -242,6 +243,11 @@ class Scheduler:
         self.chunk_budget: Callable[[int], int] = lambda rows: self.prefill_chunk
         self.drafts: Callable[[Slot, int], Sequence[int]] = lambda slot, room: ()
         self.stored: Callable[[list[int]], tuple[int, object] | None] = lambda prompt: None
+        # prompt tokens one llama.cpp pass costs as much as (``_even_tails``); 0: never
+        # compute cached cells again to save a pass. The engine sets it from its
+        # step-cost model
+        self.pass_tokens: Callable[[], float] = lambda: 0.0
+        self.retails = 0  # steps whose prompt tails were evened up to save passes
         # prompts that end in a step run before the decode rows that would cost them
         # passes (``_prompts_first``); the engine turns it off with a TPOT target
         self.prompts_first = True
@@ -567,6 +573,10 @@ class Scheduler:
         if not self.unified:  # llama.cpp's split takes increasing ids in batch order
             items.sort(key=lambda i: i.slot)
         passes = self._passes(items)
+        if passes > 1 and not self.unified and left > 0:
+            evened = self._even_tails(items, passes, left)
+            if evened is not None:
+                items, passes = evened
         waited, self._rows_waited = self._rows_waited, False
         if passes > 1 and not self.unified:
             split = self._first_pass_alone(items, passes)
@@ -634,6 +644,71 @@ class Scheduler:
 
     def _passes(self, items: Sequence[BatchItem]) -> int:
         return micro_batches([(i.slot, len(i.tokens)) for i in items], self.n_ubatch, self.unified)
+
+    def _even_tails(
+        self, items: list[BatchItem], passes: int, room: int
+    ) -> tuple[list[BatchItem], int] | None:
+        """With one KV stream per slot llama.cpp splits a step whose prompts feed
+        different numbers of tokens into one pass per length (``micro_batches``), and
+        each pass reads every weight: a burst whose prompts share a cached system
+        prompt and differ in the user's words costs a pass per distinct tail. A
+        shorter prompt can feed the same number of tokens as a longer one by
+        computing again some of its cached cells: the cells are removed, the slot's
+        last cached tokens go back in front of its prompt, and its chunk starts that
+        many positions earlier. Same tokens at the same positions, so the same cells.
+
+        The longest tail to even up to is the one that minimizes ``pass_tokens`` (the
+        prompt tokens one pass costs as much as: the engine's step-cost model) times
+        the passes, plus the tokens computed again; those fit the step's unused
+        prompt budget ``room``. Only text cells of a prompt that has not been shifted;
+        not with a sliding-window cache (its cells below the window are gone) or
+        without prefix reuse (a recurrent state cannot lose its tail). None: no
+        target costs less than the step as it is."""
+        worth = self.pass_tokens()
+        if worth <= 0 or self.swa_window or not self.prefix_reuse:
+            return None
+        text = {i.slot for i in items if i.prefill and i.tokens and i.tokens[0] >= 0}
+        lengths = sorted({len(i.tokens) for i in items if i.slot in text})
+        if len(lengths) < 2:
+            return None
+        best: tuple[float, list[BatchItem], int] | None = None
+        for target in lengths[1:]:
+            added = 0
+            trial: list[BatchItem] = []
+            for item in items:
+                d = target - len(item.tokens)
+                if item.slot in text and d > 0 and self._refeedable(item, d):
+                    added += d
+                    fed = (*self.slots[item.slot].cache[item.pos - d : item.pos], *item.tokens)
+                    item = BatchItem(item.slot, fed, item.pos - d, item.sample, True)
+                trial.append(item)
+            if added == 0 or added > room:
+                continue
+            n = self._passes(trial)
+            cost = worth * n + added
+            if cost < worth * passes and (best is None or cost < best[0]):
+                best = (cost, trial, n)
+        if best is None:
+            return None
+        _, trial, n = best
+        for old, new in zip(items, trial, strict=True):
+            if new.pos != old.pos:
+                slot = self.slots[new.slot]
+                self._ops.append(Remove(slot.id, new.pos, -1))
+                slot.pending[:0] = slot.cache[new.pos :]
+                del slot.cache[new.pos :]
+                slot.reusable = min(slot.reusable, new.pos)
+                slot.cached_prompt = min(slot.cached_prompt, new.pos)
+        self.retails += 1
+        return trial, n
+
+    def _refeedable(self, item: BatchItem, d: int) -> bool:
+        """The ``d`` cells before the item's chunk can be computed again: they exist,
+        are text, and the slot's positions are its cache's indices (no shift)."""
+        slot = self.slots[item.slot]
+        if slot.shifts or d > item.pos or len(slot.cache) != item.pos:
+            return False
+        return min(slot.cache[item.pos - d : item.pos]) >= 0
 
     def _first_pass_alone(
         self, items: list[BatchItem], passes: int

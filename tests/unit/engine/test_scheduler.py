@@ -539,3 +539,147 @@ def test_slots_told_apart_by_one_token_schedule_as_if_compared_whole(
             whole = _bursts_of_returning_users(make_one(), seed)
         assert pruned == whole
         assert any(isinstance(op, Copy) for b in pruned for op in b.ops)  # cells were shared
+
+
+# -- prompt tails evened up to save passes ---------------------------------------------
+
+SYSTEM = list(range(100, 120))  # a system prompt every user's request starts with
+
+
+def _burst_after_a_system_prompt(pass_tokens: float, tails: list[int], **kw: int) -> Scheduler:
+    """Four slots that each hold SYSTEM (a first round of requests, released with their
+    cache), then four requests of SYSTEM plus user tails of the given lengths."""
+    s = Scheduler(4, kw.pop("n_batch", 64), ContextPolicy(window=256), **kw)  # type: ignore[arg-type]
+    s.pass_tokens = lambda: pass_tokens
+    r = FakeRunner()
+    for n in range(4):
+        s.add(Req(f"old{n}", [*SYSTEM, 900 + n]))
+    while s.queue or any(sl.state is SlotState.PREFILL for sl in s.slots):
+        step(s, r)
+    assert all(sl.cache[:20] == SYSTEM for sl in s.slots)
+    for slot in s.slots:
+        s.release(slot, keep_cache=True)
+    for n, length in enumerate(tails):
+        s.add(Req(f"u{n}", [*SYSTEM, *range(200 + 10 * n, 200 + 10 * n + length)]))
+    s._runner = r  # type: ignore[attr-defined]  # the fake KV cache the slots hold
+    return s
+
+
+def test_prompt_tails_of_different_lengths_are_evened_into_one_pass() -> None:
+    tails = [3, 4, 5, 6]
+    s = _burst_after_a_system_prompt(10.0, tails)
+    plain = _burst_after_a_system_prompt(0.0, tails)
+    r, pr = s._runner, plain._runner  # type: ignore[attr-defined]
+    b, pb = step(s, r), step(plain, pr)
+    # without evening llama.cpp would split the tails into a pass per length; the
+    # scheduler ran the shortest alone first (_first_pass_alone), the rest after
+    assert pb.passes + step(plain, pr).passes == 4
+    # evened: every prompt feeds 6 tokens, the shorter ones their last cached cells again
+    assert b.passes == 1 and s.retails == 1
+    assert [i.slot for i in b.items] == [0, 1, 2, 3]
+    assert all(i.sample and i.prefill and len(i.tokens) == 6 for i in b.items)
+    for n, tail in enumerate(tails):
+        slot = s.slot_of(f"u{n}")
+        assert slot is not None
+        item = b.items[slot.id]
+        assert item.pos == 20 - (6 - tail)
+        assert list(item.tokens) == slot.request.prompt_tokens[item.pos :]  # type: ignore[union-attr]
+        if tail < 6:
+            assert Remove(slot.id, item.pos, -1) in b.ops
+    # the same cells and the same first tokens as without evening
+    for n in range(4):
+        ours, theirs = s.slot_of(f"u{n}"), plain.slot_of(f"u{n}")
+        assert ours is not None and theirs is not None
+        assert ours.cache == theirs.cache and ours.pending == theirs.pending
+        assert r.kv[ours.id] == pr.kv[theirs.id]
+    # cached tokens say what was taken from the cache: the cells computed again are not
+    assert [s.slot_of(f"u{n}").cached_prompt for n in range(4)] == [17, 18, 19, 20]  # type: ignore[union-attr]
+    assert (b.n_prefill, pb.n_prefill) == (24, 3)
+    assert [plain.slot_of(f"u{n}").cached_prompt for n in range(4)] == [20] * 4  # type: ignore[union-attr]
+
+
+def test_tails_stay_as_they_are_where_a_pass_costs_less_than_the_tokens_again() -> None:
+    s = _burst_after_a_system_prompt(1.0, [3, 4, 5, 6])  # 6 tokens again to save 3 passes
+    b = step(s, s._runner)  # type: ignore[attr-defined]
+    assert s.retails == 0 and b.items[0].pos == 20
+    assert [s.slot_of(f"u{n}").cached_prompt for n in range(4)] == [20] * 4  # type: ignore[union-attr]
+
+
+def test_evening_picks_the_target_that_costs_least() -> None:
+    # tails 2, 2, 2, 12: evening all to 12 would compute 30 cells again; with a pass
+    # worth 8 tokens two passes (16) cost less than one pass and 30 tokens (38)
+    s = _burst_after_a_system_prompt(8.0, [2, 2, 2, 12])
+    step(s, s._runner)  # type: ignore[attr-defined]
+    assert s.retails == 0
+    # worth 40 tokens: one pass and 30 tokens (70) beat two passes (80)
+    s = _burst_after_a_system_prompt(40.0, [2, 2, 2, 12])
+    b = step(s, s._runner)  # type: ignore[attr-defined]
+    assert s.retails == 1 and b.passes == 1 and {len(i.tokens) for i in b.items} == {12}
+
+
+def test_evening_stays_within_the_steps_prompt_budget() -> None:
+    # the four tails take 18 tokens of a 20-token budget: evening them to 6 needs 6 more,
+    # to 5 three; what fits is the 3 to 4, a pass saved for a token
+    s = _burst_after_a_system_prompt(10.0, [3, 4, 5, 6], prefill_chunk=20)
+    b = step(s, s._runner)  # type: ignore[attr-defined]
+    rest = step(s, s._runner)  # type: ignore[attr-defined]  # what _first_pass_alone split off
+    assert s.retails == 1 and b.n_prefill + rest.n_prefill == 19 and b.passes + rest.passes == 3
+    assert sorted(len(i.tokens) for i in (*b.items, *rest.items)) == [4, 4, 5, 6]
+    s = _burst_after_a_system_prompt(10.0, [3, 4, 5, 6], prefill_chunk=24)
+    b = step(s, s._runner)  # type: ignore[attr-defined]
+    assert s.retails == 1 and b.n_prefill == 24
+
+
+def test_no_evening_with_one_buffer_a_sliding_window_cache_or_no_prefix_reuse() -> None:
+    for kw in ({"unified": True}, {"swa_window": 64}, {"prefix_reuse": False}):
+        s = _burst_after_a_system_prompt(100.0, [3, 4, 5, 6], **kw)  # type: ignore[arg-type]
+        step(s, s._runner)  # type: ignore[attr-defined]
+        assert s.retails == 0, kw
+
+
+def test_image_rows_are_never_fed_again() -> None:
+    s = Scheduler(2, 64, ContextPolicy(window=256))
+    s.pass_tokens = lambda: 100.0
+    r = FakeRunner()
+    s.add(Req("a", [1, 2, -5, -6, -7]))  # text, then an image's rows (negative ids)
+    s.add(Req("b", [1, 2, 3, 4, 5, 6, 7]))
+    while any(sl.state is SlotState.PREFILL for sl in s.slots):
+        step(s, r)
+    for slot in s.slots:
+        s.release(slot, keep_cache=True)
+    s.add(Req("c", [1, 2, -5, -6, -7, 30, 31]))  # two tokens after the image's rows
+    s.add(Req("d", [1, 2, 3, 4, 5, 6, 7, 40, 41, 42, 43]))  # four after cached cells
+    b = step(s, r)
+    assert s.retails == 0
+    assert all(t >= 0 for i in b.items for t in i.tokens)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_bursts_with_evened_tails_keep_every_prompt_and_cell(seed: int) -> None:
+    """Bursts of requests that share a head of random length, with random tails and
+    cancels: every step the fake KV cache matches the slots, and every request that
+    finishes holds its own prompt then what it generated, as without evening."""
+    rng = random.Random(seed)
+    s, r = Scheduler(4, 64, ContextPolicy(window=128)), FakeRunner()
+    s.pass_tokens = lambda: rng.choice((4.0, 16.0, 64.0))
+    s.max_queue = 1000
+    prompts: dict[str, list[int]] = {}
+    for n in range(300):
+        if rng.random() < 0.15:
+            head = list(range(1, rng.randrange(2, 40)))
+            for k in range(rng.randrange(1, 6)):
+                rid = f"r{n}.{k}"
+                prompts[rid] = head + [rng.randrange(50, 90) for _ in range(rng.randrange(1, 12))]
+                s.add(Req(rid, prompts[rid]))
+        busy = [sl.request.id for sl in s.slots if sl.request is not None]
+        if busy and rng.random() < 0.03:
+            s.cancel(rng.choice(busy))
+        step(s, r)
+        for slot in s.slots:
+            if slot.state is SlotState.DECODE and slot.generated >= rng.randrange(1, 12):
+                rid = slot.request.id  # type: ignore[union-attr]
+                assert slot.cache[: len(prompts[rid])] == prompts[rid]
+                assert len(slot.cache) == len(prompts[rid]) + slot.generated - 1
+                assert 0 <= slot.cached_prompt < len(prompts[rid])
+                s.release(slot, keep_cache=True)
+    assert s.retails > 10
