@@ -110,6 +110,9 @@ class Engine:
         self.scheduler.chunk_budget = self.chunks.budget
         self.scheduler.prompts_first = cfg.tpot_target_ms is None
         self.scheduler.drafts = self._drafts
+        if cfg.even_tails and not cfg.kv_unified:  # evening tails up reads the cost model
+            self.scheduler.pass_tokens = self._pass_tokens
+            self.chunks.learn = True
         self.speculation: Speculation | None = None
         self.prompt_cache: WarmCache | None = None
         self.vision: Vision | None = None  # the profile's projector, loaded with the model
@@ -780,6 +783,11 @@ class Engine:
         while not turned.is_set() and (left := deadline - time.monotonic()) > 0:
             self._lock.wait(left)
         return True
+
+    def _pass_tokens(self) -> float:
+        """Prompt tokens one llama.cpp pass costs as much as, by the step-cost model."""
+        a, _, c = self.chunks.model.coefficients()
+        return a / c
 
     def _drafts(self, slot: Slot, room: int) -> Sequence[int]:
         """Speculative tokens for a decoding slot (the scheduler's hook): none when

@@ -168,6 +168,13 @@ class EngineSection(_Section):
         "are busy, but every slot's attention reads every slot's cells (docs/engine.md, "
         "Shared prefixes, has the measurement behind the default).",
     )
+    even_tails: bool = Field(
+        True,
+        description="With one KV stream per slot, prompts of a step that feed different "
+        "numbers of tokens cost a llama.cpp pass per length: compute some cached cells of "
+        "the shorter ones again so they merge, where the engine's step-cost model says the "
+        "passes saved are worth the tokens (docs/engine.md).",
+    )
     rope_freq_base: float | None = Field(
         None,
         gt=0,

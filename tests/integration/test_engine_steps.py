@@ -315,3 +315,70 @@ def test_a_short_shared_prefix_copied_from_another_slot_gives_the_same_tokens(
         assert again.timings is not None and again.timings.cached_tokens == shared
         assert list(again.token_ids) == want
         assert e.scheduler.slots[0].cache[: len(previous)] == previous  # still held
+
+
+def burst_after_a_system_prompt(cfg: EngineConfig, worth: float) -> dict[str, Any]:
+    """Four slots hold a system prompt; then four users send it with tails of 3, 5, 7
+    and 9 tokens at once (the burst starts in one step: every ticket closes first)."""
+    rng = random.Random(12)
+    with Engine(cfg) as e:
+        e.scheduler.pass_tokens = lambda: worth
+        system = e.tokenize("The robot's assistant answers briefly:")
+        vocab = e.backend.n_vocab if e.backend else 0
+        system += [rng.randrange(263, vocab) for _ in range(30)]
+        run_all(e, [[*system, 300 + n] for n in range(4)])  # each slot holds it
+        users = [[*system, *range(400 + 20 * n, 403 + 22 * n)] for n in range(4)]
+        steps = collect(e)
+        e.gather_s = 60.0
+        tickets = [e.arrival() for _ in users]
+        streams = [e.submit(p, GREEDY, arrival=t) for p, t in zip(users, tickets, strict=True)]
+        done = [s.result() for s in streams]
+        fed = [s for s in steps if s.prefill_tokens]
+        return {
+            "tokens": [list(d.token_ids) for d in done],
+            "cached": [d.timings.cached_tokens if d.timings else -1 for d in done],
+            "passes": sum(s.micro_batches for s in fed),
+            "fed": sum(s.prefill_tokens for s in fed),
+            "retails": e.scheduler.retails,
+            "system": len(system),
+        }
+
+
+def test_prompt_tails_evened_up_give_the_same_tokens_in_fewer_passes(small: Path) -> None:
+    """Evening the tails up (the cached cells of the shorter ones computed again) runs
+    the burst in one pass instead of one per tail length, and every user gets the
+    tokens they get without it; the cached tokens reported are those not computed
+    again."""
+    cfg = config(small, "{n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128}")
+    plain = burst_after_a_system_prompt(cfg, 0.0)  # a pass never worth the cells again
+    even = burst_after_a_system_prompt(cfg, 1000.0)  # always
+    assert even["tokens"] == plain["tokens"]
+    assert (plain["retails"], even["retails"]) == (0, 1)
+    assert (plain["passes"], even["passes"]) == (4, 1)
+    assert plain["cached"] == [plain["system"]] * 4
+    assert even["cached"] == [
+        plain["system"] - 6,
+        plain["system"] - 4,
+        plain["system"] - 2,
+        plain["system"],
+    ]
+    assert even["fed"] - plain["fed"] == sum(plain["cached"]) - sum(even["cached"]) == 12
+
+
+def test_the_engine_evens_tails_by_its_step_cost_model(small: Path) -> None:
+    """The scheduler's worth of a pass is the cost model's ms per pass over ms per prompt
+    token, learned whatever the TPOT target; with one buffer for all slots there are
+    no tails to even, with ``even_tails: false`` none are, and nothing is learned for
+    it."""
+    streams = Engine(config(small, "{n_ctx: 256, slots: 2}"))
+    assert streams.chunks.learn
+    model = streams.chunks.model
+    for rows in (1, 2, 1, 2, 2, 1):  # decode steps: 3 ms per pass, 0.5 ms per row
+        model.observe(1, rows, 0, 3.0 + 0.5 * rows)
+    model.observe(1, 1, 40, 3.5 + 40 * 0.25)  # prompt tokens: 0.25 ms each
+    a, _, c = model.coefficients()
+    assert streams.scheduler.pass_tokens() == pytest.approx(a / c)
+    assert 8 < streams.scheduler.pass_tokens() < 16
+    for off in ("kv_unified: true", "even_tails: false"):
+        engine = Engine(config(small, f"{{n_ctx: 256, slots: 2, {off}}}"))
+        assert not engine.chunks.learn and engine.scheduler.pass_tokens() == 0.0, off
