@@ -260,6 +260,10 @@ def test_orin_profiles_validate_against_the_profile_schema(tmp_path: Path) -> No
     off = load_profile(peers.write_profile(peers.orin_profile("o", speculative="off"), tmp_path))
     assert off.speculative.mode == "off"
     assert off.prompt_cache.prompts == []
+    assert p.engine.even_tails and off.engine.even_tails
+    plain = peers.orin_profile("t", 2, even_tails=False)  # --orin-plain-tails
+    tails = load_profile(peers.write_profile(plain, tmp_path))
+    assert not tails.engine.even_tails and tails.engine.threads == 2
     plain = peers.orin_profile("cold")
     assert plain == {"name": "cold"}  # everything else as `serve --model` runs it
 
