@@ -18,13 +18,13 @@ first; the engine runs alone (no server), greedy, on a generated demo model.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.engine_throughput import bench_config
+from benchmarks.late_prompts import engine_rounds_parser
 from orin.engine.engine import Engine
 from orin.engine.types import SamplingParams, StepStats
 from orin.model import demo
@@ -113,11 +113,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quant", default="f16")
-    ap.add_argument("--size", default="medium")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=10)
+    ap = engine_rounds_parser(__doc__)
     ap.add_argument("--users", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--spread", type=int, default=3,

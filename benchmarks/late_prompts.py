@@ -96,12 +96,19 @@ def measure(
     return got
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def engine_rounds_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options of a benchmark that alternates settings round by round in one engine
+    on a generated demo model: --quant, --size, --threads, --rounds."""
+    ap = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     ap.add_argument("--quant", default="f16")
     ap.add_argument("--size", default="medium")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=10)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = engine_rounds_parser(__doc__)
     ap.add_argument("--late", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--shared", action="store_true",
