@@ -108,7 +108,15 @@ def test_bench_against_orin_llm(server: str, tmp_path: Path) -> None:
     t = d["server_telemetry"]
     assert t["source"] == "cpu" and t["phases"]["prefill"]["tokens"] > 0
     assert t["phases"]["decode"]["gpu_util"] is None  # the CPU source measures no GPU
-    assert "decode_cpu_util" in t["per_request_mean"]
+    # Whether a 20 ms sample falls inside an 8-token request's own windows depends on the
+    # machine's speed (test_telemetry checks the per-request fields on a long decode):
+    # here the bench must average exactly what the server's timings carried.
+    carried = {k for r in ok for k in r["server_timings"] if k.endswith("_util")}
+    assert not any("gpu" in k for k in carried)
+    assert set(t["per_request_mean"]) == carried
+    for k in carried:
+        vals = [r["server_timings"][k] for r in ok if k in r["server_timings"]]
+        assert t["per_request_mean"][k] == pytest.approx(sum(vals) / len(vals))
 
 
 def test_bench_open_loop_sends_every_request(server: str) -> None:
