@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: help install install-bench lint test test-unit test-reliability test-gpu serve clean browser
+.PHONY: help install install-bench lint test test-unit test-reliability test-gpu serve clean browser promtool
 
 help:
 	@echo "make serve    set everything up and serve SmolLM2-135M-Instruct on 127.0.0.1:8080"
@@ -53,7 +53,27 @@ browser: $(STAMP)
 	  $(VENV)/browser-install.log)" \
 	  > $(BROWSER_NOTE); echo "browser tests will skip: $$(cat $(BROWSER_NOTE))"; fi
 
-test: lint browser
+# promtool (Prometheus's checker of metric text and queries) for the metrics and
+# Grafana tests: taken out of Debian's prometheus package into $(VENV)/bin, with no
+# service installed and no root needed unless the package lists are missing. When it
+# cannot be had, the reason is kept in $(PROMTOOL_NOTE) and those tests skip with it.
+PROMTOOL_NOTE := $(VENV)/promtool-unavailable.txt
+promtool: $(STAMP)
+	@if command -v promtool >/dev/null || [ -x $(VENV)/bin/promtool ]; then \
+	  rm -f $(PROMTOOL_NOTE); exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+	dir=$$(mktemp -d); log=$(VENV)/promtool-install.log; \
+	echo "extracting promtool from Debian's prometheus package"; \
+	if { (cd $$dir && apt-get download -q prometheus) || \
+	     { $$SUDO apt-get update -qq && (cd $$dir && apt-get download -q prometheus); }; } \
+	    > $$log 2>&1 && dpkg-deb -x $$dir/prometheus_*.deb $$dir/x >> $$log 2>&1 && \
+	  install -m 0755 $$dir/x/usr/bin/promtool $(VENV)/bin/promtool && \
+	  $(VENV)/bin/promtool --version >> $$log 2>&1; then rm -f $(PROMTOOL_NOTE); \
+	else echo "promtool could not be extracted ($$log): $$(tail -n 1 $$log)" > $(PROMTOOL_NOTE); \
+	  rm -f $(VENV)/bin/promtool; echo "promtool tests will skip: $$(cat $(PROMTOOL_NOTE))"; fi; \
+	rm -rf $$dir
+
+test: lint browser promtool
 	$(VENV)/bin/pytest -q
 
 serve: $(STAMP)

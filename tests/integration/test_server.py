@@ -199,14 +199,14 @@ def test_non_streaming_client_that_leaves_is_cancelled(server: tuple[str, Server
 
 
 def test_metrics_pass_promtool(server: tuple[str, ServerState], tmp_path: Path) -> None:
-    import shutil
     import subprocess
+
+    from tests.tools import promtool_or_skip
 
     text = httpx.get(f"{server[0]}/metrics").text
     assert "orin_llm_time_to_first_token_seconds_bucket" in text
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool is not installed")
-    r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    promtool = promtool_or_skip()
+    r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from orin.telemetry.phases import Share
 from orin.telemetry.sources.base import Sample
 from tests.fakes.board import FakeBoard
 from tests.fakes.boards_system import thermal_zone
+from tests.tools import promtool_or_skip
 from tests.unit.server.test_auth import FakeEngine
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "docs" / "grafana-dashboard.json"
@@ -126,9 +126,9 @@ def test_every_metric_a_panel_names_is_exported(exported: set[str]) -> None:
     assert used <= exported, f"not exported: {sorted(used - exported)}"
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
 def test_every_query_parses(tmp_path: Path) -> None:
     """promtool checks each expression (as a recording rule, $instance filled in)."""
+    promtool = promtool_or_skip()
     rules = [
         {"record": f"dashboard:query_{i}", "expr": expr.replace("$instance", ".*")}
         for i, (_, expr) in enumerate(targets())
@@ -136,6 +136,6 @@ def test_every_query_parses(tmp_path: Path) -> None:
     path = tmp_path / "rules.json"  # YAML is a superset of JSON
     path.write_text(json.dumps({"groups": [{"name": "dashboard", "rules": rules}]}))
     r = subprocess.run(
-        ["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import shutil
 import subprocess
 
 import numpy as np
@@ -19,6 +18,7 @@ from orin.server.metrics import (
     TTFT_BUCKETS,
     ServerMetrics,
 )
+from tests.tools import promtool_or_skip
 
 MS = 1_000_000  # ns
 
@@ -298,10 +298,8 @@ def test_render_parses_with_prefix_and_help(metrics: ServerMetrics) -> None:
             assert line.startswith(prefixes), line
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
 def test_promtool_check_metrics(metrics: ServerMetrics) -> None:
-    promtool = shutil.which("promtool")
-    assert promtool is not None
+    promtool = promtool_or_skip()
     body, _ = fed(metrics).render()
     result = subprocess.run(
         [promtool, "check", "metrics"], input=body, capture_output=True, timeout=30
