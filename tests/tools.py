@@ -1,4 +1,4 @@
-"""Command-line tools some tests run: found on PATH or where the Makefile puts them."""
+"""Command-line tools some tests run, which `make test` installs where it can."""
 
 from __future__ import annotations
 
@@ -8,23 +8,19 @@ from pathlib import Path
 
 import pytest
 
-# `make promtool` extracts promtool into the virtual environment's bin, and writes the
-# reason here when it could not
-PROMTOOL_NOTE = Path(sys.prefix) / "promtool-unavailable.txt"
 
-
-def promtool() -> str | None:
-    """promtool's path, or None."""
-    found = shutil.which("promtool")
-    if found is not None:
-        return found
-    local = Path(sys.prefix) / "bin" / "promtool"
-    return str(local) if local.is_file() else None
+def make_note(name: str, otherwise: str) -> str:
+    """Why a tool is missing: the reason its Makefile target (`make browser`, `make
+    promtool`) wrote into the virtual environment when it could not install it, or
+    ``otherwise``."""
+    note = Path(sys.prefix) / name
+    return (note.read_text().strip() if note.is_file() else "") or otherwise
 
 
 def promtool_or_skip() -> str:
-    found = promtool()
+    """promtool's path, from PATH or the virtual environment's bin (where `make
+    promtool` puts it); the test skips with the reason when there is none."""
+    found = shutil.which("promtool") or shutil.which("promtool", path=Path(sys.prefix) / "bin")
     if found is None:
-        why = PROMTOOL_NOTE.read_text().strip() if PROMTOOL_NOTE.is_file() else ""
-        pytest.skip(why or "promtool is not installed (make promtool extracts it)")
+        pytest.skip(make_note("promtool-unavailable.txt", "no promtool: run `make promtool`"))
     return found

@@ -13,7 +13,6 @@ browser here: ``executable_path`` is Debian's, which ``make browser`` installs.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,12 +26,11 @@ from orin.model import demo
 from orin.server.state import ServerState
 from tests import serverutil
 from tests.serverutil import live_server
+from tests.tools import make_note
 
 pytestmark = pytest.mark.llama
 
 CHROMIUM = Path("/usr/bin/chromium")
-# written by `make browser` when chromium could not be installed: the reason
-NOTE = Path(sys.prefix) / "browser-unavailable.txt"
 ARGS = [
     "--headless",
     "--no-sandbox",
@@ -56,7 +54,7 @@ if TYPE_CHECKING:
 
 def _unavailable() -> str | None:
     if not CHROMIUM.exists():
-        note = NOTE.read_text().strip() if NOTE.exists() else "run `make browser` to install it"
+        note = make_note("browser-unavailable.txt", "run `make browser` to install it")
         return f"no {CHROMIUM}: {note}"
     try:
         import playwright.sync_api  # noqa: F401
