@@ -35,6 +35,10 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# what the apt-get calls of `make browser` and `make promtool` run under: nothing as
+# root, sudo without a password prompt otherwise
+AS_ROOT := $(if $(filter 0,$(shell id -u)),,sudo -n)
+
 # Debian's chromium for the dashboard's browser tests (playwright drives it and never
 # downloads a browser of its own). Installed only when /usr/bin/chromium is missing;
 # when that fails the reason is printed and kept in $(BROWSER_NOTE), and those tests
@@ -42,12 +46,12 @@ lint: $(STAMP)
 BROWSER_NOTE := $(VENV)/browser-unavailable.txt
 browser: $(STAMP)
 	@if [ -x /usr/bin/chromium ]; then rm -f $(BROWSER_NOTE); exit 0; fi; \
-	if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null; then SUDO="sudo -n"; \
-	else echo "chromium is not installed and installing it needs root or sudo" > $(BROWSER_NOTE); \
+	if [ -n "$(AS_ROOT)" ] && ! command -v sudo >/dev/null; then \
+	  echo "chromium is not installed and installing it needs root or sudo" > $(BROWSER_NOTE); \
 	  echo "browser tests will skip: $$(cat $(BROWSER_NOTE))"; exit 0; fi; \
 	echo "installing chromium and chromium-driver with apt-get"; \
-	if $$SUDO apt-get update -qq > $(VENV)/browser-install.log 2>&1 && \
-	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver \
+	if $(AS_ROOT) apt-get update -qq > $(VENV)/browser-install.log 2>&1 && \
+	  DEBIAN_FRONTEND=noninteractive $(AS_ROOT) apt-get install -y -qq chromium chromium-driver \
 	    >> $(VENV)/browser-install.log 2>&1 && [ -x /usr/bin/chromium ]; then rm -f $(BROWSER_NOTE); \
 	else echo "apt-get could not install chromium ($(VENV)/browser-install.log): $$(tail -n 1 \
 	  $(VENV)/browser-install.log)" \
@@ -61,11 +65,10 @@ PROMTOOL_NOTE := $(VENV)/promtool-unavailable.txt
 promtool: $(STAMP)
 	@if command -v promtool >/dev/null || [ -x $(VENV)/bin/promtool ]; then \
 	  rm -f $(PROMTOOL_NOTE); exit 0; fi; \
-	if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
 	dir=$$(mktemp -d); log=$(VENV)/promtool-install.log; \
 	echo "extracting promtool from Debian's prometheus package"; \
 	if { (cd $$dir && apt-get download -q prometheus) || \
-	     { $$SUDO apt-get update -qq && (cd $$dir && apt-get download -q prometheus); }; } \
+	     { $(AS_ROOT) apt-get update -qq && (cd $$dir && apt-get download -q prometheus); }; } \
 	    > $$log 2>&1 && dpkg-deb -x $$dir/prometheus_*.deb $$dir/x >> $$log 2>&1 && \
 	  install -m 0755 $$dir/x/usr/bin/promtool $(VENV)/bin/promtool && \
 	  $(VENV)/bin/promtool --version >> $$log 2>&1; then rm -f $(PROMTOOL_NOTE); \
