@@ -296,8 +296,12 @@ class Scheduler:
         each takes its own cells before a request that has none could be given
         that slot (a burst of returning users, the first of whom started alone)."""
         held: list[SchedRequest] = []
-        if self.prefix_reuse and 1 < len(self.queue) <= sum(1 for s in self.slots if not s.busy):
+        idle_now = sum(1 for s in self.slots if not s.busy)
+        if self.prefix_reuse and 1 < len(self.queue) <= idle_now:
             self.queue = deque(sorted(self.queue, key=lambda r: not self._whole_prompt_cached(r)))
+        # every idle slot gets a request now: the busy slots end as one run whoever
+        # takes which, so each request may take the slot that holds most of its prompt
+        fills = len(self.queue) >= idle_now
         while self.queue:
             idle = [s for s in self.slots if not s.busy]
             if not idle:
@@ -306,7 +310,7 @@ class Scheduler:
             if self._prefix_in_progress(request.prompt_tokens):
                 held.append(request)
                 continue
-            slot = self._pick_slot(idle, request.prompt_tokens)
+            slot = self._pick_slot(idle, request.prompt_tokens, packed_only=not fills)
             self._start(slot, request)
         self.queue.extendleft(reversed(held))
 
@@ -319,7 +323,7 @@ class Scheduler:
             for s in self.slots
         )
 
-    def _pick_slot(self, idle: list[Slot], prompt: list[int]) -> Slot:
+    def _pick_slot(self, idle: list[Slot], prompt: list[int], packed_only: bool = True) -> Slot:
         """The idle slot whose cache shares the longest prefix with the prompt, net of
         the cells taking it would lose (its cells past the shared prefix that no
         other slot holds as well); ties: the lowest id. So a prompt sharing two
@@ -335,7 +339,9 @@ class Scheduler:
         its prompts in another order: an idle slot holding the whole prompt is
         taken even where it splits the busy slots (a copy into a packed slot would
         overwrite that slot's prompt). The rest of the burst usually fills the
-        gap; if not, ``_close_holes`` moves a slot to close it.
+        gap; if not, ``_close_holes`` moves a slot to close it. When the queue
+        fills every idle slot (``packed_only`` False), the busy slots end as one
+        run whatever each request takes, so every idle slot is a candidate.
 
         Taking an empty slot away from the busy ones, rather than overwrite a
         packed slot's cached prompt, is not done. The hole it leaves costs a pass
@@ -345,7 +351,7 @@ class Scheduler:
         into a free slot before overwriting it (``_evacuate``).
         """
         held = {s.id: _reusable_prefix(s, prompt) for s in idle}
-        if not self.unified:
+        if not self.unified and packed_only:
             busy = {s.id for s in self.slots if s.busy}
             now = _runs(busy)
             packed = [s for s in idle if _runs(busy | {s.id}) <= max(now, 1)]

@@ -4,6 +4,7 @@ prompts restored from disk."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -391,6 +392,53 @@ def test_returning_users_take_their_own_cells_before_a_new_prompt_takes_their_sl
     assert s.slot_of("c2") is s.slots[2] and s.slots[2].cached_prompt == 19
     assert s.slot_of("new") is s.slots[3]
     assert not any(isinstance(op, Copy) for op in batch.ops)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_burst_that_fills_every_slot_puts_each_user_where_most_of_their_prompt_is(
+    seed: int,
+) -> None:
+    """Eight users come back together, in any order, each with a new prompt that
+    shares its first 11 tokens with their own last one and 4 with everyone's. Every
+    idle slot gets a request in this step, so the busy slots end as one run whoever
+    takes which: each user takes the slot that holds their own prefix (no copies),
+    and the step is one pass of 8 tokens each, not slots picked next to the busy ones
+    (some users then feed 15 tokens, and the tails of two lengths take two passes)."""
+
+    def prompt(user: int, burst: int) -> list[int]:
+        return [1, 2, 3, 4, 50 + user, *range(6, 12), 700 + burst, *range(13, 20)]
+
+    s = sched(n_slots=8, n_batch=512)
+    order = list(range(8))
+    for burst in range(3):
+        random.Random(seed * 10 + burst).shuffle(order)
+        for user in order:
+            s.add(Req(f"u{user}-{burst}", prompt(user, burst)))
+        batch = s.schedule()
+        if burst > 0:  # the first burst finds nothing cached
+            assert not any(isinstance(op, Copy) for op in batch.ops)
+            assert sorted(x.cached_prompt for x in s.slots) == [11] * 8
+            assert batch.n_prefill == 8 * 8 and batch.passes == 1
+        run(s, batch)
+        decode_all(s)
+        for slot in s.slots:
+            s.release(slot, keep_cache=True)
+
+
+def test_a_request_that_leaves_idle_slots_still_takes_one_next_to_the_busy_ones() -> None:
+    """Two users decode in slots 0 and 1; slot 3 holds most of a new prompt, slot 2
+    nothing. With two idle slots and one request, slot 3 would leave a hole (a second
+    pass every step): the request takes slot 2 and copies the prefix from slot 3."""
+    s = sched(n_slots=4, n_batch=64)
+    for name in "ab":
+        s.add(Req(name, [ord(name)] * 4))
+    decode_all(s)
+    s.slots[3].cache, s.slots[3].reusable = [7] * 20, 20
+    s.add(Req("c", [7] * 20 + [8]))
+    batch = s.schedule()
+    assert s.slot_of("c") is s.slots[2]
+    assert Copy(3, 2) in batch.ops and s.slots[2].cached_prompt == 20
+    assert batch.passes == 1
 
 
 def test_a_cached_prompt_is_copied_aside_before_a_new_prompt_takes_its_slot() -> None:
