@@ -11,13 +11,17 @@ traffic a deployment sees, then reads the server process after each round:
 - a streamed request the client drops after a few tokens (cancellation);
 - a request the API refuses (400), and one for an unknown route (404);
 - a streamed chat behind the system prompt every round shares (prefix reuse:
-  the cached cells kept in an idle slot or copied into another one).
+  the cached cells kept in an idle slot or copied into another one), asking
+  for a sentence back word for word.
 
-``--speculative`` runs the server with n-gram speculation on (drafted cells
-written and the rejected ones removed every step) and ``--prompt-cache`` with
-that system prompt in a persistent prompt cache (its state saved at the first
-start and restored at start): the step-shaping features, whose cells are copied,
-moved and removed, soaked like the rest.
+``--speculative`` runs the server with n-gram speculation on, drafting wherever
+the lookup finds a match (drafted cells written and the rejected ones removed
+every step), and ``--prompt-cache`` with that system prompt in a persistent
+prompt cache (its state saved at the first start and restored at start): the
+step-shaping features, whose cells are copied, moved and removed, soaked like
+the rest. The demo model's random weights never repeat a sentence, so its
+answers give speculation nothing to draft: ``--model smollm2`` runs the
+packaged SmolLM2-135M-Instruct instead, whose quoted sentence is drafted.
 
 After each round: the resident set (RSS), the open file descriptors and the
 threads of the server process. The first rounds warm caches (allocator
@@ -35,6 +39,8 @@ hits.
     .venv/bin/python -m benchmarks.soak                       # 40 rounds, ~20 s on 2 cores
     .venv/bin/python -m benchmarks.soak --rounds 3000 --warmup 800 --json soak.json
     .venv/bin/python -m benchmarks.soak --speculative --prompt-cache --rounds 3000 --warmup 800
+    .venv/bin/python -m benchmarks.soak --model smollm2 --speculative --prompt-cache \\
+        --rounds 800 --warmup 300
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.peers import orin_profile, write_profile
 from benchmarks.server_throughput import stop, wait_up
-from orin.model import demo
+from orin.model import demo, packaged
 from tests.serverutil import free_port
 
 SLOTS = 4
@@ -159,9 +165,12 @@ def _completion(url: str, prompt: str, tokens: int) -> None:
 
 
 def _assistant(url: str, question: str) -> None:
-    """A streamed chat behind the system prompt every round shares."""
+    """A streamed chat behind the system prompt every round shares, asking for a
+    sentence back word for word (greedy): a real model's answer repeats its prompt,
+    which n-gram speculation drafts from."""
     messages = [{"role": "system", "content": SHARED}, {"role": "user", "content": question}]
-    _stream(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 16})
+    body = {"messages": messages, "max_tokens": 24, "temperature": 0}
+    _stream(url, "/v1/chat/completions", body)
 
 
 def _dropped(url: str, prompt: str) -> None:
@@ -200,7 +209,8 @@ def one_round(url: str, index: int, pool: ThreadPoolExecutor) -> int:
         pool.submit(_completion, url, f"Round {index}, stream {i}: the route ahead is", 24)
         for i in range(SLOTS - 1)
     ]
-    jobs.append(pool.submit(_assistant, url, f"Question {index}: where next?"))
+    quote = f"Repeat exactly: stop {index} is the depot on the north side of the river."
+    jobs.append(pool.submit(_assistant, url, quote))
     for job in jobs:
         job.result()
     _chat(url, f"Round {index}: how far is the depot?")
@@ -225,10 +235,10 @@ def profile(work: Path, speculative: bool, prompt_cache: bool) -> Path | None:
     if not (speculative or prompt_cache):
         return None
     cache = ([SHARED], work / "prompt-cache") if prompt_cache else None
-    return write_profile(
-        orin_profile("soak", speculative="ngram" if speculative else None, prompt_cache=cache),
-        work,
-    )
+    chosen = orin_profile("soak", speculative="ngram" if speculative else None, prompt_cache=cache)
+    if speculative:  # draft wherever the lookup finds a match: drafted cells written and removed
+        chosen["speculative"]["cost_aware"] = False
+    return write_profile(chosen, work)
 
 
 def run(
@@ -278,6 +288,11 @@ def _soak(model: Path, profile: Path | None, rounds: int, settle_s: float, quiet
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--model",
+        help="a GGUF file, or 'smollm2' for the packaged SmolLM2-135M-Instruct (a real "
+        "model, whose quoted answers speculation drafts); default: the demo model",
+    )
     ap.add_argument("--size", default="small", help="demo model size (tiny, small, medium)")
     ap.add_argument("--quant", default="q4_k_m", help="demo model quantization")
     ap.add_argument("--rounds", type=int, default=40, help="rounds of traffic")
@@ -291,7 +306,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.rounds < a.warmup + 2:
         ap.error(f"--rounds must be at least --warmup + 2 ({a.warmup + 2})")
-    model = demo.ensure(a.size, a.quant)
+    if a.model == "smollm2":
+        model = packaged.fetch(packaged.SMOLLM2)
+    else:
+        model = Path(a.model) if a.model else demo.ensure(a.size, a.quant)
     soak = run(model, a.rounds, a.settle, a.speculative, a.prompt_cache)
     samples = soak.samples
     g = growth(samples, a.warmup)
