@@ -19,9 +19,9 @@ the lookup finds a match (drafted cells written and the rejected ones removed
 every step), and ``--prompt-cache`` with that system prompt in a persistent
 prompt cache (its state saved at the first start and restored at start): the
 step-shaping features, whose cells are copied, moved and removed, soaked like
-the rest. The demo model's random weights never repeat a sentence, so its
-answers give speculation nothing to draft: ``--model smollm2`` runs the
-packaged SmolLM2-135M-Instruct instead, whose quoted sentence is drafted.
+the rest. The demo model's answers (random weights) gave speculation nothing to
+draft in the runs of docs/performance.md: ``--model smollm2`` runs the packaged
+SmolLM2-135M-Instruct instead, whose quoted sentence is drafted.
 
 After each round: the resident set (RSS), the open file descriptors and the
 threads of the server process. The first rounds warm caches (allocator
