@@ -316,13 +316,20 @@ def write_profile(profile: dict[str, Any], folder: Path) -> Path:
     return path
 
 
-def orin_argv(s: Settings, port: int, profile: Path | None = None) -> list[str]:
-    argv = [sys.executable, "-m", "orin", "serve", "--model", str(s.model),
-            "--slots", str(s.slots), "--ctx", str(s.ctx_per_slot), "--telemetry", "off",
+def serve_argv(
+    model: Path, slots: int, ctx_per_slot: int, port: int, profile: Path | None = None
+) -> list[str]:
+    """`orin-llm serve` on ``model`` with telemetry off; its --ctx is per slot."""
+    argv = [sys.executable, "-m", "orin", "serve", "--model", str(model),
+            "--slots", str(slots), "--ctx", str(ctx_per_slot), "--telemetry", "off",
             "--port", str(port)]  # fmt: skip
     if profile is not None:
         argv += ["--profile", str(profile)]
-    return taskset(argv, s.cores)
+    return argv
+
+
+def orin_argv(s: Settings, port: int, profile: Path | None = None) -> list[str]:
+    return taskset(serve_argv(s.model, s.slots, s.ctx_per_slot, port, profile), s.cores)
 
 
 def llama_server_argv(

@@ -61,7 +61,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.peers import orin_profile, write_profile
+from benchmarks.peers import orin_profile, serve_argv, write_profile
 from benchmarks.server_throughput import stop, wait_up
 from orin.model import demo, packaged
 from tests.serverutil import free_port
@@ -257,10 +257,7 @@ def run(
 def _soak(model: Path, profile: Path | None, rounds: int, settle_s: float, quiet: bool) -> Soak:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "orin", "serve", "--model", str(model), "--port", str(port),
-            "--slots", str(SLOTS), "--ctx", str(CTX_PER_SLOT), "--telemetry", "off"]  # fmt: skip
-    if profile is not None:
-        argv += ["--profile", str(profile)]
+    argv = serve_argv(model, SLOTS, CTX_PER_SLOT, port, profile)
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     samples: list[Sample] = []
     try:

@@ -62,6 +62,7 @@ from benchmarks.peers import (
     orin_profile,
     rotate,
     running,
+    serve_argv,
     settings,
     summarize,
     taskset,
@@ -105,11 +106,8 @@ class Vision:
 
 
 def orin_argv(s: Settings, port: int, profile: Path) -> list[str]:
-    """`orin-llm serve` with the settings; its --ctx is per slot."""
-    argv = [sys.executable, "-m", "orin", "serve", "--model", str(s.model),
-            "--profile", str(profile), "--slots", str(s.slots), "--ctx", str(s.ctx_per_slot),
-            "--telemetry", "off", "--port", str(port)]  # fmt: skip
-    return taskset(argv, s.cores)
+    """`orin-llm serve` with the settings and the vision profile."""
+    return taskset(serve_argv(s.model, s.slots, s.ctx_per_slot, port, profile), s.cores)
 
 
 # -- requests ------------------------------------------------------------------------------

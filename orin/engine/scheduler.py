@@ -299,7 +299,7 @@ class Scheduler:
         idle_now = sum(1 for s in self.slots if not s.busy)
         if self.prefix_reuse and 1 < len(self.queue) <= idle_now:
             self.queue = deque(sorted(self.queue, key=lambda r: not self._whole_prompt_cached(r)))
-        # every idle slot gets a request now: the busy slots end as one run whoever
+        # when every idle slot gets a request now, the busy slots end as one run whoever
         # takes which, so each request may take the slot that holds most of its prompt
         fills = len(self.queue) >= idle_now
         while self.queue:
