@@ -218,6 +218,8 @@ class _Bad(Exception):
 
 _WS = " \t\r\n"
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+# a string JSON accepts: no raw control character, only its own escapes
+_JSON_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"')
 _SCALAR = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
 _SCALAR_PREFIX = re.compile(r"-?[0-9.eE+-]*")
 _BRACKETS = re.compile(r'["{}\[\]]')
@@ -235,6 +237,8 @@ def _string_end(s: str, i: int) -> int:
     m = _STRING.match(s, i)
     if m is None:
         raise _Partial
+    if _JSON_STRING.fullmatch(m.group()) is None:  # an escape or character JSON refuses
+        raise _Bad
     return m.end()
 
 

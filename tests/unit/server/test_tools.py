@@ -291,6 +291,20 @@ def test_any_text_parses_the_same_whatever_the_token_boundaries(
         assert content == text  # no call found: every character is content
 
 
+def test_a_string_json_refuses_makes_a_call_malformed_not_an_error() -> None:
+    """An escape JSON does not have (``\\<``) or a raw control character inside a key
+    or a name: the call is malformed and stays content, as json.loads would refuse it
+    (found by the property test above)."""
+    for bad in (
+        'Hi <tool_call>{"\\<tool_call>": 1}</tool_call>',
+        'Hi <tool_call>{"name": "f\\x", "arguments": {}}</tool_call>',
+        'Hi <tool_call>{"na\nme": "f", "arguments": {}}</tool_call>',
+    ):
+        assert parse(HERMES, [bad], eager=False) == (bad, "", [])
+    fine = '<tool_call>{"name": "f\\u00e9", "arguments": {"a": "\\n"}}</tool_call>'
+    assert parse(HERMES, [fine], eager=False)[2] == [("f\u00e9", '{"a": "\\n"}')]
+
+
 def test_malformed_calls_stay_content() -> None:
     bad = 'Hi <tool_call>{"name": "f", "arguments": {"a": tru}}</tool_call> bye'
     assert parse(HERMES, [bad], eager=False) == (bad, "", [])
