@@ -302,7 +302,6 @@ class Scheduler:
         # when every idle slot gets a request now, the busy slots end as one run whoever
         # takes which, so each request may take the slot that holds most of its prompt
         fills = len(self.queue) >= idle_now
-        plan = {} if fills else self._plan(list(self.queue))
         while self.queue:
             idle = [s for s in self.slots if not s.busy]
             if not idle:
@@ -311,81 +310,9 @@ class Scheduler:
             if self._prefix_in_progress(request.prompt_tokens):
                 held.append(request)
                 continue
-            slot = plan.get(id(request))
-            if slot is None or slot.busy:
-                slot = self._pick_slot(idle, request.prompt_tokens, packed_only=not fills)
+            slot = self._pick_slot(idle, request.prompt_tokens, packed_only=not fills)
             self._start(slot, request)
         self.queue.extendleft(reversed(held))
-
-    def _plan(self, queued: list[SchedRequest]) -> dict[int, Slot]:
-        """Slots for the queued requests that start together in this step and leave
-        slots idle (fewer than ``_pick_slot``'s fill rule needs), keyed by ``id`` of
-        the request; empty: each takes ``_pick_slot``'s choice in turn.
-
-        Taken one by one, in arrival order, each request can only have a slot next
-        to the busy ones, which the requests before it chose: four returning users
-        whose own slots are 2-5 start in 3, 4, 5 and 2 when the user of slot 3
-        comes first, and three of them prefill again what their own slot holds.
-        Together, the busy slots end as one run of the busy ones and the newcomers
-        wherever that run lies: of every such run (a window of consecutive slots
-        around the busy ones), the one whose idle slots hold most of the newcomers'
-        prompts, net of the cells overwriting them would lose (``_pick_slot``'s
-        measure), each slot to the request it holds most of (greedy, best pair
-        first). A window that puts the newcomers in two runs, on both sides of the
-        busy slots, is charged a pass (``pass_tokens``): their prompts, fed in a
-        step of their own (``_prompts_first``) or beside one another, take a pass
-        per run. Ties: the lowest window, the lowest slot, the earliest request.
-
-        Only with one KV stream per slot and prefix reuse, for the requests not held
-        for a prefill in progress (``_prefix_in_progress``, told as if the earlier
-        ones had started). Not when an idle slot holds one of their whole prompts:
-        that request takes its own slot even where it splits the busy ones, and
-        the rest of the burst usually fills the gap (``_pick_slot``); a window
-        would make it copy its prompt, or overwrite another user's. In the
-        replayed bursts of ``benchmarks/burst_replay`` (returning users repeat
-        their prompts), planning those too made 43 of 1800 returning users
-        prefill again instead of 2, with 3.54 stream copies per run against 3.17."""
-        if self.unified or not self.prefix_reuse or len(queued) < 2:
-            return {}
-        starting: list[SchedRequest] = []
-        coming: list[list[int]] = []
-        for request in queued:
-            if not self._prefix_in_progress(request.prompt_tokens, coming):
-                starting.append(request)
-                coming.append(request.prompt_tokens)
-        busy = {s.id for s in self.slots if s.busy}
-        width = len(busy) + len(starting)
-        if len(starting) < 2 or _runs(busy) > 1 or width > len(self.slots):
-            return {}
-        if any(self._whole_prompt_cached(r) for r in starting):
-            return {}  # the same prompt again: its own slot, wherever (``_pick_slot``)
-        lo, hi = (min(busy), max(busy)) if busy else (len(self.slots), -1)
-        first = range(max(0, hi - width + 1), min(lo, len(self.slots) - width) + 1)
-        worth: dict[tuple[int, int], int] = {}
-        for r, request in enumerate(starting):
-            for slot in self.slots:
-                if not slot.busy:
-                    held = _reusable_prefix(slot, request.prompt_tokens)
-                    worth[r, slot.id] = held - self._lost(slot, held)
-        pass_tokens = max(0.0, self.pass_tokens())
-        best: tuple[tuple[float, int, int], dict[int, int]] | None = None
-        for a in first:
-            new = [i for i in range(a, a + width) if i not in busy]
-            pairs = sorted((-worth[r, i], i, r) for r in range(len(starting)) for i in new)
-            taken: dict[int, int] = {}  # request index -> slot id
-            used: set[int] = set()
-            total = 0
-            for minus, i, r in pairs:
-                if r not in taken and i not in used:
-                    taken[r], total = i, total - minus
-                    used.add(i)
-            runs = _runs(set(new))
-            key = (total - pass_tokens * (runs - 1), -runs, -a)
-            if best is None or key > best[0]:
-                best = (key, taken)
-        if best is None:
-            return {}
-        return {id(starting[r]): self.slots[i] for r, i in best[1].items()}
 
     def _whole_prompt_cached(self, request: SchedRequest) -> bool:
         """Whether an idle slot holds all of the request's prompt but its last token."""
@@ -460,25 +387,20 @@ class Scheduler:
         slot now passes ``share_min`` (a copy's measured cost in prompt tokens)."""
         return gain > 0 and gain >= min(bar, len(prompt) - 1)
 
-    def _prefix_in_progress(self, prompt: list[int], coming: Sequence[list[int]] = ()) -> bool:
+    def _prefix_in_progress(self, prompt: list[int]) -> bool:
         """Whether a prefilling slot will soon hold more of ``prompt`` than any slot
         holds now, enough to be worth a copy. Waiting costs nothing: the prompt
         tokens of a step are one budget, so prefilling the same tokens alongside
-        would not end sooner. ``coming``: prompts about to start, counted as
-        prefilling (``_plan``)."""
+        would not end sooner."""
         if not self.prefix_reuse:
             return False
         limit = len(prompt) - 1
-        now = min(_longest_prefix(self.slots, prompt), limit)
-        prefilling = [
-            s.cache + s.pending
-            for s in self.slots
-            if s.state is SlotState.PREFILL and s.shifts == 0
-        ]
-        for tokens in (*prefilling, *coming):
-            soon = min(common_prefix(tokens, prompt), limit)
-            if soon > now and self._worth_sharing(soon, prompt):
-                return True
+        now = _longest_prefix(self.slots, prompt)
+        for s in self.slots:
+            if s.state is SlotState.PREFILL and s.shifts == 0:
+                soon = min(common_prefix(s.cache + s.pending, prompt), limit)
+                if soon > min(now, limit) and self._worth_sharing(soon, prompt):
+                    return True
         return False
 
     def _usable(self, slot: Slot, n: int) -> int:

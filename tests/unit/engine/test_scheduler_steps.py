@@ -441,64 +441,12 @@ def test_a_request_that_leaves_idle_slots_still_takes_one_next_to_the_busy_ones(
     assert batch.passes == 1
 
 
-def returning(user: int, burst: int) -> list[int]:
-    """A user's prompt in a burst: 4 tokens everyone shares, 7 more of the user's own,
-    then the burst's words."""
-    return [1, 2, 3, 4, 50 + user, *range(6, 12), 700 + burst, *range(13, 20)]
-
-
-@pytest.mark.parametrize("order", [(3, 5, 2, 4), (5, 4, 3, 2), (4, 2, 5, 3), (2, 3, 4, 5)])
-def test_users_who_come_back_together_to_idle_slots_each_take_their_own(
-    order: tuple[int, ...],
-) -> None:
-    """Eight users left their prompts in slots 0-7; users 2-5 come back together, in
-    any order, while four slots stay idle (the fill rule does not apply). Taken one by
-    one, the first could take its own slot and each next one only a slot beside the
-    busy ones: user 3 first, then 5 takes 2 or 4 and copies or prefills again. Planned
-    together, the four take slots 2-5, their own: no copies, 8 tokens each, one pass."""
-    s = sched(n_slots=8, n_batch=512)
-    for user in range(8):
-        s.add(Req(f"u{user}-0", returning(user, 0)))
-    decode_all(s)
-    for slot in s.slots:
-        s.release(slot, keep_cache=True)
-    for user in order:
-        s.add(Req(f"u{user}-1", returning(user, 1)))
-    batch = s.schedule()
-    assert [s.slot_of(f"u{user}-1") for user in order] == [s.slots[u] for u in order]
-    assert not any(isinstance(op, Copy) for op in batch.ops)
-    assert batch.n_prefill == 4 * 8 and batch.passes == 1
-
-
-def test_newcomers_beside_busy_slots_take_one_side_so_their_prompts_are_one_pass() -> None:
-    """Users decode in slots 2 and 3; slot 0 holds another user's prompt, the rest are
-    empty. Two new users arrive together. One by one, the first takes slot 1 (the
-    lowest of 1 and 4) and the second slot 4 (slot 0 would overwrite a prompt): their
-    prompts on both sides of the busy slots take a pass each. Planned together they
-    take 4 and 5, and their prompts run in one pass before the decode rows."""
-    s = sched(n_slots=8, n_batch=512)
-    s.pass_tokens = lambda: 16.0
-    for name in "abcd":
-        s.add(Req(name, [ord(name)] * 20))
-    decode_all(s)
-    s.release(s.slots[0], keep_cache=True)
-    s.release(s.slots[1], keep_cache=False)
-    run(s, s.schedule())  # c and d decode on in slots 2 and 3
-    s.add(Req("x", [9] * 12))
-    s.add(Req("y", [8] * 12))
-    batch = s.schedule()
-    assert (s.slot_of("x"), s.slot_of("y")) == (s.slots[4], s.slots[5])
-    assert s.slots[0].cache[:20] == [ord("a")] * 20  # its prompt kept
-    assert [(i.slot, len(i.tokens)) for i in batch.items] == [(4, 12), (5, 12)]
-    assert batch.passes == 1
-
-
 def test_a_user_repeating_a_whole_prompt_keeps_their_slot_and_nobody_elses_is_taken() -> None:
     """Users a-d left their prompts in slots 0-3 and a new user decodes in slot 4.
-    Users a and b send the same prompts again, with two new users: no plan, as one
-    by one a and b take their own slots (one token each) and the new users empty
-    ones, so c's and d's prompts stay; a window around slot 4 would have made the
-    new users overwrite them, or a and b copy their prompts."""
+    Users a and b send the same prompts again, with two new users: a and b take
+    their own slots (one token each) and the new users empty ones, so c's and d's
+    prompts stay; slots chosen as one run around slot 4 would have made the new
+    users overwrite them, or a and b copy their prompts."""
     s = sched(n_slots=8, n_batch=512)
     prompts = {name: [1, 2] + [ord(name)] * 18 for name in "abcd"}
     for name in "abcd":
@@ -519,7 +467,7 @@ def test_a_user_repeating_a_whole_prompt_keeps_their_slot_and_nobody_elses_is_ta
     assert not any(isinstance(op, Copy) for op in batch.ops)
 
 
-def test_requests_held_for_a_prefix_in_progress_leave_no_hole_in_the_plan() -> None:
+def test_requests_held_for_a_prefix_in_progress_leave_no_hole() -> None:
     """Three requests for one long prompt (``n`` > 1 choices) and one other arrive
     together on idle slots: the first of the three and the other start side by side,
     the two held for the prefill in progress start later by copying its cells, and
