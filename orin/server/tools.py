@@ -237,7 +237,7 @@ def _string_end(s: str, i: int) -> int:
     m = _STRING.match(s, i)
     if m is None:
         raise _Partial
-    if _JSON_STRING.fullmatch(m.group()) is None:  # an escape or character JSON refuses
+    if _JSON_STRING.fullmatch(s, i, m.end()) is None:  # an escape or character JSON refuses
         raise _Bad
     return m.end()
 
