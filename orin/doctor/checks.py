@@ -20,6 +20,7 @@ from orin.severity import worst
 from orin.system.loadmode import mmap_policy
 
 INSTALL = "scripts/install-llama-cpp.sh"
+SERVICE_ENV = "/etc/orin-llm/orin-llm.env"  # orin-llm.service's EnvironmentFile
 KV_FIXES = {
     "kv-quant-v-needs-fa": "engine.flash_attn: on (or auto), or engine.type_v: f16",
     "kv-cuda-fa-kernels": "engine.type_k and engine.type_v: types CUDA flash attention "
@@ -163,6 +164,53 @@ def check_cpu_kernels(ctx: DoctorContext) -> Finding:
         "ok",
         f"CPU kernels without AMX: {', '.join(simd) or 'no SIMD extensions'}",
     )
+
+
+def check_openmp_wait(ctx: DoctorContext) -> Finding:
+    """OMP_WAIT_POLICY=PASSIVE where llama.cpp's CPU backend runs on OpenMP threads.
+
+    ggml's CPU threads meet at an OpenMP barrier after every operation of a step;
+    passive threads go to sleep at each one instead of spinning for the few
+    microseconds the others need, and a CPU decode takes several times as long
+    (2.5-4x on a 2-core VM, docs/performance.md, "OpenMP threads that sleep")."""
+    build = ctx.build
+    if build is None:
+        return Finding(
+            "openmp-wait",
+            "info",
+            "skipped: llama-cpp-python is not usable",
+            why="this check reads the build's llama_print_system_info",
+            fix="see llama-build",
+        )
+    if build.backends.get("CPU", {}).get("OPENMP") != "1":
+        return Finding("openmp-wait", "ok", "llama.cpp's CPU threads are not OpenMP threads")
+    sources = [("this shell's environment", ctx.environ.get("OMP_WAIT_POLICY"))]
+    service = ctx.root.read_text(SERVICE_ENV)  # None when absent or unreadable (not root)
+    if service is not None:
+        sources.append((SERVICE_ENV, _env_value(service, "OMP_WAIT_POLICY")))
+    passive = [where for where, value in sources if (value or "").strip().upper() == "PASSIVE"]
+    if passive:
+        return Finding(
+            "openmp-wait",
+            "warn",
+            f"OMP_WAIT_POLICY=PASSIVE in {' and '.join(passive)}",
+            why="llama.cpp's CPU threads then sleep at every barrier inside a step: the "
+            "layers and operations that run on the CPU take several times as long "
+            "(a CPU decode 2.5-4x)",
+            fix=f"remove OMP_WAIT_POLICY from {' and '.join(passive)}; set it only for a "
+            "measurement that needs idle CPU threads to read as idle",
+        )
+    return Finding("openmp-wait", "ok", "OpenMP threads spin at barriers (OMP_WAIT_POLICY unset)")
+
+
+def _env_value(text: str, name: str) -> str | None:
+    """The last value an environment file (systemd's EnvironmentFile) gives ``name``."""
+    value = None
+    for line in text.splitlines():
+        key, sep, rest = line.strip().partition("=")
+        if sep and key.strip() == name:
+            value = rest.strip().strip("'\"")
+    return value
 
 
 def check_kv_type(ctx: DoctorContext) -> Finding:
@@ -334,6 +382,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("model-file", check_model_file),
     ("llama-build", check_llama_build),
     ("cpu-kernels", check_cpu_kernels),
+    ("openmp-wait", check_openmp_wait),
     ("kv-type", check_kv_type),
     ("memory-fit", check_memory_fit),
     ("context", check_context),

@@ -10,9 +10,10 @@ the model is read with the GGUF metadata reader only.
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -89,6 +90,8 @@ class DoctorContext:
     port_probe: PortProbe = probe_port
     disk_free: DiskFree = free_bytes
     platform_override: Platform | None = field(default=None, repr=False)
+    # the environment serve would start with when run from this shell
+    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ), repr=False)
 
     @cached_property
     def platform(self) -> Platform:

@@ -33,6 +33,7 @@ def make_ctx() -> MakeCtx:
         build: BuildInfo | Exception = CUDA_BUILD,
         port: str | None = None,
         free: int = 100 * 2**30,
+        environ: dict[str, str] | None = None,
         **engine: Any,
     ) -> DoctorContext:
         def build_info() -> BuildInfo:
@@ -50,6 +51,7 @@ def make_ctx() -> MakeCtx:
             build_info=build_info,
             port_probe=lambda host, n: port,
             disk_free=lambda path: free,
+            environ=environ or {},
         )
 
     return make

@@ -1,0 +1,85 @@
+"""openmp-wait: OMP_WAIT_POLICY=PASSIVE beside an OpenMP build of llama.cpp's CPU backend.
+
+The build's system-info line is what llama_print_system_info prints for the CPU
+backend of 0.3.36 built by scripts/install-llama-cpp.sh on an AMD Zen 3 CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orin.doctor import checks
+from orin.llamacpp import BuildInfo, parse_system_info
+from tests.fakes.boards_system import x86_machine
+from tests.unit.doctor.conftest import MakeCtx
+
+OPENMP = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
+OPENMP += "LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
+NO_OPENMP = OPENMP.replace("OPENMP = 1 | ", "")
+
+
+def cpu_build(text: str) -> BuildInfo:
+    return BuildInfo("0.3.36", False, text, parse_system_info(text))
+
+
+def service_env(root: Path, text: str) -> None:
+    path = root / "etc/orin-llm/orin-llm.env"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_passive_in_the_shell_warns_and_says_where(tmp_path: Path, make_ctx: MakeCtx) -> None:
+    board, runner = x86_machine(tmp_path / "pc")
+    ctx = make_ctx(
+        board.root, runner, build=cpu_build(OPENMP), environ={"OMP_WAIT_POLICY": "passive"}
+    )
+    f = checks.check_openmp_wait(ctx)
+    assert f.severity == "warn"
+    assert f.found == "OMP_WAIT_POLICY=PASSIVE in this shell's environment"
+    assert "barrier" in f.why
+    assert f.fix.startswith("remove OMP_WAIT_POLICY from this shell's environment")
+
+
+def test_passive_in_the_service_environment_file_warns(tmp_path: Path, make_ctx: MakeCtx) -> None:
+    board, runner = x86_machine(tmp_path / "pc")
+    service_env(board.root.base, "# tuned\nORIN_LLM_HOST=0.0.0.0\nOMP_WAIT_POLICY='PASSIVE'\n")
+    f = checks.check_openmp_wait(make_ctx(board.root, runner, build=cpu_build(OPENMP)))
+    assert f.severity == "warn"
+    assert f.found == "OMP_WAIT_POLICY=PASSIVE in /etc/orin-llm/orin-llm.env"
+
+
+def test_the_file_s_last_assignment_counts(tmp_path: Path, make_ctx: MakeCtx) -> None:
+    board, runner = x86_machine(tmp_path / "pc")
+    service_env(board.root.base, "OMP_WAIT_POLICY=PASSIVE\nOMP_WAIT_POLICY=ACTIVE\n")
+    f = checks.check_openmp_wait(make_ctx(board.root, runner, build=cpu_build(OPENMP)))
+    assert f.severity == "ok"
+
+
+def test_active_unset_or_commented_out_is_ok(tmp_path: Path, make_ctx: MakeCtx) -> None:
+    board, runner = x86_machine(tmp_path / "pc")
+    service_env(board.root.base, "#OMP_WAIT_POLICY=PASSIVE\n")
+    for environ in ({}, {"OMP_WAIT_POLICY": "ACTIVE"}):
+        ctx = make_ctx(board.root, runner, build=cpu_build(OPENMP), environ=environ)
+        assert checks.check_openmp_wait(ctx).severity == "ok", environ
+
+
+def test_a_build_without_openmp_is_ok_whatever_the_policy(
+    tmp_path: Path, make_ctx: MakeCtx
+) -> None:
+    board, runner = x86_machine(tmp_path / "pc")
+    ctx = make_ctx(
+        board.root, runner, build=cpu_build(NO_OPENMP), environ={"OMP_WAIT_POLICY": "PASSIVE"}
+    )
+    f = checks.check_openmp_wait(ctx)
+    assert f.severity == "ok"
+    assert "not OpenMP" in f.found
+
+
+def test_no_usable_build_is_skipped(tmp_path: Path, make_ctx: MakeCtx) -> None:
+    from orin.errors import LlamaCppError
+
+    board, runner = x86_machine(tmp_path / "pc")
+    ctx = make_ctx(board.root, runner, build=LlamaCppError("no llama_cpp"))
+    f = checks.check_openmp_wait(ctx)
+    assert f.severity == "info"
+    assert f.found.startswith("skipped")
