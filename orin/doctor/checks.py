@@ -185,9 +185,12 @@ def check_openmp_wait(ctx: DoctorContext) -> Finding:
     if build.backends.get("CPU", {}).get("OPENMP") != "1":
         return Finding("openmp-wait", "ok", "llama.cpp's CPU threads are not OpenMP threads")
     sources = [("this shell's environment", ctx.environ.get("OMP_WAIT_POLICY"))]
-    service = ctx.root.read_text(SERVICE_ENV)  # None when absent or unreadable (not root)
-    if service is not None:
-        sources.append((SERVICE_ENV, _env_value(service, "OMP_WAIT_POLICY")))
+    # doctor runs as root under `orin-llm install`: a file another user could have
+    # written is not read
+    if ctx.root.untrusted_reason(SERVICE_ENV) is None:
+        service = ctx.root.read_text(SERVICE_ENV)  # None when absent or unreadable
+        if service is not None:
+            sources.append((SERVICE_ENV, _env_value(service, "OMP_WAIT_POLICY")))
     passive = [where for where, value in sources if (value or "").strip().upper() == "PASSIVE"]
     if passive:
         return Finding(

@@ -48,6 +48,17 @@ def test_passive_in_the_service_environment_file_warns(tmp_path: Path, make_ctx:
     assert f.found == "OMP_WAIT_POLICY=PASSIVE in /etc/orin-llm/orin-llm.env"
 
 
+def test_a_service_file_others_can_write_is_not_read(tmp_path: Path, make_ctx: MakeCtx) -> None:
+    board, runner = x86_machine(tmp_path / "pc")
+    service_env(board.root.base, "OMP_WAIT_POLICY=PASSIVE\n")
+    (board.root.base / "etc/orin-llm/orin-llm.env").chmod(0o666)
+    f = checks.check_openmp_wait(make_ctx(board.root, runner, build=cpu_build(OPENMP)))
+    assert f.severity == "ok"
+    (board.root.base / "etc/orin-llm/orin-llm.env").chmod(0o640)
+    f = checks.check_openmp_wait(make_ctx(board.root, runner, build=cpu_build(OPENMP)))
+    assert f.severity == "warn"
+
+
 def test_the_file_s_last_assignment_counts(tmp_path: Path, make_ctx: MakeCtx) -> None:
     board, runner = x86_machine(tmp_path / "pc")
     service_env(board.root.base, "OMP_WAIT_POLICY=PASSIVE\nOMP_WAIT_POLICY=ACTIVE\n")
