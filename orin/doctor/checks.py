@@ -14,13 +14,13 @@ from collections.abc import Callable
 from orin.doctor import board
 from orin.doctor.context import DoctorContext
 from orin.doctor.findings import Finding
+from orin.install.layout import ENV_FILE, env_values
 from orin.profile.board import load_settings
 from orin.profile.fit import gib, memory_fit, projector_bytes, projector_path
 from orin.severity import worst
 from orin.system.loadmode import mmap_policy
 
 INSTALL = "scripts/install-llama-cpp.sh"
-SERVICE_ENV = "/etc/orin-llm/orin-llm.env"  # orin-llm.service's EnvironmentFile
 KV_FIXES = {
     "kv-quant-v-needs-fa": "engine.flash_attn: on (or auto), or engine.type_v: f16",
     "kv-cuda-fa-kernels": "engine.type_k and engine.type_v: types CUDA flash attention "
@@ -29,6 +29,16 @@ KV_FIXES = {
     "(GGML_CUDA_FA_QUANTS=all)",
     "kv-below-weights": "engine.type_k: auto and engine.type_v: auto (matched to the weights)",
 }
+
+
+def no_build(check_id: str) -> Finding:
+    return Finding(
+        check_id,
+        "info",
+        "skipped: llama-cpp-python is not usable",
+        why="this check reads the build's llama_print_system_info",
+        fix="see llama-build",
+    )
 
 
 def skipped(check_id: str, ctx: DoctorContext) -> Finding:
@@ -138,13 +148,7 @@ def check_cpu_kernels(ctx: DoctorContext) -> Finding:
     quantized decode on Intel CPUs that have AMX (llama.cpp issue 20824)."""
     build = ctx.build
     if build is None:
-        return Finding(
-            "cpu-kernels",
-            "info",
-            "skipped: llama-cpp-python is not usable",
-            why="this check reads the build's llama_print_system_info",
-            fix="see llama-build",
-        )
+        return no_build("cpu-kernels")
     cpu = build.backends.get("CPU", {})
     if cpu.get("AMX_INT8") == "1":
         return Finding(
@@ -172,25 +176,19 @@ def check_openmp_wait(ctx: DoctorContext) -> Finding:
     ggml's CPU threads meet at an OpenMP barrier after every operation of a step;
     passive threads go to sleep at each one instead of spinning for the few
     microseconds the others need, and a CPU decode takes several times as long
-    (2.5-4x on a 2-core VM, docs/performance.md, "OpenMP threads that sleep")."""
+    (2.4-4x on a 2-core VM, docs/performance.md, "OpenMP threads that sleep")."""
     build = ctx.build
     if build is None:
-        return Finding(
-            "openmp-wait",
-            "info",
-            "skipped: llama-cpp-python is not usable",
-            why="this check reads the build's llama_print_system_info",
-            fix="see llama-build",
-        )
+        return no_build("openmp-wait")
     if build.backends.get("CPU", {}).get("OPENMP") != "1":
         return Finding("openmp-wait", "ok", "llama.cpp's CPU threads are not OpenMP threads")
     sources = [("this shell's environment", ctx.environ.get("OMP_WAIT_POLICY"))]
     # doctor runs as root under `orin-llm install`: a file another user could have
     # written is not read
-    if ctx.root.untrusted_reason(SERVICE_ENV) is None:
-        service = ctx.root.read_text(SERVICE_ENV)  # None when absent or unreadable
+    if ctx.root.untrusted_reason(ENV_FILE) is None:
+        service = ctx.root.read_text(ENV_FILE)  # None when absent or unreadable
         if service is not None:
-            sources.append((SERVICE_ENV, _env_value(service, "OMP_WAIT_POLICY")))
+            sources.append((ENV_FILE, env_values(service).get("OMP_WAIT_POLICY")))
     passive = [where for where, value in sources if (value or "").strip().upper() == "PASSIVE"]
     if passive:
         return Finding(
@@ -199,21 +197,13 @@ def check_openmp_wait(ctx: DoctorContext) -> Finding:
             f"OMP_WAIT_POLICY=PASSIVE in {' and '.join(passive)}",
             why="llama.cpp's CPU threads then sleep at every barrier inside a step: the "
             "layers and operations that run on the CPU take several times as long "
-            "(a CPU decode 2.5-4x)",
+            "(a CPU decode 2.4-4x)",
             fix=f"remove OMP_WAIT_POLICY from {' and '.join(passive)}; set it only for a "
             "measurement that needs idle CPU threads to read as idle",
         )
-    return Finding("openmp-wait", "ok", "OpenMP threads spin at barriers (OMP_WAIT_POLICY unset)")
-
-
-def _env_value(text: str, name: str) -> str | None:
-    """The last value an environment file (systemd's EnvironmentFile) gives ``name``."""
-    value = None
-    for line in text.splitlines():
-        key, sep, rest = line.strip().partition("=")
-        if sep and key.strip() == name:
-            value = rest.strip().strip("'\"")
-    return value
+    return Finding(
+        "openmp-wait", "ok", "OpenMP threads spin at barriers (OMP_WAIT_POLICY not PASSIVE)"
+    )
 
 
 def check_kv_type(ctx: DoctorContext) -> Finding:

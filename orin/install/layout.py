@@ -33,5 +33,17 @@ GPU_GROUPS = ("video", "render")  # the Jetson GPU nodes belong to these groups
 HOME_PREFIXES = ("/home/", "/root/", "/run/user/")
 
 
+def env_values(text: str) -> dict[str, str]:
+    """The variables an environment file (``ENV_FILE``, systemd's EnvironmentFile)
+    sets: comments skipped, quotes around a value removed, the last assignment wins."""
+    values = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip().strip("\"'")
+    return values
+
+
 def unit_path(unit_dir: str, unit: str) -> str:
     return f"{unit_dir.rstrip('/')}/{unit}"

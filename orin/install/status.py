@@ -20,7 +20,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from orin.errors import OrinError
-from orin.install.layout import ENV_FILE, PROFILE_FILE, SERVICE, UNITS, unit_path
+from orin.install.layout import ENV_FILE, PROFILE_FILE, SERVICE, UNITS, env_values, unit_path
 from orin.install.plan import probe_url
 from orin.install.probe import HttpGet
 from orin.install.steps import read_file
@@ -146,21 +146,11 @@ def service_url(root: SysRoot, unit_dir: str) -> str | None:
     except OrinError:
         return None
     host, port = profile.server.host, str(profile.server.port)
-    env = _env_values(root.read_text(ENV_FILE) or "")  # root-only: unreadable for users
+    env = env_values(root.read_text(ENV_FILE) or "")  # root-only: unreadable for users
     host, port = env.get("ORIN_LLM_HOST", host), env.get("ORIN_LLM_PORT", port)
     flags = _exec_flags(read_file(root, unit_path(unit_dir, SERVICE)) or "")
     host, port = flags.get("--host", host), flags.get("--port", port)
     return probe_url(host, int(port)) if port.isdigit() else None
-
-
-def _env_values(text: str) -> dict[str, str]:
-    values = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip().strip("\"'")
-    return values
 
 
 def _exec_flags(unit_text: str) -> dict[str, str]:

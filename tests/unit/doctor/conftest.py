@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from orin.doctor.context import DoctorContext
-from orin.llamacpp import BuildInfo
+from orin.llamacpp import BuildInfo, parse_system_info
 from orin.profile.schema import Profile
 from orin.system.commands import CommandRunner
 from orin.system.root import SysRoot
@@ -15,6 +15,11 @@ from tests.fakes.boards_system import CUDA_BUILD
 from tests.ggufutil import LLAMA2_7B, write_gguf
 
 MakeCtx = Callable[..., DoctorContext]
+
+
+def cpu_build(text: str) -> BuildInfo:
+    """A CPU-only build whose system info is ``text``."""
+    return BuildInfo("0.3.36", False, text, parse_system_info(text))
 
 
 @pytest.fixture

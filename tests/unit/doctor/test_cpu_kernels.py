@@ -11,9 +11,8 @@ from pathlib import Path
 
 from orin.doctor import checks
 from orin.errors import LlamaCppError
-from orin.llamacpp import BuildInfo, parse_system_info
 from tests.fakes.boards_system import x86_machine
-from tests.unit.doctor.conftest import MakeCtx
+from tests.unit.doctor.conftest import MakeCtx, cpu_build
 
 NATIVE_SPR = (
     "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX_VNNI = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | "
@@ -21,10 +20,6 @@ NATIVE_SPR = (
     "AMX_INT8 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
 )
 FLAGGED_SPR = NATIVE_SPR.replace("AMX_INT8 = 1 | ", "")
-
-
-def cpu_build(text: str) -> BuildInfo:
-    return BuildInfo("0.3.36", False, text, parse_system_info(text))
 
 
 def test_amx_build_fails_with_the_rebuild_as_fix(tmp_path: Path, make_ctx: MakeCtx) -> None:

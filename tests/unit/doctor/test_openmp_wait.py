@@ -9,17 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from orin.doctor import checks
-from orin.llamacpp import BuildInfo, parse_system_info
+from orin.errors import LlamaCppError
 from tests.fakes.boards_system import x86_machine
-from tests.unit.doctor.conftest import MakeCtx
+from tests.unit.doctor.conftest import MakeCtx, cpu_build
 
 OPENMP = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
 OPENMP += "LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | "
 NO_OPENMP = OPENMP.replace("OPENMP = 1 | ", "")
-
-
-def cpu_build(text: str) -> BuildInfo:
-    return BuildInfo("0.3.36", False, text, parse_system_info(text))
 
 
 def service_env(root: Path, text: str) -> None:
@@ -87,8 +83,6 @@ def test_a_build_without_openmp_is_ok_whatever_the_policy(
 
 
 def test_no_usable_build_is_skipped(tmp_path: Path, make_ctx: MakeCtx) -> None:
-    from orin.errors import LlamaCppError
-
     board, runner = x86_machine(tmp_path / "pc")
     ctx = make_ctx(board.root, runner, build=LlamaCppError("no llama_cpp"))
     f = checks.check_openmp_wait(ctx)
