@@ -31,7 +31,9 @@ tokens fit in a step that must end within the target (the profile's
 ``slo.tpot_p90_ms`` less a margin, since one step is one inter-token gap of
 each running stream)? Never fewer than a floor, so a long prompt still
 progresses when the target cannot be met, and the whole chunk when nothing is
-decoding.
+decoding. When even the floor's step is predicted above the target, the policy
+says so (``unmet_ms``), and the engine warns: the target is below what a step
+with any prompt tokens costs on this machine.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ MARGIN = 0.85
 the model's error and the time outside the step (sampling, text) on top."""
 MIN_CHUNK = 16
 """Prompt tokens per step at least, whatever the target: a long prompt progresses."""
+SETTLED_STEPS = 16
+"""Steps the model must have seen, a prompt step among them, before its predictions
+are taken as the machine's (a fresh model's prior is deliberately pessimistic)."""
 
 
 def _clip(v: float) -> float:
@@ -64,6 +69,11 @@ class StepCostModel:
         self._token_ms = 0.0  # weighted sums of the prompt part's time and tokens
         self._tokens = 0.0
         self.steps = 0
+
+    @property
+    def settled(self) -> bool:
+        """Enough steps seen, one with prompt tokens among them, to trust a prediction."""
+        return self.steps >= SETTLED_STEPS and self._tokens > 0
 
     def observe(self, passes: int, rows: int, prompt: int, ms: float) -> None:
         """One finished step: its shape and its duration in milliseconds."""
@@ -147,6 +157,9 @@ class ChunkPolicy:
         self.passes = passes
         self.model = model or StepCostModel()
         self.learn = target_ms is not None  # the engine sets it when speculation reads it too
+        # the latest budget's step at the floor, predicted, when it exceeds the target
+        # (None: the target holds, or nothing to tell yet)
+        self.unmet_ms: float | None = None
 
     def budget(self, rows: int) -> int:
         """Prompt tokens a step with ``rows`` decoding streams may carry."""
@@ -162,6 +175,11 @@ class ChunkPolicy:
         n = max(floor, min(self.cap, n))
         while n > floor and self.model.predict(self.passes(rows, n), rows, n) > limit:
             n = max(floor, n * 3 // 4)
+        self.unmet_ms = None
+        if n == floor and self.model.settled:
+            step = self.model.predict(self.passes(rows, n), rows, n)
+            if step > self.target_ms:
+                self.unmet_ms = step
         return n
 
     def observe(self, passes: int, rows: int, prompt: int, ms: float) -> None:

@@ -77,6 +77,8 @@ INLINE_PROMPT_TOKENS = 2048
 INLINE_BIASES = 64  # logit biases copied into the sampler at most, inline
 _NO_BATCH = Batch((), ())  # a loop turn that runs an embedding pass instead
 GATHER_S = 0.010
+UNMET_WARN_S = 600.0
+"""Seconds between two warnings that the TPOT target cannot be met beside prompts."""
 """How long an idle engine's first step may wait for requests the server is still
 preparing (``Engine.arrival``): a burst's requests reach the event loop within a few
 milliseconds of each other and each takes about a millisecond to prepare, while a
@@ -136,6 +138,7 @@ class Engine:
         self._embedded_last = False  # the last step was an embedding pass: generation next
         self._arriving = 0  # requests the server is preparing (Arrival tickets open)
         self._idle_since_step = False  # the loop found no work since the last step
+        self._unmet_warned: float | None = None  # time.monotonic() of the last such warning
         self.gather_s = GATHER_S
         # hand a step's events to the event loops just before the next decode (or
         # anything else long, or going idle) rather than at the step's end: the loop
@@ -725,6 +728,8 @@ class Engine:
                 self._abort_flag = False
                 self._stepping = bool(batch) or embed is not None
             self.heartbeat_ns = now_ns()
+            if batch.n_decode and batch.n_prefill and self.chunks.unmet_ms is not None:
+                self._warn_unmet(self.chunks.unmet_ms, batch.n_decode, batch.budget)
             if embed is not None:
                 deliver_held()
                 self._run_embed_pass(*embed)
@@ -783,6 +788,24 @@ class Engine:
         while not turned.is_set() and (left := deadline - time.monotonic()) > 0:
             self._lock.wait(left)
         return True
+
+    def _warn_unmet(self, step_ms: float, rows: int, chunk: int) -> None:
+        """Say, at most every ``UNMET_WARN_S``, that the profile's TPOT target is below
+        what a step with prompt tokens beside running streams costs here."""
+        t = time.monotonic()
+        if self._unmet_warned is not None and t - self._unmet_warned < UNMET_WARN_S:
+            return
+        self._unmet_warned = t
+        log.warning(
+            "slo.tpot_p90_ms is %g ms, but a step that feeds the smallest prompt chunk "
+            "(%d tokens) beside %d decoding streams takes about %.0f ms here: while "
+            "prompts arrive, the running streams' gaps exceed the target. Raise the "
+            "target, or run fewer streams at once (docs/engine.md, 'SLO-aware prompt chunks')",
+            self.cfg.tpot_target_ms,
+            chunk,
+            rows,
+            step_ms,
+        )
 
     def _pass_tokens(self) -> float:
         """Prompt tokens one llama.cpp pass costs as much as, by the step-cost model."""

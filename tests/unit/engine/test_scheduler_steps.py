@@ -120,6 +120,29 @@ def test_budget_has_a_floor_and_no_target_means_the_cap() -> None:
     assert ChunkPolicy(None, cap=300, passes=lambda r, p: 1).budget(4) == 300
 
 
+def test_a_target_below_the_floors_step_is_reported_once_the_model_has_settled() -> None:
+    def policy(target: float, model: StepCostModel) -> ChunkPolicy:
+        return ChunkPolicy(target, cap=512, passes=lambda r, p: 1 + (p > 0), model=model)
+
+    fresh = StepCostModel()  # a pessimistic prior: no warning from it
+    tight = policy(10.0, fresh)
+    assert tight.budget(4) == MIN_CHUNK and tight.unmet_ms is None
+    model = StepCostModel()
+    for _ in range(20):  # a pass 8 ms, a decode row 1 ms, a prompt token 0.5 ms
+        for rows in (1, 2, 4, 8):
+            model.observe(1, rows, 0, 8.0 + rows)
+        model.observe(2, 4, 64, 2 * 8.0 + 4 + 64 * 0.5)  # a chunk is a pass of its own
+    assert model.settled
+    tight = policy(20.0, model)
+    assert tight.budget(4) == MIN_CHUNK
+    # the floor's step beside 4 rows: two passes, 4 rows, 16 tokens: 28 ms
+    assert tight.unmet_ms == pytest.approx(28.0, rel=0.05)
+    roomy = policy(60.0, model)
+    assert roomy.budget(4) > MIN_CHUNK and roomy.unmet_ms is None
+    tight.target_ms = 30.0  # the floor fits now: the report goes with the next budget
+    assert tight.budget(4) == MIN_CHUNK and tight.unmet_ms is None
+
+
 def test_schedule_uses_the_budget_hook_and_records_it() -> None:
     s = sched(n_slots=2, n_batch=64)
     s.add(Req("a", [1, 2, 3]))
