@@ -77,12 +77,12 @@ INLINE_PROMPT_TOKENS = 2048
 INLINE_BIASES = 64  # logit biases copied into the sampler at most, inline
 _NO_BATCH = Batch((), ())  # a loop turn that runs an embedding pass instead
 GATHER_S = 0.010
-UNMET_WARN_S = 600.0
-"""Seconds between two warnings that the TPOT target cannot be met beside prompts."""
 """How long an idle engine's first step may wait for requests the server is still
 preparing (``Engine.arrival``): a burst's requests reach the event loop within a few
 milliseconds of each other and each takes about a millisecond to prepare, while a
 step started on the first one alone makes all the others wait for it."""
+UNMET_WARN_S = 600.0
+"""Seconds between two warnings that the TPOT target cannot be met beside prompts."""
 
 
 class Engine:
@@ -729,7 +729,8 @@ class Engine:
                 self._stepping = bool(batch) or embed is not None
             self.heartbeat_ns = now_ns()
             if batch.n_decode and batch.n_prefill and self.chunks.unmet_ms is not None:
-                self._warn_unmet(self.chunks.unmet_ms, batch.n_decode, batch.budget)
+                streams = batch.n_decode - batch.n_drafted
+                self._warn_unmet(self.chunks.unmet_ms, streams, batch.budget)
             if embed is not None:
                 deliver_held()
                 self._run_embed_pass(*embed)
