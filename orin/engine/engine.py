@@ -790,7 +790,7 @@ class Engine:
             self._lock.wait(left)
         return True
 
-    def _warn_unmet(self, step_ms: float, rows: int, chunk: int) -> None:
+    def _warn_unmet(self, step_ms: float, streams: int, chunk: int) -> None:
         """Say, at most every ``UNMET_WARN_S``, that the profile's TPOT target is below
         what a step with prompt tokens beside running streams costs here."""
         t = time.monotonic()
@@ -804,7 +804,7 @@ class Engine:
             "target, or run fewer streams at once (docs/engine.md, 'SLO-aware prompt chunks')",
             self.cfg.tpot_target_ms,
             chunk,
-            rows,
+            streams,
             step_ms,
         )
 
