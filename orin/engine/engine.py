@@ -799,12 +799,13 @@ class Engine:
         self._unmet_warned = t
         log.warning(
             "slo.tpot_p90_ms is %g ms, but a step that feeds the smallest prompt chunk "
-            "(%d tokens) beside %d decoding streams takes about %.0f ms here: while "
+            "(%d tokens) beside %d decoding stream%s takes about %.0f ms here: while "
             "prompts arrive, the running streams' gaps exceed the target. Raise the "
             "target, or run fewer streams at once (docs/engine.md, 'SLO-aware prompt chunks')",
             self.cfg.tpot_target_ms,
             chunk,
             streams,
+            "" if streams == 1 else "s",
             step_ms,
         )
 
