@@ -2,10 +2,11 @@
 
 Requests with shared prefixes (cells copied between slots), drafted tokens (n-gram
 lookup or a draft model), SLO-sized prompt chunks, the persistent prompt cache, stop
-strings and cancellations arrive from several threads at moments of their own. Each
-answer must be the one the plain engine gives to that request alone, a cancelled one
-up to where it stopped; afterwards every slot's llama.cpp cells must be the tokens
-the scheduler thinks it holds, and a new request must answer as on a fresh engine.
+strings, cancellations and embedding jobs (passes on borrowed idle slots) arrive from
+several threads at moments of their own. Each answer must be the one the plain engine
+gives to that request alone, a cancelled one up to where it stopped; afterwards every
+slot's llama.cpp cells must be the tokens the scheduler thinks it holds, and a new
+request must answer as on a fresh engine.
 
 The moments at which requests arrive and are cancelled vary from run to run, and so
 do the steps' shapes; what is asserted holds for any of them."""
@@ -17,7 +18,9 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from orin.engine.engine import Engine
@@ -35,8 +38,19 @@ SYSTEMS = (
     "System: answer in one short sentence and never guess a location.",
     "Log of the night shift, line 17:",
 )
+MODEL = "model: {pooling: mean}\n"  # embeddings beside generation
 REQUESTS = 40
 THREADS = 6
+EMBED_JOBS = 10
+
+
+@dataclass
+class Plan:
+    requests: list[Planned]
+    embeds: list[list[str]]  # the inputs of each embedding job
+    want_vectors: list[list[Any]]
+    last: list[int]  # asked after the storm
+    want_last: Completion
 
 
 @dataclass
@@ -63,11 +77,11 @@ def small() -> Path:
 
 
 @pytest.fixture(scope="module")
-def plan(small: Path) -> Iterator[tuple[list[Planned], list[int], Completion]]:
-    """The requests, each answered by the plain engine alone, and a last request to ask
-    after the storm, with its plain answer."""
+def plan(small: Path) -> Iterator[Plan]:
+    """The requests and embedding jobs, each answered by the plain engine alone, and a
+    last request to ask after the storm, with its plain answer."""
     rng = random.Random(16)
-    with Engine(config(small, ENGINE % "")) as plain:
+    with Engine(config(small, ENGINE % "", MODEL)) as plain:
         vocab = plain.backend.n_vocab if plain.backend else 0
         systems = [plain.tokenize(s) for s in SYSTEMS]
         planned: list[Planned] = []
@@ -88,17 +102,34 @@ def plan(small: Path) -> Iterator[tuple[list[Planned], list[int], Completion]]:
             planned.append(Planned(prompt, params, cancel, rng.random() * 0.05))
         for p in planned:
             p.want = plain.submit(p.prompt, p.params).result()
+        embeds = [
+            [plain.detokenize(p.prompt)[:200] for p in planned[k : k + 2]]
+            for k in range(0, 2 * EMBED_JOBS, 2)
+        ]
+        vectors = [list(plain.embed(texts).vectors) for texts in embeds]
         last = systems[0] + [rng.randrange(263, vocab) for _ in range(30)]
-        last_params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-        yield planned, last, plain.submit(last, last_params).result()
+        want_last = plain.submit(last, LAST).result()
+    yield Plan(planned, embeds, vectors, last, want_last)
 
 
-def storm(engine: Engine, planned: list[Planned]) -> list[Completion | Seen]:
-    """Submit every request from ``THREADS`` threads, each after its delay; cancel those
-    planned to be cancelled after reading their events so far."""
+LAST = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def storm(engine: Engine, plan: Plan) -> tuple[list[Completion | Seen], list[list[Any]]]:
+    """Submit every request from ``THREADS`` threads, each after its delay, and the
+    embedding jobs from one more; cancel the requests planned to be cancelled after
+    reading their events so far."""
+    planned = plan.requests
     out: list[Completion | Seen | None] = [None] * len(planned)
+    vectors: list[list[Any]] = []
     order = list(range(len(planned)))
     random.Random(7).shuffle(order)
+
+    def embedder() -> None:
+        rng = random.Random(5)
+        for texts in plan.embeds:
+            threading.Event().wait(rng.random() * 0.05)
+            vectors.append(list(engine.embed(texts).vectors))
 
     def worker(indices: list[int]) -> None:
         for i in indices:
@@ -116,12 +147,13 @@ def storm(engine: Engine, planned: list[Planned]) -> list[Completion | Seen]:
             out[i] = seen
 
     threads = [threading.Thread(target=worker, args=(order[k::THREADS],)) for k in range(THREADS)]
+    threads.append(threading.Thread(target=embedder))
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=600)
-    assert all(o is not None for o in out)
-    return [o for o in out if o is not None]
+    assert all(o is not None for o in out) and len(vectors) == len(plan.embeds)
+    return [o for o in out if o is not None], vectors
 
 
 # (engine settings, speculative settings, the draft model's demo size): the model drafting
@@ -137,29 +169,30 @@ SPECULATION = {
 
 @pytest.mark.parametrize("case", list(SPECULATION))
 def test_every_feature_at_once_answers_as_the_plain_engine(
-    small: Path, plan: tuple[list[Planned], list[int], Completion], tmp_path: Path, case: str
+    small: Path, plan: Plan, tmp_path: Path, case: str
 ) -> None:
-    planned, last, want_last = plan
     engine_extra, spec, draft = SPECULATION[case]
     if draft is not None:
         spec += f", draft_model: '{demo.ensure(draft, 'f16')}'"
     extra = (
-        f"speculative: {{{spec}, cost_aware: false}}\n"
+        MODEL + f"speculative: {{{spec}, cost_aware: false}}\n"
         "slo: {tpot_p90_ms: 3}\n"  # below a step's cost: prompt chunks at their floor
         f"prompt_cache: {{prompts: [{SYSTEMS[0]!r}, {SYSTEMS[1]!r}], "
         f"directory: '{tmp_path / 'cache'}'}}\n"
     )
     with Engine(config(small, ENGINE % engine_extra, extra)) as e:
-        got = storm(e, planned)
+        got, vectors = storm(e, plan)
         with e.idle():
             runner = e.runner
             assert runner is not None
             held = [(s.id, runner.seq_pos_max(s.id) + 1) for s in e.scheduler.slots]
             assert held == [(s.id, len(s.cache)) for s in e.scheduler.slots]
             assert e.scheduler.usage()[0] == 0
-        after = e.submit(last, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-        assert after.result().token_ids == want_last.token_ids
-    for i, (p, answer) in enumerate(zip(planned, got, strict=True)):
+        assert e.submit(plan.last, LAST).result().token_ids == plan.want_last.token_ids
+    for job, want in zip(vectors, plan.want_vectors, strict=True):
+        for v, w in zip(job, want, strict=True):
+            assert np.allclose(v, w, atol=1e-4)
+    for i, (p, answer) in enumerate(zip(plan.requests, got, strict=True)):
         assert p.want is not None
         if isinstance(answer, Seen):
             final = answer.events[-1]
