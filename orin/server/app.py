@@ -88,7 +88,7 @@ def _register(app: FastAPI, state: ServerState) -> None:
         _check_model(state, body.model)
         p = body.single_prompt()
         prompt = state.engine.tokenize(p) if isinstance(p, str) else p
-        fmt = CompletionFormatter(state, body, _rid(request))
+        fmt = CompletionFormatter(state, body, _rid(request), prompt)
         return await _run(state, request, body, prompt, fmt)
 
     extras.register(app, state)  # embeddings, tokenize, detokenize, /v1/models/{id}

@@ -23,11 +23,12 @@ from pydantic import (
     PrivateAttr,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from orin import params
 from orin.engine import grammar
-from orin.engine.errors import InvalidRequest
+from orin.engine.errors import ContextLengthExceeded, InvalidRequest
 from orin.engine.scheduler import ContextPolicy
 from orin.engine.stream import Completion
 from orin.engine.types import FinishReason, RequestTimings, SamplingParams, TokenLogprob
@@ -204,6 +205,19 @@ def _optional(p: params.Param[Any]) -> Any:
 
 class _Common(_Lenient):
     """Fields shared by chat and text completions (OpenAI's, plus llama.cpp's)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """OpenAI's API takes null for any optional parameter: a null where this server
+        has a default other than null means that default (``n``, ``stream``, ``echo``...)."""
+        if isinstance(data, dict) and None in data.values():
+            fields = cls.model_fields
+            defaulted = {
+                k for k, f in fields.items() if not f.is_required() and f.default is not None
+            }
+            return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
 
     model: str | None = Field(None, description="Must name the served model when given.")
     temperature: float | None = _optional(params.TEMPERATURE)
@@ -451,6 +465,8 @@ def answer_length(
     """The answer's length: a request's own value is served as asked or refused,
     never cut down in silence.
 
+    - a prompt longer than the window, where over-long prompts are refused: the
+      engine's ``ContextLengthExceeded`` (the prompt's fault, whatever the length);
     - above ``limit`` (server.max_tokens_limit): a 400 naming ``field``;
     - with the sliding window off (``context.sliding`` false), prompt + answer
       must fit the slot's window: a 400 naming ``field`` that says how many fit;
@@ -462,6 +478,8 @@ def answer_length(
     """
     room = None
     if prompt_tokens is not None and context is not None and not context.sliding:
+        if prompt_tokens > context.window and not context.truncate_prompt:
+            raise ContextLengthExceeded(prompt_tokens, context.window)
         room = context.window - min(prompt_tokens, context.window)
     if requested is None:
         length = min(default, limit)
@@ -816,9 +834,14 @@ def chat_logprobs(items: Sequence[TokenLogprob], piece: Piece) -> ChatLogprobs:
     }
 
 
-def completion_logprobs(items: Sequence[TokenLogprob], piece: Piece) -> CompletionLogprobs:
+def completion_logprobs(
+    items: Sequence[TokenLogprob], piece: Piece, start: int = 0
+) -> CompletionLogprobs:
+    """Completions' logprobs of ``items``; ``text_offset`` counts characters of the text
+    the client gets, the first token's at ``start`` (an echoed prompt's length, or the
+    text streamed before it)."""
     tokens = [piece(lp.token_id).decode("utf-8", "replace") for lp in items]
-    offsets, pos = [], 0
+    offsets, pos = [], start
     for t in tokens:
         offsets.append(pos)
         pos += len(t)

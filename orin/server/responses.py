@@ -133,8 +133,13 @@ class Formatter(ABC):
         return None
 
     @abstractmethod
-    def chunk(self, e: TokenEvent, index: int = 0) -> Chunk:
-        """One token's chunk, built in full (``TokenChunks`` takes a faster path)."""
+    def chunk(self, e: TokenEvent, index: int = 0, offset: int = 0) -> Chunk:
+        """One token's chunk, built in full (``TokenChunks`` takes a faster path);
+        ``offset``: the characters of the choice's text before this token's."""
+
+    def text_start(self) -> int:
+        """Where a choice's generated text starts in the text the client gets."""
+        return 0
 
     def token_stream(self, index: int = 0) -> TokenStream:
         """What turns choice ``index``'s tokens into SSE bytes: the fast path by default."""
@@ -243,7 +248,7 @@ class ChatFormatter(Formatter):
             {"index": index, "finish_reason": None, "logprobs": None, "delta": delta}
         )
 
-    def chunk(self, e: TokenEvent, index: int = 0) -> ChatCompletionChunk:
+    def chunk(self, e: TokenEvent, index: int = 0, offset: int = 0) -> ChatCompletionChunk:
         lp = None if e.logprob is None else chat_logprobs([e.logprob], self.served.engine_piece)
         choice: ChatChunkChoice = {
             "index": index,
@@ -317,17 +322,23 @@ class CompletionFormatter(Formatter):
     OBJECT = CHUNK_OBJECT = "text_completion"  # full responses and chunks, as OpenAI has it
     ID_PREFIX = "cmpl-"
 
-    def __init__(self, served: Served, body: CompletionRequest, request_id: str) -> None:
+    def __init__(
+        self, served: Served, body: CompletionRequest, request_id: str, prompt: list[int]
+    ) -> None:
         super().__init__(served, body, request_id)
-        self.echo = body.echo
+        self.echoed = served.detokenize(prompt) if body.echo else ""  # the answer's start
+
+    def text_start(self) -> int:
+        return len(self.echoed)
 
     def choice(self, c: Completion, prompt: list[int], index: int) -> TextChoice:
         piece = self.served.engine_piece
+        logprobs = completion_logprobs(c.logprobs, piece, len(self.echoed)) if c.logprobs else None
         choice: TextChoice = {
             "index": index,
             "finish_reason": c.finish_reason,
-            "logprobs": completion_logprobs(c.logprobs, piece) if c.logprobs else None,
-            "text": (self.served.detokenize(prompt) if self.echo else "") + c.text,
+            "logprobs": logprobs,
+            "text": self.echoed + c.text,
         }
         if self.token_ids:
             choice["token_ids"] = list(c.token_ids)
@@ -337,9 +348,17 @@ class CompletionFormatter(Formatter):
     def _chunk(self, choice: TextChoice) -> TextCompletion:
         return {**self._envelope(self.OBJECT), "choices": [choice]}
 
-    def chunk(self, e: TokenEvent, index: int = 0) -> TextCompletion:
+    def opening(self, index: int = 0) -> TextCompletion | None:
+        """With ``echo``, the prompt's text, before the answer's (as OpenAI streams it)."""
+        if not self.echoed:
+            return None
+        return self._chunk(
+            {"index": index, "finish_reason": None, "logprobs": None, "text": self.echoed}
+        )
+
+    def chunk(self, e: TokenEvent, index: int = 0, offset: int = 0) -> TextCompletion:
         piece = self.served.engine_piece
-        lp = None if e.logprob is None else completion_logprobs([e.logprob], piece)
+        lp = None if e.logprob is None else completion_logprobs([e.logprob], piece, offset)
         choice: TextChoice = {
             "index": index,
             "finish_reason": None,
@@ -389,11 +408,15 @@ class TokenChunks:
         head, tail = template.split(_json_string(_TEXT_MARK).encode())
         self._head, self._tail = head, tail
         self._plain = not fmt.token_ids
+        self.offset = fmt.text_start()  # characters of the choice's text sent so far
 
     def token(self, e: TokenEvent) -> bytes:
         if self._plain and e.logprob is None:
-            return b"".join((self._head, _json_string(e.text).encode(), self._tail))
-        return encode(self.fmt.chunk(e, self.index))
+            out = b"".join((self._head, _json_string(e.text).encode(), self._tail))
+        else:
+            out = encode(self.fmt.chunk(e, self.index, self.offset))
+        self.offset += len(e.text)
+        return out
 
     def flush(self) -> bytes:
         return b""

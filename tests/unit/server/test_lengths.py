@@ -37,8 +37,20 @@ def test_with_sliding_off_prompt_and_answer_must_fit_the_window() -> None:
         answer_length(413, "max_completion_tokens", 512, 4096, 100, FIXED)
     assert caught.value.param == "max_completion_tokens"
     assert "ask for 412 at most" in str(caught.value) and "512 tokens per slot" in str(caught.value)
+    truncating = ContextPolicy(window=512, sliding=False, truncate_prompt=True)
     with pytest.raises(InvalidRequest, match="shorten the prompt"):
-        answer_length(1, "max_tokens", 512, 4096, 600, FIXED)  # a truncated prompt fills it
+        answer_length(1, "max_tokens", 512, 4096, 600, truncating)  # cut to fill the window
+
+
+@pytest.mark.parametrize("requested", [None, 1, 300])
+def test_a_prompt_over_the_window_is_the_prompts_fault_whatever_the_length(
+    requested: int | None,
+) -> None:
+    """Where over-long prompts are refused, the error names the prompt (its route's
+    field, context_length_exceeded), as it does when no length is asked for."""
+    with pytest.raises(ContextLengthExceeded) as caught:
+        answer_length(requested, "max_tokens", 512, 4096, 1202, FIXED)
+    assert (caught.value.prompt_tokens, caught.value.limit) == (1202, 512)
 
 
 def test_an_unset_length_is_the_profiles_within_the_limit_and_the_room() -> None:

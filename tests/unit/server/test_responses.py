@@ -56,7 +56,7 @@ def formatter(kind: str, draining: bool = False, **fields: Any) -> Formatter:
         )
         return ChatFormatter(served(draining), chat, "req-1")
     body = protocol.CompletionRequest(prompt="hi", **fields)
-    return CompletionFormatter(served(draining), body, "req-1")
+    return CompletionFormatter(served(draining), body, "req-1", [1, 2])
 
 
 def parsed(chunk: bytes) -> dict[str, Any]:
@@ -104,6 +104,28 @@ def test_logprobs_in_chunks_for_each_endpoint() -> None:
         "top_logprobs": [{"a": -0.5, "é": -1.25}],
         "text_offset": [0],
     }
+
+
+def test_text_offsets_count_the_text_sent_before_each_token() -> None:
+    """text_offset is where each token's text starts in the text the client gets: the
+    echoed prompt's characters first, then every earlier chunk's."""
+    events = [TokenEvent("req-1", 7, t, LOGPROB) for t in ("ab", "", "cde", "f")]
+    for echo, start in ((False, 0), (True, len("<prompt>"))):
+        fmt = formatter("text", echo=echo)
+        chunks = TokenChunks(fmt)
+        offsets = [parsed(chunks.token(e))["choices"][0]["logprobs"]["text_offset"] for e in events]
+        assert offsets == [[start], [start + 2], [start + 2], [start + 5]]
+    # a whole answer: one offset per token, after the echoed prompt
+    whole = Completion("req-1", "aa", (7, 7), (LOGPROB, LOGPROB), "length", TIMINGS)
+    for echo, start in ((False, 0), (True, len("<prompt>"))):
+        choice = formatter("text", echo=echo).response(whole, [1, 2])["choices"][0]
+        assert choice["logprobs"]["text_offset"] == [start, start + 1]
+
+
+def test_a_streamed_echo_sends_the_prompt_first() -> None:
+    opening = formatter("text", echo=True).opening(0)
+    assert opening is not None and opening["choices"][0]["text"] == "<prompt>"
+    assert formatter("text").opening(0) is None
 
 
 def completion(finish: str = "length") -> Completion:
