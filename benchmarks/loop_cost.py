@@ -76,6 +76,7 @@ class FakeEngine:
             model_path="/models/fake.gguf",
             n_ctx=512,
             slots=8,
+            max_queue=64,
             type_k="f16",
             type_v="f16",
             context=ContextPolicy(512),

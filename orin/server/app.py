@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from orin.engine.errors import EngineError
+from orin.engine.errors import EngineError, InvalidRequest
 from orin.engine.stream import Completion, RequestStream, collect
 from orin.engine.vision import MediaPrompt, RGBImage
 from orin.server import dashboard, errors, extras, images, protocol, tools
@@ -161,6 +161,14 @@ async def _submit(
     prefills it once and the other choices copy its cells. A choice the engine
     refuses (a full queue) withdraws those already queued."""
     rid = _rid(request)
+    cfg = state.engine.cfg
+    if body.n > cfg.slots + cfg.max_queue:  # a full queue's 429 would be retried forever
+        raise InvalidRequest(
+            "n",
+            f"{body.n} choices can never be queued together here: this server holds "
+            f"{cfg.slots + cfg.max_queue} requests at most (engine.slots {cfg.slots} + "
+            f"server.max_queue {cfg.max_queue})",
+        )
     streams: list[RequestStream] = []
     try:
         choices = body.choice_params(

@@ -248,6 +248,25 @@ def test_queue_full_is_429_with_retry_after(server: tuple[str, ServerState]) -> 
     assert blocker.result().finish_reason == "cancelled"
 
 
+def test_more_choices_than_the_server_ever_holds_is_400_not_429(
+    server: tuple[str, ServerState],
+) -> None:
+    """One slot and no queue: two choices can never be taken together, on an idle
+    server too; a 429 would have a client retry forever."""
+    base, state = server
+    assert state.engine.slots_busy == 0
+    for path, body in (
+        ("/v1/completions", {"prompt": "x", "n": 2, "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}),
+    ):
+        r = post(base, path, body)
+        assert r.status_code == 400, r.text
+        err = error_of(r)
+        assert err["param"] == "n" and "engine.slots 1 + server.max_queue 0" in err["message"]
+    r = post(base, "/v1/completions", {"prompt": "x", "n": 1, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
 def test_draining_is_503(server: tuple[str, ServerState]) -> None:
     base, state = server
     state.draining = True
