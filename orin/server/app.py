@@ -203,12 +203,14 @@ def _rid(request: Request) -> str:
 
 
 async def _collect_or_cancel(request: Request, streams: list[RequestStream]) -> list[Completion]:
-    """Wait for every choice; a client that leaves first cancels them at once."""
+    """Wait for every choice; a client that leaves first cancels them at once (and the
+    access log and metrics count the request as 499, not as the server's failure)."""
 
     async def watch() -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
+                request.state.client_left = True
                 for stream in streams:
                     stream.cancel()
                 return

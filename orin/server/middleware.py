@@ -28,6 +28,9 @@ access_log = logging.getLogger("orin.access")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 """Routes whose requests an idle engine waits for while they are prepared (Engine.arrival)."""
+CLIENT_LEFT = 499
+"""The status logged and counted for a request whose client left before its answer
+(nginx's "client closed request"): not a server error in a 5xx rate."""
 
 
 class Draining(ApiError):
@@ -74,6 +77,8 @@ class RequestContext:
             if arrival is not None:
                 arrival.close()  # refused, failed or cancelled before it was queued
             self.state.inflight -= 1
+            if scope["state"].get("client_left"):  # its answer went nowhere: nginx's 499
+                status["code"] = CLIENT_LEFT
             self._log(scope, rid, status["code"], time.perf_counter() - started)
 
     def _refusal(self, scope: Scope) -> ApiError | None:

@@ -180,8 +180,19 @@ def test_clients_that_leave_free_their_slots(server: tuple[str, ServerState]) ->
 
 
 def test_non_streaming_client_that_leaves_is_cancelled(server: tuple[str, ServerState]) -> None:
+    """...and counted as 499 (the client closed the request), not as a 5xx."""
     base = server[0]
     port = int(base.rsplit(":", 1)[1])
+
+    def counted(status: str) -> float:
+        for line in httpx.get(f"{base}/metrics").text.splitlines():
+            if line.startswith("orin_llm_http_requests_total{") and all(
+                label in line for label in ('route="/v1/completions"', f'status="{status}"')
+            ):
+                return float(line.split()[-1])
+        return 0.0
+
+    before = {s: counted(s) for s in ("499", "503")}
     body = json.dumps({"prompt": "wait for me", "max_tokens": 600, "temperature": 0}).encode()
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(
@@ -196,6 +207,12 @@ def test_non_streaming_client_that_leaves_is_cancelled(server: tuple[str, Server
             threading.Event().wait(0.005)
     health = wait_idle(base)
     assert health["slots_busy"] == 0 and health["kv_cells_used"] == 0
+    for _ in range(200):  # the request's log line comes after its streams ended
+        if counted("499") > before["499"]:
+            break
+        threading.Event().wait(0.005)
+    assert counted("499") == before["499"] + 1
+    assert counted("503") == before["503"]
 
 
 def test_metrics_pass_promtool(server: tuple[str, ServerState], tmp_path: Path) -> None:
