@@ -27,6 +27,7 @@ _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERR
 _lock = threading.Lock()
 _captures: list[list[str]] = []
 _callback: Any = None  # keeps the ctypes callback alive
+_aborting = threading.Event()  # an abort callback asked the running decode to stop
 
 
 def _on_log(level: int, text: bytes, _user: Any) -> None:
@@ -35,7 +36,21 @@ def _on_log(level: int, text: bytes, _user: Any) -> None:
         for sink in _captures:
             sink.append(line)
     if level != 5 and line.strip():
-        log.log(_LEVELS.get(level, logging.DEBUG), "%s", line.rstrip("\n"))
+        # the lines of a decode stopped on request ("failed to compute graph", "failed
+        # to decode, ret = 2") describe the stop, not a failure
+        how = logging.DEBUG if _aborting.is_set() else _LEVELS.get(level, logging.DEBUG)
+        log.log(how, "%s", line.rstrip("\n"))
+
+
+def note_abort() -> None:
+    """An abort callback told the running decode to stop: until ``abort_handled``,
+    llama.cpp's warnings and errors (about that stop) are logged at debug level."""
+    _aborting.set()
+
+
+def abort_handled() -> None:
+    """The stopped decode has returned: llama.cpp's lines have their own levels again."""
+    _aborting.clear()
 
 
 @cache

@@ -23,6 +23,7 @@ import numpy.typing as npt
 from orin.engine.backend import Backend
 from orin.engine.errors import BackendError
 from orin.engine.scheduler import Batch, Copy, KVOp, Load, LoadFailed, Remove
+from orin.llamacpp import abort_handled, note_abort
 
 DECODE_ABORTED = 2  # llama_decode's return value when the abort callback fired
 
@@ -64,7 +65,10 @@ class Runner:
 
     def _on_abort(self, _data: Any) -> bool:
         check = self._abort_check
-        return bool(check and check())
+        stop = bool(check and check())
+        if stop:
+            note_abort()  # the decode's lines about stopping are not errors
+        return stop
 
     def apply(self, ops: Iterable[KVOp]) -> None:
         """Run the KV operations in order. A saved prompt that cannot be restored
@@ -151,6 +155,8 @@ class Runner:
         self.before_wait()
         ret = self.lib.llama_decode(ctx, b)
         self.lib.llama_synchronize(ctx)  # the GPU has finished: the step may end now
+        if self._abort_set:
+            abort_handled()
         if ret == DECODE_ABORTED:
             raise Aborted()
         if ret != 0:
