@@ -21,7 +21,8 @@ from orin.cli.errors import EXIT_FAILED, handle_errors
 from orin.cli.options import CtxOpt, JsonOpt, RootOpt, apply_ctx
 from orin.cli.output import Output
 from orin.doctor.context import model_path_for
-from orin.errors import LlamaCppError, OrinError
+from orin.engine.config import prompt_files
+from orin.errors import LlamaCppError, OrinError, ProfileError
 from orin.llamacpp import BuildInfo
 from orin.profile.kvmatch import KVFinding
 from orin.profile.loader import builtin_profiles, load_profile
@@ -101,6 +102,7 @@ def validate(
     report = validate_profile(profile, model, build, root)
     if model is None:
         report = _with_model_file(report, profile)
+    report = _with_prompt_dir(report, profile)
     out = Output(as_json)
     if as_json:
         out.json(report.to_dict())
@@ -138,6 +140,17 @@ def _with_model_file(report: ValidationReport, profile: Profile) -> ValidationRe
         "there, or check the profile against another file with --model PATH",
     )
     return dataclasses.replace(report, findings=(*report.findings, finding))
+
+
+def _with_prompt_dir(report: ValidationReport, profile: Profile) -> ValidationReport:
+    """prompt_cache.prompt_dir must be a folder (its files are listed, not read), or
+    serve stops at start (doctor's prompt-cache check)."""
+    try:
+        prompt_files(profile)
+    except ProfileError as exc:
+        finding = KVFinding("prompt-cache", "fail", f"{exc}: serve would stop (exit 4)")
+        return dataclasses.replace(report, findings=(*report.findings, finding))
+    return report
 
 
 def _build_info_or_none(d: Deps) -> BuildInfo | None:

@@ -8,12 +8,14 @@ reused from the profile and system packages, never restated here.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
 from orin.doctor import board
 from orin.doctor.context import DoctorContext
 from orin.doctor.findings import Finding
+from orin.errors import ProfileError
 from orin.install.layout import ENV_FILE, env_values
 from orin.profile.board import load_settings
 from orin.profile.fit import gib, memory_fit, projector_bytes, projector_path
@@ -347,6 +349,42 @@ def check_mmproj(ctx: DoctorContext) -> Finding:
     return Finding("mmproj", "ok", found)
 
 
+def check_prompt_cache(ctx: DoctorContext) -> Finding:
+    """The persistent prompt cache's folder of prompts (prompt_cache.prompt_dir) is
+    there (its files are listed, not read: doctor may run as root), and where the
+    saved states go can be written, or made."""
+    from orin.engine.config import cache_directory, prompt_files
+
+    pc = ctx.profile.prompt_cache
+    try:
+        n = len(pc.prompts) + len(prompt_files(ctx.profile))
+    except ProfileError as exc:
+        return Finding(
+            "prompt-cache",
+            "fail",
+            str(exc),
+            why="serve stops at start when it cannot read the prompts it is to keep",
+            fix="create the folder and put the prompts in it, one UTF-8 *.txt file each, "
+            "or remove prompt_cache.prompt_dir",
+        )
+    if not n:
+        return Finding("prompt-cache", "ok", "no prompts to keep: the prompt cache is off")
+    directory = cache_directory(ctx.profile)
+    found = f"{n} prompt{'' if n == 1 else 's'} to keep, saved in {directory}"
+    folder = directory
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent  # serve makes the folders below the first that exists
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        return Finding(
+            "prompt-cache",
+            "warn",
+            f"{found}, but {folder} is not a folder writable here",
+            why="the prompts are computed at every start instead of restored",
+            fix="prompt_cache.directory: a folder the server can write",
+        )
+    return Finding("prompt-cache", "ok", found)
+
+
 def check_mmap(ctx: DoctorContext) -> Finding:
     """mmap while every layer is on the GPU of a unified-memory board."""
     p, info, build = ctx.platform, ctx.model, ctx.build
@@ -380,6 +418,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("memory-fit", check_memory_fit),
     ("context", check_context),
     ("mmproj", check_mmproj),
+    ("prompt-cache", check_prompt_cache),
     ("mmap", check_mmap),
     ("swappiness", board.check_swappiness),
     ("zram", board.check_zram),

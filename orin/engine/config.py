@@ -240,28 +240,39 @@ def spec_config(profile: Profile) -> SpecConfig:
     )
 
 
+def prompt_files(profile: Profile) -> list[Path]:
+    """The *.txt files of prompt_cache.prompt_dir in name order (none without one),
+    listed, not read; a ProfileError naming the profile when the folder is missing."""
+    pc = profile.prompt_cache
+    if pc.prompt_dir is None:
+        return []
+    folder = profile.path_from(pc.prompt_dir)
+    if not folder.is_dir():
+        where = f"{profile.source}: " if profile.source is not None else ""
+        raise ProfileError(f"{where}prompt_cache.prompt_dir: {folder} is not a directory")
+    return sorted(folder.glob("*.txt"))
+
+
 def prompt_cache_config(profile: Profile) -> PromptCacheConfig | None:
     """The prompts to keep (the profile's, then each *.txt of prompt_dir in name order)
     and where; None when the profile names none."""
     pc = profile.prompt_cache
     prompts = list(pc.prompts)
-    if pc.prompt_dir is not None:
-        folder = profile.path_from(pc.prompt_dir)
-        if not folder.is_dir():
-            raise ProfileError(f"prompt_cache.prompt_dir: {folder} is not a directory")
-        for f in sorted(folder.glob("*.txt")):
-            try:
-                prompts.append(f.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ProfileError(f"prompt_cache.prompt_dir: cannot read {f}: {exc}") from exc
+    for f in prompt_files(profile):
+        try:
+            prompts.append(f.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            where = f"{profile.source}: " if profile.source is not None else ""
+            raise ProfileError(f"{where}prompt_cache.prompt_dir: cannot read {f}: {exc}") from exc
     if not prompts:
         return None
-    directory = (
-        profile.path_from(pc.directory)
-        if pc.directory is not None
-        else cache_dir() / "prompt-cache"
-    )
-    return PromptCacheConfig(tuple(prompts), directory, pc.max_bytes)
+    return PromptCacheConfig(tuple(prompts), cache_directory(profile), pc.max_bytes)
+
+
+def cache_directory(profile: Profile) -> Path:
+    """Where the prompt cache's saved states go (prompt_cache.directory, or the cache's)."""
+    d = profile.prompt_cache.directory
+    return profile.path_from(d) if d is not None else cache_dir() / "prompt-cache"
 
 
 def prefill_chunk(asked: int, n_batch: int, offloaded: bool) -> int:

@@ -155,6 +155,23 @@ def test_validate_names_the_pull_for_a_hub_model_not_pulled_yet(tmp_path: Path) 
     assert "run: orin-llm model pull owner/repo:never-pulled-7f3a.gguf" in failed[0]["message"]
 
 
+def test_validate_fails_a_prompt_dir_serve_could_not_read(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text(
+        "name: pc\nmodel: {demo: {size: tiny, quant: f16}}\nprompt_cache: {prompt_dir: p}\n"
+    )
+    code, out, _ = invoke("profile", "validate", str(f), "--json")
+    failed = [x for x in json.loads(out)["findings"] if x["severity"] == "fail"]
+    assert code == 1 and [x["rule"] for x in failed] == ["prompt-cache"]
+    assert failed[0]["message"] == (
+        f"{f}: prompt_cache.prompt_dir: {tmp_path / 'p'} is not a directory: "
+        "serve would stop (exit 4)"
+    )
+    (tmp_path / "p").mkdir()
+    code, out, _ = invoke("profile", "validate", str(f), "--json")
+    assert code == 0 and "prompt-cache" not in out
+
+
 def test_validate_with_model_checks_quantization(tmp_path: Path) -> None:
     model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=7)  # Q8_0
     code, out, _ = invoke(
