@@ -138,7 +138,7 @@ def test_strict_model_match_answers_404_for_another_model(server: tuple[str, Ser
     assert (err["code"], err["param"]) == ("model_not_found", "model")
     missing = httpx.get(f"{server[0]}/v1/nothing", headers=KEY)
     assert missing.status_code == 404
-    error_of(missing)
+    assert error_of(missing)["code"] == "not_found"  # an unknown path: not a model name
 
 
 def test_body_over_the_limit(server: tuple[str, ServerState]) -> None:
