@@ -272,6 +272,10 @@ def test_loading_is_503() -> None:
         assert health.status_code == 503 and health.json()["status"] == "loading"
         r = client.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        # the model list answers, without what only the loaded model knows (server.md)
+        models = client.get("/v1/models")
+        assert models.status_code == 200
+        assert models.json()["data"][0]["meta"]["quantization"] is None
 
 
 def state_app(state: ServerState) -> Any:
