@@ -190,7 +190,10 @@ def _frame(url: str, client: httpx.Client, window: TokenWindow) -> Group:
 
 
 def summarize_recording(path: Path) -> dict[str, Any]:
-    """A snapshot-shaped summary of a whole recording."""
+    """A snapshot-shaped summary of a whole recording. Its ``window_s`` is the time the
+    phase rows account for, so that they add up to it: each sample stands for half
+    the gap to each neighbour, the first and last mirroring their one gap, so two
+    idle samples a second apart are two seconds, not the one between them."""
     from types import SimpleNamespace
 
     from orin.telemetry.phases import summarize
@@ -207,12 +210,12 @@ def summarize_recording(path: Path) -> dict[str, Any]:
     ]
     steps = [SimpleNamespace(**s) for s in rec["step"]]
     phases = summarize(samples, steps)
-    span = (samples[-1].t_ns - samples[0].t_ns) / 1e9 if len(samples) > 1 else 0.0
+    covered = sum(p.seconds for p in phases.values())
     return {
         "source": rec["meta"][0].get("source"),
         "phase": "recording",
         "latest": None,
-        "window_s": round(span, 1),
+        "window_s": round(covered, 1),
         "phases": {p: s.to_dict() for p, s in phases.items()},
         "recent_requests": rec["request"],
     }

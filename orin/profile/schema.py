@@ -439,7 +439,10 @@ class ServerSection(_Section):
         description="Environment variable holding the API key; unset variable = no auth.",
     )
     model_name: str | None = Field(
-        None, description="Model name served on /v1/models; default = the profile's name."
+        None,
+        description="Model id served on /v1/models and in responses, kept when --model "
+        "replaces the profile's model; unset = the profile's name, or the --model file's "
+        "stem when it replaces the profile's model.",
     )
     model_match: Literal["any", "strict"] = Field(
         "any",

@@ -9,8 +9,9 @@ a core while llama.cpp's threads hold every one) to compare two strings.
 
 A client proves it holds the key with ``Authorization: Bearer <key>`` (the
 OpenAI clients) or with the ``orin_llm_key`` cookie, which the dashboard's
-login page sets so that a browser's own requests (the page, its fetches and
-its WebSocket) carry it.
+login page sets so that a browser's own requests (the page and its fetches: it
+polls /dashboard/data) carry it. There is no WebSocket route; a WebSocket
+without the key would be closed before it is accepted.
 """
 
 from __future__ import annotations

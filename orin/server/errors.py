@@ -152,9 +152,22 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body, 400, {"x-request-id": _request_id(request) or ""})
 
 
+# the codes of the errors the router raises itself: a path no route serves, a method
+# the path's route does not take
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
 async def on_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (an unknown path, a method a route does not take) in
+    OpenAI's shape, with a code; the message names the method and path."""
     assert isinstance(exc, HTTPException)
     rid = _request_id(request)
     type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    body = error_body(str(exc.detail), type_, None, None, rid)
-    return JSONResponse(body, exc.status_code, {"x-request-id": rid or ""})
+    message = str(exc.detail)
+    if exc.status_code in HTTP_CODES:
+        message = f"{message}: {request.method} {request.url.path}"
+    body = error_body(message, type_, None, HTTP_CODES.get(exc.status_code), rid)
+    headers = {"x-request-id": rid or ""}
+    if exc.headers:  # a 405's Allow
+        headers = {**exc.headers, **headers}
+    return JSONResponse(body, exc.status_code, headers)

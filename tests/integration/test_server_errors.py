@@ -138,7 +138,7 @@ def test_strict_model_match_answers_404_for_another_model(server: tuple[str, Ser
     assert (err["code"], err["param"]) == ("model_not_found", "model")
     missing = httpx.get(f"{server[0]}/v1/nothing", headers=KEY)
     assert missing.status_code == 404
-    error_of(missing)
+    assert error_of(missing)["code"] == "not_found"  # an unknown path: not a model name
 
 
 def test_body_over_the_limit(server: tuple[str, ServerState]) -> None:
@@ -291,6 +291,10 @@ def test_loading_is_503() -> None:
         assert health.status_code == 503 and health.json()["status"] == "loading"
         r = client.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        # the model list answers, without what only the loaded model knows (server.md)
+        models = client.get("/v1/models")
+        assert models.status_code == 200
+        assert models.json()["data"][0]["meta"]["quantization"] is None
 
 
 def state_app(state: ServerState) -> Any:

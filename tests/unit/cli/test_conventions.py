@@ -111,6 +111,38 @@ def test_a_bare_tune_starts_nothing() -> None:
     assert "Usage: orin-llm tune" in out and "run" in out and "system" in out
 
 
+@pytest.mark.parametrize(
+    ("group", "help_on_stdout"),
+    [
+        ((), True),
+        (("tune",), True),
+        (("deploy",), True),
+        (("model",), False),
+        (("profile",), False),
+    ],
+)
+def test_a_bare_group_starts_nothing_and_exits_2(
+    group: tuple[str, ...], help_on_stdout: bool
+) -> None:
+    """docs/cli.md: the top level, tune and deploy print their help on stdout; model
+    and profile their usage line on stderr."""
+    code, out, err = invoke(*group)
+    assert code == 2
+    usage = " ".join(("Usage: orin-llm", *group))
+    if help_on_stdout:
+        assert usage in out and "Commands" in out
+    else:
+        assert out == "" and usage in err and "Missing command" in err
+
+
+def test_every_group_is_in_the_bare_group_test() -> None:
+    command = typer.main.get_command(app)
+    groups = {
+        name for name, sub in getattr(command, "commands", {}).items() if hasattr(sub, "commands")
+    }
+    assert groups == {"tune", "deploy", "model", "profile"}
+
+
 def test_tune_options_before_a_subcommand_are_a_usage_error() -> None:
     code, _, err = invoke("tune", "--budget", "2", "system")
     assert code == 2 and "tune run" in err

@@ -3,13 +3,23 @@ whole recording)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from rich.console import Console
 
-from orin.cli.monitor import MonitorError, TokenWindow, fetch, parse_token_counters, render
+from orin.cli.monitor import (
+    MonitorError,
+    TokenWindow,
+    fetch,
+    parse_token_counters,
+    render,
+    summarize_recording,
+)
+from orin.telemetry.record import Recorder
+from orin.telemetry.sources.base import Sample
 
 METRICS = """\
 # HELP orin_llm_engine_batch_tokens_total Tokens in the batches of completed engine steps.
@@ -95,6 +105,31 @@ def test_a_recording_is_summarised_over_its_whole_span() -> None:
     out = text(snapshot(phase="recording", window=42.0))
     assert "the whole recording (42.0 s) by phase" in out
     assert row(out, "prefill")[5] == "90000"
+
+
+def record(path: Path, times_s: list[float]) -> Path:
+    """A `serve --record` file of idle samples read at ``times_s``."""
+    recorder = Recorder(path, {"source": "cpu", "hz": 50.0, "idle_hz": 1.0})
+    for t in times_s:
+        recorder.on_sample(Sample(t_ns=int(t * 1e9), cpu_util=0.2, proc_cpu_util=0.1))
+    recorder.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("times_s", "seconds"), [([1.0, 2.0], 2.0), ([1.0, 2.0, 4.0], 4.5), ([1.0], 0.0)]
+)
+def test_a_recordings_length_is_what_its_phase_rows_add_up_to(
+    tmp_path: Path, times_s: list[float], seconds: float
+) -> None:
+    """Two idle samples a second apart stand for a second each: the title says 2.0 s,
+    as the idle row does (it said 1.0 s, the gap between them, beside idle 2.00)."""
+    snap = summarize_recording(record(tmp_path / "run.jsonl", times_s))
+    rows = sum(float(p["seconds"]) for p in snap["phases"].values())
+    assert snap["window_s"] == seconds == pytest.approx(rows)
+    out = text(snap)
+    assert f"the whole recording ({seconds} s) by phase" in out
+    assert row(out, "idle")[1] == f"{seconds:.2f}"
 
 
 def test_fetch_asks_for_the_api_key_when_the_server_wants_one() -> None:

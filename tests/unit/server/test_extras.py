@@ -276,6 +276,26 @@ def test_any_other_model_id_is_a_404_in_openais_shape(client: TestClient) -> Non
     assert "org/other" in r.json()["error"]["message"]
 
 
+def test_an_unknown_path_or_method_is_an_error_in_openais_shape_with_a_code(
+    client: TestClient,
+) -> None:
+    missing = client.get("/v1/nothing", headers={"X-Request-Id": "r-1"})
+    assert missing.status_code == 404
+    assert missing.json() == {
+        "error": {
+            "message": "Not Found: GET /v1/nothing",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "not_found",
+            "request_id": "r-1",
+        }
+    }
+    wrong = client.post("/v1/models", json={})
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "GET"
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+    assert wrong.json()["error"]["message"] == "Method Not Allowed: POST /v1/models"
+
+
 def test_the_new_routes_need_the_api_key(engine: FakeEngine) -> None:
     state = ServerState(
         engine=engine,  # type: ignore[arg-type]
