@@ -1,8 +1,8 @@
 """GGUF metadata without loading weights.
 
-Reads the header, key/value metadata and tensor table through the ``gguf``
-package (memory-mapped, no tensor data touched) and turns them into a
-``ModelInfo`` that the planner, the profile rules and doctor share.
+Reads the header, key/value metadata and tensor table (``ggufread``: memory-mapped,
+no tensor data touched, the tokenizer's arrays left undecoded) and turns them into
+a ``ModelInfo`` that the planner, the profile rules and doctor share.
 
 Any architecture is read. What llama.cpp will keep per context differs between
 architectures (plain per-layer K/V, an extra sliding-window cache, a recurrent
@@ -18,9 +18,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orin.errors import ModelFileError
+
+if TYPE_CHECKING:
+    from orin.model.ggufread import GGUFContents
 
 GGUF_MAGIC = b"GGUF"
 
@@ -356,11 +359,17 @@ def quantization_name(file_type: int | None) -> str | None:
 
 def read_model_info(path: str | Path) -> ModelInfo:
     """Read a GGUF file's metadata; any problem is a one-line ModelFileError."""
+    from orin.model.ggufread import GGUFFormatError, open_gguf  # imports gguf and numpy
+
     p = Path(path)
     _check_file(p)
-    reader = _open_reader(p)
     try:
-        return _build_info(p, reader)
+        with open_gguf(p) as contents:
+            return _build_info(p, contents)
+    except GGUFFormatError as exc:
+        raise ModelFileError(f"{p}: truncated or corrupt GGUF file: {exc}") from exc
+    except OSError as exc:
+        raise ModelFileError(f"{p}: cannot read: {exc.strerror or exc}") from exc
     except ModelFileError as exc:
         if str(p) in str(exc):
             raise
@@ -383,31 +392,24 @@ def _check_file(p: Path) -> None:
         raise ModelFileError(f"{p}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
 
 
-def _open_reader(p: Path) -> Any:
-    import numpy as np
-    from gguf import GGUFReader
-
-    try:
-        with np.errstate(all="ignore"):
-            return GGUFReader(p, "r")
-    except (ValueError, IndexError, KeyError, OverflowError, TypeError, OSError) as exc:
-        raise ModelFileError(f"{p}: truncated or corrupt GGUF file: {exc}") from exc
-
-
 class _Meta:
-    """Typed access to the reader's key/value fields."""
+    """Typed access to the file's key/value fields."""
 
-    def __init__(self, reader: Any) -> None:
-        self.fields = reader.fields
+    def __init__(self, contents: GGUFContents) -> None:
+        self.fields = contents.fields
 
     def get(self, key: str, default: Any = None) -> Any:
-        f = self.fields.get(key)
-        if f is None:
-            return default
-        value = f.contents()
-        if isinstance(value, list):
-            return [_plain(v) for v in value]
-        return _plain(value)
+        value = self.fields.get(key, default)
+        if hasattr(value, "tolist"):  # a large numeric array
+            return value.tolist()
+        if isinstance(value, Sequence) and not isinstance(value, str):
+            return list(value)
+        return value
+
+    def strings(self, key: str) -> Sequence[str]:
+        """A string array as it is in the file, each string decoded when read."""
+        value = self.fields.get(key)
+        return value if isinstance(value, Sequence) and not isinstance(value, str) else ()
 
     def require_int(self, key: str) -> int:
         value = self.get(key)
@@ -416,14 +418,6 @@ class _Meta:
         if isinstance(value, list):
             raise ModelFileError(f"metadata key {key} must be a number")
         return int(value)
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    if hasattr(value, "item"):
-        return value.item()
-    return value
 
 
 def _per_layer(meta: _Meta, key: str, n_layer: int, default: int) -> tuple[int, ...]:
@@ -436,21 +430,21 @@ def _per_layer(meta: _Meta, key: str, n_layer: int, default: int) -> tuple[int, 
     return (int(value),) * n_layer
 
 
-def _tensor_stats(p: Path, reader: Any) -> tuple[tuple[TensorTypeShare, ...], int, int]:
+def _tensor_stats(p: Path, contents: GGUFContents) -> tuple[tuple[TensorTypeShare, ...], int, int]:
     counts: Counter[str] = Counter()
     elements: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
     size = p.stat().st_size
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
+    for t in contents.tensors:
+        end = t.data_offset + t.n_bytes
         if end > size:
             raise ModelFileError(
                 f"{p}: truncated GGUF file: tensor {t.name} ends at byte {end}, file has {size}"
             )
         name = t.tensor_type.name
         counts[name] += 1
-        elements[name] += int(t.n_elements)
-        nbytes[name] += int(t.n_bytes)
+        elements[name] += t.n_elements
+        nbytes[name] += t.n_bytes
     shares = tuple(
         TensorTypeShare(type=k, tensors=counts[k], elements=elements[k], bytes=nbytes[k])
         for k in sorted(counts, key=lambda k: -nbytes[k])
@@ -463,12 +457,12 @@ def _guess_quantization(shares: Sequence[TensorTypeShare]) -> str:
     return shares[0].type if shares else "unknown"
 
 
-def _build_info(p: Path, reader: Any) -> ModelInfo:
-    meta = _Meta(reader)
+def _build_info(p: Path, contents: GGUFContents) -> ModelInfo:
+    meta = _Meta(contents)
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ModelFileError(f"{p}: GGUF file has no general.architecture")
-    shares, n_params, n_bytes = _tensor_stats(p, reader)
+    shares, n_params, n_bytes = _tensor_stats(p, contents)
     file_type = meta.get("general.file_type")
     file_type = int(file_type) if file_type is not None else None
     quant = quantization_name(file_type) or _guess_quantization(shares)
@@ -488,7 +482,7 @@ def _build_info(p: Path, reader: Any) -> ModelInfo:
     head_v_swa = meta.get(f"{arch}.attention.value_length_swa")
     nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0))
     layout = _kv_layout(meta, arch, n_layer, nextn)
-    tokens = meta.get("tokenizer.ggml.tokens") or []
+    tokens = meta.strings("tokenizer.ggml.tokens")
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     extra: dict[str, Any] = {}
     window_meta = meta.get(f"{arch}.attention.sliding_window")
@@ -497,7 +491,7 @@ def _build_info(p: Path, reader: Any) -> ModelInfo:
     return ModelInfo(
         path=str(p),
         file_size=p.stat().st_size,
-        gguf_version=int(_plain(reader.fields["GGUF.version"].contents())),
+        gguf_version=contents.version,
         architecture=arch,
         name=meta.get("general.name"),
         file_type=file_type,

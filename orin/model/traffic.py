@@ -119,18 +119,17 @@ def _weight_traffic(path: str, size: int, mtime_ns: int, n_main: int) -> WeightT
 
 def _tensor_table(p: Path) -> dict[str, tuple[int, int]]:
     """Tensor name -> (bytes, rows); a row is the first dimension's values."""
-    import numpy as np
-    from gguf import GGUFReader
+    from orin.model.ggufread import GGUFFormatError, open_gguf
 
     try:
-        with np.errstate(all="ignore"):
-            reader = GGUFReader(p, "r")
-    except (ValueError, IndexError, KeyError, OverflowError, TypeError, OSError) as exc:
+        with open_gguf(p) as contents:
+            tensors = contents.tensors
+    except (GGUFFormatError, OSError) as exc:
         raise ModelFileError(f"{p}: truncated or corrupt GGUF file: {exc}") from exc
     out = {}
-    for t in reader.tensors:
-        width = int(t.shape[0]) if len(t.shape) else 1
-        out[str(t.name)] = (int(t.n_bytes), int(t.n_elements) // max(width, 1))
+    for t in tensors:
+        width = t.shape[0] if t.shape else 1
+        out[t.name] = (t.n_bytes, t.n_elements // max(width, 1))
     return out
 
 
