@@ -28,6 +28,7 @@ _lock = threading.Lock()
 _captures: list[list[str]] = []
 _callback: Any = None  # keeps the ctypes callback alive
 _aborting = threading.Event()  # an abort callback asked the running decode to stop
+_thread = threading.local()  # .client_input: this thread checks a client's input
 
 
 def _on_log(level: int, text: bytes, _user: Any) -> None:
@@ -39,7 +40,21 @@ def _on_log(level: int, text: bytes, _user: Any) -> None:
         # the lines of a decode stopped on request ("failed to compute graph", "failed
         # to decode, ret = 2") describe the stop, not a failure
         how = logging.DEBUG if _aborting.is_set() else _LEVELS.get(level, logging.DEBUG)
+        if how > logging.INFO and getattr(_thread, "client_input", False):
+            how = logging.INFO  # the client gets the error; the server did nothing wrong
         log.log(how, "%s", line.rstrip("\n"))
+
+
+@contextmanager
+def client_input() -> Iterator[None]:
+    """While this thread runs the block (llama.cpp checking a request's grammar, say),
+    llama.cpp's warnings and errors are logged at info level: they are the client's
+    mistake, answered with a 400, not the server's."""
+    _thread.client_input = True
+    try:
+        yield
+    finally:
+        _thread.client_input = False
 
 
 def note_abort() -> None:

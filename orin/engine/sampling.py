@@ -11,6 +11,7 @@ import numpy.typing as npt
 from orin.engine.backend import Backend
 from orin.engine.errors import InvalidRequest
 from orin.engine.types import SamplingParams, TokenLogprob, TopLogprob
+from orin.llamacpp import client_input
 
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
 
@@ -47,9 +48,10 @@ class SlotSampler:
                 arr[i].token, arr[i].bias = tok, b
             add(lib.llama_sampler_init_logit_bias(self.backend.n_vocab, len(self.bias), arr))
         if p.grammar:
-            grammar = lib.llama_sampler_init_grammar(
-                self.backend.vocab, p.grammar.encode("utf-8"), b"root"
-            )
+            with client_input():
+                grammar = lib.llama_sampler_init_grammar(
+                    self.backend.vocab, p.grammar.encode("utf-8"), b"root"
+                )
             if not grammar:
                 lib.llama_sampler_free(chain)
                 raise InvalidRequest("grammar", "the grammar does not parse")

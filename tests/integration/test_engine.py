@@ -605,6 +605,18 @@ def test_async_submit_parses_the_grammar_off_the_event_loop(
     assert len(parsed_on) == 2 and loop_thread not in parsed_on
 
 
+def test_a_grammar_that_does_not_parse_is_no_server_error(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client gets the 400; llama.cpp's own line about it is logged at info level,
+    not as an error of the server's (`journalctl -p err`)."""
+    with caplog.at_level(logging.DEBUG, "orin.llama"), pytest.raises(InvalidRequest):
+        engine.submit("x", SamplingParams(grammar='root ::= ("a" '))
+    said = [r for r in caplog.records if r.name == "orin.llama"]
+    assert any("failed to parse grammar" in r.getMessage() for r in said)
+    assert [r.getMessage() for r in said if r.levelno >= logging.WARNING] == []
+
+
 def test_async_submit_prepares_a_plain_request_on_the_loop(engine: Engine) -> None:
     """Token ids without grammar or penalties skip the worker-thread round trip; a
     text prompt, a penalized request and a long prompt still go to the pool."""
