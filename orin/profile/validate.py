@@ -66,6 +66,10 @@ def validate_profile(
         quant = info.quantization
     elif quant is None and profile.model.demo is not None:
         quant = profile.model.demo.quant.upper()
+    elif quant is None and profile.model.packaged is not None:
+        from orin.model import packaged
+
+        quant = packaged.get(profile.model.packaged).quantization
     decision = resolve_kv(profile.engine, quant, info, build, available)
     findings += decision.findings
     if build is None:

@@ -69,7 +69,7 @@ def server(smol: Path) -> Iterator[tuple[str, ServerState]]:
 def test_the_file_is_the_one_the_package_ships(smol: Path) -> None:
     info = read_model_info(smol)
     assert info.architecture == "llama"
-    assert info.quantization == "Q4_1"
+    assert info.quantization == "Q4_1" == packaged.SMOLLM2.quantization  # what validate reads
     assert info.chat_template is not None and "<|im_start|>" in info.chat_template
     assert smol.stat().st_size == 98_362_432
 

@@ -172,6 +172,15 @@ def test_validate_fails_a_prompt_dir_serve_could_not_read(tmp_path: Path) -> Non
     assert code == 0 and "prompt-cache" not in out
 
 
+def test_validate_takes_a_packaged_models_quantization_from_the_package(tmp_path: Path) -> None:
+    """No quantization in the profile, no file needed: the KV types serve will pick."""
+    f = tmp_path / "p.yaml"
+    f.write_text("name: pk\nmodel: {packaged: smollm2-135m-instruct}\n")
+    code, out, _ = invoke("profile", "validate", str(f), "--json")
+    data = json.loads(out)
+    assert code == 0 and (data["type_k"], data["type_v"]) == ("q8_0", "q8_0")
+
+
 def test_validate_with_model_checks_quantization(tmp_path: Path) -> None:
     model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=7)  # Q8_0
     code, out, _ = invoke(

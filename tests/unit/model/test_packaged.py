@@ -36,7 +36,7 @@ def stand_in(tmp_path: Path, wheel_member: str, payload: bytes, rc: int = 0) -> 
 def model(sha: str) -> packaged.PackagedModel:
     return packaged.PackagedModel(
         name="m", title="M", package="pkg", version="0.1", member="pkg/M.Q4_1.gguf",
-        sha256=sha, license="MIT",
+        sha256=sha, license="MIT", quantization="Q4_1",
     )  # fmt: skip
 
 
