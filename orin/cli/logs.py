@@ -59,6 +59,9 @@ class JournalFormatter(logging.Formatter):
         return "\n".join(prefix + line for line in super().format(record).split("\n"))
 
 
+_TERMINAL_ONLY = frozenset({"message", "color_message"})  # uvicorn's ANSI-coloured copy
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line; an ``extra={"fields": {...}}`` dict is merged in."""
 
@@ -72,7 +75,7 @@ class JsonFormatter(logging.Formatter):
         for key, value in vars(record).items():
             if key == "fields" and isinstance(value, dict):
                 out.update(value)  # structured fields (the access log) at the top level
-            elif key not in _STANDARD and key != "message":
+            elif key not in _STANDARD and key not in _TERMINAL_ONLY:
                 out[key] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)

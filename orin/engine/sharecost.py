@@ -92,6 +92,17 @@ def share_min(runner: Runner, token: int) -> int:
     """The measured threshold, logged with what it came from."""
     cost = measure(runner, token)
     n = cost.threshold()
+    if cost.per_prompt_token_ms <= 0:
+        log.info(
+            "the copy-cost probe was swamped by other work on this machine (a %d-token chunk "
+            "took %.2f ms, one token %.2f ms): prompts copy another slot's cells when that "
+            "saves %d tokens or more, the fixed rule",
+            CHUNK,
+            cost.chunk_ms,
+            cost.token_ms,
+            n,
+        )
+        return n
     log.info(
         "a KV stream copy costs %.2f ms, a prompt token %.3f ms: prompts copy another "
         "slot's cells when that saves %d tokens or more",

@@ -70,9 +70,11 @@ class SamplingParams:
         for token in self.stop_token_ids:
             if not 0 <= token < n_vocab:
                 raise InvalidRequest("stop_token_ids", f"token id {token} is not in the vocabulary")
-        if len(self.stop) > params.MAX_STOP_STRINGS or any(not s for s in self.stop):
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop", "a stop string may not be empty")
+        if len(self.stop) > params.MAX_STOP_STRINGS:
             raise InvalidRequest(
-                "stop", f"at most {params.MAX_STOP_STRINGS} non-empty stop strings"
+                "stop", f"{len(self.stop)} stop strings; at most {params.MAX_STOP_STRINGS}"
             )
 
 

@@ -600,6 +600,8 @@ class ChatCompletionRequest(_Common):
         return "max_tokens" if self.max_tokens or self.n_predict is None else "n_predict"
 
     def top_n_logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:  # OpenAI's rule: never ignored
+            raise InvalidRequest("top_logprobs", "top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 

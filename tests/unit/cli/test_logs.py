@@ -127,3 +127,14 @@ def test_the_handler_writes_to_the_stderr_of_the_moment(monkeypatch: pytest.Monk
     finally:
         log.removeHandler(handler)
     assert second.getvalue() == "two\n"
+
+
+def test_json_lines_leave_out_uvicorns_coloured_copy_of_the_message() -> None:
+    record = logging.makeLogRecord(
+        {"msg": "Started server process [%d]", "args": (7,), "levelno": logging.INFO,
+         "levelname": "INFO", "name": "uvicorn.error",
+         "color_message": "Started server process [\x1b[36m%d\x1b[0m]", "pid": 7}
+    )  # fmt: skip
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "Started server process [7]" and "color_message" not in line
+    assert line["pid"] == 7  # other extras stay

@@ -53,3 +53,30 @@ def test_a_required_field_may_not_be_null(
     with pytest.raises(ValidationError) as caught:
         model.model_validate_json(json.dumps(body))
     assert caught.value.errors()[0]["loc"][0] == next(iter(body))
+
+
+def test_top_logprobs_without_logprobs_is_refused_not_ignored() -> None:
+    from orin.engine.errors import InvalidRequest
+
+    body = protocol.ChatCompletionRequest.model_validate({**CHAT, "top_logprobs": 3})
+    with pytest.raises(InvalidRequest) as caught:
+        body.top_n_logprobs()
+    assert caught.value.param == "top_logprobs" and "logprobs: true" in str(caught.value)
+    on = protocol.ChatCompletionRequest.model_validate(
+        {**CHAT, "logprobs": True, "top_logprobs": 3}
+    )
+    assert on.top_n_logprobs() == 3
+    assert protocol.ChatCompletionRequest.model_validate(CHAT).top_n_logprobs() is None
+
+
+@pytest.mark.parametrize(
+    ("stop", "message"),
+    [([""], "a stop string may not be empty"), (["x"] * 17, "17 stop strings; at most 16")],
+)
+def test_stop_strings_say_what_is_wrong(stop: list[str], message: str) -> None:
+    from orin.engine.errors import InvalidRequest
+    from orin.engine.types import SamplingParams
+
+    with pytest.raises(InvalidRequest) as caught:
+        SamplingParams(stop=tuple(stop)).validate(1000)
+    assert caught.value.param == "stop" and message in str(caught.value)
