@@ -142,6 +142,11 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         param, message = None, "the request body is not valid JSON"
+    elif not loc:  # the body as a whole: empty, or not read as JSON
+        param = None
+        message = (
+            "the request body must be a JSON object, sent with Content-Type: application/json"
+        )
     else:
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))

@@ -100,6 +100,21 @@ def test_malformed_json_and_invalid_utf8(server: tuple[str, ServerState]) -> Non
     error_of(r)
 
 
+def test_a_body_that_is_no_json_object_says_what_it_needs(server: tuple[str, ServerState]) -> None:
+    base = server[0]
+    for content, headers in (
+        (b"", {"Content-Type": "application/json"}),  # empty
+        (b'{"prompt": "x"}', {}),  # JSON, but not said to be
+        (b"[1, 2]", {"Content-Type": "application/json"}),  # not an object
+    ):
+        headers = {**KEY, **headers}
+        r = httpx.post(f"{base}/v1/completions", content=content, headers=headers, timeout=30)
+        assert r.status_code == 400, r.text
+        assert error_of(r)["message"] == (
+            "the request body must be a JSON object, sent with Content-Type: application/json"
+        ), content
+
+
 def test_unknown_fields_are_accepted(server: tuple[str, ServerState]) -> None:
     r = post(server[0], "/v1/completions", {"prompt": "x", "max_tokens": 1, "frobnicate": True})
     assert r.status_code == 200
