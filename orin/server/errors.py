@@ -144,9 +144,7 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         param, message = None, "the request body is not valid JSON"
     elif not loc:  # the body as a whole: empty, or not read as JSON
         param = None
-        message = (
-            "the request body must be a JSON object, sent with Content-Type: application/json"
-        )
+        message = "the request body must be a JSON object, sent with Content-Type: application/json"
     else:
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
