@@ -123,6 +123,18 @@ def test_validate_typo_names_line(tmp_path: Path) -> None:
     )
 
 
+def test_validate_names_the_window_line_without_pydantics_prefix(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("name: t\nengine:\n  n_ctx: 512\ncontext:\n  window: 9999\n")
+    code, _, err = invoke("profile", "validate", str(f))
+    assert code == 4
+    assert err.strip() == f"orin-llm: {f}:5: context.window (9999) exceeds engine.n_ctx (512)"
+    f.write_text("name: t\nengine:\n  rpc: [nohost]\n")
+    code, _, err = invoke("profile", "validate", str(f))
+    assert code == 4
+    assert err.strip() == f"orin-llm: {f}:3: engine.rpc: 'nohost' is not host:port"
+
+
 def test_validate_builtin_resolves_kv_and_needs_its_model_file(tmp_path: Path) -> None:
     code, out, _ = invoke("profile", "validate", "llama3.1-8b-q4_k_m", "--json")
     data = json.loads(out)
