@@ -95,8 +95,7 @@ def validate(
     root: RootOpt = Path("/"),
 ) -> None:
     """Check a profile (and optionally the model it will serve) against the KV rules."""
-    profile = load_profile(file)
-    apply_ctx(profile, n_ctx)
+    profile = apply_ctx(load_profile(file), n_ctx)
     build = _build_info_or_none(deps(ctx))
     report = validate_profile(profile, model, build, root)
     if model is None:

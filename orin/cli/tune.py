@@ -26,7 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orin.cli.deps import deps
 from orin.cli.errors import handle_errors, no_args_is_help, usage_error
-from orin.cli.options import CtxOpt, JsonOpt, RootOpt
+from orin.cli.options import CtxOpt, JsonOpt, RootOpt, apply_ctx
 from orin.cli.output import Output, progress_wanted
 from orin.doctor.context import model_path_for
 from orin.errors import OrinError
@@ -267,6 +267,7 @@ def _run_measured(
     quiet: bool = False,
 ) -> None:
     profile = serve_profile(profile_name, model)[0]  # the profile serve would run
+    apply_ctx(profile, settings.n_ctx)  # a --ctx its rules refuse: a usage error, now
     from orin.tune import report as tune_report
     from orin.tune import tuned
     from orin.tune.run import tune

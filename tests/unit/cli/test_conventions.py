@@ -105,6 +105,18 @@ def test_more_usage_mistakes_exit_2(args: tuple[str, ...], message: str) -> None
     assert out == ""
 
 
+@pytest.mark.parametrize("command", [("profile", "validate"), ("doctor", "--profile")])
+def test_a_ctx_the_profiles_rules_refuse_is_a_usage_error(
+    tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("name: p\ncontext: {keep: 300}\n")
+    code, out, err = invoke(*command, str(f), "--ctx", "256")
+    assert code == 2, err
+    assert "--ctx 256: context.keep (300) must be below the window (256)" in err
+    assert "internal error" not in err and out == ""
+
+
 def test_a_bare_tune_starts_nothing() -> None:
     code, out, _ = invoke("tune")
     assert code == 2  # as `orin-llm` alone: the help, and the usage error's code
