@@ -198,7 +198,7 @@ def system(
     plan = plan_revert(board, state) if revert else plan_apply(board, state)
     out = Output(as_json)
     if not as_json:
-        _show_plan(out, plan, profile, board.platform)
+        _show_plan(out, plan, profile, board.platform, apply or revert)
     done: tuple[str, ...] | None = None
     if apply:
         done = apply_plan(board, plan, state, d.effective_uid)
@@ -223,10 +223,17 @@ def _model_info(profile: Profile) -> ModelInfo | None:
         return None
 
 
-def _show_plan(out: Output, plan: Plan, profile: Profile, platform: Platform) -> None:
+def _plan_title(plan: Plan, acting: bool) -> str:
+    """What the table is: the changes about to be made or restored, or a plan alone."""
+    if not acting:
+        return "plan only, nothing is changed (--apply makes these changes)"
+    return "restoring the saved values" if plan.mode == "revert" else "making these changes"
+
+
+def _show_plan(out: Output, plan: Plan, profile: Profile, platform: Platform, acting: bool) -> None:
     out.line(f"board: {platform.describe()}")
     out.table(
-        f"tune system: {plan.mode} plan (profile {profile.name})",
+        f"tune system, profile {profile.name}: {_plan_title(plan, acting)}",
         ("setting", "current", "target", "steps", "note"),
         (
             (
