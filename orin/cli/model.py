@@ -19,6 +19,7 @@ from rich.progress import (
 
 from orin.cli.deps import deps
 from orin.cli.errors import handle_errors
+from orin.cli.help import Typer
 from orin.cli.options import CtxOpt, JsonOpt, RootOpt
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.errors import ModelFileError, OrinError, ProfileError
@@ -32,7 +33,7 @@ from orin.system.commands import CommandRunner
 from orin.system.memory import read_meminfo
 from orin.system.root import SysRoot
 
-app = typer.Typer(
+app = Typer(
     help="Pull, list and remove models; inspect GGUF files, plan their memory, "
     "generate demo models."
 )

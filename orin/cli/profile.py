@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from orin.cli.deps import Deps, deps
 from orin.cli.errors import EXIT_FAILED, handle_errors
+from orin.cli.help import Typer
 from orin.cli.options import CtxOpt, JsonOpt, RootOpt, apply_ctx
 from orin.cli.output import Output
 from orin.doctor.context import model_path_for
@@ -28,7 +29,7 @@ from orin.profile.loader import builtin_profiles, load_profile
 from orin.profile.schema import Profile
 from orin.profile.validate import ValidationReport, validate_profile
 
-app = typer.Typer(help="List, show and validate profiles.")
+app = Typer(help="List, show and validate profiles.")
 
 
 @app.command("list")

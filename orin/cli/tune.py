@@ -26,6 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orin.cli.deps import deps
 from orin.cli.errors import handle_errors, no_args_is_help, usage_error
+from orin.cli.help import Typer
 from orin.cli.options import CtxOpt, JsonOpt, RootOpt, apply_ctx
 from orin.cli.output import Output, progress_wanted
 from orin.doctor.context import model_path_for
@@ -50,7 +51,7 @@ from orin.system.statefile import DEFAULT_STATE_PATH, StateFile
 if TYPE_CHECKING:
     from orin.tune.run import TuneResult, TuneSettings
 
-app = typer.Typer(
+app = Typer(
     help="Measure and choose engine settings for a profile's SLOs (`tune run`); "
     "`tune system` tunes the board.",
     no_args_is_help=False,

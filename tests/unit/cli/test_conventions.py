@@ -242,6 +242,50 @@ def test_a_title_is_not_cut_to_the_tables_width(
     assert lines[0] == str(path)  # on one line, not split before '.gguf'
 
 
+def commands(command: object = None, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """The path of every command and group, the root's included."""
+    command = command or typer.main.get_command(app)
+    yield path
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from commands(sub, (*path, name))
+
+
+def test_help_has_no_placeholder_on_switches_and_names_arguments_plainly() -> None:
+    seen_usage = set()
+    for path in commands():
+        code, out, _ = invoke(*path, "--help", columns=100)
+        assert code == 0, path
+        assert "<bool>" not in out, path  # a switch takes no value
+        assert "--no-once" not in out and "--no-json" not in out, path
+        usage = next(line for line in out.splitlines() if "Usage:" in line)
+        assert "{" not in usage and "}" not in usage, usage
+        seen_usage.add(usage.split("Usage: ", 1)[1].strip())
+    assert "orin-llm model inspect [OPTIONS] PATH" in seen_usage
+    assert "orin-llm model pull [OPTIONS] SPEC" in seen_usage
+    assert "orin-llm profile validate [OPTIONS] FILE" in seen_usage
+    code, out, _ = invoke("--help", columns=100)
+    assert any(
+        line.split() == ["│", "--version", "Print", "the", "version.", "│"]
+        for line in out.splitlines()
+    )
+
+
+def test_help_texts_are_paragraphs_not_the_sources_line_breaks() -> None:
+    root = typer.main.get_command(app)
+    for path in commands():
+        command = root
+        for name in path:
+            command = command.commands[name]  # type: ignore[attr-defined]
+        for paragraph in (command.help or "").split("\n\n"):
+            assert "\n" not in paragraph, (path, paragraph)
+    code, out, _ = invoke("--help", columns=200)
+    install = next(line for line in out.splitlines() if "│ install " in line)
+    assert "the profile, a boot-time tuning unit" in install  # one line, not cut after 'for the'
+    code, out, _ = invoke("deploy", "--help", columns=200)
+    assert code == 0
+    assert "/health probes, the drain's grace period" in out
+
+
 def test_shell_completion_is_on() -> None:
     code, out, _ = invoke("--help")
     assert code == 0 and "--install-completion" in out and "--show-completion" in out
