@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 from pydantic import BaseModel, ValidationError
@@ -54,16 +54,35 @@ def field_range(section: type[BaseModel], name: str) -> tuple[int, int]:
     return low, high
 
 
-def in_range(low: int, high: int) -> Callable[[int | None], int | None]:
+N = TypeVar("N", int, float)
+
+
+def in_range(low: N, high: N) -> Callable[[N | None], N | None]:
     """An option callback: a number outside ``low``-``high`` is a usage error that gives
     both bounds (click's own range check names only the one crossed)."""
 
-    def check(value: int | None) -> int | None:
+    def check(value: N | None) -> N | None:
         if value is not None and not low <= value <= high:
-            raise typer.BadParameter(f"{value} is out of range: give {low} to {high}")
+            raise typer.BadParameter(
+                f"{_number(value)} is out of range: give {_number(low)} to {_number(high)}"
+            )
         return value
 
     return check
+
+
+def _number(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def check_telemetry(value: str) -> str:
+    """Option callback: an unknown telemetry source is a usage error, found before
+    anything loads."""
+    from orin.telemetry.sources import SOURCES
+
+    if value not in ("auto", "off", *SOURCES):
+        raise typer.BadParameter(f"{value!r}: give auto, off or one of {', '.join(SOURCES)}")
+    return value
 
 
 def override_error(options: list[str], exc: ValidationError) -> Exception:

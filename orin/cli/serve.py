@@ -13,7 +13,14 @@ from pydantic import ValidationError
 
 from orin.cli.errors import handle_errors
 from orin.cli.logs import setup_logging
-from orin.cli.options import CtxOpt, ProfileOpt, field_range, in_range, override_error
+from orin.cli.options import (
+    CtxOpt,
+    ProfileOpt,
+    check_telemetry,
+    field_range,
+    in_range,
+    override_error,
+)
 from orin.profile.schema import ContextSection, EngineSection, Profile, ServerSection
 from orin.profile.select import serve_profile
 from orin.server.main import run_server
@@ -83,12 +90,16 @@ def serve(
         str,
         typer.Option(
             envvar="ORIN_LLM_TELEMETRY",
+            callback=check_telemetry,
             help="auto, off, or a source: jetson_sysfs, nvml, jtop, tegrastats, cpu.",
         ),
     ] = "auto",
     telemetry_hz: Annotated[
         float | None,
-        typer.Option(min=0.1, max=1000, help="Sampling rate; default: the source's (50 Hz)."),
+        typer.Option(
+            callback=in_range(0.1, 1000.0),
+            help="Sampling rate, 0.1 to 1000 Hz; default: the source's (50 Hz).",
+        ),
     ] = None,
     record: Annotated[
         Path | None,

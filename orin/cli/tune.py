@@ -27,7 +27,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from orin.cli.deps import deps
 from orin.cli.errors import handle_errors, no_args_is_help, usage_error
 from orin.cli.help import Typer
-from orin.cli.options import CtxOpt, JsonOpt, RootOpt, apply_ctx
+from orin.cli.options import CtxOpt, JsonOpt, RootOpt, apply_ctx, check_telemetry
 from orin.cli.output import Output, progress_wanted
 from orin.doctor.context import model_path_for
 from orin.errors import OrinError
@@ -67,15 +67,6 @@ ProfileOpt = Annotated[
 ]
 
 
-def _telemetry(value: str) -> str:
-    """Option callback: an unknown source is a usage error, found before loading."""
-    from orin.telemetry.sources import SOURCES
-
-    if value not in ("auto", "off", *SOURCES):
-        raise typer.BadParameter(f"auto, off or one of {', '.join(SOURCES)}")
-    return value
-
-
 @handle_errors
 def run(
     ctx: typer.Context,
@@ -108,7 +99,7 @@ def run(
     telemetry: Annotated[
         str,
         typer.Option(
-            callback=_telemetry,
+            callback=check_telemetry,
             help="auto, off, or a source: jetson_sysfs, nvml, jtop, tegrastats, cpu.",
         ),
     ] = "auto",

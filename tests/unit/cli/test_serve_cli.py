@@ -88,6 +88,8 @@ def serve(*args: str) -> tuple[int, str]:
         (("--ctx", "100"), "100 is out of range: give 256 to 1048576"),
         (("--slots", "65"), "65 is out of range: give 1 to 64"),
         (("--port", "70000"), "70000 is out of range: give 1 to 65535"),
+        (("--telemetry-hz", "0"), "0 is out of range: give 0.1 to 1000"),
+        (("--telemetry", "bogus"), "'bogus': give auto, off or one of jetson_sysfs"),
     ],
 )
 def test_an_override_out_of_its_range_is_a_usage_error(args: tuple[str, ...], message: str) -> None:
