@@ -119,7 +119,7 @@ def serve(
     profile, note = serve_profile(profile_name, model)
     profile = _apply_overrides(profile, host, port, slots, ctx, window)
     if rpc is not None:
-        _apply_rpc(profile, rpc)
+        profile = _apply_rpc(profile, rpc)
     if profile.engine.rpc:  # llama.cpp aborts on a worker it cannot reach: ask first
         from orin.engine.rpc import check_workers
 
@@ -167,11 +167,20 @@ def _apply_overrides(
     return checked
 
 
-def _apply_rpc(p: Profile, value: str) -> None:
-    """--rpc replaces the profile's engine.rpc (an empty value: no workers)."""
+def _apply_rpc(p: Profile, value: str) -> Profile:
+    """The profile with --rpc as its engine.rpc (an empty value: no workers), checked by
+    the profile's rules (a worker given twice, too many workers: a usage error)."""
     from orin.engine.rpc import parse_endpoints
 
     try:
-        p.engine.rpc = list(parse_endpoints(value))
+        workers = list(parse_endpoints(value))
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--rpc") from None
+    data = p.model_dump()
+    data["engine"]["rpc"] = workers
+    try:
+        checked = Profile.model_validate(data)
+    except ValidationError as exc:
+        raise override_error([f"--rpc {value}"], exc) from None
+    checked.source = p.source
+    return checked
