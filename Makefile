@@ -3,11 +3,17 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# where `make serve` listens: `make serve HOST=0.0.0.0 PORT=8081`, or ORIN_LLM_HOST and
+# ORIN_LLM_PORT in the environment (as for `orin-llm serve`). Not ?=: a shell that exports
+# its own HOST (the machine's name, in tcsh) must not choose the address.
+HOST    = $(or $(ORIN_LLM_HOST),127.0.0.1)
+PORT    = $(or $(ORIN_LLM_PORT),8080)
 
 .PHONY: help install install-bench lint test test-unit test-reliability test-gpu serve clean browser promtool
 
 help:
-	@echo "make serve    set everything up and serve SmolLM2-135M-Instruct on 127.0.0.1:8080"
+	@echo "make serve    set everything up and serve SmolLM2-135M-Instruct on $(HOST):$(PORT)"
+	@echo "              (make serve HOST=0.0.0.0 PORT=8081 to listen elsewhere)"
 	@echo "make test     create $(VENV), build llama-cpp-python, install orin-llm[dev], lint, run the tests"
 	@echo "make lint     ruff, mypy and the import contracts"
 	@echo "make install  only set up $(VENV)"
@@ -80,7 +86,7 @@ test: lint browser promtool
 	$(VENV)/bin/pytest -q
 
 serve: $(STAMP)
-	$(VENV)/bin/orin-llm serve --host 127.0.0.1 --port 8080
+	$(VENV)/bin/orin-llm serve --host $(HOST) --port $(PORT)
 
 test-reliability: $(STAMP)
 	$(VENV)/bin/pytest -q -m reliability tests/reliability

@@ -11,9 +11,10 @@ import typer
 from orin import __version__
 from orin.cli import bench, deploy, doctor, install, model, monitor, profile, rpc, serve, tune
 from orin.cli.deps import Deps
+from orin.cli.help import Typer
 from orin.cli.logs import StderrHandler, text_formatter
 
-app = typer.Typer(
+app = Typer(
     name="orin-llm",
     help="Run large language models on NVIDIA Jetson AGX Orin as a dependable local service.",
     no_args_is_help=True,

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from orin.bench.bandwidth import BandwidthRequest
 from orin.bench.stats import SLO, RequestResult, by_bucket
 from orin.cli.errors import handle_errors, usage_error
+from orin.cli.help import Typer
 from orin.cli.options import ApiKeyOpt, JsonOpt, OutputOpt, check_url
 from orin.cli.output import Output, human_bytes, progress_wanted
 
@@ -310,5 +311,5 @@ def _sig(v: float) -> str:
     return f"{v:.2f}" if abs(v) >= 1 else f"{v:.3g}"
 
 
-app = typer.Typer(help="Benchmark a running server.", add_completion=False)
+app = Typer(help="Benchmark a running server.", add_completion=False)
 app.command("bench")(bench)

@@ -17,12 +17,13 @@ from typing import Annotated
 import typer
 
 from orin.cli.errors import handle_errors
+from orin.cli.help import Typer
 from orin.cli.options import ProfileOpt
 from orin.cli.output import human_bytes
 from orin.deploy import k8s
 from orin.profile.loader import load_profile
 
-app = typer.Typer(help="Deploy orin-llm to a cluster.", no_args_is_help=True)
+app = Typer(help="Deploy orin-llm to a cluster.", no_args_is_help=True)
 
 
 class WorkloadKind(str, Enum):

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from orin.cli.deps import deps
-from orin.cli.errors import EXIT_INTERNAL, exit_code_for, fail
+from orin.cli.errors import EXIT_INTERNAL, ClickException, exit_code_for, fail
 from orin.cli.options import CtxOpt, JsonOpt, ProfileOpt, RootOpt, apply_ctx
 from orin.cli.output import Output
 from orin.doctor.report import Report
@@ -52,12 +52,14 @@ def doctor(
     d = deps(ctx)
     try:
         profile = serve_profile(profile_name, model)[0]  # the profile serve would run
-        apply_ctx(profile, n_ctx)
+        profile = apply_ctx(profile, n_ctx)
         context = d.doctor_context(SysRoot(root), profile, model)
         report = d.run_doctor(context)
         platform = context.platform
     except OrinError as exc:
         raise fail(f"doctor could not run: {exc}", exit_code_for(exc)) from None
+    except ClickException:  # a usage error (--ctx the profile's rules refuse): exit 2
+        raise
     except Exception as exc:
         log.debug("doctor failed", exc_info=True)
         message = (

@@ -24,7 +24,7 @@ from rich.progress import (
 )
 
 from orin.cli.deps import HttpGet, deps
-from orin.cli.errors import handle_errors
+from orin.cli.errors import fail, handle_errors
 from orin.cli.options import ApiKeyOpt, JsonOpt, RootOpt, bearer
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.doctor.report import Report
@@ -364,30 +364,38 @@ def status(
         return d.http_get(u, timeout, headers or auth)
 
     if url is not None:
-        st = read_server_status(get, url)
+        st = read_server_status(get, url, with_key=auth is not None)
     else:
-        st = read_status(SysRoot(root), d.runner, get, unit_dir)
+        st = read_status(SysRoot(root), d.runner, get, unit_dir, with_key=auth is not None)
     out = Output(as_json)
     if as_json:
         out.json(st.to_dict())
     else:
-        _show_status(out, st)
-    if not st.healthy:
+        _show_status(out, st, by_url=url is not None)
+    # A server asked for by --url that does not answer, or refuses what status reads,
+    # is a failure said in one line; the installed service's units are shown either way.
+    failed = url is not None and (st.health_status is None or st.refused)
+    if failed and not as_json:
+        raise fail(st.error or "no answer", EXIT_UNHEALTHY)
+    if failed or not st.healthy:
         raise typer.Exit(EXIT_UNHEALTHY)
 
 
-def _show_status(out: Output, st: ServiceStatus) -> None:
+def _show_status(out: Output, st: ServiceStatus, by_url: bool) -> None:
     if st.units:
         _show_units(out, st)
     if st.url is None or st.health_status is None:
-        out.line(f"health: {st.error}")
+        if not by_url:  # else the error is the command's one line on stderr
+            out.line(f"health: {st.error}")
         return
     body = json.dumps(st.health) if st.health is not None else ""
     out.line(f"health: {st.url}/health -> {st.health_status} {body}")
+    if st.refused:  # nothing read but /health: no empty model list or latency table
+        if not by_url:
+            out.note(st.error or "")
+        return
     if st.models is not None:
         out.line(f"models: {', '.join(st.models) or 'none listed'}")
-    if st.error:
-        out.note(st.error)
     rows = [
         (name.upper(), lat.count, _ms(lat.p50_s), _ms(lat.p95_s), _ms(lat.mean_s))
         for name, lat in st.latency.items()

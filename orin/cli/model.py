@@ -19,6 +19,7 @@ from rich.progress import (
 
 from orin.cli.deps import deps
 from orin.cli.errors import handle_errors
+from orin.cli.help import Typer
 from orin.cli.options import CtxOpt, JsonOpt, RootOpt
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.errors import ModelFileError, OrinError, ProfileError
@@ -32,7 +33,7 @@ from orin.system.commands import CommandRunner
 from orin.system.memory import read_meminfo
 from orin.system.root import SysRoot
 
-app = typer.Typer(
+app = Typer(
     help="Pull, list and remove models; inspect GGUF files, plan their memory, "
     "generate demo models."
 )
@@ -359,6 +360,14 @@ DirOpt = Annotated[
         "else ~/.cache/orin-llm/models).",
     ),
 ]
+SeenDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--dir",
+        help="Models directory (default: both that serve looks in: ~/.cache/orin-llm/models, "
+        "then /var/lib/orin-llm/models, the installed service's).",
+    ),
+]
 ProfilesOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -375,6 +384,23 @@ def _models_dir(given: Path | None, uid: int, root: SysRoot) -> Path:
     if uid == 0:
         return root.path(store.SYSTEM_MODELS_DIR)
     return store.default_dir()
+
+
+def _serve_dirs(given: Path | None, root: SysRoot) -> list[Path]:
+    """--dir, else the folders serve finds models in, in its order: the user cache (demo
+    and packaged models, a user's pulls; root's own, under root's home, when root runs
+    serve) and the installed service's models directory (root's pulls)."""
+    if given is not None:
+        return [given]
+    return list(dict.fromkeys((store.default_dir(), root.path(store.SYSTEM_MODELS_DIR))))
+
+
+def _dir_role(folder: Path, root: SysRoot) -> str:
+    if folder == root.path(store.SYSTEM_MODELS_DIR):
+        return "installed service's"
+    if folder == store.default_dir():
+        return "user cache"
+    return "--dir"
 
 
 def _service_chown(runner: CommandRunner, root: SysRoot) -> Chown | None:
@@ -540,39 +566,54 @@ def _listing(folder: Path, profiles: list[tuple[str, Profile]], root: SysRoot) -
 @app.command("list")
 @handle_errors
 def list_models(
-    ctx: typer.Context,
-    models_dir: DirOpt = None,
+    models_dir: SeenDirOpt = None,
     profiles: ProfilesOpt = None,
     as_json: JsonOpt = False,
     root: RootOpt = Path("/"),
 ) -> None:
-    """Every GGUF file in the models directory, with the profiles that use it."""
-    d = deps(ctx)
+    """Every GGUF file in the folders serve finds models in, with the profiles that use it."""
     sysroot = SysRoot(root)
-    folder = _models_dir(models_dir, d.effective_uid(), sysroot)
-    rows = _listing(folder, _profiles(sysroot, profiles), sysroot)
+    every = _profiles(sysroot, profiles)
+    listed = [
+        (d, _listing(d, every, sysroot) if d.is_dir() else None)
+        for d in _serve_dirs(models_dir, sysroot)
+    ]
     out = Output(as_json)
     if as_json:
-        out.json({"dir": str(folder), "models": [r.to_dict() for r in rows]})
+        out.json(
+            {
+                "dirs": [
+                    {"dir": str(d), "exists": rows is not None, "role": _dir_role(d, sysroot)}
+                    for d, rows in listed
+                ],
+                "models": [
+                    {**r.to_dict(), "dir": str(d)} for d, rows in listed for r in rows or ()
+                ],
+            }
+        )
         return
-    if not rows:
-        out.line(f"no GGUF files in {folder}")
-        return
-    out.table(
-        str(folder),
-        ("name", "size", "quantization", "pulled from", "used by"),
-        (
-            (
-                r.path.relative_to(folder).as_posix(),
-                human_bytes(r.size),
-                r.quantization or f"unreadable: {r.problem}",
-                r.source or "-",
-                ", ".join(r.used_by) or "-",
+    for folder, rows in listed:
+        where = f"{folder} ({_dir_role(folder, sysroot)})"
+        if rows is None:
+            out.line(f"{where}: no such folder")
+        elif not rows:
+            out.line(f"{where}: no GGUF files")
+        else:
+            out.table(
+                where,
+                ("name", "size", "quantization", "pulled from", "used by"),
+                (
+                    (
+                        r.path.relative_to(folder).as_posix(),
+                        human_bytes(r.size),
+                        r.quantization or f"unreadable: {r.problem}",
+                        r.source or "-",
+                        ", ".join(r.used_by) or "-",
+                    )
+                    for r in rows
+                ),
+                keep=("name",),
             )
-            for r in rows
-        ),
-        keep=("name",),
-    )
 
 
 def _find(folder: Path, name: str) -> Path:
@@ -592,12 +633,33 @@ def _find(folder: Path, name: str) -> Path:
     raise ModelFileError(f"no model {name} in {folder} (there: {known or 'none'})")
 
 
+def _find_in(folders: list[Path], name: str) -> tuple[Path, Path]:
+    """NAME in the one folder of those model list shows that holds it: (folder, file)."""
+    if len(folders) == 1:
+        return folders[0], _find(folders[0], name)
+    found: list[tuple[Path, Path]] = []
+    problems: list[str] = []
+    for folder in folders:
+        if not folder.is_dir():
+            problems.append(f"no folder {folder}")
+            continue
+        try:
+            found.append((folder, _find(folder, name)))
+        except ModelFileError as exc:
+            problems.append(str(exc))
+    if len(found) == 1:
+        return found[0]
+    if found:
+        where = " and ".join(str(f) for f, _ in found)
+        raise ModelFileError(f"{name} is in {where}: say which with --dir")
+    raise ModelFileError("; ".join(problems))
+
+
 @app.command()
 @handle_errors
 def rm(
-    ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="File name (as model list shows it).")],
-    models_dir: DirOpt = None,
+    models_dir: SeenDirOpt = None,
     profiles: ProfilesOpt = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
     force: Annotated[
@@ -607,10 +669,8 @@ def rm(
     root: RootOpt = Path("/"),
 ) -> None:
     """Delete a model file from the models directory (not one a profile in use names)."""
-    d = deps(ctx)
     sysroot = SysRoot(root)
-    folder = _models_dir(models_dir, d.effective_uid(), sysroot)
-    path = _find(folder, name)
+    folder, path = _find_in(_serve_dirs(models_dir, sysroot), name)
     every = _profiles(sysroot, profiles)
     in_use = [
         label for label, _ in every if label.startswith("installed") or label in (profiles or ())

@@ -230,7 +230,7 @@ def monitor(
         Path | None, typer.Option(help="Summarize a `serve --record` file instead.")
     ] = None,
     interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 0.25,
-    once: Annotated[bool, typer.Option(help="Print one frame and exit.")] = False,
+    once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
     api_key: ApiKeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:

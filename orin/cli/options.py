@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from orin.errors import ProfileError
-from orin.profile.schema import Profile
+from orin.cli.errors import usage_error
+from orin.profile.loader import describe_error
+from orin.profile.schema import EngineSection, Profile
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
 RootOpt = Annotated[
@@ -42,31 +44,86 @@ def bearer(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def field_range(section: type[BaseModel], name: str) -> tuple[int, int]:
+    """The bounds (ge, le) of a profile field, for the option that overrides it."""
+    low = high = None
+    for bound in section.model_fields[name].metadata:
+        low = getattr(bound, "ge", low)
+        high = getattr(bound, "le", high)
+    assert isinstance(low, int) and isinstance(high, int), (section, name)
+    return low, high
+
+
+N = TypeVar("N", int, float)
+
+
+def in_range(low: N, high: N) -> Callable[[N | None], N | None]:
+    """An option callback: a number outside ``low``-``high`` is a usage error that gives
+    both bounds (click's own range check names only the one crossed)."""
+
+    def check(value: N | None) -> N | None:
+        if value is not None and not low <= value <= high:
+            raise typer.BadParameter(
+                f"{_number(value)} is out of range: give {_number(low)} to {_number(high)}"
+            )
+        return value
+
+    return check
+
+
+def _number(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def check_telemetry(value: str) -> str:
+    """Option callback: an unknown telemetry source is a usage error, found before
+    anything loads."""
+    from orin.telemetry.sources import SOURCES
+
+    if value not in ("auto", "off", *SOURCES):
+        raise typer.BadParameter(f"{value!r}: give auto, off or one of {', '.join(SOURCES)}")
+    return value
+
+
+def override_error(options: list[str], exc: ValidationError) -> Exception:
+    """Command-line values the profile's rules refuse: a usage error (exit 2) that names
+    the options given, then each rule broken ('--window 9999, --ctx 512: context.window
+    (9999) exceeds engine.n_ctx (512)')."""
+    problems = "; ".join(describe_error(e) for e in exc.errors())
+    return usage_error(f"{', '.join(options)}: {problems}")
+
+
+N_CTX_RANGE = field_range(EngineSection, "n_ctx")
 CTX_HELP = (
-    "Context per slot in tokens (the profile's engine.n_ctx); the KV cache holds this "
-    "times the slot count (llama.cpp's -c is the total)."
-)
-CtxOpt = Annotated[int | None, typer.Option("--ctx", min=256, help=CTX_HELP)]
+    "Context per slot in tokens (the profile's engine.n_ctx, {} to {}); the KV cache holds "
+    "this times the slot count (llama.cpp's -c is the total)."
+).format(*N_CTX_RANGE)
+CtxOpt = Annotated[
+    int | None, typer.Option("--ctx", callback=in_range(*N_CTX_RANGE), help=CTX_HELP)
+]
 OutputOpt = Annotated[
     Path | None, typer.Option("--output", "-o", help="Also write the result as JSON to this file.")
 ]
 
 
-def apply_ctx(profile: Profile, n_ctx: int | None) -> None:
-    """``--ctx``: the profile's engine.n_ctx (per slot), checked against the profile's
-    bounds. A sliding window longer than the new context is dropped (the window then
-    defaults to the context), as it is when a profile sets no window."""
+def apply_ctx(profile: Profile, n_ctx: int | None) -> Profile:
+    """The profile with ``--ctx`` as its engine.n_ctx (per slot), checked against the
+    profile's rules (a value they refuse is a usage error). A sliding window longer than
+    the new context is dropped (the window then defaults to the context), as it is when a
+    profile sets no window."""
     if n_ctx is None:
-        return
-    profile.engine.n_ctx = n_ctx
-    window = profile.context.window
+        return profile
+    data = profile.model_dump()
+    data["engine"]["n_ctx"] = n_ctx
+    window = data["context"]["window"]
     if window is not None and window > n_ctx:
-        profile.context.window = None
+        data["context"]["window"] = None
     try:
-        Profile.model_validate(profile.model_dump())
+        checked = Profile.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(e["msg"] for e in exc.errors())
-        raise ProfileError(f"--ctx {n_ctx}: {problems}") from None
+        raise override_error([f"--ctx {n_ctx}"], exc) from None
+    checked.source = profile.source
+    return checked
 
 
 def check_url(value: str | None) -> str | None:

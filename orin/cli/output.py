@@ -5,9 +5,12 @@ on stdout instead of tables); a file is always ``--output FILE``.
 
 Tables never cut what a user has to type: the columns named in ``keep`` (profile
 names, check ids, settings) are neither wrapped nor shortened, whatever the
-terminal's width; the other columns fold their text onto more lines instead of
-ending in an ellipsis. A reader that closes stdout early (``| head``) ends the
-command quietly (errors.stdout_closed).
+terminal's width; the other columns wrap their text between words onto more lines
+instead of ending in an ellipsis, each at least as wide as its longest word (only a
+word longer than LONG_WORD, a path or a URL, is folded); where the terminal cannot
+fit that, the rows become labelled lines. A title is a line of its own, as wide as
+the terminal, not the table. A reader that closes stdout early (``| head``)
+ends the command quietly (errors.stdout_closed).
 """
 
 from __future__ import annotations
@@ -63,14 +66,15 @@ class Output:
         rows: Iterable[Sequence[Any]],
         keep: Collection[str] = (),
     ) -> None:
-        """A table; the ``keep`` columns are printed whole on one line. When the terminal
-        is too narrow for them and a few characters of every other column, each row
-        is printed as labelled lines instead (``rows_as_list``)."""
+        """A table; the ``keep`` columns are printed whole on one line, the others wrap
+        between words. When the terminal is too narrow for the kept columns and the
+        longest word of every other column, each row is printed as labelled lines
+        instead (``rows_as_list``)."""
         cells = [["-" if v is None else str(v) for v in row] for row in rows]
         if table_width(columns, cells, keep) > self.out.width:
             self.print(rows_as_list(title, columns, cells))
         else:
-            self.print(make_table(title, columns, cells, keep))
+            self.print(make_table(title, columns, cells, keep, self.out.width))
 
     def pairs(self, title: str | None, items: Iterable[tuple[str, Any]]) -> None:
         self.table(title, ("field", "value"), items, keep=("field",))
@@ -91,22 +95,27 @@ def make_table(
     columns: Sequence[str],
     rows: Iterable[Sequence[Any]],
     keep: Collection[str] = (),
-) -> Table:
-    """A rich table whose ``keep`` columns are as wide as their widest cell (rich then
-    narrows the others, which fold) and never wrap or end in an ellipsis."""
+    width: int | None = None,
+) -> RenderableType:
+    """A rich table whose ``keep`` columns are as wide as their widest cell and never
+    wrap or end in an ellipsis. Given the ``width`` it must fit, the other columns
+    get widths that hold their longest words (``fold_widths``); the title goes on a
+    line of its own above the table, wrapped at ``width`` rather than the table's."""
     cells = [["-" if v is None else str(v) for v in row] for row in rows]
-    t = Table(title=title, title_justify="left", show_lines=False)
+    fixed = fold_widths(columns, cells, keep, width) if width is not None else None
+    t = Table(title_justify="left", show_lines=False)
     for i, c in enumerate(columns):
         if c in keep:
             t.add_column(c, no_wrap=True, overflow="ignore", min_width=_widest(cells, i, c))
         else:
-            t.add_column(c, overflow="fold")
+            t.add_column(c, overflow="fold", width=fixed[i] if fixed else None)
     for row in cells:
         t.add_row(*row)
-    return t
+    return Group(Text(title), t) if title else t
 
 
 MIN_FOLDED = 8  # the narrowest a folding column may get before a table becomes a list
+LONG_WORD = 24  # a longer word (a path, a URL) may be folded; a shorter one stays whole
 
 
 def _widest(cells: Sequence[Sequence[str]], i: int, header: str) -> int:
@@ -114,17 +123,48 @@ def _widest(cells: Sequence[Sequence[str]], i: int, header: str) -> int:
     return max((len(line) for line in lines), default=len(header)) if cells else len(header)
 
 
+def _least(cells: Sequence[Sequence[str]], i: int, header: str) -> int:
+    """The narrowest a folding column may be: its header on one line, its longest word
+    (one longer than LONG_WORD counts as LONG_WORD) and MIN_FOLDED, and no more than its
+    widest line."""
+    words = (w for row in cells for w in row[i].split())
+    longest = min(max((len(w) for w in words), default=0), LONG_WORD)
+    widest = max(_widest(cells, i, header), len(header))
+    return min(widest, max(MIN_FOLDED, longest, len(header)))
+
+
 def table_width(
     columns: Sequence[str], cells: Sequence[Sequence[str]], keep: Collection[str]
 ) -> int:
-    """The least width a table needs: the kept columns whole, the others MIN_FOLDED
-    (or less when their content is narrower), three characters of border and padding
-    per column and one more."""
+    """The least width a table needs: the kept columns whole, the others as wide as
+    their longest word (``_least``), three characters of border and padding per column
+    and one more."""
     width = 1
     for i, c in enumerate(columns):
-        widest = max(_widest(cells, i, c), len(c))
-        width += 3 + (widest if c in keep else min(widest, MIN_FOLDED))
+        if c in keep:
+            width += 3 + max(_widest(cells, i, c), len(c))
+        else:
+            width += 3 + _least(cells, i, c)
     return width
+
+
+def fold_widths(
+    columns: Sequence[str], cells: Sequence[Sequence[str]], keep: Collection[str], width: int
+) -> list[int] | None:
+    """Widths for the columns not kept whole, in a table of at most ``width`` that
+    ``table_width`` says fits: each starts as wide as its longest word, and what is left
+    goes, a character at a time, to the column that still lacks the most. None when
+    every column fits whole (rich sizes them then)."""
+    folding = [i for i, c in enumerate(columns) if c not in keep]
+    wanted = {i: max(_widest(cells, i, columns[i]), len(columns[i])) for i in folding}
+    given = {i: _least(cells, i, columns[i]) for i in folding}
+    room = width - table_width(columns, cells, keep)
+    if sum(wanted[i] - given[i] for i in folding) <= room:
+        return None
+    for _ in range(room):
+        i = max(folding, key=lambda j: wanted[j] - given[j])
+        given[i] += 1
+    return [given.get(i, 0) for i in range(len(columns))]
 
 
 def rows_as_list(

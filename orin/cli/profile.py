@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from orin.cli.deps import Deps, deps
 from orin.cli.errors import EXIT_FAILED, handle_errors
+from orin.cli.help import Typer
 from orin.cli.options import CtxOpt, JsonOpt, RootOpt, apply_ctx
 from orin.cli.output import Output
 from orin.doctor.context import model_path_for
@@ -29,7 +30,7 @@ from orin.profile.loader import builtin_profiles, load_profile
 from orin.profile.schema import Profile
 from orin.profile.validate import ValidationReport, validate_profile
 
-app = typer.Typer(help="List, show and validate profiles.")
+app = Typer(help="List, show and validate profiles.")
 
 
 @app.command("list")
@@ -96,8 +97,7 @@ def validate(
     root: RootOpt = Path("/"),
 ) -> None:
     """Check a profile (and optionally the model it will serve) against the KV rules."""
-    profile = load_profile(file)
-    apply_ctx(profile, n_ctx)
+    profile = apply_ctx(load_profile(file), n_ctx)
     build = _build_info_or_none(deps(ctx))
     report = validate_profile(profile, model, build, root)
     if model is None:

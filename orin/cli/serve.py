@@ -9,11 +9,19 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
 from orin.cli.errors import handle_errors
 from orin.cli.logs import setup_logging
-from orin.cli.options import CtxOpt, ProfileOpt
-from orin.profile.schema import Profile
+from orin.cli.options import (
+    CtxOpt,
+    ProfileOpt,
+    check_telemetry,
+    field_range,
+    in_range,
+    override_error,
+)
+from orin.profile.schema import ContextSection, EngineSection, Profile, ServerSection
 from orin.profile.select import serve_profile
 from orin.server.main import run_server
 
@@ -27,10 +35,19 @@ class LogFormat(str, Enum):
     json = "json"
 
 
+WINDOW_RANGE = field_range(ContextSection, "window")
+SLOTS_RANGE = field_range(EngineSection, "slots")
+PORT_RANGE = field_range(ServerSection, "port")
+
+
 def _window(value: str | None) -> str | None:
-    if value is None or value == "off" or value.isdigit():
+    """--window: 'off', or a number of tokens within context.window's bounds."""
+    if value is None or value == "off":
         return value
-    raise typer.BadParameter("a number of tokens or 'off'")
+    low, high = WINDOW_RANGE
+    if value.isdigit() and low <= int(value) <= high:
+        return value
+    raise typer.BadParameter(f"{value!r}: give a number of tokens from {low} to {high}, or 'off'")
 
 
 @handle_errors
@@ -41,12 +58,30 @@ def serve(
         typer.Option(envvar="ORIN_LLM_MODEL", help="GGUF file (overrides the profile's)."),
     ] = None,
     host: Annotated[str | None, typer.Option(envvar="ORIN_LLM_HOST", help="Bind address.")] = None,
-    port: Annotated[int | None, typer.Option(envvar="ORIN_LLM_PORT", min=1, max=65535)] = None,
-    slots: Annotated[int | None, typer.Option(min=1, max=64, help="Concurrent sequences.")] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(
+            envvar="ORIN_LLM_PORT",
+            callback=in_range(*PORT_RANGE),
+            help="TCP port ({} to {}).".format(*PORT_RANGE),
+        ),
+    ] = None,
+    slots: Annotated[
+        int | None,
+        typer.Option(
+            callback=in_range(*SLOTS_RANGE),
+            help="Concurrent sequences ({} to {}).".format(*SLOTS_RANGE),
+        ),
+    ] = None,
     ctx: CtxOpt = None,
     window: Annotated[
         str | None,
-        typer.Option(callback=_window, help="Sliding window per slot in tokens, or 'off'."),
+        typer.Option(
+            callback=_window,
+            help="Sliding window per slot in tokens ({} to {}, at most --ctx), or 'off'.".format(
+                *WINDOW_RANGE
+            ),
+        ),
     ] = None,
     log_format: Annotated[
         LogFormat, typer.Option(help="Log lines as text or JSON.", envvar="ORIN_LLM_LOG_FORMAT")
@@ -55,12 +90,16 @@ def serve(
         str,
         typer.Option(
             envvar="ORIN_LLM_TELEMETRY",
+            callback=check_telemetry,
             help="auto, off, or a source: jetson_sysfs, nvml, jtop, tegrastats, cpu.",
         ),
     ] = "auto",
     telemetry_hz: Annotated[
         float | None,
-        typer.Option(min=0.1, max=1000, help="Sampling rate; default: the source's (50 Hz)."),
+        typer.Option(
+            callback=in_range(0.1, 1000.0),
+            help="Sampling rate, 0.1 to 1000 Hz; default: the source's (50 Hz).",
+        ),
     ] = None,
     record: Annotated[
         Path | None,
@@ -78,9 +117,9 @@ def serve(
     """Serve a model over an OpenAI-compatible HTTP API."""
     setup_logging(log_format.value)
     profile, note = serve_profile(profile_name, model)
-    _apply_overrides(profile, host, port, slots, ctx, window)
+    profile = _apply_overrides(profile, host, port, slots, ctx, window)
     if rpc is not None:
-        _apply_rpc(profile, rpc)
+        profile = _apply_rpc(profile, rpc)
     if profile.engine.rpc:  # llama.cpp aborts on a worker it cannot reach: ask first
         from orin.engine.rpc import check_workers
 
@@ -97,29 +136,51 @@ def _apply_overrides(
     slots: int | None,
     ctx: int | None,
     window: str | None,
-) -> None:
+) -> Profile:
+    """The profile with the command line's settings, checked by the rules a profile file
+    obeys: values they refuse are a usage error (exit 2) naming the options."""
+    data = p.model_dump()
+    engine, context, server = data["engine"], data["context"], data["server"]
+    given: list[str] = []  # the options a refusal names
     if host is not None:
-        p.server.host = host
+        server["host"] = host
     if port is not None:
-        p.server.port = port
+        server["port"] = port
     if slots is not None:
-        p.engine.n_batch = max(p.engine.n_batch, slots)
-        p.engine.slots = slots
+        engine["n_batch"] = max(engine["n_batch"], slots)
+        engine["slots"] = slots
+        given.append(f"--slots {slots}")
     if ctx is not None:  # per slot, as every command's --ctx (orin/cli/options.py)
-        p.engine.n_ctx = ctx
-        p.context.window = None  # the window follows the new context unless --window
+        engine["n_ctx"] = ctx
+        context["window"] = None  # the window follows the new context unless --window
+        given.append(f"--ctx {ctx}")
     if window == "off":
-        p.context.sliding = False
+        context["sliding"] = False
     elif window is not None:
-        p.context.window = min(int(window), p.engine.n_ctx)
-    Profile.model_validate(p.model_dump())  # the overrides obey the same bounds
+        context["window"] = int(window)
+        given.append(f"--window {window}")
+    try:
+        checked = Profile.model_validate(data)
+    except ValidationError as exc:
+        raise override_error(given or [f"--host {host}", f"--port {port}"], exc) from None
+    checked.source = p.source
+    return checked
 
 
-def _apply_rpc(p: Profile, value: str) -> None:
-    """--rpc replaces the profile's engine.rpc (an empty value: no workers)."""
+def _apply_rpc(p: Profile, value: str) -> Profile:
+    """The profile with --rpc as its engine.rpc (an empty value: no workers), checked by
+    the profile's rules (a worker given twice, too many workers: a usage error)."""
     from orin.engine.rpc import parse_endpoints
 
     try:
-        p.engine.rpc = list(parse_endpoints(value))
+        workers = list(parse_endpoints(value))
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--rpc") from None
+    data = p.model_dump()
+    data["engine"]["rpc"] = workers
+    try:
+        checked = Profile.model_validate(data)
+    except ValidationError as exc:
+        raise override_error([f"--rpc {value}"], exc) from None
+    checked.source = p.source
+    return checked

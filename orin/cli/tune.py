@@ -26,7 +26,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orin.cli.deps import deps
 from orin.cli.errors import handle_errors, no_args_is_help, usage_error
-from orin.cli.options import CtxOpt, JsonOpt, RootOpt
+from orin.cli.help import Typer
+from orin.cli.options import CtxOpt, JsonOpt, RootOpt, apply_ctx, check_telemetry
 from orin.cli.output import Output, progress_wanted
 from orin.doctor.context import model_path_for
 from orin.errors import OrinError
@@ -50,7 +51,7 @@ from orin.system.statefile import DEFAULT_STATE_PATH, StateFile
 if TYPE_CHECKING:
     from orin.tune.run import TuneResult, TuneSettings
 
-app = typer.Typer(
+app = Typer(
     help="Measure and choose engine settings for a profile's SLOs (`tune run`); "
     "`tune system` tunes the board.",
     no_args_is_help=False,
@@ -64,15 +65,6 @@ ProfileOpt = Annotated[
         help="Built-in profile or YAML file (default: the built-in system defaults).",
     ),
 ]
-
-
-def _telemetry(value: str) -> str:
-    """Option callback: an unknown source is a usage error, found before loading."""
-    from orin.telemetry.sources import SOURCES
-
-    if value not in ("auto", "off", *SOURCES):
-        raise typer.BadParameter(f"auto, off or one of {', '.join(SOURCES)}")
-    return value
 
 
 @handle_errors
@@ -107,7 +99,7 @@ def run(
     telemetry: Annotated[
         str,
         typer.Option(
-            callback=_telemetry,
+            callback=check_telemetry,
             help="auto, off, or a source: jetson_sysfs, nvml, jtop, tegrastats, cpu.",
         ),
     ] = "auto",
@@ -198,7 +190,7 @@ def system(
     plan = plan_revert(board, state) if revert else plan_apply(board, state)
     out = Output(as_json)
     if not as_json:
-        _show_plan(out, plan, profile, board.platform)
+        _show_plan(out, plan, profile, board.platform, apply or revert)
     done: tuple[str, ...] | None = None
     if apply:
         done = apply_plan(board, plan, state, d.effective_uid)
@@ -223,10 +215,17 @@ def _model_info(profile: Profile) -> ModelInfo | None:
         return None
 
 
-def _show_plan(out: Output, plan: Plan, profile: Profile, platform: Platform) -> None:
+def _plan_title(plan: Plan, acting: bool) -> str:
+    """What the table is: the changes about to be made or restored, or a plan alone."""
+    if not acting:
+        return "plan only, nothing is changed (--apply makes these changes)"
+    return "restoring the saved values" if plan.mode == "revert" else "making these changes"
+
+
+def _show_plan(out: Output, plan: Plan, profile: Profile, platform: Platform, acting: bool) -> None:
     out.line(f"board: {platform.describe()}")
     out.table(
-        f"tune system: {plan.mode} plan (profile {profile.name})",
+        f"tune system, profile {profile.name}: {_plan_title(plan, acting)}",
         ("setting", "current", "target", "steps", "note"),
         (
             (
@@ -267,6 +266,7 @@ def _run_measured(
     quiet: bool = False,
 ) -> None:
     profile = serve_profile(profile_name, model)[0]  # the profile serve would run
+    apply_ctx(profile, settings.n_ctx)  # a --ctx its rules refuse: a usage error, now
     from orin.tune import report as tune_report
     from orin.tune import tuned
     from orin.tune.run import tune

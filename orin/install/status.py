@@ -35,9 +35,21 @@ LATENCY_METRICS = {
 SHOW_PROPERTIES = ("ActiveState", "SubState", "Result", "NRestarts", "MemoryCurrent")
 HTTP_TIMEOUT_S = 3.0
 KEY_NEEDED = (
-    "the server requires an API key for /v1/models and /metrics: give it with --api-key "
-    "or ORIN_LLM_API_KEY"
+    "the server refused the request (401): it requires an API key for /v1/models and "
+    "/metrics; give it with --api-key or ORIN_LLM_API_KEY"
 )
+KEY_REFUSED = (
+    "the server refused the API key (401) for /v1/models and /metrics: check --api-key or "
+    "ORIN_LLM_API_KEY"
+)
+
+
+def _refusal(with_key: bool) -> str:
+    return KEY_REFUSED if with_key else KEY_NEEDED
+
+
+def _unreachable(url: str, error: str | None) -> str:
+    return f"nothing answers at {url}" + (f": {error}" if error else "")
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,7 @@ class ServiceStatus:
     error: str | None = None
     latency: dict[str, Latency] = field(default_factory=dict)
     models: tuple[str, ...] | None = None  # /v1/models ids (status --url)
+    refused: bool = False  # /v1/models or /metrics answered 401: the API key is missing or wrong
 
     @property
     def healthy(self) -> bool:
@@ -84,6 +97,7 @@ class ServiceStatus:
             "error": self.error,
             "latency": {k: asdict(v) for k, v in self.latency.items()},
             "healthy": self.healthy,
+            "refused": self.refused,
             **({"models": list(self.models)} if self.models is not None else {}),
         }
 
@@ -161,35 +175,49 @@ def _exec_flags(unit_text: str) -> dict[str, str]:
     return {}
 
 
-def read_status(root: SysRoot, runner: CommandRunner, get: HttpGet, unit_dir: str) -> ServiceStatus:
+def read_status(
+    root: SysRoot, runner: CommandRunner, get: HttpGet, unit_dir: str, with_key: bool = False
+) -> ServiceStatus:
     units = tuple(_unit_status(root, runner, unit_dir, u) for u in UNITS)
     url = service_url(root, unit_dir)
     if url is None:
         return ServiceStatus(units, None, error=f"not installed ({PROFILE_FILE} is missing)")
     health = get(f"{url}/health", HTTP_TIMEOUT_S)
     if health.status is None:
-        return ServiceStatus(units, url, error=health.error)
+        return ServiceStatus(units, url, error=_unreachable(url, health.error))
     metrics = get(f"{url}/metrics", HTTP_TIMEOUT_S)
     latency = parse_latency(metrics.body) if metrics.status == 200 else {}
-    error = KEY_NEEDED if metrics.status == 401 else None
-    return ServiceStatus(units, url, health.status, health.json(), error, latency)
+    refused = metrics.status == 401
+    error = _refusal(with_key) if refused else None
+    return ServiceStatus(units, url, health.status, health.json(), error, latency, refused=refused)
 
 
-def read_server_status(get: HttpGet, url: str) -> ServiceStatus:
+def read_server_status(get: HttpGet, url: str, with_key: bool = False) -> ServiceStatus:
     """A server started by hand (``orin-llm serve``), at ``url``: /health, /v1/models and
-    the latency from /metrics; no units."""
+    the latency from /metrics; no units. ``with_key``: the requests carried an API key
+    (a 401 then means the wrong one)."""
     url = url.rstrip("/")
     health = get(f"{url}/health", HTTP_TIMEOUT_S)
     if health.status is None:
-        return ServiceStatus((), url, error=health.error)
+        return ServiceStatus((), url, error=_unreachable(url, health.error))
     listed = get(f"{url}/v1/models", HTTP_TIMEOUT_S)
     data = listed.json() if listed.status == 200 else None
     entries = data.get("data") if data is not None else None
     models = tuple(str(m["id"]) for m in entries or () if isinstance(m, dict) and "id" in m)
     metrics = get(f"{url}/metrics", HTTP_TIMEOUT_S)
     latency = parse_latency(metrics.body) if metrics.status == 200 else {}
-    error = KEY_NEEDED if 401 in (listed.status, metrics.status) else None
-    return ServiceStatus((), url, health.status, health.json(), error, latency, models)
+    refused = 401 in (listed.status, metrics.status)
+    error = _refusal(with_key) if refused else None
+    return ServiceStatus(
+        (),
+        url,
+        health.status,
+        health.json(),
+        error,
+        latency,
+        models if not refused else None,
+        refused,
+    )
 
 
 def _unit_status(root: SysRoot, runner: CommandRunner, unit_dir: str, unit: str) -> UnitStatus:

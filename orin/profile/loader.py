@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -94,15 +95,62 @@ def _line_index(node: yaml.Node | None, prefix: Loc = ()) -> dict[Loc, int]:
 
 
 def _describe(error: Any, filename: str, lines: dict[Loc, int]) -> str:
-    loc: Loc = tuple(error["loc"])
-    line = _line_for(loc, lines)
-    field = ".".join(str(p) for p in loc) or "profile"
-    msg = error["msg"]
     if error["type"] == "extra_forbidden":
+        loc: Loc = tuple(error["loc"])
         msg = "unknown field" + _suggest(loc)
     elif error["type"] == "missing":
-        msg = "required field is missing"
-    return f"{filename}:{line}: {field}: {msg}"
+        loc, msg = tuple(error["loc"]), "required field is missing"
+    else:
+        loc, msg = error_field(error), error_message(error)
+    return f"{filename}:{_line_for(loc, lines)}: {_with_field(loc, msg)}"
+
+
+def describe_error(error: Any) -> str:
+    """One of pydantic's errors about a Profile as 'field: message' (no file or line)."""
+    return _with_field(error_field(error), error_message(error))
+
+
+def error_message(error: Any) -> str:
+    """The message of one of pydantic's errors, without the 'Value error, ' that pydantic
+    puts before what a validator raised."""
+    if error["type"] in ("value_error", "assertion_error") and "error" in error.get("ctx", {}):
+        return str(error["ctx"]["error"])
+    return str(error["msg"])
+
+
+_LEADING_NAME = re.compile(r"[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*")
+
+
+def error_field(error: Any) -> Loc:
+    """The field an error is about: its location, or, for a rule between fields (a
+    model validator's error sits on the section, or on the profile itself), the field its
+    message starts with ('context.window (9999) exceeds engine.n_ctx (512)')."""
+    loc: Loc = tuple(error["loc"])
+    found = _LEADING_NAME.match(error_message(error))
+    if found is not None:
+        named = tuple(found.group().split("."))
+        for candidate in (named, (*loc, *named)):
+            if _is_field(candidate):
+                return candidate
+    return loc
+
+
+def _is_field(loc: Loc) -> bool:
+    model: type[BaseModel] | None = Profile
+    for part in loc:
+        field = model.model_fields.get(str(part)) if model is not None else None
+        if field is None:
+            return False
+        model = _model_of(field.annotation)
+    return bool(loc)
+
+
+def _with_field(loc: Loc, msg: str) -> str:
+    """'field: message', or the message alone when it starts with the field's name."""
+    field = ".".join(str(p) for p in loc) or "profile"
+    if msg.startswith((f"{field} ", f"{field}:")):
+        return msg
+    return f"{field}: {msg}"
 
 
 def _line_for(loc: Loc, lines: dict[Loc, int]) -> int:

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from orin.errors import OrinError, ProfileError
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, read_model_info
-from orin.profile.loader import resolve_model_path
+from orin.profile.loader import describe_error, resolve_model_path
 from orin.profile.schema import Profile
 from orin.system.commands import SubprocessRunner
 from orin.system.root import SysRoot
@@ -171,7 +171,7 @@ def with_ctx(profile: Profile, n_ctx: int | None) -> Profile:
     try:
         out = Profile.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(e["msg"] for e in exc.errors())
+        problems = "; ".join(describe_error(e) for e in exc.errors())
         raise ProfileError(f"--ctx {n_ctx}: {problems}") from None
     out.source = profile.source
     return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from orin.cli.app import app
@@ -40,6 +41,36 @@ def test_inspect_errors_are_one_line() -> None:
         assert out == ""
         assert len(err.strip().splitlines()) == 1
         assert "Traceback" not in err
+
+
+def test_model_list_shows_every_folder_serve_finds_models_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, root = tmp_path / "cache" / "models", tmp_path / "root"
+    monkeypatch.setenv("ORIN_LLM_CACHE_DIR", str(cache.parent))
+    cache.mkdir(parents=True)
+    root.mkdir()
+    write_gguf(cache / "m.gguf", params=LLAMA2_7B, file_type=15)
+    service = root / "var/lib/orin-llm/models"
+    code, out, err = invoke("model", "list", "--root", str(root))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].strip() == f"{cache} (user cache)"
+    assert "m.gguf" in out and "Q4_K_M" in out
+    assert lines[-1] == f"{service} (installed service's): no such folder"
+    code, out, _ = invoke("model", "list", "--root", str(root), "--json")
+    data = json.loads(out)
+    assert [(d["dir"], d["exists"]) for d in data["dirs"]] == [
+        (str(cache), True),
+        (str(service), False),
+    ]
+    assert [(m["name"], m["dir"]) for m in data["models"]] == [("m.gguf", str(cache))]
+    service.mkdir(parents=True)
+    code, out, _ = invoke("model", "list", "--root", str(root))
+    assert out.splitlines()[-1] == f"{service} (installed service's): no GGUF files"
+    code, out, err = invoke("model", "rm", "m.gguf", "--root", str(root), "--yes")
+    assert code == 0, err  # found where model list shows it, without --dir
+    assert not (cache / "m.gguf").exists()
 
 
 def test_plan_json_against_fake_board(tmp_path: Path, board: FakeBoard) -> None:
@@ -121,6 +152,18 @@ def test_validate_typo_names_line(tmp_path: Path) -> None:
         err.strip()
         == f"orin-llm: {f}:4: engine.flash_atn: unknown field; did you mean 'flash_attn'?"
     )
+
+
+def test_validate_names_the_window_line_without_pydantics_prefix(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("name: t\nengine:\n  n_ctx: 512\ncontext:\n  window: 9999\n")
+    code, _, err = invoke("profile", "validate", str(f))
+    assert code == 4
+    assert err.strip() == f"orin-llm: {f}:5: context.window (9999) exceeds engine.n_ctx (512)"
+    f.write_text("name: t\nengine:\n  rpc: [nohost]\n")
+    code, _, err = invoke("profile", "validate", str(f))
+    assert code == 4
+    assert err.strip() == f"orin-llm: {f}:3: engine.rpc: 'nohost' is not host:port"
 
 
 def test_validate_builtin_resolves_kv_and_needs_its_model_file(tmp_path: Path) -> None:

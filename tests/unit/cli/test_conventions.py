@@ -105,6 +105,18 @@ def test_more_usage_mistakes_exit_2(args: tuple[str, ...], message: str) -> None
     assert out == ""
 
 
+@pytest.mark.parametrize("command", [("profile", "validate"), ("doctor", "--profile")])
+def test_a_ctx_the_profiles_rules_refuse_is_a_usage_error(
+    tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("name: p\ncontext: {keep: 300}\n")
+    code, out, err = invoke(*command, str(f), "--ctx", "256")
+    assert code == 2, err
+    assert "--ctx 256: context.keep (300) must be below the window (256)" in err
+    assert "internal error" not in err and out == ""
+
+
 def test_a_bare_tune_starts_nothing() -> None:
     code, out, _ = invoke("tune")
     assert code == 2  # as `orin-llm` alone: the help, and the usage error's code
@@ -194,17 +206,116 @@ def test_a_closed_stdout_ends_the_command_quietly(args: tuple[str, ...]) -> None
     assert done.stderr == b""  # no traceback, no "Exception ignored" at exit
 
 
-def test_tables_keep_names_whole_at_80_columns() -> None:
+def first_cells(out: str) -> set[str]:
+    """What each row starts with: a table's first cell, or the line a row printed as a
+    list starts with (the lines under it are indented)."""
+    lines = out.splitlines()
+    if any(line.startswith("│") for line in lines):
+        return {line.split("│")[1].strip() for line in lines if line.startswith("│")}
+    return {line.strip() for line in lines[1:] if line and not line.startswith(" ")}
+
+
+def words_whole(out: str, texts: list[str]) -> list[str]:
+    """The words of ``texts`` (up to output.LONG_WORD long) that ``out`` does not hold
+    whole: a word cut across two lines of a cell is missing."""
+    from orin.cli.output import LONG_WORD
+
+    found = set(out.replace("│", " ").split())
+    words = {w for t in texts for w in t.split() if len(w) <= LONG_WORD}
+    return sorted(w for w in words if w not in found)
+
+
+def test_tables_keep_names_and_words_whole_at_80_columns() -> None:
+    from orin.profile.loader import load_profile
+
     code, out, _ = invoke("profile", "list", columns=80)
     assert code == 0
-    lines = out.splitlines()
-    assert all(len(line) <= 80 for line in lines)
-    first_cells = {line.split("│")[1].strip() for line in lines if line.startswith("│")}
-    assert set(builtin_profiles()) <= first_cells  # every name whole on one line
-    code, out, _ = invoke("profile", "show", "llama3.1-8b-q4_k_m", columns=80)
+    assert all(len(line) <= 80 for line in out.splitlines())
+    assert set(builtin_profiles()) <= first_cells(out)  # every name whole on one line
+    descriptions = [load_profile(name).description for name in builtin_profiles()]
+    assert "Llama-3.1-8B-Instruct" in " ".join(descriptions)
+    assert words_whole(out, descriptions) == []  # not 'Llama-3.1-8B-Instruc' 't'
+    code, out, _ = invoke("profile", "show", "smollm2", columns=80)
     assert code == 0
-    fields = {line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")}
-    assert {"engine.n_ctx", "speculative.draft_model", "server.metrics_public"} <= fields
+    assert all(len(line) <= 80 for line in out.splitlines())
+    assert {"engine.n_ctx", "speculative.draft_model", "server.metrics_public"} <= first_cells(out)
+    assert words_whole(out, ["smollm2-135m-instruct SmolLM2-135M-Instruct"]) == []
+
+
+def test_table_columns_hold_their_longest_word_where_the_width_allows() -> None:
+    from rich.console import Console
+
+    from orin.cli.output import Output
+
+    out = Output()
+    out.out = Console(width=80, record=True, file=io.StringIO())
+    description = "Llama-3.1-8B-Instruct Q4_K_M, 4 slots x 8192 tokens, q8_0 KV, AGX Orin 64GB"
+    rows = [("a-long-profile-name", "agx-orin-64gb", "Q4_K_M", description)]
+    out.table("profiles", ("name", "board", "quantization", "description"), rows, keep=("name",))
+    text = out.out.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert text.splitlines()[1].startswith("┏")  # still a table
+    assert words_whole(text, [description, "agx-orin-64gb quantization"]) == []
+
+
+def test_a_title_is_not_cut_to_the_tables_width(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.ggufutil import LLAMA2_7B, write_gguf
+
+    monkeypatch.chdir(tmp_path)
+    path = Path("root/.cache/orin-llm/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    path.parent.mkdir(parents=True)
+    write_gguf(path, params=LLAMA2_7B)
+    code, out, _ = invoke("model", "inspect", str(path), columns=80)
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines[1]) < len(str(path)) < 80  # the table is narrower than its title
+    assert lines[0] == str(path)  # on one line, not split before '.gguf'
+
+
+def commands(command: object = None, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """The path of every command and group, the root's included."""
+    command = command or typer.main.get_command(app)
+    yield path
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from commands(sub, (*path, name))
+
+
+def test_help_has_no_placeholder_on_switches_and_names_arguments_plainly() -> None:
+    seen_usage = set()
+    for path in commands():
+        code, out, _ = invoke(*path, "--help", columns=100)
+        assert code == 0, path
+        assert "<bool>" not in out, path  # a switch takes no value
+        assert "--no-once" not in out and "--no-json" not in out, path
+        usage = next(line for line in out.splitlines() if "Usage:" in line)
+        assert "{" not in usage and "}" not in usage, usage
+        seen_usage.add(usage.split("Usage: ", 1)[1].strip())
+    assert "orin-llm model inspect [OPTIONS] PATH" in seen_usage
+    assert "orin-llm model pull [OPTIONS] SPEC" in seen_usage
+    assert "orin-llm profile validate [OPTIONS] FILE" in seen_usage
+    code, out, _ = invoke("--help", columns=100)
+    assert any(
+        line.split() == ["│", "--version", "Print", "the", "version.", "│"]
+        for line in out.splitlines()
+    )
+
+
+def test_help_texts_are_paragraphs_not_the_sources_line_breaks() -> None:
+    root = typer.main.get_command(app)
+    for path in commands():
+        command = root
+        for name in path:
+            command = command.commands[name]  # type: ignore[attr-defined]
+        for paragraph in (command.help or "").split("\n\n"):
+            assert "\n" not in paragraph, (path, paragraph)
+    code, out, _ = invoke("--help", columns=200)
+    install = next(line for line in out.splitlines() if "│ install " in line)
+    assert "the profile, a boot-time tuning unit" in install  # one line, not cut after 'for the'
+    code, out, _ = invoke("deploy", "--help", columns=200)
+    assert code == 0
+    assert "/health probes, the drain's grace period" in out
 
 
 def test_shell_completion_is_on() -> None:

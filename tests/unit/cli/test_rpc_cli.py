@@ -97,6 +97,12 @@ def test_serve_with_an_unreachable_worker_exits_6_naming_it_before_loading(
 def test_a_malformed_rpc_option_is_a_usage_error() -> None:
     code, _, err = invoke("serve", "--rpc", "10.0.0.2")
     assert code == 2 and "not HOST:PORT" in err
+    code, _, err = invoke("serve", "--profile", "demo", "--rpc", "127.0.0.1:9,127.0.0.1:9")
+    assert code == 2 and "engine.rpc: a worker is listed twice" in err
+    assert "Value error" not in err and "ValidationError" not in err
+    many = ",".join(f"127.0.0.1:{9000 + i}" for i in range(17))
+    code, _, err = invoke("serve", "--profile", "demo", "--rpc", many)
+    assert code == 2 and "engine.rpc: List should have at most 16 items" in err
 
 
 def unit(**changes: object) -> str:

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import typer
 
+from orin.cli.errors import UsageError
 from orin.cli.serve import _apply_overrides, _window
 from orin.errors import ProfileError
 from orin.profile.loader import parse_profile
@@ -20,7 +21,7 @@ def profile() -> Profile:
 def test_ctx_is_the_context_per_slot_as_everywhere() -> None:
     p = profile()
     p.context.window = 1024
-    _apply_overrides(p, None, None, 8, 16384, None)
+    p = _apply_overrides(p, None, None, 8, 16384, None)
     assert (p.engine.slots, p.engine.n_ctx) == (8, 16384)  # not 16384 / 8
     assert p.context.window is None and p.context.sliding is True  # the window follows
 
@@ -45,21 +46,66 @@ def test_an_unknown_log_format_is_a_usage_error() -> None:
 
 
 def test_window_number_and_off() -> None:
-    p = profile()
-    _apply_overrides(p, "0.0.0.0", 9000, None, None, "1024")
+    p = _apply_overrides(profile(), "0.0.0.0", 9000, None, None, "1024")
     assert (p.server.host, p.server.port, p.context.window) == ("0.0.0.0", 9000, 1024)
-    q = profile()
-    _apply_overrides(q, None, None, None, None, "off")
+    q = _apply_overrides(profile(), None, None, None, None, "off")
     assert q.context.sliding is False
-    with pytest.raises(typer.BadParameter):
-        _window("wide")
+    for bad in ("wide", "10", "2000000"):
+        with pytest.raises(typer.BadParameter, match="64 to 1048576"):
+            _window(bad)
 
 
 def test_overrides_obey_the_profile_bounds() -> None:
     p = profile()
     p.context.keep = 300
-    with pytest.raises(Exception, match="keep"):
+    with pytest.raises(UsageError) as exc:
         _apply_overrides(p, None, None, 4, 256, None)  # 256 per slot: keep no longer fits
+    assert (
+        str(exc.value) == "--slots 4, --ctx 256: context.keep (300) must be below the window (256)"
+    )
+
+
+def test_overrides_keep_the_profiles_file() -> None:
+    p = profile()
+    p.source = Path("/profiles/p.yaml")
+    assert _apply_overrides(p, None, None, None, 2048, "512").source == Path("/profiles/p.yaml")
+
+
+def serve(*args: str) -> tuple[int, str]:
+    from typer.testing import CliRunner
+
+    from orin.cli.app import app
+
+    result = CliRunner().invoke(app, ["serve", "--profile", "demo", *args], env={"COLUMNS": "240"})
+    return result.exit_code, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--window", "10"), "'10': give a number of tokens from 64 to 1048576, or 'off'"),
+        (("--ctx", "2000000"), "2000000 is out of range: give 256 to 1048576"),
+        (("--ctx", "100"), "100 is out of range: give 256 to 1048576"),
+        (("--slots", "65"), "65 is out of range: give 1 to 64"),
+        (("--port", "70000"), "70000 is out of range: give 1 to 65535"),
+        (("--telemetry-hz", "0"), "0 is out of range: give 0.1 to 1000"),
+        (("--telemetry", "bogus"), "'bogus': give auto, off or one of jetson_sysfs"),
+    ],
+)
+def test_an_override_out_of_its_range_is_a_usage_error(args: tuple[str, ...], message: str) -> None:
+    code, err = serve(*args)
+    assert code == 2, err  # usage, not an internal error (70)
+    assert f"Invalid value for '{args[0]}'" in err and message in err
+    assert "internal error" not in err and "ValidationError" not in err
+
+
+def test_overrides_that_break_a_profile_rule_fail_as_the_profile_would() -> None:
+    code, err = serve("--window", "100000", "--ctx", "256")
+    assert code == 2, err  # not clamped to 256 behind the user's back
+    assert "--ctx 256, --window 100000: context.window (100000) exceeds engine.n_ctx (256)" in err
+    code, err = serve("--window", "2048")  # the demo profile's engine.n_ctx is 1024
+    assert code == 2, err
+    assert "--window 2048: context.window (2048) exceeds engine.n_ctx (1024)" in err
 
 
 def test_model_replacing_a_profiles_model_is_served_under_its_own_name(

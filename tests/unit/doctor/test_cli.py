@@ -68,7 +68,21 @@ def test_tune_system_prints_the_plan_and_changes_nothing(
     assert "Jetson AGX Orin 64GB, L4T 36.4.0 (JetPack 6.1), MODE_30W" in out
     assert "nvpmodel -m 0" in out and "swapoff /dev/zram0" in out
     assert "4 change(s) planned (swappiness, zram, power-mode, clocks)" in out
+    assert "tune system, profile board-test: plan only, nothing is changed" in out
+    assert "apply plan" not in out and "making these changes" not in out
     assert fake.changes() == []
+
+
+def test_tune_system_says_what_it_does_with_apply_and_revert(
+    fake: FakeJetson, profile_file: Path
+) -> None:
+    code, out, err = invoke(fake, "tune", "system", "--profile", str(profile_file), "--apply")
+    assert code == 0, err
+    assert "tune system, profile board-test: making these changes" in out
+    assert "plan only" not in out
+    code, out, err = invoke(fake, "tune", "system", "--revert")
+    assert code == 0, err
+    assert "tune system, profile defaults: restoring the saved values" in out
 
 
 def test_tune_system_apply_needs_root(fake: FakeJetson, profile_file: Path) -> None:

@@ -52,8 +52,24 @@ def test_status_url_reads_health_and_models(tmp_path: Path) -> None:
 
 
 def test_status_url_with_nothing_listening() -> None:
-    code, out, _ = invoke(serving, "--url", "http://127.0.0.1:9")
-    assert code == 1 and "health: connection refused" in out
+    code, out, err = invoke(serving, "--url", "http://127.0.0.1:9")
+    assert code == 1 and out == ""
+    assert err == "orin-llm: nothing answers at http://127.0.0.1:9: connection refused\n"
+    code, out, _ = invoke(serving, "--url", "http://127.0.0.1:9", "--json")
+    data = json.loads(out)
+    assert (
+        code == 1 and data["error"] == "nothing answers at http://127.0.0.1:9: connection refused"
+    )
+
+
+def test_a_refused_connection_reads_as_words() -> None:
+    import socket
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = probe.http_get(f"http://127.0.0.1:{port}/health", 3.0)
+    assert res.status is None and res.error == "connection refused"  # not '[Errno 111] ...'
 
 
 def test_wait_reports_each_unhealthy_answer() -> None:
@@ -87,9 +103,18 @@ def test_status_url_sends_the_api_key_and_says_when_one_is_needed() -> None:
         return serving(url, timeout)
 
     code, out, err = invoke(keyed, "--url", "http://127.0.0.1:8080", "--json")
-    assert code == 0, err
+    assert code == 1, err  # what status reads was refused: not a success
     data = json.loads(out)
-    assert data["latency"] == {} and "requires an API key" in data["error"]
+    assert data["refused"] is True and data["latency"] == {} and "models" not in data
+    assert "refused the request (401)" in data["error"] and "--api-key" in data["error"]
+    code, out, err = invoke(keyed, "--url", "http://127.0.0.1:8080")
+    assert code == 1
+    assert "health: http://127.0.0.1:8080/health -> 200" in out
+    assert "models:" not in out and "latency" not in out  # no empty list or table
+    assert err.startswith("orin-llm: the server refused the request (401)")
+    assert len(err.splitlines()) == 1
+    code, out, err = invoke(keyed, "--url", "http://127.0.0.1:8080", "--api-key", "wrong")
+    assert code == 1 and "refused the API key (401)" in err
     seen.clear()
     code, out, err = invoke(
         keyed, "--url", "http://127.0.0.1:8080", "--json", "--api-key", "s3cret"

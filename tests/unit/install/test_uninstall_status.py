@@ -136,6 +136,22 @@ def test_status_shows_units_health_and_latency(
     assert host.changes() == []
 
 
+def test_status_of_the_service_without_its_key_says_the_latency_was_refused(
+    root: Path, host: FakeHost, deps: Deps
+) -> None:
+    installed(deps, root, host)
+
+    def get(url: str, timeout: float, headers: dict[str, str] | None = None) -> HttpResult:
+        if url.endswith("/metrics"):
+            return HttpResult(401, '{"error": {"code": "invalid_api_key"}}')
+        return HttpResult(200, '{"status": "ok"}')
+
+    code, out, err = invoke(dataclasses.replace(deps, http_get=get), root, "status")
+    assert code == 0  # the service is healthy; only its latency was not readable
+    assert "active/running" in out and "-> 200" in out and "latency" not in out
+    assert "refused the request (401)" in err
+
+
 def test_status_reads_the_port_with_serves_precedence(
     root: Path, host: FakeHost, deps: Deps
 ) -> None:
@@ -151,7 +167,7 @@ def test_status_reads_the_port_with_serves_precedence(
     code, out, _ = invoke(dataclasses.replace(deps, http_get=get), root, "status")
     assert code == 1
     assert seen == ["http://127.0.0.1:8181/health"]
-    assert "connection refused" in out
+    assert "health: nothing answers at http://127.0.0.1:8181: connection refused" in out
 
 
 def test_status_when_not_installed(tmp_path: Path, host: FakeHost, deps: Deps) -> None:

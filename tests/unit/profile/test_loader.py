@@ -97,6 +97,31 @@ def test_cross_field_rules() -> None:
         parse_profile("name: x\nmodel: {path: a.gguf, demo: {size: tiny}}\n")
 
 
+def test_a_rule_between_fields_points_at_the_field_it_names() -> None:
+    text = "name: x\nengine:\n  n_ctx: 512\ncontext:\n  sliding: true\n  window: 9999\n"
+    with pytest.raises(ProfileError) as exc:
+        parse_profile(text, "p.yaml")
+    assert str(exc.value) == "p.yaml:6: context.window (9999) exceeds engine.n_ctx (512)"
+    with pytest.raises(ProfileError) as exc:
+        parse_profile("name: x\nengine:\n  n_batch: 256\n  n_ubatch: 512\n", "p.yaml")
+    assert (
+        str(exc.value) == "p.yaml:4: engine.n_ubatch: n_ubatch (512) must not exceed n_batch (256)"
+    )
+
+
+def test_validator_messages_lose_pydantics_prefix() -> None:
+    texts = [
+        "name: x\nmodel: {path: a.gguf, demo: {size: tiny}}\n",
+        "name: x\nengine: {rpc: [nohost]}\n",
+        "name: x\nspeculative: {mode: draft}\n",
+    ]
+    for text in texts:
+        with pytest.raises(ProfileError) as exc:
+            parse_profile(text, "p.yaml")
+        assert "Value error" not in str(exc.value), str(exc.value)
+    assert str(exc.value) == "p.yaml:2: speculative.mode: mode draft needs speculative.draft_model"
+
+
 def test_unknown_profile_name_suggests() -> None:
     with pytest.raises(ProfileError, match="did you mean 'llama2-7b-q4_k_m'"):
         find_profile("llama2-7b-q4km")

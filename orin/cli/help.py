@@ -1,0 +1,77 @@
+"""What every command's --help looks like: ``Typer`` is typer's, with commands and
+groups that print a switch (``--json``, ``--version``) without a value placeholder,
+an argument in the usage line as ``PATH`` or ``[NAME]`` rather than ``{path}``, and
+a docstring's wrapped lines as the paragraphs they are (rich help keeps a single line
+break, so a docstring wrapped at the source's width would print broken lines)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+
+
+def unwrap(text: str | None) -> str | None:
+    """A docstring's paragraphs, each on one line; a paragraph click is told to keep
+    as it is (it starts with ``\\b``) stays as written."""
+    if text is None:
+        return None
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else re.sub(r"\s*\n\s*", " ", p) for p in paragraphs)
+
+
+def _switches_bare(params: list[Any]) -> list[Any]:
+    """Flags take no value: no ``<bool>`` after them."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+def _argument_usage(param: Any) -> str:
+    name = param.metavar or (param.name or "").upper()
+    if param.nargs != 1:
+        name += "..."
+    return name if param.required else f"[{name}]"
+
+
+class Command(TyperCommand):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["help"] = unwrap(kwargs.get("help"))
+        super().__init__(*args, **kwargs)
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _switches_bare(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if getattr(param, "param_type_name", None) == "argument":
+                pieces.append(_argument_usage(param))
+            else:
+                pieces.extend(param.get_usage_pieces(ctx))
+        return pieces
+
+
+class Group(TyperGroup):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["help"] = unwrap(kwargs.get("help"))
+        super().__init__(*args, **kwargs)
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _switches_bare(super().get_params(ctx))
+
+
+class Typer(typer.Typer):
+    """typer.Typer whose groups and commands are the ones above."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("cls", Group)
+        super().__init__(*args, **kwargs)
+
+    def command(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("cls", Command)
+        return super().command(*args, **kwargs)
