@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from pydantic import BaseModel, ValidationError
@@ -93,6 +93,18 @@ def override_error(options: list[str], exc: ValidationError) -> Exception:
     return usage_error(f"{', '.join(options)}: {problems}")
 
 
+def revalidated(profile: Profile, data: dict[str, Any], options: list[str]) -> Profile:
+    """``data`` (the profile's dump with command-line values in it) as a profile again,
+    checked by the rules a profile file obeys; a refusal is a usage error naming
+    ``options``."""
+    try:
+        checked = Profile.model_validate(data)
+    except ValidationError as exc:
+        raise override_error(options, exc) from None
+    checked.source = profile.source
+    return checked
+
+
 N_CTX_RANGE = field_range(EngineSection, "n_ctx")
 CTX_HELP = (
     "Context per slot in tokens (the profile's engine.n_ctx, {} to {}); the KV cache holds "
@@ -118,12 +130,7 @@ def apply_ctx(profile: Profile, n_ctx: int | None) -> Profile:
     window = data["context"]["window"]
     if window is not None and window > n_ctx:
         data["context"]["window"] = None
-    try:
-        checked = Profile.model_validate(data)
-    except ValidationError as exc:
-        raise override_error([f"--ctx {n_ctx}"], exc) from None
-    checked.source = profile.source
-    return checked
+    return revalidated(profile, data, [f"--ctx {n_ctx}"])
 
 
 def check_url(value: str | None) -> str | None:

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
 from orin.cli.errors import handle_errors
 from orin.cli.logs import setup_logging
@@ -19,7 +18,7 @@ from orin.cli.options import (
     check_telemetry,
     field_range,
     in_range,
-    override_error,
+    revalidated,
 )
 from orin.profile.schema import ContextSection, EngineSection, Profile, ServerSection
 from orin.profile.select import serve_profile
@@ -159,12 +158,7 @@ def _apply_overrides(
     elif window is not None:
         context["window"] = int(window)
         given.append(f"--window {window}")
-    try:
-        checked = Profile.model_validate(data)
-    except ValidationError as exc:
-        raise override_error(given or [f"--host {host}", f"--port {port}"], exc) from None
-    checked.source = p.source
-    return checked
+    return revalidated(p, data, given or [f"--host {host}", f"--port {port}"])
 
 
 def _apply_rpc(p: Profile, value: str) -> Profile:
@@ -178,9 +172,4 @@ def _apply_rpc(p: Profile, value: str) -> Profile:
         raise typer.BadParameter(str(exc), param_hint="--rpc") from None
     data = p.model_dump()
     data["engine"]["rpc"] = workers
-    try:
-        checked = Profile.model_validate(data)
-    except ValidationError as exc:
-        raise override_error([f"--rpc {value}"], exc) from None
-    checked.source = p.source
-    return checked
+    return revalidated(p, data, [f"--rpc {value}"])

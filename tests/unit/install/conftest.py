@@ -31,6 +31,40 @@ def make_root(base: Path, profile_name: str) -> Path:
     return base
 
 
+def invoke(deps: Deps, root: Path, *args: str) -> tuple[int, str, str]:
+    """The CLI on the fake root with ``deps``: exit code, stdout, stderr."""
+    from typer.testing import CliRunner
+
+    from orin.cli.app import app
+
+    result = CliRunner().invoke(app, [*args, "--root", str(root)], env={"COLUMNS": "200"}, obj=deps)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def board_with_profile(tmp_path: Path, name: str, model: str) -> tuple[Path, Path]:
+    """A fake board root with memory to spare, and a profile file whose model section
+    is ``model`` (YAML lines under ``model:``)."""
+    root = tmp_path / "root"
+    FakeBoard(root).meminfo(total=64 * GiB, available=48 * GiB)
+    profile = tmp_path / f"{name}.yaml"
+    profile.write_text(f"name: {name}\nmodel:\n{model}")
+    return root, profile
+
+
+def assert_the_service_gets(root: Path, host: FakeHost, target: Path, quantization: str) -> None:
+    """The installed profile names ``target`` (under the service's models directory),
+    and the file is given to the service user once install created it."""
+    import yaml
+
+    from orin.install.layout import MODELS_DIR, PROFILE_FILE
+
+    copy = yaml.safe_load((root / PROFILE_FILE.lstrip("/")).read_text())
+    assert copy["model"] == {"path": f"{MODELS_DIR}/{target.name}", "quantization": quantization}
+    changes = host.changes()
+    enable = next(i for i, c in enumerate(changes) if c[:2] == ("systemctl", "enable"))
+    assert ("chown", "orin-llm:", str(target)) in changes[enable:]
+
+
 def doctor_report(*findings: Finding) -> Report:
     return Report(findings or (Finding("model-file", "ok", "fine"),), (), 0.01)
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from typer.testing import CliRunner
-
-from orin.cli.app import app
 from orin.cli.deps import Deps
 from orin.doctor.findings import Finding
 from orin.doctor.report import Report
@@ -15,7 +12,7 @@ from orin.install.layout import ENV_FILE, PROFILE_FILE, SERVICE, TUNE_SERVICE
 from orin.install.probe import HttpResult
 from orin.system.commands import CommandResult
 from tests.fakes.host import FakeHost
-from tests.unit.install.conftest import doctor_report
+from tests.unit.install.conftest import doctor_report, invoke
 
 PROFILE = "llama3.1-8b-q4_k_m"
 UNIT_DIR = "/etc/systemd/system"
@@ -38,11 +35,6 @@ FRESH_INSTALL = [
     ("systemctl", "daemon-reload"),
     ("systemctl", "enable", "--now", "--no-block", TUNE_SERVICE, SERVICE),
 ]
-
-
-def invoke(deps: Deps, root: Path, *args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, [*args, "--root", str(root)], env={"COLUMNS": "200"}, obj=deps)
-    return result.exit_code, result.stdout, result.stderr
 
 
 def snapshot(root: Path) -> dict[str, bytes | None]:

@@ -11,17 +11,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
-from typer.testing import CliRunner
 
-from orin.cli.app import app
 from orin.cli.deps import Deps
-from orin.install.layout import MODELS_DIR, PROFILE_FILE
+from orin.install.layout import MODELS_DIR
 from orin.model import packaged
-from tests.fakes.board import FakeBoard, GiB
 from tests.fakes.host import FakeHost
 from tests.ggufutil import LLAMA2_7B, write_gguf
-from tests.unit.install.conftest import MOSTLY_Q4_K_M
+from tests.unit.install.conftest import (
+    MOSTLY_Q4_K_M,
+    assert_the_service_gets,
+    board_with_profile,
+    invoke,
+)
 
 NAME = packaged.SMOLLM2.name
 FILE = packaged.SMOLLM2.file_name
@@ -47,16 +48,7 @@ def cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def setup(tmp_path: Path) -> tuple[Path, Path]:
-    root = tmp_path / "root"
-    FakeBoard(root).meminfo(total=64 * GiB, available=48 * GiB)
-    profile = tmp_path / "p.yaml"
-    profile.write_text(f"name: packaged\nmodel:\n  packaged: {NAME}\n  quantization: Q4_K_M\n")
-    return root, profile
-
-
-def invoke(deps: Deps, root: Path, *args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, [*args, "--root", str(root)], env={"COLUMNS": "200"}, obj=deps)
-    return result.exit_code, result.stdout, result.stderr
+    return board_with_profile(tmp_path, "packaged", f"  packaged: {NAME}\n  quantization: Q4_K_M\n")
 
 
 def test_install_copies_the_model_for_the_service(
@@ -68,12 +60,8 @@ def test_install_copies_the_model_for_the_service(
     target = root / MODELS_DIR.lstrip("/") / FILE
     assert target.read_bytes() == cached.read_bytes()
     assert f"model {NAME}: copying {cached} into {MODELS_DIR}" in out
-    copy = yaml.safe_load((root / PROFILE_FILE.lstrip("/")).read_text())
-    assert copy["model"] == {"path": f"{MODELS_DIR}/{FILE}", "quantization": "Q4_K_M"}
     # the user did not exist while copying: the file is given to it once it does
-    changes = host.changes()
-    enable = next(i for i, c in enumerate(changes) if c[:2] == ("systemctl", "enable"))
-    assert ("chown", "orin-llm:", str(target)) in changes[enable:]
+    assert_the_service_gets(root, host, target, "Q4_K_M")
 
     host.calls.clear()
     code, out, err = invoke(deps, root, "install", "--profile", str(profile))

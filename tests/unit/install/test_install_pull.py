@@ -9,18 +9,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
-from typer.testing import CliRunner
 
-from orin.cli.app import app
 from orin.cli.deps import Deps
 from orin.doctor.context import DoctorContext
 from orin.doctor.report import Report
-from orin.install.layout import MODELS_DIR, PROFILE_FILE
-from tests.fakes.board import FakeBoard, GiB
+from orin.install.layout import MODELS_DIR
 from tests.fakes.host import FakeHost
 from tests.ggufutil import LLAMA2_7B, write_gguf
-from tests.unit.install.conftest import MOSTLY_Q4_K_M, doctor_report
+from tests.unit.install.conftest import (
+    MOSTLY_Q4_K_M,
+    assert_the_service_gets,
+    board_with_profile,
+    doctor_report,
+    invoke,
+)
 from tests.unit.model.fakehub import FakeHub, Request, point_at, serve
 
 REPO = "acme/Llama-GGUF"
@@ -43,16 +45,9 @@ def fake_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHu
 
 @pytest.fixture
 def setup(tmp_path: Path) -> tuple[Path, Path]:
-    root = tmp_path / "root"
-    FakeBoard(root).meminfo(total=64 * GiB, available=48 * GiB)
-    profile = tmp_path / "hf.yaml"
-    profile.write_text(f"name: hf-llama\nmodel:\n  hf: {REPO}:Q4_K_M\n  quantization: Q4_K_M\n")
-    return root, profile
-
-
-def invoke(deps: Deps, root: Path, *args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, [*args, "--root", str(root)], env={"COLUMNS": "200"}, obj=deps)
-    return result.exit_code, result.stdout, result.stderr
+    return board_with_profile(
+        tmp_path, "hf-llama", f"  hf: {REPO}:Q4_K_M\n  quantization: Q4_K_M\n"
+    )
 
 
 def test_install_pulls_before_it_plans_or_starts(
@@ -85,12 +80,8 @@ def test_install_pulls_before_it_plans_or_starts(
     # doctor looked at the pulled file
     assert seen[0].model_path == target
     # the service's profile names the file install checked
-    copy = yaml.safe_load((root / PROFILE_FILE.lstrip("/")).read_text())
-    assert copy["model"] == {"path": f"{MODELS_DIR}/{FILE}", "quantization": "Q4_K_M"}
     # the user did not exist while pulling: the file is given to it once it does
-    changes = host.changes()
-    enable = next(i for i, c in enumerate(changes) if c[:2] == ("systemctl", "enable"))
-    assert ("chown", "orin-llm:", str(target)) in changes[enable:]
+    assert_the_service_gets(root, host, target, "Q4_K_M")
 
     host.calls.clear()
     gets = len(fake_hub.gets())
