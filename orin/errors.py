@@ -6,6 +6,8 @@ table each; nothing matches on message text.
 
 from __future__ import annotations
 
+import re
+
 
 class OrinError(Exception):
     """An expected failure with a message fit to show a user as one line."""
@@ -41,3 +43,15 @@ class HubError(OrinError):
 
 class RpcWorkerError(LlamaCppError):
     """An RPC worker (``serve --rpc``) cannot be reached, offers no device, or was lost."""
+
+
+def os_error_text(text: str) -> str:
+    """An OS error's words without its number: '[Errno 111] Connection refused' ->
+    'connection refused'."""
+    text = re.sub(r"^\[Errno -?\d+\]\s*", "", text)
+    return text[:1].lower() + text[1:] if text[1:2].islower() else text
+
+
+def unreachable(url: str, error: str | None) -> str:
+    """What a client says when no server answers at ``url``."""
+    return f"nothing answers at {url}" + (f": {error}" if error else "")

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from orin.bench.client import Reply, Target, http_error, request
 from orin.bench.prompts import WORDS, TokenPool, fit_word_count, words
-from orin.errors import OrinError
+from orin.errors import OrinError, os_error_text, unreachable
 
 CALIBRATION_ROUNDS = 3
 PHASES = ("prefill", "decode")
@@ -68,6 +68,8 @@ def _complete(target: Target, prompt: str | list[int]) -> Reply:
     url = f"{target.base_url}/v1/completions"
     try:
         return request("POST", url, body, target.headers, target.timeout_s)
+    except ConnectionRefusedError as exc:
+        raise BenchError(unreachable(target.base_url, os_error_text(str(exc)))) from exc
     except (OSError, http.client.HTTPException) as exc:
         raise BenchError(f"{target.base_url}: {type(exc).__name__}: {exc}") from exc
 

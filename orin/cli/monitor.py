@@ -27,7 +27,7 @@ from rich.text import Text
 from orin.cli.errors import handle_errors
 from orin.cli.options import ApiKeyOpt, JsonOpt, bearer, check_url
 from orin.cli.output import Output
-from orin.errors import OrinError
+from orin.errors import OrinError, os_error_text, unreachable
 
 TOKENS_METRIC = "orin_llm_engine_batch_tokens_total"  # by kind: prefill, decode
 HISTORY_S = 120.0  # counter readings kept (more than any window the server uses)
@@ -165,8 +165,10 @@ def fetch(url: str, client: httpx.Client) -> tuple[dict[str, Any], dict[str, Any
             )
         snap = resp.json()
         health = client.get(f"{url}/health").json()
+    except httpx.ConnectError as exc:
+        raise MonitorError(unreachable(url, os_error_text(str(exc)))) from exc
     except (httpx.HTTPError, ValueError) as exc:
-        raise MonitorError(f"cannot read {url}: {exc}") from exc
+        raise MonitorError(f"cannot read {url}: {os_error_text(str(exc))}") from exc
     return snap, health
 
 

@@ -9,12 +9,12 @@ instead of running into the timeout.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from orin.errors import os_error_text
 from orin.install.layout import SERVICE
 from orin.system.commands import CommandRunner
 from orin.system.services import unit_active_state
@@ -55,14 +55,8 @@ def http_get(url: str, timeout: float, headers: dict[str, str] | None = None) ->
     except httpx.TimeoutException:
         return HttpResult(None, error=f"no answer within {timeout:g} s")
     except httpx.HTTPError as exc:
-        return HttpResult(None, error=_os_error_text(str(exc)) or type(exc).__name__)
+        return HttpResult(None, error=os_error_text(str(exc)) or type(exc).__name__)
     return HttpResult(r.status_code, r.text)
-
-
-def _os_error_text(text: str) -> str:
-    """'[Errno 111] Connection refused' -> 'connection refused'."""
-    text = re.sub(r"^\[Errno -?\d+\]\s*", "", text)
-    return text[:1].lower() + text[1:] if text[1:2].islower() else text
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from orin.errors import OrinError
+from orin.errors import OrinError, unreachable
 from orin.install.layout import ENV_FILE, PROFILE_FILE, SERVICE, UNITS, env_values, unit_path
 from orin.install.plan import probe_url
 from orin.install.probe import HttpGet
@@ -46,10 +46,6 @@ KEY_REFUSED = (
 
 def _refusal(with_key: bool) -> str:
     return KEY_REFUSED if with_key else KEY_NEEDED
-
-
-def _unreachable(url: str, error: str | None) -> str:
-    return f"nothing answers at {url}" + (f": {error}" if error else "")
 
 
 @dataclass(frozen=True)
@@ -184,7 +180,7 @@ def read_status(
         return ServiceStatus(units, None, error=f"not installed ({PROFILE_FILE} is missing)")
     health = get(f"{url}/health", HTTP_TIMEOUT_S)
     if health.status is None:
-        return ServiceStatus(units, url, error=_unreachable(url, health.error))
+        return ServiceStatus(units, url, error=unreachable(url, health.error))
     metrics = get(f"{url}/metrics", HTTP_TIMEOUT_S)
     latency = parse_latency(metrics.body) if metrics.status == 200 else {}
     refused = metrics.status == 401
@@ -199,7 +195,7 @@ def read_server_status(get: HttpGet, url: str, with_key: bool = False) -> Servic
     url = url.rstrip("/")
     health = get(f"{url}/health", HTTP_TIMEOUT_S)
     if health.status is None:
-        return ServiceStatus((), url, error=_unreachable(url, health.error))
+        return ServiceStatus((), url, error=unreachable(url, health.error))
     listed = get(f"{url}/v1/models", HTTP_TIMEOUT_S)
     data = listed.json() if listed.status == 200 else None
     entries = data.get("data") if data is not None else None

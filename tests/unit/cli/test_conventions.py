@@ -331,3 +331,16 @@ def test_shell_completion_is_on() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "complete" in done.stdout and "COMP_WORDS" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("monitor", "--once"), ("bench", "--num-requests", "1", "--concurrency", "1")],
+)
+def test_clients_say_when_nothing_answers(command: tuple[str, ...]) -> None:
+    from tests.serverutil import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # bound and let go: nobody listens there
+    code, _, err = invoke(*command, "--url", url)
+    assert code != 0
+    assert err.strip() == f"orin-llm: nothing answers at {url}: connection refused"
