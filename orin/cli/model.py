@@ -547,6 +547,16 @@ def _used_by(
     return users
 
 
+def _projector(path: Path) -> str | None:
+    """'vision projector (mlp)' for a projector GGUF (model.mmproj), else None."""
+    from orin.model import mmproj
+
+    try:
+        return f"vision projector ({mmproj.read_projector_info(path).projector_type})"
+    except (ValueError, OSError, KeyError, IndexError):
+        return None
+
+
 def _listing(folder: Path, profiles: list[tuple[str, Profile]], root: SysRoot) -> list[_Listed]:
     users = _used_by(profiles, folder, root)
     rows = []
@@ -555,7 +565,8 @@ def _listing(folder: Path, profiles: list[tuple[str, Profile]], root: SysRoot) -
         try:
             quant, problem = read_model_info(path).quantization, None
         except ModelFileError as exc:
-            quant, problem = None, str(exc)
+            quant, problem = _projector(path) or None, str(exc)
+            problem = None if quant else problem
         prov = store.read_provenance(folder, path.name)
         source = f"hf:{prov.repo}:{prov.path}" if prov is not None else None
         used = tuple(users.get(path.resolve(), ()))

@@ -73,6 +73,20 @@ def test_model_list_shows_every_folder_serve_finds_models_in(
     assert not (cache / "m.gguf").exists()
 
 
+def test_model_list_names_a_vision_projector_as_one(tmp_path: Path) -> None:
+    from orin.model import mmproj
+
+    mmproj.generate("tiny", tmp_path / "mmproj-tiny.gguf")
+    write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    code, out, err = invoke("model", "list", "--dir", str(tmp_path), "--json")
+    assert code == 0, err
+    found = {m["name"]: (m["quantization"], m["problem"]) for m in json.loads(out)["models"]}
+    assert found == {
+        "mmproj-tiny.gguf": ("vision projector (mlp)", None),
+        "m.gguf": ("Q4_K_M", None),
+    }
+
+
 def test_plan_json_against_fake_board(tmp_path: Path, board: FakeBoard) -> None:
     board.meminfo(total=64 * GiB, available=48 * GiB)
     path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B)
