@@ -24,14 +24,14 @@
       series: [["ttft_p50_ms", "p50"], ["ttft_p95_ms", "p95"]] },
     { id: "tpot", title: "TPOT, requests of the last 60 s", unit: "ms", fmt: fmtMs, axis: axisNum,
       series: [["tpot_p50_ms", "p50"], ["tpot_p95_ms", "p95"]] },
-    { id: "load", title: "Slots and queue", fmt: fmtInt,
+    { id: "load", title: "Slots and queue", fmt: fmtInt, counts: true,
       series: [["slots_busy", "busy slots"], ["queue", "queued requests"]] },
     { id: "gpu", title: "GPU utilization by phase", fmt: fmtPct, range: [0, 1], optional: true,
       absent: "GPU utilization (no GPU counter in this telemetry source)",
       series: [["gpu_util_prefill", "prefill"], ["gpu_util_decode", "decode"], ["gpu_util", "all samples"]] },
     { id: "memory", title: "Memory used (unified: CPU and GPU)", fmt: fmtGiB, optional: true,
       absent: "memory", series: [["mem_used_bytes", "MemTotal − MemAvailable"], ["gpu_mem_used_bytes", "GPU memory (discrete GPU)"]] },
-    { id: "kv", title: "KV cells", fmt: fmtInt,
+    { id: "kv", title: "KV cells", fmt: fmtInt, counts: true,
       series: [["kv_cells_used", "held by requests"], ["kv_cells_cached", "kept as prefixes"]] },
     { id: "power", title: "Power (sum of rails)", unit: "W", fmt: fmtNum, axis: axisNum, optional: true,
       absent: "power (the board reports no rails)", series: [["power_w", "power"]] },
@@ -39,6 +39,7 @@
       absent: "temperatures (no thermal zone)", dynamic: "temp_c", series: [] },
   ];
 
+  const COUNT_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];
   const store = { cols: null, lastT: null, maxPoints: 300, data: null };
   const charts = {}; // id -> { def, el, plot, keys }
   const $ = (id) => document.getElementById(id);
@@ -93,8 +94,10 @@
       // whose labels collide at a minute boundary in a five-minute window)
       axes: [{ stroke: "#667085", grid: { stroke: "#eef0f3" }, space: 60,
                values: (u, vals) => vals.map((v) => new Date(v * 1000).toLocaleTimeString("en-GB")) },
-             { stroke: "#667085", grid: { stroke: "#eef0f3" }, size: 76,
-               values: (u, vals) => vals.map((v) => (def.axis || def.fmt)(v)) }],
+             Object.assign({ stroke: "#667085", grid: { stroke: "#eef0f3" }, size: 76,
+               values: (u, vals) => vals.map((v) => (def.axis || def.fmt)(v)) },
+               // counts tick at whole numbers only: 0.2 steps would print "0 0 0 1 1 1"
+               def.counts ? { incrs: COUNT_STEPS } : {})],
       legend: { live: true },
       cursor: { drag: { x: false, y: false } },
     };
