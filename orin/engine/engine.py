@@ -402,7 +402,7 @@ class Engine:
             try:
                 if self._state != "ready":
                     raise EngineStopped(f"the engine is {self._state}; not taking requests")
-                self.scheduler.add(request)
+                self.scheduler.add(request, self._embeds_waiting)
             except EngineError:
                 request.close()
                 raise
@@ -520,8 +520,9 @@ class Engine:
         with self._lock:
             if self._state != "ready":
                 raise EngineStopped(f"the engine is {self._state}; not taking requests")
+            # one bound for what waits: queued generation requests and embedding jobs
             idle = sum(1 for s in self.scheduler.slots if not s.busy)
-            if self._embeds_waiting - idle >= self.cfg.max_queue:
+            if self.waiting - idle >= self.cfg.max_queue:
                 raise QueueFull(self.cfg.max_queue)
             self._embeds.append(job)
             self._embeds_waiting += 1

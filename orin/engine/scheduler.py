@@ -278,10 +278,11 @@ class Scheduler:
         tail = ctx.window - ctx.keep
         return list(prompt[: ctx.keep]) + list(prompt[len(prompt) - tail :])
 
-    def add(self, request: SchedRequest) -> None:
-        """Queue a request (its prompt already passed ``check_prompt``)."""
+    def add(self, request: SchedRequest, others_waiting: int = 0) -> None:
+        """Queue a request (its prompt already passed ``check_prompt``); ``others_waiting``:
+        jobs that share the queue's bound (embedding jobs no pass has started)."""
         idle = sum(1 for s in self.slots if not s.busy)
-        if len(self.queue) - idle >= self.max_queue:  # those beyond the idle slots wait
+        if len(self.queue) + others_waiting - idle >= self.max_queue:  # beyond idle slots
             raise QueueFull(self.max_queue)
         self.queue.append(request)
 

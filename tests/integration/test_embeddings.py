@@ -200,6 +200,40 @@ def test_a_job_waits_while_every_slot_is_busy_and_a_cancelled_one_never_runs(
         assert engine.status().waiting == 0 and engine.status().slots_busy == 0
 
 
+def test_embedding_jobs_and_generation_requests_share_the_queue_bound(small: Path) -> None:
+    """One slot, server.max_queue 1: with the slot busy, one waiting request of either
+    kind fills the queue, and the next of either kind is refused."""
+    from orin.engine.errors import QueueFull
+
+    cfg = engine_config(
+        parse_profile(
+            "name: t\nmodel: {pooling: mean}\n"
+            "engine: {n_ctx: 512, slots: 1, n_batch: 128, n_ubatch: 64}\nserver: {max_queue: 1}\n"
+        ),
+        small,
+        read_model_info(small),
+    )
+    long = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    with Engine(cfg) as e:
+        busy = e.submit("the busy slot", long)
+        wait_for(lambda: e.status().slots_busy == 1)
+        queued = e.submit("waits for the slot", long)
+        with pytest.raises(QueueFull):
+            e.embed(["no room"])
+        queued.cancel()
+        wait_for(lambda: e.status().waiting == 0)
+
+        async def embedding_waits() -> None:
+            job = asyncio.ensure_future(e.embed_async(["waits for the slot"]))
+            await asyncio.to_thread(wait_for, lambda: e.status().waiting == 1)
+            with pytest.raises(QueueFull):
+                e.submit("no room", long)
+            job.cancel()
+
+        asyncio.run(embedding_waits())
+        busy.cancel()
+
+
 def test_inputs_an_embedding_pass_cannot_take_are_refused(engine: Engine) -> None:
     cases: list[tuple[Any, str]] = [
         ([], "input"),
