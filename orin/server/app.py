@@ -15,7 +15,7 @@ from orin.engine.stream import Completion, RequestStream, collect
 from orin.engine.vision import MediaPrompt, RGBImage
 from orin.server import dashboard, errors, extras, images, protocol, tools
 from orin.server.auth import protect
-from orin.server.errors import Loading, ModelNotFound
+from orin.server.errors import GenerationFailed, Loading, ModelNotFound
 from orin.server.middleware import RequestContext
 from orin.server.responses import ChatFormatter, CompletionFormatter, Formatter, sse_events
 from orin.server.sse import EventStream
@@ -145,7 +145,7 @@ async def _run(
     request.state.timings = completions[0].timings
     failed = next((c for c in completions if c.finish_reason == "error"), None)
     if failed is not None:
-        raise RuntimeError(failed.error or "generation failed")
+        raise GenerationFailed(failed.error or "generation failed")
     return fmt.response(completions, prompt)
 
 

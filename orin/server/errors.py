@@ -64,6 +64,13 @@ class Interrupted(ApiError):
     status, type, code = 503, "service_unavailable", "server_shutdown"
 
 
+class GenerationFailed(ApiError):
+    """A whole answer the engine could not finish (llama.cpp failed, an RPC worker was
+    lost): a 500 whose message is the engine's, as a stream's error event has it."""
+
+    status, type, code = 500, "server_error", "generation_failed"
+
+
 @dataclass(frozen=True)
 class Spec:
     status: int

@@ -318,6 +318,32 @@ def state_app(state: ServerState) -> Any:
     return create_app(state)
 
 
+def test_a_whole_answer_the_engine_could_not_finish_carries_the_engines_message(
+    server: tuple[str, ServerState],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As a stream's error event does (docs/fleet.md: a lost RPC worker); no traceback."""
+    from orin.engine.errors import BackendError
+
+    base, state = server
+    runner = state.engine.runner
+    assert runner is not None
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise BackendError("llama_decode failed with status -3 on 2 tokens")
+
+    monkeypatch.setattr(runner, "decode", failing)
+    r = post(base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    monkeypatch.undo()
+    assert r.status_code == 500, r.text
+    err = error_of(r)
+    assert err["code"] == "generation_failed" and err["type"] == "server_error"
+    assert err["message"] == "llama_decode failed with status -3 on 2 tokens"
+    assert "Traceback" not in caplog.text
+    assert post(base, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
 def test_unexpected_errors_carry_the_request_id_not_a_traceback() -> None:
     from orin.server.errors import to_response
 
