@@ -30,7 +30,7 @@ from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.doctor.report import Report
 from orin.install import probe
 from orin.install.apply import apply_install, apply_uninstall
-from orin.install.host import HostFacts, gather
+from orin.install.host import HostFacts, gather, require_systemd
 from orin.install.layout import DEFAULT_USER, MODELS_DIR, SERVICE, UNIT_DIR
 from orin.install.plan import (
     InstallPlan,
@@ -96,6 +96,8 @@ def install(
     d = deps(ctx)
     out = Output()
     sysroot, runner = SysRoot(root), d.runner
+    if not dry_run and d.effective_uid() == 0:
+        require_systemd(sysroot)  # before the model is pulled or anything written
     profile = load_profile(profile_name or "demo")
     facts = gather(runner, user)
     pulled, pulled_now = _pull_model(

@@ -11,6 +11,7 @@ unless told otherwise, and says so loudly whenever it listens anywhere else.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import sys
 import threading
@@ -100,6 +101,47 @@ def rpc_worker(
     log.info("stopping")
 
 
+_HOST_NAME = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
+
+
+def _host(value: str) -> str:
+    """``--host``: an IP address or a host name, nothing the unit's command line would
+    read as more arguments."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not _HOST_NAME.fullmatch(value):
+            raise typer.BadParameter(
+                f"{value!r} is not an IP address or host name", param_hint="--host"
+            ) from None
+    return value
+
+
+def _peer(value: str) -> str:
+    """An ``--allow`` value: one address or CIDR, as systemd's IPAddressAllow= takes it;
+    never a list, a keyword (``any``) or a network that admits every address."""
+    import ipaddress
+
+    try:
+        net = ipaddress.ip_network(value.strip(), strict=False)
+    except ValueError:
+        raise typer.BadParameter(
+            f"{value!r} is not an address or CIDR (one per --allow)", param_hint="--allow"
+        ) from None
+    if net.prefixlen == 0:
+        raise typer.BadParameter(
+            f"{value} admits every address, which would undo the unit's IPAddressDeny=any: "
+            "give the serving board's address",
+            param_hint="--allow",
+        )
+    return str(net) if net.num_addresses > 1 else str(net.network_address)
+
+
 @handle_errors
 def install_rpc_worker(
     ctx: typer.Context,
@@ -138,8 +180,8 @@ def install_rpc_worker(
 ) -> None:
     """Install `orin-llm rpc-worker` as a hardened systemd service on this board."""
     from orin.cli.deps import deps
-    from orin.engine.rpc import is_loopback
-    from orin.install.host import gather
+    from orin.engine.rpc import is_loopback, parse_endpoint
+    from orin.install.host import gather, require_systemd
     from orin.install.units import (
         RPC_WORKER_SERVICE,
         RpcWorkerUnit,
@@ -149,6 +191,11 @@ def install_rpc_worker(
     )
     from orin.system.root import SysRoot
 
+    try:
+        parse_endpoint(f"{_host(host)}:{port}")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--host") from None
+    allowed = tuple(_peer(a) for a in allow or ())
     d = deps(ctx)
     runner = d.runner
     facts = gather(runner, user, (RPC_WORKER_SERVICE,))
@@ -162,7 +209,7 @@ def install_rpc_worker(
         devices=find_gpu_devices(SysRoot(root)),
         threads=threads,
         cache=cache,
-        allow=tuple(allow or ()),
+        allow=allowed,
         protect_home=protect_home_for((exe,)),
     )
     text = render_rpc_worker_unit(unit)
@@ -175,6 +222,7 @@ def install_rpc_worker(
         return
     if d.effective_uid() != 0:
         raise InstallError("install-rpc-worker changes the system: run it as root (sudo)")
+    require_systemd(SysRoot(root))
     steps: list[tuple[str, ...]] = []
     if not facts.user_exists:
         steps.append(

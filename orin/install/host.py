@@ -12,7 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from orin.install.layout import GPU_GROUPS, SERVICE, UNITS
+from orin.install.steps import InstallError
 from orin.system.commands import CommandRunner
+from orin.system.root import SysRoot
 from orin.system.services import unit_active_state, unit_file_state
 
 TIMEOUT = 10.0
@@ -67,3 +69,15 @@ def gather(runner: CommandRunner, user: str, units: Iterable[str] = UNITS) -> Ho
 
 def _getent(runner: CommandRunner, database: str, key: str) -> bool:
     return runner.run(("getent", database, key), timeout=TIMEOUT).ok
+
+
+def require_systemd(root: SysRoot) -> None:
+    """Stop before any change on a machine where systemd is not the init system
+    (sd_booted(3): /run/systemd/system exists only then): every unit install writes
+    would be for nothing, and ``systemctl`` fails after the user and files exist."""
+    if not root.path("/run/systemd/system").is_dir():
+        raise InstallError(
+            "systemd is not running on this machine (no /run/systemd/system), and the "
+            "service needs it: run `orin-llm serve` under your own supervisor, or the "
+            "container image (docs/fleet.md)"
+        )

@@ -10,9 +10,12 @@ GiB = 1 << 30
 
 
 class FakeBoard:
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, systemd: bool = True) -> None:
+        """``systemd``: the board booted with systemd (L4T does): /run/systemd/system."""
         self.base = base
         self.root = SysRoot(base)
+        if systemd:
+            self.root.path("/run/systemd/system").mkdir(parents=True, exist_ok=True)
 
     def write(self, system_path: str, text: str) -> Path:
         p = self.root.path(system_path)

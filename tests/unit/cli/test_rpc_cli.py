@@ -159,6 +159,12 @@ def test_install_rpc_worker_writes_the_unit_and_enables_it(tmp_path: Path) -> No
     fake = _Runner()
     deps = Deps(runner=fake, effective_uid=lambda: 0, orin_executable=lambda: "/opt/o/orin-llm")  # type: ignore[arg-type]
     args = ("install-rpc-worker", "--host", "10.0.0.2", "--allow", "10.0.0.1")
+    code, _, err = invoke(*args, "--root", str(tmp_path), obj=deps)
+    # without systemd nothing is done: no user, no unit
+    assert code != 0 and "systemd is not running" in err and fake.calls[-1][0] != "useradd"
+    assert not (tmp_path / "etc").exists()
+    fake.calls.clear()
+    (tmp_path / "run/systemd/system").mkdir(parents=True)
     code, out, err = invoke(*args, "--root", str(tmp_path), obj=deps)
     assert code == 0, err
     written = (tmp_path / "etc/systemd/system" / RPC_WORKER_SERVICE).read_text()
@@ -176,6 +182,29 @@ def test_install_rpc_worker_writes_the_unit_and_enables_it(tmp_path: Path) -> No
     user = Deps(runner=_Runner(), effective_uid=lambda: 1000, orin_executable=lambda: "/o")  # type: ignore[arg-type]
     code, _, err = invoke(*args, "--root", str(tmp_path / "y"), obj=user)
     assert code != 0 and "as root" in err
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--allow", "notanip", "not an address or CIDR"),
+        ("--allow", "10.0.0.1 0.0.0.0/0", "not an address or CIDR"),
+        ("--allow", "0.0.0.0/0", "admits every address"),
+        ("--allow", "::/0", "admits every address"),
+        ("--allow", "any", "not an address or CIDR"),
+        ("--host", "10.0.0.2 --evil", "not an IP address or host name"),
+    ],
+)
+def test_install_rpc_worker_refuses_what_would_open_its_fence(
+    tmp_path: Path, option: str, value: str, says: str
+) -> None:
+    deps = Deps(runner=_Runner(), effective_uid=lambda: 0, orin_executable=lambda: "/o")  # type: ignore[arg-type]
+    args = {"--host": "10.0.0.2", "--allow": "10.0.0.1", option: value}
+    argv = [x for k, v in args.items() for x in (k, v)]
+    code, out, err = invoke(
+        "install-rpc-worker", *argv, "--dry-run", "--root", str(tmp_path), obj=deps
+    )
+    assert code == 2 and says in err and out == ""
 
 
 def test_the_lost_worker_line_names_the_worker_whose_connection_closed() -> None:

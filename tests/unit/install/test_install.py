@@ -11,6 +11,7 @@ from orin.doctor.report import Report
 from orin.install.layout import ENV_FILE, PROFILE_FILE, SERVICE, TUNE_SERVICE
 from orin.install.probe import HttpResult
 from orin.system.commands import CommandResult
+from tests.fakes.board import FakeBoard
 from tests.fakes.host import FakeHost
 from tests.unit.install.conftest import doctor_report, invoke
 
@@ -228,6 +229,16 @@ def test_waits_while_the_model_loads(
 
 
 def test_missing_model_is_a_clear_error(tmp_path: Path, host: FakeHost, deps: Deps) -> None:
+    FakeBoard(tmp_path)  # systemd, and nothing else: no model
     code, _, err = invoke(deps, tmp_path, "install", "--profile", PROFILE)
     assert code == 3  # ModelFileError
     assert "Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf: no such file" in err
+
+
+def test_without_systemd_install_changes_nothing(root: Path, host: FakeHost, deps: Deps) -> None:
+    (root / "run/systemd/system").rmdir()
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
+    assert code != 0 and "systemd is not running on this machine" in err
+    assert host.changes() == [] and not (root / "etc/orin-llm").exists()
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE, "--dry-run")
+    assert code == 0, err  # a plan needs no systemd
