@@ -18,7 +18,7 @@ import typer
 
 from orin.cli.errors import handle_errors
 from orin.cli.help import Typer
-from orin.cli.options import ProfileOpt
+from orin.cli.options import ProfileOpt, folder_to_write
 from orin.cli.output import human_bytes
 from orin.deploy import k8s
 from orin.profile.loader import load_profile
@@ -75,7 +75,12 @@ def kubernetes(
     ] = 1,
     output: Annotated[
         Path | None,
-        typer.Option("--output", "-o", help="Write one YAML file per object into this folder."),
+        typer.Option(
+            "--output",
+            "-o",
+            callback=folder_to_write,
+            help="Write one YAML file per object into this folder.",
+        ),
     ] = None,
     namespace: Annotated[
         str, typer.Option("--namespace", "-n", callback=_checked(k8s.check_namespace))

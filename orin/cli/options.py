@@ -113,8 +113,36 @@ CTX_HELP = (
 CtxOpt = Annotated[
     int | None, typer.Option("--ctx", callback=in_range(*N_CTX_RANGE), help=CTX_HELP)
 ]
+
+
+def file_to_write(value: Path | None) -> Path | None:
+    """Option callback: a file a command writes at its end, checked at its start (a
+    long run never ends on a path it cannot write): its folder exists, and it is not
+    itself a folder."""
+    if value is not None:
+        if value.is_dir():
+            raise typer.BadParameter(f"{value} is a folder; give a file name in it")
+        if not value.parent.is_dir():
+            raise typer.BadParameter(f"no folder {value.parent}: create it first")
+    return value
+
+
+def folder_to_write(value: Path | None) -> Path | None:
+    """Option callback: a folder a command writes files into (made when missing);
+    not a file that is there already."""
+    if value is not None and value.exists() and not value.is_dir():
+        raise typer.BadParameter(f"{value} is a file; give a folder")
+    return value
+
+
 OutputOpt = Annotated[
-    Path | None, typer.Option("--output", "-o", help="Also write the result as JSON to this file.")
+    Path | None,
+    typer.Option(
+        "--output",
+        "-o",
+        callback=file_to_write,
+        help="Also write the result as JSON to this file.",
+    ),
 ]
 
 

@@ -17,6 +17,7 @@ from orin.cli.options import (
     ProfileOpt,
     check_telemetry,
     field_range,
+    file_to_write,
     in_range,
     revalidated,
 )
@@ -102,7 +103,10 @@ def serve(
     ] = None,
     record: Annotated[
         Path | None,
-        typer.Option(help="Write samples, steps and requests as JSON lines to this file."),
+        typer.Option(
+            callback=file_to_write,
+            help="Write samples, steps and requests as JSON lines to this file.",
+        ),
     ] = None,
     rpc: Annotated[
         str | None,

@@ -27,7 +27,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from orin.cli.deps import deps
 from orin.cli.errors import handle_errors, no_args_is_help, usage_error
 from orin.cli.help import Typer
-from orin.cli.options import CtxOpt, JsonOpt, RootOpt, apply_ctx, check_telemetry
+from orin.cli.options import (
+    CtxOpt,
+    JsonOpt,
+    RootOpt,
+    apply_ctx,
+    check_telemetry,
+    folder_to_write,
+)
 from orin.cli.output import Output, progress_wanted
 from orin.doctor.context import model_path_for
 from orin.errors import OrinError
@@ -90,7 +97,11 @@ def run(
     ] = None,
     report: Annotated[
         Path | None,
-        typer.Option("--report", help="Report folder (default: NAME-tune-report/)."),
+        typer.Option(
+            "--report",
+            callback=folder_to_write,
+            help="Report folder (default: NAME-tune-report/).",
+        ),
     ] = None,
     output_len: Annotated[
         int, typer.Option(min=2, help="Generated tokens per measured request.")

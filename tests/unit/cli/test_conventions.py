@@ -344,3 +344,24 @@ def test_clients_say_when_nothing_answers(command: tuple[str, ...]) -> None:
     code, _, err = invoke(*command, "--url", url)
     assert code != 0
     assert err.strip() == f"orin-llm: nothing answers at {url}: connection refused"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("bench", "--url", "http://127.0.0.1:1", "--concurrency", "1", "--output", "{dir}"),
+         "is a folder; give a file name in it"),
+        (("bench", "--url", "http://127.0.0.1:1", "--concurrency", "1", "--output", "{dir}/no/b.json"),
+         "no folder {dir}/no: create it first"),
+        (("serve", "--profile", "demo", "--record", "{dir}"), "is a folder; give a file name"),
+        (("tune", "run", "--profile", "demo", "--report", "{file}"), "is a file; give a folder"),
+        (("deploy", "k8s", "--profile", "demo", "--output", "{file}"), "is a file; give a folder"),
+    ],
+)  # fmt: skip
+def test_a_path_a_command_could_not_write_is_refused_before_it_starts(
+    tmp_path: Path, args: tuple[str, ...], says: str
+) -> None:
+    (tmp_path / "f").write_text("")
+    paths = {"dir": str(tmp_path), "file": str(tmp_path / "f")}
+    code, _, err = invoke(*(a.format(**paths) for a in args))
+    assert code == 2 and says.format(**paths) in " ".join(err.replace("│", " ").split())
