@@ -346,13 +346,14 @@ def test_clients_say_when_nothing_answers(command: tuple[str, ...]) -> None:
     assert err.strip() == f"orin-llm: nothing answers at {url}: connection refused"
 
 
+BENCH = ("bench", "--url", "http://127.0.0.1:1", "--concurrency", "1")
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (("bench", "--url", "http://127.0.0.1:1", "--concurrency", "1", "--output", "{dir}"),
-         "is a folder; give a file name in it"),
-        (("bench", "--url", "http://127.0.0.1:1", "--concurrency", "1", "--output", "{dir}/no/b.json"),
-         "no folder {dir}/no: create it first"),
+        ((*BENCH, "--output", "{dir}"), "is a folder; give a file name in it"),
+        ((*BENCH, "--output", "{dir}/no/b.json"), "no folder {dir}/no: create it first"),
         (("serve", "--profile", "demo", "--record", "{dir}"), "is a folder; give a file name"),
         (("tune", "run", "--profile", "demo", "--report", "{file}"), "is a file; give a folder"),
         (("deploy", "k8s", "--profile", "demo", "--output", "{file}"), "is a file; give a folder"),
