@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from orin.cli.errors import handle_errors
+from orin.cli.errors import handle_errors, usage_error
 from orin.cli.help import Typer
 from orin.cli.options import ProfileOpt, folder_to_write
 from orin.cli.output import human_bytes
@@ -71,8 +71,11 @@ def _labels(values: list[str] | None) -> list[str] | None:
 def kubernetes(
     profile_name: ProfileOpt = None,
     replicas: Annotated[
-        int, typer.Option("--replicas", min=1, help="Pods of the Deployment (one per board).")
-    ] = 1,
+        int | None,
+        typer.Option(
+            "--replicas", min=1, help="Pods of the Deployment (one per board; default 1)."
+        ),
+    ] = None,
     output: Annotated[
         Path | None,
         typer.Option(
@@ -169,6 +172,8 @@ def kubernetes(
     """Kubernetes manifests for the profile: memory limits from its memory plan, /health
     probes, the drain's grace period, the profile as a ConfigMap, the API key from a
     Secret, a Service and a Prometheus monitor."""
+    if replicas is not None and kind.value == "daemonset":
+        raise usage_error("--replicas is for a Deployment: a DaemonSet runs one pod per board")
     profile = load_profile(profile_name or "demo")
     path, info = k8s.model_for_plan(profile, model)
     plan = k8s.plan_for(profile, info)
@@ -176,7 +181,7 @@ def kubernetes(
         name=name,
         namespace=namespace,
         image=image,
-        replicas=replicas,
+        replicas=replicas or 1,
         kind=kind.value,
         volume=volume.value,
         host_path=host_path,

@@ -24,7 +24,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from orin.cli.errors import handle_errors
+from orin.cli.errors import handle_errors, usage_error
 from orin.cli.options import ApiKeyOpt, JsonOpt, bearer, check_url
 from orin.cli.output import Output
 from orin.errors import OrinError, os_error_text, unreachable
@@ -223,11 +223,15 @@ def summarize_recording(path: Path) -> dict[str, Any]:
     }
 
 
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
 @handle_errors
 def monitor(
     url: Annotated[
-        str, typer.Option(callback=check_url, help="Server to watch.")
-    ] = "http://127.0.0.1:8080",
+        str | None,
+        typer.Option(callback=check_url, help=f"Server to watch (default: {DEFAULT_URL})."),
+    ] = None,
     recording: Annotated[
         Path | None, typer.Option(help="Summarize a `serve --record` file instead.")
     ] = None,
@@ -238,6 +242,8 @@ def monitor(
 ) -> None:
     """GPU load, phase, running requests and the latest TTFT/TPOT, a few times a second."""
     out = Output(as_json)
+    if recording is not None and url is not None:
+        raise usage_error("--recording and --url exclude each other: a file or a server")
     if recording is not None:
         snap = summarize_recording(recording)
         if as_json:
@@ -245,7 +251,7 @@ def monitor(
         else:
             out.print(render(snap))
         return
-    base = url.rstrip("/")
+    base = (url or DEFAULT_URL).rstrip("/")
     with httpx.Client(timeout=2.0, headers=bearer(api_key)) as client:
         if as_json:
             snap, health = fetch(base, client)

@@ -366,3 +366,19 @@ def test_a_path_a_command_could_not_write_is_refused_before_it_starts(
     paths = {"dir": str(tmp_path), "file": str(tmp_path / "f")}
     code, _, err = invoke(*(a.format(**paths) for a in args))
     assert code == 2 and says.format(**paths) in " ".join(err.replace("│", " ").split())
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("monitor", "--recording", "r.jsonl", "--url", "http://127.0.0.1:1"),
+         "--recording and --url exclude each other"),
+        (("deploy", "k8s", "--kind", "daemonset", "--replicas", "3"),
+         "--replicas is for a Deployment"),
+    ],
+)  # fmt: skip
+def test_options_that_exclude_each_other_are_a_usage_error(
+    args: tuple[str, ...], says: str
+) -> None:
+    code, _, err = invoke(*args)
+    assert code == 2 and says in err
