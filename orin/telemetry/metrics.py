@@ -45,9 +45,10 @@ class PhaseMetrics:
     """
 
     def __init__(self, registry: CollectorRegistry, source: str) -> None:
-        def counter(name: str, doc: str, gpu: bool = False) -> Counter:
+        def counter(name: str, doc: str, lazy: bool = False) -> Counter:
+            """``lazy``: no series until the first sample that has the reading."""
             c = Counter(PREFIX + name, doc, ("phase",), registry=registry)
-            for p in TELEMETRY_PHASES if not gpu else ():
+            for p in TELEMETRY_PHASES if not lazy else ():
                 c.labels(p)
             return c
 
@@ -63,8 +64,9 @@ class PhaseMetrics:
             "process_cpu_busy_seconds",
             "This process's CPU utilization (share of all cores) integrated over time, per phase.",
         )
+        # likewise energy: a machine without power rails has no series, not 0 J
         self.energy = counter(
-            "energy_joules", "Energy from the board's power rails, per engine phase."
+            "energy_joules", "Energy from the board's power rails, per engine phase.", True
         )
         self.samples = counter("telemetry_samples", "Telemetry samples attributed, per phase.")
         self.gpu_util = Gauge(
@@ -79,15 +81,19 @@ class PhaseMetrics:
         self._ewma: dict[str, float] = {}
         # The per-phase children, looked up once: observe runs for every sample.
         self._children = {
-            p: (
-                self.phase_seconds.labels(p),
-                self.samples.labels(p),
-                self.cpu_busy.labels(p),
-                self.energy.labels(p),
-            )
+            p: (self.phase_seconds.labels(p), self.samples.labels(p), self.cpu_busy.labels(p))
             for p in TELEMETRY_PHASES
         }
         self._gpu_children: dict[str, tuple[Counter, Gauge]] = {}
+        self._energy_children: dict[str, Counter] = {}
+
+    def _energy(self, phase: str) -> Counter:
+        """A phase's energy counter, made with every phase's on the first power reading."""
+        child = self._energy_children.get(phase)
+        if child is None:
+            self._energy_children = {p: self.energy.labels(p) for p in TELEMETRY_PHASES}
+            child = self._energy_children[phase]
+        return child
 
     def _gpu(self, phase: str) -> tuple[Counter, Gauge]:
         """A phase's GPU children, made on its first GPU reading: the busy counter of
@@ -108,7 +114,7 @@ class PhaseMetrics:
         for share in shares:
             w = share.weight * dt
             phase = share.phase
-            seconds, n, cpu_busy, energy = self._children[phase]
+            seconds, n, cpu_busy = self._children[phase]
             seconds.inc(w)
             n.inc(share.weight)
             if gpu is not None:
@@ -120,7 +126,7 @@ class PhaseMetrics:
             if cpu is not None:
                 cpu_busy.inc(cpu * w)
             if power is not None:
-                energy.inc(power * 1e-3 * w)
+                self._energy(phase).inc(power * 1e-3 * w)
 
 
 class SystemMetrics(Collector):

@@ -124,6 +124,20 @@ def test_no_gpu_series_without_a_gpu() -> None:
     assert values[("orin_llm_process_cpu_busy_seconds_total", (("phase", "decode"),))] > 0
 
 
+def test_energy_series_appear_with_the_first_power_reading() -> None:
+    """A source without power rails has no energy series (not 0 J: a per-token energy
+    query would read 0 otherwise); the first reading makes every phase's, from 0."""
+    m = ServerMetrics(2, 1024, "m")
+    phases = PhaseMetrics(m.registry, "cpu")
+    phases.observe(Sample(t_ns=1, cpu_util=0.5), (Share("decode", 1.0),), 0.5)
+    energy = "orin_llm_energy_joules_total"
+    assert not {k for k in samples(m) if k[0] == energy}
+    phases.observe(Sample(t_ns=2, power_mw={"VDD_IN": 4000.0}), (Share("decode", 1.0),), 0.5)
+    values = samples(m)
+    assert values[(energy, (("phase", "decode"),))] == 2.0  # 4 W for 0.5 s
+    assert values[(energy, (("phase", "prefill"),))] == 0.0
+
+
 def test_gpu_series_appear_with_the_first_gpu_reading() -> None:
     m = ServerMetrics(2, 1024, "m")
     phases = PhaseMetrics(m.registry, "jetson_sysfs")
