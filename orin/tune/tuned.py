@@ -120,10 +120,12 @@ def profile_data(r: TuneResult) -> dict[str, Any]:
     data = p.model_dump(mode="json")
     data["name"] = f"{r.profile.name}-tuned"[:128]
     data["description"] = f"{r.profile.name} tuned by orin-llm tune on {r.started_at}"
-    if (r.profile.model.demo is None and r.profile.model.packaged is None) or r.model_given:
-        data["model"]["path"] = str(r.model_path.resolve())
-        data["model"]["demo"] = None
-        data["model"]["packaged"] = None
+    m = r.profile.model
+    if (m.demo is None and m.packaged is None and m.hf is None) or r.model_given:
+        data["model"]["path"] = str(r.model_path.resolve())  # a demo, packaged or hub
+        data["model"]["demo"] = None  # model stays named as it was unless --model
+        data["model"]["packaged"] = None  # replaced it
+        data["model"]["hf"] = None
     draft = p.speculative.draft_model
     if draft is not None and not draft.expanduser().is_absolute() and p.source is not None:
         data["speculative"]["draft_model"] = str((p.source.parent / draft).resolve())

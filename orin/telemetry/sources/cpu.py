@@ -118,6 +118,10 @@ class MachineTimes:
         except OSError:
             self._fd = None
 
+    @property
+    def from_proc_stat(self) -> bool:
+        return self._fd is not None
+
     def capture(self) -> str | CpuTimes:
         """The raw /proc/stat head (cheap), or psutil's figures off Linux."""
         if self._fd is not None:
@@ -176,7 +180,8 @@ class CpuSource(SplitTicks):
         self._cpu_util: float | None = None
 
     def availability(self) -> Availability:
-        return Availability(True, f"psutil, {self.n_cpus} CPUs")
+        how = "/proc/stat" if self._machine.from_proc_stat else "psutil"
+        return Availability(True, f"{how}, {self.n_cpus} CPUs")
 
     def capture_slow(self) -> str | CpuTimes:
         return self._machine.capture()

@@ -49,7 +49,7 @@ def test_auto_on_each_orin_picks_sysfs(tmp_path: Path, jetpack: int, gpu: str) -
 def test_auto_on_a_machine_without_gpu_falls_back_to_cpu(tmp_path: Path) -> None:
     source, why = select_source(None, no_gpu_machine(tmp_path).root, FakeRunner())
     assert isinstance(source, CpuSource)
-    assert why.startswith("cpu (psutil, ")
+    assert why.startswith("cpu (/proc/stat, ")
     for reason in (
         "jetson_sysfs: no devfreq iGPU",
         "nvml: nvidia-ml-py is not installed",
@@ -81,7 +81,7 @@ def test_orin_without_a_readable_load_file_is_explained(tmp_path: Path) -> None:
 def test_forced_source(tmp_path: Path) -> None:
     source, why = select_source("cpu", agx_orin_64gb(tmp_path, 5).root, FakeRunner())
     assert isinstance(source, CpuSource)
-    assert why.startswith("cpu (forced; psutil")
+    assert why.startswith("cpu (forced; /proc/stat, ")
 
 
 def test_forced_unavailable_source_raises_with_the_reason(tmp_path: Path) -> None:

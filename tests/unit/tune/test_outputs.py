@@ -49,8 +49,8 @@ def measurement(c: Candidate, ttft: float, tpot: float, gpu: float | None = None
     return Measurement(c, 3, points, phases, cost_s=1.0)
 
 
-def result(tiny: Path, slow: bool = False) -> TuneResult:
-    profile = parse_profile(PROFILE)
+def result(tiny: Path, slow: bool = False, text: str = PROFILE) -> TuneResult:
+    profile = parse_profile(text)
     info = read_model_info(tiny)
     space = build_space(profile, info, cores=2)
     scale = 10.0 if slow else 1.0
@@ -114,6 +114,21 @@ def test_the_tuned_profile_records_figures_and_validates(tiny_f16: Path, tmp_pat
     path = tuned.write(r, tmp_path / "t.yaml")
     out = CliRunner().invoke(profile_cli.app, ["validate", str(path)])
     assert out.exit_code == 0, out.output
+
+
+@pytest.mark.parametrize(
+    "model", ["{packaged: smollm2-135m-instruct}", "{hf: 'owner/repo:m.gguf'}"]
+)
+def test_a_packaged_or_hub_model_stays_named_as_it_was(tiny_f16: Path, model: str) -> None:
+    """The tuned profile names the model as its input did (portable to another
+    machine), unless --model replaced it; either way it parses back."""
+    text = PROFILE.replace("{demo: {size: tiny, quant: f16}}", model)
+    kept = yaml.safe_load(tuned.render(result(tiny_f16, text=text)))["model"]
+    assert kept["path"] is None and yaml.safe_load(model).items() <= kept.items()
+    given = dataclasses.replace(result(tiny_f16, text=text), model_given=True)
+    replaced = yaml.safe_load(tuned.render(given))["model"]
+    assert replaced["path"] == str(tiny_f16.resolve())
+    assert (replaced["hf"], replaced["packaged"], replaced["demo"]) == (None, None, None)
 
 
 def test_a_missed_slo_is_explained_in_profile_and_report(
