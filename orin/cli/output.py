@@ -16,6 +16,7 @@ ends the command quietly (errors.stdout_closed).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -46,6 +47,10 @@ class _Stdout(Console):
     def on_broken_pipe(self) -> None:
         self.quiet = True
         stdout_closed()
+
+
+def _wraps(console: Console) -> bool:
+    return console.is_terminal or "COLUMNS" in os.environ
 
 
 class Output:
@@ -80,14 +85,18 @@ class Output:
         self.table(title, ("field", "value"), items, keep=("field",))
 
     def line(self, text: str = "") -> None:
-        self.print(text)
+        """One line of text: wrapped between words on a terminal (or at a width COLUMNS
+        asks for), never when the output goes to a file or a pipe (a log line stays one
+        line for grep)."""
+        with guard_stdout():
+            self.out.print(text, soft_wrap=not _wraps(self.out))
 
     def print(self, renderable: RenderableType) -> None:
         with guard_stdout():
             self.out.print(renderable)
 
     def note(self, text: str) -> None:
-        self.err.print(text)
+        self.err.print(text, soft_wrap=not _wraps(self.err))
 
 
 def make_table(

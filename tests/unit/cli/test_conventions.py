@@ -382,3 +382,17 @@ def test_options_that_exclude_each_other_are_a_usage_error(
 ) -> None:
     code, _, err = invoke(*args)
     assert code == 2 and says in err
+
+
+def test_a_line_to_a_pipe_is_never_wrapped(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Output that is not a terminal (a log, a pipe to grep) keeps each line whole,
+    unless COLUMNS asks for a width."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    long = " ".join(f"word{i}" for i in range(40))  # 300 characters
+    out = Output()
+    out.line(long)
+    out.note(long)
+    captured = capsys.readouterr()
+    assert captured.out == long + "\n" and captured.err == long + "\n"
