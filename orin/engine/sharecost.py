@@ -105,9 +105,10 @@ def share_min(runner: Runner, token: int) -> int:
         return n
     log.info(
         "a KV stream copy costs %.2f ms, a prompt token %.3f ms: prompts copy another "
-        "slot's cells when that saves %d tokens or more",
+        "slot's cells when that saves %d token%s or more",
         cost.per_copy_ms,
         cost.per_prompt_token_ms,
         n,
+        "" if n == 1 else "s",
     )
     return n

@@ -112,10 +112,11 @@ def build_server(
     register_routing(state.metrics.registry, profile.server, engine.status, name)
     host, port = profile.server.host, profile.server.port
     log.info(
-        "model %s (%s), %d slots x %d tokens, K=%s V=%s, flash_attn=%s, on http://%s:%d",
+        "model %s (%s), %d slot%s x %d tokens, K=%s V=%s, flash_attn=%s, on http://%s:%d",
         path,
         info.quantization,
         cfg.slots,
+        "" if cfg.slots == 1 else "s",
         cfg.n_ctx,
         cfg.type_k,
         cfg.type_v,

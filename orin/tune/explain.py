@@ -64,7 +64,7 @@ def _ttft(m: Measurement, p: Point, goal: float) -> str:
     util, saturated = utilization(f, m.candidate.threads)
     need = p.concurrency * p.prompt_tokens / (goal / 1e3)
     text = (
-        f"TTFT_p95 at {p.prompt_tokens} prompt tokens x {p.concurrency} streams is "
+        f"TTFT_p95 at {p.prompt_tokens} prompt tokens x {streams(p.concurrency)} is "
         f"{p.ttft_p95:.0f} ms against {goal:.0f} ms: prefill-bound (mean {queue:.0f} ms "
         f"waiting for other prompts, {own:.0f} ms of its own prefill)"
     )
@@ -77,7 +77,7 @@ def _tpot(m: Measurement, p: Point, goal: float) -> str:
     f = m.phases.get("decode")
     util, saturated = utilization(f, m.candidate.threads)
     text = (
-        f"TPOT_p90 at {p.prompt_tokens} prompt tokens x {p.concurrency} streams is "
+        f"TPOT_p90 at {p.prompt_tokens} prompt tokens x {streams(p.concurrency)} is "
         f"{p.tpot_p90:.1f} ms against {goal:.1f} ms: decode-bound"
     )
     rate = _rate(f)
@@ -180,3 +180,8 @@ def speculation(
         "repeats itself, so the gain here can exceed that on free text with sampling"
     )
     return lines
+
+
+def streams(n: int) -> str:
+    """'1 stream', '4 streams'."""
+    return f"{n} stream{'' if n == 1 else 's'}"

@@ -16,6 +16,7 @@ import yaml
 
 from orin.profile.loader import parse_profile
 from orin.tune.explain import speculation
+from orin.tune.explain import streams as _streams
 from orin.tune.figures import Measurement, Point
 from orin.tune.run import TuneResult
 
@@ -35,7 +36,7 @@ def point_lines(chosen: Measurement, before: Measurement | None) -> list[str]:
             ttft = f"TTFT_p95 from {_ms(old.ttft_p95)} to {_ms(p.ttft_p95)}"
             tpot = f"TPOT_p90 from {_ms(old.tpot_p90, 1)} to {_ms(p.tpot_p90, 1)}"
         lines.append(
-            f"{p.prompt_tokens} prompt tokens x {p.concurrency} streams: {ttft}, {tpot}, "
+            f"{p.prompt_tokens} prompt tokens x {_streams(p.concurrency)}: {ttft}, {tpot}, "
             f"{p.throughput:.1f} tokens/s"
         )
     return lines

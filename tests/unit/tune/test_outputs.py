@@ -210,3 +210,11 @@ def test_throughput_is_the_median_over_repetitions() -> None:
     assert m.throughput() == pytest.approx(50.0)
     assert a.throughput == pytest.approx(100.0) and a.output_tokens == 300
     assert a.merge(b).rep_wall_s == [1.0, 1.0, 10.0, 1.0, 3.0, 1.0]
+
+
+def test_one_stream_is_one_stream() -> None:
+    c = Candidate(128, 128, "on", "f16", "f16", 1, 2)
+    m = measurement(c, 400.0, 30.0)
+    single = Measurement(c, m.reps, {(64, 1): m.points[(64, 1)]}, m.phases, cost_s=1.0)
+    lines = explain(single, SLOSection(ttft_p95_ms=100, tpot_p90_ms=20))
+    assert "64 prompt tokens x 1 stream is" in lines[0] and "1 streams" not in " ".join(lines)
