@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 from urllib.parse import urlparse
 
 from orin.errors import HubError
@@ -221,16 +221,32 @@ def _download(
         headers.pop("authorization", None)  # a signed CDN address needs no token
     with part.open("r+b" if have else "wb") as f, _hub_errors(ref, endpoint, resumable=True):
         f.seek(have)
+        watched = _Restarts(f)
         http_get(
             meta.location,
-            f,
+            watched,  # type: ignore[arg-type]
             resume_size=have,
             headers=headers,
             expected_size=expected,
             displayed_filename=local_name(remote.path),
             tqdm_class=_bar_class(progress),
         )
-    return have
+    return 0 if watched.restarted else have
+
+
+class _Restarts:
+    """The part file, noting whether the download started it over: http_get truncates
+    it when a server answers a Range request with the whole file (200)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f, self.restarted = f, False
+
+    def truncate(self, size: int | None = None) -> int:
+        self.restarted = True
+        return self._f.truncate(size)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
 
 
 def sha256_file(path: Path) -> str:

@@ -5,6 +5,7 @@ pulled model served through a profile's ``hf:`` reference."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,6 +68,26 @@ def test_an_interrupted_pull_resumes_where_it_stopped(hub_env: FakeHub, tmp_path
     assert hashlib.sha256(pulled.read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest()
     assert read_model_info(pulled).quantization == "Q8_0"
     assert not (models / ".partial").exists()
+
+
+def test_a_server_that_ignores_range_restarts_the_file_and_says_so(
+    hub_env: FakeHub, tmp_path: Path
+) -> None:
+    """A mirror that answers a Range request with the whole file: the part is started
+    over (huggingface_hub truncates it), and the pull does not claim to have resumed."""
+    data = write_gguf(tmp_path / "src.gguf", params=LLAMA2_7B, file_type=MOSTLY_Q8_0,
+                      tensors={"w": np.arange(3 * MiB, dtype=np.float32)}).read_bytes()  # fmt: skip
+    hub_env.repos[REPO] = {FILE: data}
+    hub_env.cut_after = 11 * MiB
+    models = tmp_path / "models"
+    assert pull(f"{REPO}:Q8_0", "--dir", str(models))[0] == 9
+    hub_env.down, hub_env.no_range = False, True
+    code, out, err = pull(f"{REPO}:Q8_0", "--dir", str(models), "--json")
+    assert code == 0, err
+    assert json.loads(out)["resumed_from"] == 0
+    assert (
+        hashlib.sha256((models / FILE).read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest()
+    )
 
 
 def test_a_corrupted_download_is_refused(hub_env: FakeHub, tmp_path: Path) -> None:

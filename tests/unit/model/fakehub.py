@@ -43,6 +43,7 @@ class FakeHub:
     sha_override: dict[str, str] = field(default_factory=dict)  # "repo/path" -> sha256
     no_lfs: set[str] = field(default_factory=set)  # "repo/path" served without LFS info
     cut_after: int | None = None
+    no_range: bool = False  # answer a Range request with the whole file (200), as some servers do
     down: bool = False
     requests: list[Request] = field(default_factory=list)
     on_request: Callable[[Request], None] | None = None  # e.g. what else has happened by now
@@ -152,7 +153,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self._send(503, {"Content-Length": "0"})
                 return
             start = 0
-            wanted = self.headers.get("Range")
+            wanted = None if hub.no_range else self.headers.get("Range")
             if wanted:
                 m = re.fullmatch(r"bytes=(\d+)-", wanted)
                 assert m, wanted
