@@ -331,11 +331,11 @@ def uninstall(
     plan = plan_uninstall(facts, sysroot, unit_dir, purge, executable)
     for i, step in enumerate(plan.steps, 1):
         _raw(out, f"step {i}: {step.describe()}")
-    if dry_run:
-        out.line("dry run: nothing was changed")
-        return
     if not plan.steps:
         out.line("not installed: nothing to remove")
+        return
+    if dry_run:
+        out.line("dry run: nothing was changed")
         return
     apply_uninstall(plan, sysroot, runner, d.effective_uid())
     kept = f"; kept {', '.join(plan.kept)} (--purge removes them)" if plan.kept else ""

@@ -146,7 +146,7 @@ def why_not(m: Measurement, ref: Measurement, slo: SLOSection) -> str:
     if gain is None:
         return "no TPOT was measured"
     if gain < MIN_GAIN:
-        return f"median TPOT {-gain:+.0%} (a change needs {MIN_GAIN:.0%} lower)"
+        return f"median TPOT {-gain:+.1%} (a change needs {-MIN_GAIN:.0%} or lower)"
     if a.meets_slo and b.throughput > 0:
         return f"throughput at the highest concurrency {a.throughput / b.throughput - 1:+.0%}"
     return f"its worst point is {a.excess:+.0%} over target against {b.excess:+.0%}"

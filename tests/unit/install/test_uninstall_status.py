@@ -70,6 +70,8 @@ def test_uninstall_dry_run_and_nothing_installed(root: Path, host: FakeHost, dep
     assert invoke(deps, root, "uninstall")[0] == 0
     code, out, _ = invoke(deps, root, "uninstall")
     assert code == 0 and "not installed: nothing to remove" in out
+    code, out, _ = invoke(deps, root, "uninstall", "--dry-run")
+    assert code == 0 and out.strip() == "not installed: nothing to remove"
 
 
 def metrics_body() -> str:

@@ -211,7 +211,7 @@ def test_the_explanation_gives_tpot_with_and_without() -> None:
     lost, results = choice(20.0, 19.6)
     text = speculation(lost, results, SLO)[0]
     assert text.startswith("speculative decoding stays off (the profile's; a change needs a 5%")
-    assert "ngram/8: median TPOT -2% (a change needs 5% lower)" in text
+    assert "ngram/8: median TPOT -2.0% (a change needs -5% or lower)" in text
 
 
 def test_the_tuned_profile_and_report_keep_a_winning_speculation(
