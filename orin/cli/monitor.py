@@ -108,6 +108,11 @@ def render(
 
     ``tokens``: tokens by phase in the snapshot's window (TokenWindow); a recording's
     summary counts its own, over the whole recording like its other figures."""
+    if snap.get("source") is None and "phases" not in snap:  # serve --telemetry off
+        text = Text("telemetry is off on this server (serve --telemetry off): nothing to show")
+        if health is not None:
+            text.append(f"  health {health.get('status')}")
+        return Group(text)
     latest = snap.get("latest") or {}
     head = Text(
         f"source {snap.get('source')}  phase {snap.get('phase')}  "

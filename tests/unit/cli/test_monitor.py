@@ -149,3 +149,9 @@ def test_fetch_asks_for_the_api_key_when_the_server_wants_one() -> None:
     with httpx.Client(transport=transport, headers={"Authorization": "Bearer k"}) as client:
         snap, health = fetch("http://127.0.0.1:8080", client)
     assert snap["source"] is None and health == {"status": "ok"}
+
+
+def test_a_server_with_telemetry_off_says_so() -> None:
+    out = text({"source": None, "phase": None})  # what /telemetry answers then
+    assert out.strip() == "telemetry is off on this server (serve --telemetry off): nothing to show"
+    assert "source None" not in out
