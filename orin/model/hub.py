@@ -206,7 +206,7 @@ def _download(
     from huggingface_hub.utils import build_hf_headers
 
     url = hf_hub_url(ref.repo, remote.path, revision=commit, endpoint=endpoint)
-    with _hub_errors(ref, endpoint):
+    with _hub_errors(ref, endpoint, path=remote.path):
         meta = get_hf_file_metadata(url, endpoint=endpoint)
     expected = meta.size if meta.size is not None else remote.size
     with _hub_errors(ref, endpoint):
@@ -219,7 +219,10 @@ def _download(
     headers["Accept-Encoding"] = "identity"  # the bytes as stored, so Range offsets hold
     if urlparse(meta.location).netloc != urlparse(url).netloc:
         headers.pop("authorization", None)  # a signed CDN address needs no token
-    with part.open("r+b" if have else "wb") as f, _hub_errors(ref, endpoint, resumable=True):
+    with (
+        part.open("r+b" if have else "wb") as f,
+        _hub_errors(ref, endpoint, resumable=True, path=remote.path),
+    ):
         f.seek(have)
         watched = _Restarts(f)
         http_get(
@@ -291,8 +294,11 @@ def _bar_class(progress: ProgressFactory | None) -> Any:
 class _hub_errors:
     """huggingface_hub's and the network's exceptions -> one-line HubErrors."""
 
-    def __init__(self, ref: HubRef, endpoint: str, resumable: bool = False) -> None:
-        self.ref, self.endpoint, self.resumable = ref, endpoint, resumable
+    def __init__(
+        self, ref: HubRef, endpoint: str, resumable: bool = False, path: str | None = None
+    ) -> None:
+        """``path``: the file being fetched, named in an HTTP error (else the repo)."""
+        self.ref, self.endpoint, self.resumable, self.path = ref, endpoint, resumable, path
 
     def __enter__(self) -> None:
         return None
@@ -309,6 +315,7 @@ class _hub_errors:
         from huggingface_hub import errors as hf
 
         ep, repo = self.endpoint, self.ref.repo
+        what = f"{repo}/{self.path}" if self.path else repo
         again = "; run the same pull again to resume" if self.resumable else ""
         if isinstance(exc, hf.GatedRepoError):
             return (
@@ -323,12 +330,12 @@ class _hub_errors:
         if isinstance(exc, hf.RevisionNotFoundError):
             return f"{repo} on {ep} has no such revision"
         if isinstance(exc, hf.RemoteEntryNotFoundError):
-            return f"{repo} on {ep}: the file is not there"
+            return f"{what} on {ep}: the file is not there"
         if isinstance(exc, hf.OfflineModeIsEnabled):
             return f"HF_HUB_OFFLINE is set, so {ep} is not asked for {repo}; unset it to pull"
         if isinstance(exc, hf.HfHubHTTPError):
             status = exc.response.status_code if exc.response is not None else "?"
-            return f"{ep} answered HTTP {status} for {repo}{again}"
+            return f"{ep} answered HTTP {status} for {what}{again}"
         if isinstance(exc, (httpx2.TransportError, ConnectionError)):
             return (
                 f"cannot reach the Hugging Face Hub at {ep} ({type(exc).__name__}: {exc}); "

@@ -95,8 +95,9 @@ def pick_gguf(ref: HubRef, names: list[str], where: str) -> str:
         return chosen[0]
     if not chosen:
         raise HubError(f"{where} has no {what}; its GGUF files: {_listing(ggufs)}")
+    many = f"GGUF files with {ref.quant} in their names" if ref.quant else "GGUF files"
     raise HubError(
-        f"{where} has {len(chosen)} files for {ref}: {_listing(chosen)}; name one: {ref.repo}:FILE"
+        f"{where} has {len(chosen)} {many}: {_listing(chosen)}; name one: {ref.repo}:FILE"
     )
 
 

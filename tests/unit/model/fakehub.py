@@ -43,6 +43,7 @@ class FakeHub:
     sha_override: dict[str, str] = field(default_factory=dict)  # "repo/path" -> sha256
     no_lfs: set[str] = field(default_factory=set)  # "repo/path" served without LFS info
     cut_after: int | None = None
+    gone: set[str] = field(default_factory=set)  # "repo/path" listed, but 404 on download
     no_range: bool = False  # answer a Range request with the whole file (200), as some servers do
     down: bool = False
     requests: list[Request] = field(default_factory=list)
@@ -127,6 +128,9 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 return
             repo, _, file = resolve.groups()
             data = hub.repos.get(repo, {}).get(file)
+            if f"{repo}/{file}" in hub.gone:
+                self._send(404, {"Content-Length": "0"})  # a mirror without the file
+                return
             if data is None:
                 self._send(
                     404,

@@ -95,7 +95,7 @@ def test_pick_gguf_errors_list_the_candidates() -> None:
     assert store.pick_gguf(store.parse_ref("o/r:Q8_0"), names, "o/r") == "a-Q8_0.gguf"
     with pytest.raises(HubError, match=r"no GGUF file with Q5_K_M .*a-Q4_K_M.gguf, a-Q4_K_S"):
         store.pick_gguf(store.parse_ref("o/r:Q5_K_M"), names, "o/r")
-    with pytest.raises(HubError, match=r"has 3 files for o/r: .*name one: o/r:FILE"):
+    with pytest.raises(HubError, match=r"has 3 GGUF files: .*name one: o/r:FILE"):
         store.pick_gguf(store.parse_ref("o/r"), names, "o/r")
     with pytest.raises(HubError, match=r"has no file b\.gguf"):
         store.pick_gguf(store.parse_ref("o/r:b.gguf"), names, "o/r")
@@ -130,10 +130,17 @@ def test_checksum_mismatch_is_refused_and_nothing_stays(fake_hub: FakeHub, model
     assert files_under(models) == []
 
 
+def test_a_listed_file_the_hub_will_not_send_is_named(fake_hub: FakeHub, models: Path) -> None:
+    fake_hub.gone.add(f"{REPO}/{Q4}")
+    with pytest.raises(HubError) as caught:
+        hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models)
+    assert f"HTTP 404 for {REPO}/{Q4}" in str(caught.value)
+
+
 def test_quant_selection_errors(fake_hub: FakeHub, models: Path) -> None:
     with pytest.raises(HubError, match=f"no GGUF file with Q5_K_M in its name; .*{Q4}, {Q8}"):
         hub.pull(store.parse_ref(f"{REPO}:Q5_K_M"), models)
-    with pytest.raises(HubError, match=f"has 2 files for {REPO}: {Q4}, {Q8}"):
+    with pytest.raises(HubError, match=f"has 2 GGUF files: {Q4}, {Q8}"):
         hub.pull(store.parse_ref(REPO), models)
     assert not models.exists() or files_under(models) == []
 
