@@ -161,10 +161,12 @@ def measured(ctx: typer.Context, **options: object) -> None:
     ]
     if ctx.invoked_subcommand is not None:
         if given:
-            raise usage_error(
-                f"options of the measured tune go after `tune run`, not before "
-                f"`tune {ctx.invoked_subcommand}`"
+            where = (
+                "after `tune run`, not before it"
+                if ctx.invoked_subcommand == "run"
+                else "with `tune run`; `tune system` takes its own after `system`"
             )
+            raise usage_error(f"{', '.join('--' + g.replace('_', '-') for g in given)}: {where}")
         return
     if not given:
         raise no_args_is_help(ctx)

@@ -92,7 +92,8 @@ def markdown(r: TuneResult, images: list[str] | None) -> str:
         "",
         f"- date: {r.started_at}; model: `{r.model_path}` ({r.info.quantization})",
         f"- budget {r.settings.budget_s:.0f} s; measuring {s.spent_s:.0f} s; "
-        f"tune run before writing {r.elapsed_s:.0f} s; telemetry: {r.telemetry_source or 'off'}",
+        f"the search took {r.elapsed_s:.0f} s (before writing this report); "
+        f"telemetry: {r.telemetry_source or 'off'}",
         f"- grid: prompt tokens {list(r.grid.prompt_tokens)} x concurrency "
         f"{list(r.grid.concurrency)}, {r.grid.output_tokens} generated tokens per request",
         f"- search: {len(r.space)} configurations, successive halving over repetitions "

@@ -120,7 +120,9 @@ def successive_halving(
     for rnd, fid in enumerate(levels):
         scored = _round(alive, evaluate, fid, done, rnd, res, eta, on_trial)
         if not scored:
-            res.stopped = res.stopped or "the budget ran out before this round"
+            res.stopped = res.stopped or (
+                f"the budget ran out before round {rnd + 1} of {len(levels)}"
+            )
             break
         scored.sort(key=lambda t: t[1].key(), reverse=True)
         res.best, res.best_score, res.best_fidelity = scored[0][0], scored[0][1], fid

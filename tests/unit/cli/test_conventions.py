@@ -157,7 +157,11 @@ def test_every_group_is_in_the_bare_group_test() -> None:
 
 def test_tune_options_before_a_subcommand_are_a_usage_error() -> None:
     code, _, err = invoke("tune", "--budget", "2", "system")
-    assert code == 2 and "tune run" in err
+    said = " ".join(err.replace("│", " ").split())
+    assert code == 2 and "--budget: with `tune run`; `tune system` takes its own" in said
+    code, _, err = invoke("tune", "--budget", "2", "run")
+    said = " ".join(err.replace("│", " ").split())
+    assert code == 2 and "--budget: after `tune run`, not before it" in said
 
 
 def test_tune_progress_only_on_a_terminal_without_quiet() -> None:
