@@ -119,7 +119,7 @@ def test_monitor_once_and_json(served: tuple[str, ServerState, Path]) -> None:
     data = runner.invoke(app, ["monitor", "--url", base, "--json"])
     assert json.loads(data.stdout)["health"]["status"] == "ok"
     gone = runner.invoke(app, ["monitor", "--url", "http://127.0.0.1:9", "--once"])
-    assert gone.exit_code == 1 and "cannot read" in gone.stderr
+    assert gone.exit_code == 1 and "nothing answers at http://127.0.0.1:9" in gone.stderr
 
 
 def test_recording_and_its_summary(served: tuple[str, ServerState, Path]) -> None:
