@@ -98,11 +98,9 @@ def revalidated(profile: Profile, data: dict[str, Any], options: list[str]) -> P
     checked by the rules a profile file obeys; a refusal is a usage error naming
     ``options``."""
     try:
-        checked = Profile.model_validate(data)
+        return profile.revalidated(data)
     except ValidationError as exc:
         raise override_error(options, exc) from None
-    checked.source = profile.source
-    return checked
 
 
 N_CTX_RANGE = field_range(EngineSection, "n_ctx")
@@ -153,12 +151,10 @@ def apply_ctx(profile: Profile, n_ctx: int | None) -> Profile:
     profile sets no window."""
     if n_ctx is None:
         return profile
-    data = profile.model_dump()
-    data["engine"]["n_ctx"] = n_ctx
-    window = data["context"]["window"]
-    if window is not None and window > n_ctx:
-        data["context"]["window"] = None
-    return revalidated(profile, data, [f"--ctx {n_ctx}"])
+    try:
+        return profile.with_n_ctx(n_ctx)
+    except ValidationError as exc:
+        raise override_error([f"--ctx {n_ctx}"], exc) from None
 
 
 def check_url(value: str | None) -> str | None:

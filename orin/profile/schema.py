@@ -542,6 +542,25 @@ class Profile(_Section):
     def source(self, value: Path | None) -> None:
         self._source = value
 
+    def revalidated(self, data: dict[str, Any]) -> Profile:
+        """``data`` (this profile's dump with values changed) as a profile again, from
+        the same file, checked by every rule a profile file obeys (a ValidationError
+        when one refuses it)."""
+        out = Profile.model_validate(data)
+        out.source = self._source
+        return out
+
+    def with_n_ctx(self, n_ctx: int) -> Profile:
+        """A copy with engine.n_ctx (per slot) set, as every command's --ctx does; a
+        sliding window longer than the new context is dropped (it then defaults to the
+        context, as when a profile sets none)."""
+        data = self.model_dump()
+        data["engine"]["n_ctx"] = n_ctx
+        window = data["context"]["window"]
+        if window is not None and window > n_ctx:
+            data["context"]["window"] = None
+        return self.revalidated(data)
+
     def path_from(self, path: str | Path) -> Path:
         """A path the profile names: ``~`` expanded, a relative one taken from the
         profile's folder (from the working directory for a profile not read from a file)."""

@@ -163,18 +163,11 @@ def with_ctx(profile: Profile, n_ctx: int | None) -> Profile:
     sliding window longer than the new context is dropped (it then defaults to it)."""
     if n_ctx is None:
         return profile
-    data = profile.model_dump()
-    data["engine"]["n_ctx"] = n_ctx
-    window = data["context"].get("window")
-    if window is not None and window > n_ctx:
-        data["context"]["window"] = None
     try:
-        out = Profile.model_validate(data)
+        return profile.with_n_ctx(n_ctx)
     except ValidationError as exc:
         problems = "; ".join(describe_error(e) for e in exc.errors())
         raise ProfileError(f"--ctx {n_ctx}: {problems}") from None
-    out.source = profile.source
-    return out
 
 
 def tune(
