@@ -109,9 +109,7 @@ class Candidate:
         data = profile.model_dump()
         data["engine"] = self.engine(profile.engine).model_dump()
         data["speculative"].update(mode=self.speculative, n_draft=self.n_draft)
-        out = Profile.model_validate(data)
-        out.source = profile.source
-        return out
+        return profile.revalidated(data)
 
 
 @dataclass(frozen=True)
