@@ -54,7 +54,6 @@ from orin.engine.errors import (
     EngineError,
     EngineStopped,
     InvalidRequest,
-    QueueFull,
 )
 from orin.engine.request import ActiveRequest
 from orin.engine.runner import Aborted, Runner
@@ -521,9 +520,7 @@ class Engine:
             if self._state != "ready":
                 raise EngineStopped(f"the engine is {self._state}; not taking requests")
             # one bound for what waits: queued generation requests and embedding jobs
-            idle = sum(1 for s in self.scheduler.slots if not s.busy)
-            if self.waiting - idle >= self.cfg.max_queue:
-                raise QueueFull(self.cfg.max_queue)
+            self.scheduler.check_room(self._embeds_waiting)
             self._embeds.append(job)
             self._embeds_waiting += 1
             self._lock.notify_all()

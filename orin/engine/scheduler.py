@@ -278,12 +278,18 @@ class Scheduler:
         tail = ctx.window - ctx.keep
         return list(prompt[: ctx.keep]) + list(prompt[len(prompt) - tail :])
 
-    def add(self, request: SchedRequest, others_waiting: int = 0) -> None:
-        """Queue a request (its prompt already passed ``check_prompt``); ``others_waiting``:
-        jobs that share the queue's bound (embedding jobs no pass has started)."""
+    def check_room(self, others_waiting: int = 0) -> None:
+        """QueueFull when one more request would wait beyond ``max_queue``: the queued
+        requests and ``others_waiting`` (jobs that share the bound, embedding jobs no
+        pass has started) beyond the idle slots."""
         idle = sum(1 for s in self.slots if not s.busy)
-        if len(self.queue) + others_waiting - idle >= self.max_queue:  # beyond idle slots
+        if len(self.queue) + others_waiting - idle >= self.max_queue:
             raise QueueFull(self.max_queue)
+
+    def add(self, request: SchedRequest, others_waiting: int = 0) -> None:
+        """Queue a request (its prompt already passed ``check_prompt``), if there is room
+        (``check_room``)."""
+        self.check_room(others_waiting)
         self.queue.append(request)
 
     def _admit(self) -> None:
