@@ -199,7 +199,7 @@ def _place_packaged(
     into this user's model cache first when it is not there), its SHA-256 checked."""
     model = packaged.get(name)
     target = root.path(MODELS_DIR) / model.file_name
-    if target.is_file() and packaged.sha256_of(target) == model.sha256:
+    if target.is_file() and hub.sha256_file(target) == model.sha256:
         out.line(f"model {name}: in {MODELS_DIR} already")
         return target, None
     source = packaged.find(model)

