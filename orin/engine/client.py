@@ -44,6 +44,7 @@ class EngineStatus:
     step_started_ns: int | None  # set while a step runs (perf_counter_ns)
     heartbeat_ns: int  # the engine loop's latest sign of life (perf_counter_ns)
     slot_moves: int = 0  # busy slots moved down to close a hole (one KV stream per slot)
+    prompt_splits: int = 0  # steps of starting prompts run as two to lower their mean TTFT
     # the persistent prompt cache's running totals (hits, misses, saves, loads, rejected,
     # evicted); empty without one
     prompt_cache: dict[str, int] = field(default_factory=dict)

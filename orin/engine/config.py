@@ -98,6 +98,7 @@ class EngineConfig:
     pooling: str | None = None  # embeddings: the profile's mean|cls|last; None: the GGUF's
     kv_unified: bool = False  # one KV buffer for all slots instead of one stream each
     even_tails: bool = True  # prompt tails evened up to save passes (Scheduler._even_tails)
+    split_bursts: bool = True  # a burst's prompts run as two steps (Scheduler._split_for_mean)
     # the profile's slo.tpot_p90_ms: prompt chunks shrink so running streams keep it
     tpot_target_ms: float | None = None
     speculative: SpecConfig = SpecConfig()
@@ -191,6 +192,7 @@ def engine_config(
         # a recurrent state is split per sequence whatever the layout: keep streams
         kv_unified=e.kv_unified and partial,
         even_tails=e.even_tails,
+        split_bursts=e.split_bursts,
         tpot_target_ms=profile.slo.tpot_p90_ms,
         speculative=spec_config(profile),
         prompt_cache=prompt_cache_config(profile),

@@ -114,6 +114,9 @@ class Engine:
         if cfg.even_tails and not cfg.kv_unified:  # evening tails up reads the cost model
             self.scheduler.pass_tokens = self._pass_tokens
             self.chunks.learn = True
+        if cfg.split_bursts:  # splitting a burst's prompts reads the cost model
+            self.scheduler.step_ms = self._step_ms
+            self.chunks.learn = True
         self.speculation: Speculation | None = None
         self.prompt_cache: WarmCache | None = None
         self.vision: Vision | None = None  # the profile's projector, loaded with the model
@@ -590,6 +593,7 @@ class Engine:
             step_started_ns=self.step_started_ns,
             heartbeat_ns=self.heartbeat_ns,
             slot_moves=self.scheduler.moves,
+            prompt_splits=self.scheduler.prompt_splits,
             prompt_cache=self.prompt_cache.counters() if self.prompt_cache is not None else {},
         )
 
@@ -806,6 +810,11 @@ class Engine:
             "" if streams == 1 else "s",
             step_ms,
         )
+
+    def _step_ms(self, passes: int, rows: int, prompt: int) -> float | None:
+        """A step's time by the step-cost model; None until the model has settled."""
+        model = self.chunks.model
+        return model.predict(passes, rows, prompt) if model.settled else None
 
     def _pass_tokens(self) -> float:
         """Prompt tokens one llama.cpp pass costs as much as, by the step-cost model."""

@@ -221,8 +221,9 @@ class Scheduler:
         ``rows`` decode tokens may carry: the SLO-aware chunking), ``drafts(slot,
         room)`` (speculative tokens for a decoding slot, at most ``room``) and
         ``stored(prompt)`` (the persistent prompt cache's longest saved prefix of a
-        prompt: (tokens, handle), or None) and ``pass_tokens()`` (the prompt tokens
-        one llama.cpp pass costs as much as: ``_even_tails``)."""
+        prompt: (tokens, handle), or None), ``pass_tokens()`` (the prompt tokens
+        one llama.cpp pass costs as much as: ``_even_tails``) and ``step_ms(passes,
+        rows, prompt)`` (a step's predicted time: ``_split_for_mean``)."""
         if n_batch < n_slots:
             raise ValueError(f"n_batch ({n_batch}) must be at least the slot count ({n_slots})")
         if prefill_chunk is not None and not 1 <= prefill_chunk <= n_batch:
@@ -247,6 +248,10 @@ class Scheduler:
         # compute cached cells again to save a pass. The engine sets it from its
         # step-cost model
         self.pass_tokens: Callable[[], float] = lambda: 0.0
+        # predicted ms of a step of (passes, decode rows, prompt tokens), or None: the
+        # engine's step-cost model has not settled, or splits are off (``_split_for_mean``)
+        self.step_ms: Callable[[int, int, int], float | None] = lambda p, r, t: None
+        self.prompt_splits = 0  # steps of starting prompts split to lower their mean TTFT
         self.retails = 0  # steps whose prompt tails were evened up to save passes
         # prompts that end in a step run before the decode rows that would cost them
         # passes (``_prompts_first``); the engine turns it off with a TPOT target
@@ -601,6 +606,10 @@ class Scheduler:
                 items = prompts
                 passes = self._passes(items)
                 self._rows_waited = True
+        if self._after is None and (halves := self._split_for_mean(items, passes)) is not None:
+            items, rest = halves
+            self._after = (rest, budget)
+            passes = self._passes(items)
         return Batch(
             tuple(self.take_ops()),
             tuple(items),
@@ -747,6 +756,46 @@ class Scheduler:
         if self._passes(first) + self._passes(rest) > passes:
             return None
         return first, rest
+
+    def _split_for_mean(
+        self, items: list[BatchItem], passes: int
+    ) -> tuple[list[BatchItem], tuple[BatchItem, ...]] | None:
+        """A step that only starts prompts (each ends in it: a burst of requests) gives
+        every one of them its first token when the whole step ends. Run as two steps,
+        the shorter prompts first, the first ones get theirs after the first step and
+        the rest after both: one more llama.cpp pass, the same prompt tokens. Where a
+        prompt token costs much beside a pass (a prompt's compute on a CPU, or long
+        prompts on a GPU) that lowers the prompts' mean TTFT; where a pass dominates
+        (short prompts on a GPU) it does not. The split point is the one that
+        minimizes the sum of the prompts' predicted first-token times by the engine's
+        step-cost model (``step_ms``; nothing is split until the model has settled).
+        This is the classic batching result for the total completion time: shortest
+        first, and a batch boundary wherever the prompt time it saves the later
+        prompts outweighs the pass it adds. One split at most, so the last prompt's
+        TTFT grows by at most one pass (the second step runs next, alone, as
+        ``_first_pass_alone``'s does). None: the step stays whole."""
+        if len(items) < 2 or any(not (i.prefill and i.sample) for i in items):
+            return None
+        whole = self.step_ms(passes, 0, sum(len(i.tokens) for i in items))
+        if whole is None:
+            return None
+        order = sorted(items, key=lambda i: (len(i.tokens), i.slot))
+        k = len(order)
+        best, cut = k * whole, 0
+        for m in range(1, k):
+            first, rest = order[:m], order[m:]
+            t1 = self.step_ms(self._passes(first), 0, sum(len(i.tokens) for i in first))
+            t2 = self.step_ms(self._passes(rest), 0, sum(len(i.tokens) for i in rest))
+            if t1 is None or t2 is None:
+                return None
+            total = k * t1 + (k - m) * t2  # every prompt waits for the first step
+            if total < best:
+                best, cut = total, m
+        if cut == 0:
+            return None
+        self.prompt_splits += 1
+        first = sorted(order[:cut], key=lambda i: i.slot)  # llama.cpp's order of ids
+        return first, tuple(sorted(order[cut:], key=lambda i: i.slot))
 
     def _prompts_first(self, items: list[BatchItem], passes: int) -> list[BatchItem] | None:
         """With one KV stream per slot, decode rows beside prompts that end in this step

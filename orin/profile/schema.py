@@ -175,6 +175,13 @@ class EngineSection(_Section):
         "the shorter ones again so they merge, where the engine's step-cost model says the "
         "passes saved are worth the tokens (docs/engine.md).",
     )
+    split_bursts: bool = Field(
+        True,
+        description="Prompts that start together (a burst of requests) may run as two "
+        "steps, the shorter first, where the engine's step-cost model predicts a lower "
+        "mean time to first token; the last prompt waits one llama.cpp pass more "
+        "(docs/engine.md).",
+    )
     rope_freq_base: float | None = Field(
         None,
         gt=0,

@@ -46,7 +46,7 @@ def _register(app: FastAPI, state: ServerState) -> None:
     def metrics() -> Response:
         s = state.engine.status()  # as of now: a cancellation on an idle engine runs no step
         state.metrics.update_load(s.slots_busy, s.waiting, s.kv_cells_used)
-        state.metrics.update_engine_totals(s.slot_moves, s.prompt_cache)
+        state.metrics.update_engine_totals(s.slot_moves, s.prompt_cache, s.prompt_splits)
         if state.telemetry is not None:  # phase counters up to the latest sample
             state.telemetry.sampler.flush()
         body, content_type = state.metrics.render()

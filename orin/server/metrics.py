@@ -123,6 +123,7 @@ class _EngineTotals(Collector):
 
     def __init__(self) -> None:
         self.slot_moves = 0
+        self.prompt_splits = 0
         self.prompt_cache: dict[str, int] = {}
 
     def collect(self) -> Iterator[Metric]:
@@ -133,6 +134,13 @@ class _EngineTotals(Collector):
         )
         moves.add_metric([], self.slot_moves)
         yield moves
+        splits = CounterMetricFamily(
+            PREFIX + "prompt_step_splits",
+            "Steps of prompts that start together run as two, the shorter prompts first, "
+            "because the step-cost model predicted a lower mean TTFT.",
+        )
+        splits.add_metric([], self.prompt_splits)
+        yield splits
         for name, doc in PROMPT_CACHE_COUNTERS.items():
             family = CounterMetricFamily(PREFIX + "prompt_cache_" + name, doc)
             family.add_metric([], self.prompt_cache.get(name, 0))
@@ -366,10 +374,13 @@ class ServerMetrics:
         """One embeddings request answered (the HTTP route calls this)."""
         self.embedding_requests.inc()
 
-    def update_engine_totals(self, slot_moves: int, prompt_cache: dict[str, int]) -> None:
-        """The engine's own running totals (slot moves, the prompt cache's counters), read
-        when /metrics is scraped and exported as counters."""
+    def update_engine_totals(
+        self, slot_moves: int, prompt_cache: dict[str, int], prompt_splits: int
+    ) -> None:
+        """The engine's own running totals (slot moves, split prompt steps, the prompt
+        cache's counters), read when /metrics is scraped and exported as counters."""
         self._engine_totals.slot_moves = slot_moves
+        self._engine_totals.prompt_splits = prompt_splits
         self._engine_totals.prompt_cache = dict(prompt_cache)
 
     def update_load(self, slots_busy: int, waiting: int, kv_cells_used: int) -> None:

@@ -127,3 +127,44 @@ def test_a_returning_user_has_the_first_pass_to_itself(engine: Engine) -> None:
     assert (stats[0].prefill_tokens, stats[0].decode_tokens, stats[0].micro_batches) == (1, 0, 1)
     assert (stats[1].prefill_tokens, stats[1].decode_tokens, stats[1].micro_batches) == (12, 0, 1)
     assert stats[2].decode_tokens == 2
+
+
+def test_a_burst_split_for_its_mean_ttft_answers_as_one_step_does(engine: Engine) -> None:
+    """Four prompts that start together, where the step-cost model says two steps
+    give them a lower mean TTFT (4 x 17 + 2 x 17 ms against 4 x 29): two run first,
+    the other two next, alone, and every answer is the one a plain engine gives."""
+    prompts = [A, B, [60, 61, 62, 63, 64, 65], [70, 71, 72, 73, 74, 75]]  # one pass whole
+    profile = (
+        "name: t\nengine: {n_ctx: 256, slots: 4, n_batch: 64, n_ubatch: 64, split_bursts: false}\n"
+    )
+    path = demo.ensure("small", "f16")
+    with Engine(engine_config(parse_profile(profile), path, read_model_info(path))) as plain:
+        assert plain.scheduler.step_ms(1, 0, 8) is None  # splits off: never a prediction
+        want = [list(plain.submit(p, params()).result().token_ids) for p in prompts]
+    # a settled model of a machine where a prompt token costs a fifth of a pass
+    engine.scheduler.step_ms = lambda passes, rows, prompt: 5.0 * passes + 0.3 * rows + prompt
+    engine.gather_s = 60.0
+    tickets = [engine.arrival() for _ in prompts[1:]]
+    got: list[list[int]] = []
+
+    def run() -> None:
+        first = engine.submit(prompts[0], params())
+        time.sleep(0.2)
+        later = zip(prompts[1:], tickets, strict=True)
+        rest = [engine.submit(p, params(), arrival=t) for p, t in later]
+        got.extend(list(h.result().token_ids) for h in [first, *rest])
+
+    stats = first_steps(engine, run)
+    assert got == want
+    assert [(s.prefill_tokens, s.decode_tokens) for s in stats[:2]] == [(12, 0), (12, 0)]
+    assert stats[2].decode_tokens == 4
+    assert engine.status().prompt_splits == 1
+
+
+def test_the_engine_predicts_steps_once_its_cost_model_settles(engine: Engine) -> None:
+    assert engine.scheduler.step_ms(1, 0, 8) is None  # a fresh model: no split yet
+    model = engine.chunks.model
+    for rows in (1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3):
+        model.observe(1, rows, 0, 3.0 + 0.5 * rows)
+    model.observe(1, 0, 40, 3.0 + 40 * 0.25)
+    assert engine.scheduler.step_ms(2, 0, 8) == pytest.approx(model.predict(2, 0, 8))

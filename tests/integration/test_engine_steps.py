@@ -369,7 +369,9 @@ def test_prompt_tails_evened_up_give_the_same_tokens_in_fewer_passes(small: Path
     the burst in one pass instead of one per tail length, and every user gets the
     tokens they get without it; the cached tokens reported are those not computed
     again."""
-    cfg = config(small, "{n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128}")
+    # the burst left whole: the engine's settled cost model could split it in two
+    engine = "{n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128, split_bursts: false}"
+    cfg = config(small, engine)
     plain = burst_after_a_system_prompt(cfg, 0.0)  # a pass never worth the cells again
     even = burst_after_a_system_prompt(cfg, 1000.0)  # always
     assert even["tokens"] == plain["tokens"]
@@ -389,7 +391,7 @@ def test_the_engine_evens_tails_by_its_step_cost_model(small: Path) -> None:
     """The scheduler's worth of a pass is the cost model's ms per pass over ms per prompt
     token, learned whatever the TPOT target; with one buffer for all slots there are
     no tails to even, with ``even_tails: false`` none are, and nothing is learned for
-    it."""
+    it (unless a burst's prompts may be split, which reads the same model)."""
     streams = Engine(config(small, "{n_ctx: 256, slots: 2}"))
     assert streams.chunks.learn
     model = streams.chunks.model
@@ -400,5 +402,7 @@ def test_the_engine_evens_tails_by_its_step_cost_model(small: Path) -> None:
     assert streams.scheduler.pass_tokens() == pytest.approx(a / c)
     assert 8 < streams.scheduler.pass_tokens() < 16
     for off in ("kv_unified: true", "even_tails: false"):
-        engine = Engine(config(small, f"{{n_ctx: 256, slots: 2, {off}}}"))
+        engine = Engine(config(small, f"{{n_ctx: 256, slots: 2, {off}, split_bursts: false}}"))
         assert not engine.chunks.learn and engine.scheduler.pass_tokens() == 0.0, off
+        split = Engine(config(small, f"{{n_ctx: 256, slots: 2, {off}}}"))  # learns for splits
+        assert split.chunks.learn and split.scheduler.pass_tokens() == 0.0, off

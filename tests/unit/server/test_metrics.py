@@ -137,6 +137,15 @@ def test_steps_leave_the_load_gauges_to_scrape_time(metrics: ServerMetrics) -> N
     assert (value(metrics, "slots_busy"), value(metrics, "kv_cells_used")) == (1, 100)
 
 
+def test_engine_totals_are_counters_as_of_the_scrape(metrics: ServerMetrics) -> None:
+    assert value(metrics, "prompt_step_splits_total") == 0
+    metrics.update_engine_totals(3, {"hits": 2, "loads": 1}, 5)
+    assert value(metrics, "slot_moves_total") == 3
+    assert value(metrics, "prompt_step_splits_total") == 5
+    assert value(metrics, "prompt_cache_hits_total") == 2
+    assert value(metrics, "prompt_cache_misses_total") == 0
+
+
 def test_zero_kv_capacity_gives_zero_ratio() -> None:
     m = ServerMetrics(1, 0, "m")
     m.update_load(1, 0, 10)
