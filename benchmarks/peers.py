@@ -2,7 +2,8 @@
 
     make install-bench
     .venv/bin/python -m benchmarks.peers [--quant f16,q4_k_m] [--reps 3] [--scenarios LIST]
-        [--free-core] [--http-core] [--orin-plain-tails] [--copy-quant TYPE] [--json FILE]
+        [--free-core] [--http-core] [--orin-plain-tails] [--orin-whole-bursts]
+        [--copy-quant TYPE] [--json FILE]
 
 1. Builds llama.cpp's own `llama-server` from the llama.cpp sources vendored in
    the llama-cpp-python source distribution the project pins (so all three
@@ -286,16 +287,19 @@ def orin_profile(
     prompt_cache: tuple[Sequence[str], Path] | None = None,
     tpot_target: float | None = None,
     even_tails: bool = True,
+    split_bursts: bool = True,
 ) -> dict[str, Any]:
     """An orin-llm profile (orin/profile/schema.py) with only what the comparison sets:
     the threads, the speculative mode (ngram: the Ngram settings), the prompt cache's
-    prompts and directory, prompt tails evened up or not; everything else is what
-    `serve --model` runs."""
+    prompts and directory, prompt tails evened up or not, bursts split or not;
+    everything else is what `serve --model` runs."""
     out: dict[str, Any] = {"name": name}
     if threads is not None:
         out["engine"] = {"threads": threads}
     if not even_tails:
         out.setdefault("engine", {})["even_tails"] = False
+    if not split_bursts:
+        out.setdefault("engine", {})["split_bursts"] = False
     if speculative is not None:
         spec: dict[str, Any] = {"mode": speculative}
         if speculative == "ngram":
@@ -559,6 +563,7 @@ class Bench:
     free_core: bool = False  # --free-core: single_paired also with a core left free
     http_core: bool = False  # --http-core: both paired scenarios also with a core left to HTTP
     even_tails: bool = True  # --orin-plain-tails: orin-llm with engine.even_tails off
+    split_bursts: bool = True  # --orin-whole-bursts: orin-llm with engine.split_bursts off
 
     def peer(
         self,
@@ -571,8 +576,8 @@ class Bench:
         """A server to start: orin-llm with ``profile``; llama-server with n-gram
         speculation and a slot save folder; llama-cpp-python's server."""
         if name == ORIN:
-            if profile is None and not self.even_tails:
-                profile = self.profile(s, "plain-tails")
+            if profile is None and not (self.even_tails and self.split_bursts):
+                profile = self.profile(s, "plain")
             return Peer.make(name, lambda port: orin_argv(s, port, profile), self.work)
         if name == LLAMA:
             return Peer.make(
@@ -592,7 +597,13 @@ class Bench:
         """An orin-llm profile file with the settings' threads (see orin_profile)."""
         folder = Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=self.work))
         profile = orin_profile(
-            f"peers-{tag}", s.threads, speculative, prompt_cache, self.tpot_target, self.even_tails
+            f"peers-{tag}",
+            s.threads,
+            speculative,
+            prompt_cache,
+            self.tpot_target,
+            self.even_tails,
+            self.split_bursts,
         )
         return write_profile(profile, folder)
 
@@ -888,6 +899,9 @@ def main() -> None:
     ap.add_argument("--orin-plain-tails", action="store_true",
                     help="orin-llm with engine.even_tails off: a burst's prompt tails of "
                     "different lengths cost a pass each, as in llama-server")  # fmt: skip
+    ap.add_argument("--orin-whole-bursts", action="store_true",
+                    help="orin-llm with engine.split_bursts off: prompts that start "
+                    "together always run in one step")  # fmt: skip
     ap.add_argument("--copy-quant", default=None, metavar="TYPE",
                     help="copy_task/no_match on SmolLM2's weights converted to TYPE (f16, "
                     "q8_0, ...: other CPU kernels, other cost per drafted row) instead of "
@@ -920,6 +934,7 @@ def main() -> None:
         args.free_core,
         args.http_core,
         not args.orin_plain_tails,
+        not args.orin_whole_bursts,
     )
     bps, bw_note = memory_bandwidth()
     notes = [bw_note]

@@ -264,6 +264,9 @@ def test_orin_profiles_validate_against_the_profile_schema(tmp_path: Path) -> No
     plain = peers.orin_profile("t", 2, even_tails=False)  # --orin-plain-tails
     tails = load_profile(peers.write_profile(plain, tmp_path))
     assert not tails.engine.even_tails and tails.engine.threads == 2
+    assert tails.engine.split_bursts
+    whole = load_profile(peers.write_profile(peers.orin_profile("w", split_bursts=False), tmp_path))
+    assert not whole.engine.split_bursts and whole.engine.even_tails  # --orin-whole-bursts
     plain = peers.orin_profile("cold")
     assert plain == {"name": "cold"}  # everything else as `serve --model` runs it
 
