@@ -768,11 +768,11 @@ class Scheduler:
         prompts on a GPU) that lowers the prompts' mean TTFT; where a pass dominates
         (short prompts on a GPU) it does not. The split point is the one that
         minimizes the sum of the prompts' predicted first-token times by the engine's
-        step-cost model (``step_ms``; nothing is split until the model has settled).
-        This is the classic batching result for the total completion time: shortest
-        first, and a batch boundary wherever the prompt time it saves the later
-        prompts outweighs the pass it adds. One split at most, so the last prompt's
-        TTFT grows by at most one pass (the second step runs next, alone, as
+        step-cost model (``step_ms``; nothing is split until the model has settled),
+        shortest first as in the classic batching rule for the total completion time,
+        and only where the mean falls by more than the last prompt's TTFT rises (the
+        pass added and the first group's tokens): a small gain in the mean is not
+        bought with the tail. One split at most (the second step runs next, alone, as
         ``_first_pass_alone``'s does). None: the step stays whole."""
         if len(items) < 2 or any(not (i.prefill and i.sample) for i in items):
             return None
@@ -789,7 +789,8 @@ class Scheduler:
             if t1 is None or t2 is None:
                 return None
             total = k * t1 + (k - m) * t2  # every prompt waits for the first step
-            if total < best:
+            # worth it only where the mean falls by more than the last prompt's TTFT rises
+            if total < best and (k * whole - total) / k >= t1 + t2 - whole:
                 best, cut = total, m
         if cut == 0:
             return None

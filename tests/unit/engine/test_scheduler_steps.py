@@ -697,8 +697,9 @@ def burst(s: Scheduler, lengths: list[int]) -> None:
 def test_a_burst_runs_as_two_steps_where_the_mean_ttft_falls() -> None:
     """Four 8-token prompts where a pass costs 5 ms and a prompt token 1 ms: one step of
     32 tokens gives all four their first token at 37 ms (mean 37); two of them first
-    (21 ms) and the other two next (42 ms) give a mean of 31.5. The second step runs
-    alone, and then the four streams decode together."""
+    (21 ms) and the other two next (42 ms) give a mean of 31.5, 5.5 ms less, for the
+    last ones 5 ms more. The second step runs alone, and then the four streams decode
+    together."""
     s = sched(n_slots=4)
     s.step_ms = linear_cost(5.0, 1.0)
     burst(s, [8, 8, 8, 8])
@@ -724,6 +725,16 @@ def test_the_shorter_prompts_go_first_and_the_cut_minimizes_the_sum() -> None:
     assert sorted(len(i.tokens) for i in first.items) == [4, 6]
     run(s, first)
     assert sorted(len(i.tokens) for i in s.schedule().items) == [30, 30]
+
+
+def test_no_split_where_the_mean_gains_less_than_the_last_prompt_loses() -> None:
+    """Four 4-token prompts, 5 ms a pass and 1 ms a token: whole, 21 ms each; two and
+    two, 13 and 26 ms, a mean 1.5 ms lower (the sum alone would split) for 5 ms more
+    on the last two. One step."""
+    s = sched(n_slots=4)
+    s.step_ms = linear_cost(5.0, 1.0)
+    burst(s, [4, 4, 4, 4])
+    assert len(s.schedule().items) == 4 and s.prompt_splits == 0
 
 
 def test_no_split_where_a_pass_outweighs_the_prompts() -> None:
