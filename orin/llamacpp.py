@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import sys
+import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from orin.errors import LlamaCppError
+
+T = TypeVar("T")
 
 log = logging.getLogger("orin.llama")
 
@@ -29,6 +34,7 @@ _captures: list[list[str]] = []
 _callback: Any = None  # keeps the ctypes callback alive
 _aborting = threading.Event()  # an abort callback asked the running decode to stop
 _thread = threading.local()  # .client_input: this thread checks a client's input
+_stderr_lock = threading.Lock()  # one redirection of fd 2 at a time
 
 
 def _on_log(level: int, text: bytes, _user: Any) -> None:
@@ -55,6 +61,39 @@ def client_input() -> Iterator[None]:
         yield
     finally:
         _thread.client_input = False
+
+
+def with_stderr(fn: Callable[[], T]) -> tuple[T, str]:
+    """Run ``fn`` with the process's stderr (file descriptor 2) going to a temporary
+    file, and return its result and the text written there meanwhile. For the few
+    llama.cpp functions that print with ``fprintf(stderr)`` instead of its log
+    callback (the grammar parser's message), whose text would otherwise reach the
+    service's log raw, outside ``--log-format json``. Other threads' writes in the
+    window land in the file too: the caller passes on what is not its own
+    (``pass_on``). A file, not a pipe: a thread writing much in the window cannot
+    block on it."""
+    with _stderr_lock, tempfile.TemporaryFile() as sink:
+        if sys.stderr is not None:
+            sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(sink.fileno(), 2)
+            try:
+                result = fn()
+            finally:
+                if sys.stderr is not None:
+                    sys.stderr.flush()
+                os.dup2(saved, 2)
+        finally:
+            os.close(saved)
+        sink.seek(0)
+        return result, sink.read().decode("utf-8", errors="replace")
+
+
+def pass_on(text: str) -> None:
+    """Write text captured by ``with_stderr`` that was not the caller's to stderr."""
+    if text:
+        os.write(2, text.encode("utf-8"))
 
 
 def note_abort() -> None:

@@ -11,7 +11,11 @@ import numpy.typing as npt
 from orin.engine.backend import Backend
 from orin.engine.errors import InvalidRequest
 from orin.engine.types import SamplingParams, TokenLogprob, TopLogprob
-from orin.llamacpp import client_input
+from orin.llamacpp import capture_log, client_input, pass_on, with_stderr
+
+PARSE_ERROR = "error parsing grammar: "  # llama.cpp's parser: "parse: " PARSE_ERROR what
+WHY_MAX = 200  # characters of the parser's reason in the 400's message
+NOT_WHY = {"", "failed to parse grammar"}  # llama.cpp's log lines that say no reason
 
 DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
 
@@ -48,13 +52,21 @@ class SlotSampler:
                 arr[i].token, arr[i].bias = tok, b
             add(lib.llama_sampler_init_logit_bias(self.backend.n_vocab, len(self.bias), arr))
         if p.grammar:
-            with client_input():
-                grammar = lib.llama_sampler_init_grammar(
-                    self.backend.vocab, p.grammar.encode("utf-8"), b"root"
+            source = p.grammar
+            with client_input(), capture_log() as logged:
+                grammar, printed = with_stderr(
+                    lambda: lib.llama_sampler_init_grammar(
+                        self.backend.vocab, source.encode("utf-8"), b"root"
+                    )
                 )
+            why, rest = parse_error(printed, source)
+            pass_on(rest)
             if not grammar:
                 lib.llama_sampler_free(chain)
-                raise InvalidRequest("grammar", "the grammar does not parse")
+                if why is None:  # a check after parsing says why in llama.cpp's log
+                    why = next((ln for ln in map(str.strip, logged) if ln not in NOT_WHY), "")
+                said = f": {_short(why)}" if why else ""
+                raise InvalidRequest("grammar", f"the grammar does not parse{said}")
             add(grammar)
         if p.penalized:
             self._penalties = lib.llama_sampler_init_penalties(
@@ -107,3 +119,25 @@ class SlotSampler:
         if self.chain is not None:
             self.lib.llama_sampler_free(self.chain)
             self.chain = None
+
+
+def parse_error(printed: str, source: str) -> tuple[str | None, str]:
+    """llama.cpp's grammar parser prints ``parse: error parsing grammar: <why>``, a
+    blank line and the whole grammar to stderr (``with_stderr`` caught it): the
+    reason (it may run over lines: the rest of the grammar after the error), and
+    the text around that block (other threads' writes), to pass on. (None,
+    printed) when the block is not there."""
+    start = printed.find(PARSE_ERROR)
+    tail = "\n\n" + source + "\n"
+    end = printed.find(tail, start) if start >= 0 else -1
+    if end < 0:
+        return None, printed
+    line_start = printed.rfind("\n", 0, start) + 1  # the "parse: " prefix too
+    why = printed[start + len(PARSE_ERROR) : end]
+    return why, printed[:line_start] + printed[end + len(tail) :]
+
+
+def _short(why: str) -> str:
+    """The reason on one line, at most ``WHY_MAX`` characters."""
+    why = " ".join(why.split())
+    return why if len(why) <= WHY_MAX else why[: WHY_MAX - 1] + "…"

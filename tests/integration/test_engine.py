@@ -617,6 +617,27 @@ def test_a_grammar_that_does_not_parse_is_no_server_error(
     assert [r.getMessage() for r in said if r.levelno >= logging.WARNING] == []
 
 
+@pytest.mark.parametrize(
+    ("grammar", "why"),
+    [
+        ("root ::= x", "Undefined rule identifier 'x'"),  # the parser's message (stderr)
+        ('top ::= "a"', "grammar does not contain a 'root' symbol"),  # llama.cpp's log
+    ],
+)
+def test_the_400_for_a_grammar_says_why_and_nothing_reaches_stderr(
+    engine: Engine, capfd: pytest.CaptureFixture[str], grammar: str, why: str
+) -> None:
+    """llama.cpp's parser prints its message and the whole grammar to stderr itself,
+    outside the log callback: the message goes into the client's error instead, and
+    the service's log (`--log-format json`) gets no raw lines."""
+    capfd.readouterr()
+    with pytest.raises(InvalidRequest) as bad:
+        engine.submit("x", SamplingParams(grammar=grammar))
+    assert bad.value.param == "grammar"
+    assert str(bad.value).endswith(f"the grammar does not parse: {why}")
+    assert capfd.readouterr().err == ""
+
+
 def test_async_submit_prepares_a_plain_request_on_the_loop(engine: Engine) -> None:
     """Token ids without grammar or penalties skip the worker-thread round trip; a
     text prompt, a penalized request and a long prompt still go to the pool."""
