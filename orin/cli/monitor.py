@@ -2,11 +2,12 @@
 
 Every figure of the "by phase" table covers the same span: the last 10 s (the
 server's snapshot window) in the live view, the whole recording with
---recording. The server's snapshot counts tokens over its whole step history,
-so the live view takes tokens from the server's ``engine_batch_tokens``
-counters instead, read at every refresh: the tokens in the window are the
-counter now minus the counter 10 s ago. Until the monitor has watched for that
-long (and with --once) the tokens column shows ``-``.
+--recording. The server's snapshot counts the tokens of the steps that ended in
+its window, from the step history it keeps (the last 4,096 steps, which a
+fast board can run in less than the window), so once the monitor has watched
+for a window's length it takes tokens from the server's ``engine_batch_tokens``
+counters instead, read at every refresh: the counter now minus the counter 10 s
+ago. Before that (and with --once) the snapshot's own counts are shown.
 """
 
 from __future__ import annotations
@@ -193,7 +194,18 @@ def _frame(url: str, client: httpx.Client, window: TokenWindow) -> Group:
     if counts is not None:
         window.add(time.monotonic(), counts)
     tokens = window.tokens(float(snap.get("window_s") or 10.0)) if counts is not None else None
+    if tokens is None:  # not watched for a window yet: the snapshot's own counts
+        tokens = _snapshot_tokens(snap)
     return render(snap, health, tokens)
+
+
+def _snapshot_tokens(snap: Mapping[str, Any]) -> dict[str, int] | None:
+    """The tokens by phase of the steps that ended in the snapshot's window."""
+    phases = snap.get("phases") or {}
+    counts = {name: p.get("tokens") for name, p in phases.items()}
+    if not counts or any(not isinstance(n, int) for n in counts.values()):
+        return None
+    return counts
 
 
 def summarize_recording(path: Path) -> dict[str, Any]:

@@ -3,6 +3,7 @@ whole recording)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from rich.console import Console
 from orin.cli.monitor import (
     MonitorError,
     TokenWindow,
+    _frame,
     fetch,
     parse_token_counters,
     render,
@@ -32,7 +34,8 @@ orin_llm_phase_seconds_total{phase="decode"} 3.5
 
 
 def snapshot(phase: str = "decode", window: float = 10.0) -> dict[str, Any]:
-    """A /telemetry snapshot whose token counts cover the whole step history (large)."""
+    """A /telemetry snapshot: its token counts are those of the steps that ended in its
+    window (the last 4,096 steps at most)."""
     return {
         "source": "cpu",
         "phase": phase,
@@ -155,3 +158,28 @@ def test_a_server_with_telemetry_off_says_so() -> None:
     out = text({"source": None, "phase": None})  # what /telemetry answers then
     assert out.strip() == "telemetry is off on this server (serve --telemetry off): nothing to show"
     assert "source None" not in out
+
+
+def test_the_first_frame_shows_the_snapshots_tokens_then_the_counters_window() -> None:
+    """`monitor --once` and the first 10 s of the live view show the tokens of the steps
+    that ended in the server's window; once the monitor has counter readings 10 s
+    apart it counts from the counters (here unchanged since: 0 tokens)."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=METRICS)
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        return httpx.Response(200, json=snapshot())
+
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        console = Console(width=200, record=True)
+        console.print(_frame("http://127.0.0.1:8080", client, TokenWindow()))
+        first = console.export_text()
+        watched = TokenWindow()
+        watched.add(time.monotonic() - 11.0, {"prefill": 5000.0, "decode": 700.0})
+        console.print(_frame("http://127.0.0.1:8080", client, watched))
+        later = console.export_text()
+    assert row(first, "prefill")[5] == "90000" and row(first, "decode")[5] == "30000"
+    assert "tokens after" not in first
+    assert row(later, "prefill")[5] == "0" and row(later, "decode")[5] == "0"
