@@ -181,9 +181,16 @@ def _full_rate_period(samples: Sequence[SampleLike], index: StepIndex) -> float:
 
 
 def summarize(
-    samples: Sequence[SampleLike], steps: Sequence[StepLike]
+    samples: Sequence[SampleLike],
+    steps: Sequence[StepLike],
+    span: tuple[int, int] | None = None,
 ) -> dict[Phase, PhaseSummary]:
-    """Per phase: time, tokens, mixed share, energy and weighted stats of every metric."""
+    """Per phase: time, tokens, mixed share, energy and weighted stats of every metric.
+
+    ``span`` (start, end in ns): the time the samples stand for ends there, so that a
+    window's phases add up to the window (the first sample of an idle-rate window
+    would otherwise stand for half a second before it, the last for half a second
+    after it); None: each end sample stands for half its gap on its open side too."""
     ordered = sorted(samples, key=lambda s: s.t_ns)
     index = StepIndex(steps)
     period = _full_rate_period(ordered, index)
@@ -191,7 +198,14 @@ def summarize(
     values: dict[tuple[Phase, str], tuple[list[float], list[float]]] = {}
     weight_total: dict[Phase, float] = dict.fromkeys(PHASES, 0.0)
     weight_mixed: dict[Phase, float] = dict.fromkeys(PHASES, 0.0)
-    for sample, (lo, hi) in zip(ordered, _sides(ordered), strict=True):
+    sides = _sides(ordered)
+    if span is not None:
+        start, end = span
+        sides = [
+            (min(lo, max(s.t_ns - start, 0) * 1e-9), min(hi, max(end - s.t_ns, 0) * 1e-9))
+            for s, (lo, hi) in zip(ordered, sides, strict=True)
+        ]
+    for sample, (lo, hi) in zip(ordered, sides, strict=True):
         power = sum(sample.power_mw.values()) if sample.power_mw else None
         step = index.at(sample.t_ns)
         # inside a step the sampler runs at its full rate: a sample next to an idle-rate

@@ -114,12 +114,14 @@ class Telemetry:
         latest = self.sampler.latest()
         samples = []
         steps = []
+        span = None
         if latest is not None:
             since = latest.t_ns - int(SNAPSHOT_WINDOW_S * 1e9)
             samples = self.sampler.samples(since_ns=since)
             # only the steps that end inside the window: their tokens are the window's
             steps = [s for s in self.tracker.steps() if s.end_ns >= since]
-        phases = summarize(samples, steps) if samples else {}
+            span = (since, latest.t_ns)  # the phases' seconds add up to the window at most
+        phases = summarize(samples, steps, span) if samples else {}
         status = self.engine.status()
         return {
             "source": self.source_name,

@@ -177,3 +177,23 @@ def test_a_recording_with_idle_rate_gaps_gives_each_phase_its_own_time() -> None
     # the end samples mirror their neighbour's 1 s gap: 5.99 s in all, 0.4 s of steps;
     # of the 0.51 s gap before the request, only the idle sample's half stays counted
     assert 5.99 - 0.4 - 0.26 <= out["idle"].seconds <= 5.99 - 0.4
+
+
+def test_the_snapshots_phases_add_up_to_its_window(tmp_path: Path) -> None:
+    """An idle server sampled once a second: the last 10 s by phase are 10 s of idle, not
+    10.5 (the latest sample standing for half a second after it) or 11."""
+    board = agx_orin_64gb(tmp_path, 6)
+    telemetry = Telemetry(
+        FakeEngine(),  # type: ignore[arg-type]
+        CollectorRegistry(),
+        "jetson_sysfs",
+        root=board.root,
+    )
+    times = iter([0.3 + i for i in range(30)])  # idle rate, not on the window's edges
+    telemetry.sampler.source.close()
+    telemetry.sampler = Sampler(Counting(), 50, clock_ns=lambda: round(next(times) * S))
+    for _ in range(30):
+        telemetry.sampler.capture_once()
+    phases = telemetry.snapshot()["phases"]
+    assert phases["idle"]["seconds"] == pytest.approx(10.0)
+    assert sum(p["seconds"] for p in phases.values()) == pytest.approx(10.0)
