@@ -8,6 +8,8 @@ the same id.
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,22 +146,71 @@ async def on_exception(request: Request, exc: Exception) -> JSONResponse:
 async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     """pydantic's complaint about a body, as a 400 naming the first offending field."""
     assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
+    errors = list(exc.errors())
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         param, message = None, "the request body is not valid JSON"
     elif not loc:  # the body as a whole: empty, or not read as JSON
         param = None
         message = "the request body must be a JSON object, sent with Content-Type: application/json"
     else:
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        message = message.replace("Value error, ", "")
+        param, message = validation_param_and_message(errors)
     body = error_body(
         message, "invalid_request_error", param, "invalid_value", _request_id(request)
     )
     return JSONResponse(body, 400, {"x-request-id": _request_id(request) or ""})
+
+
+# the names pydantic gives the members of a union in an error's location: a type
+# (`str`, `list[int]`, `literal['none','auto']`) or a model's class name. A request's
+# field names are lower-case words, so anything else in a location is such a name.
+_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "any", "bytes"})
+
+
+def _is_union_member(part: object) -> bool:
+    return isinstance(part, str) and (_FIELD_NAME.fullmatch(part) is None or part in _TYPE_NAMES)
+
+
+def _param(loc: Sequence[object]) -> str:
+    """A location as OpenAI's errors name a parameter: `messages[0].content[1]`."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out
+
+
+def validation_param_and_message(errors: Sequence[Any]) -> tuple[str, str]:
+    """The `param` and message of pydantic's first complaint about a body, without the
+    names pydantic gives a union's members (`stop.str`, `tool_choice.literal[...]`).
+
+    A value that fits no member of a union gets one complaint per member; those about
+    the part of the value that matched a member furthest (a content part's missing
+    `text`, not the whole `content` that is not a string) name the parameter, and their
+    messages are joined: `stop: Input should be a valid string; or Input should be a
+    valid list`."""
+
+    def where(e: Any) -> list[object]:
+        return [p for p in e.get("loc", ()) if p != "body"]
+
+    first = where(errors[0])
+    tag = next((i for i, p in enumerate(first) if _is_union_member(p)), None)
+    if tag is None:
+        chosen = [errors[0]]
+    else:
+        same_union = [e for e in errors if where(e)[:tag] == first[:tag] and len(where(e)) > tag]
+        depth = max(len(_stripped(where(e))) for e in same_union)
+        deepest = [e for e in same_union if len(_stripped(where(e))) == depth]
+        chosen = [e for e in deepest if _stripped(where(e)) == _stripped(where(deepest[0]))]
+    param = _param(_stripped(where(chosen[0])))
+    messages = list(dict.fromkeys(str(e.get("msg", "")) for e in chosen))
+    message = f"{param}: " + "; or ".join(messages)
+    return param, message.replace("Value error, ", "")
+
+
+def _stripped(loc: Sequence[object]) -> list[object]:
+    return [p for p in loc if not _is_union_member(p)]
 
 
 # the codes of the errors the router raises itself: a path no route serves, a method

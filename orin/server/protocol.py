@@ -14,13 +14,15 @@ import json
 import logging
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypedDict, cast
+from typing import Annotated, Any, Literal, TypedDict, cast
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     PrivateAttr,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -84,6 +86,27 @@ class ImagePart(_Lenient):
         return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
+def _part_kind(part: Any) -> str | None:
+    """Which model a content part is, by its `type` (a part without one is text)."""
+    kind = part.get("type", "text") if isinstance(part, dict) else getattr(part, "type", None)
+    return (
+        {"text": "TextPart", "image_url": "ImagePart"}.get(kind) if isinstance(kind, str) else None
+    )
+
+
+# a part of another type (OpenAI's input_audio, file) is refused by its own error, not
+# by the complaints of every member of the union
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, Tag("ImagePart")],
+    Discriminator(
+        _part_kind,
+        custom_error_type="invalid_content_part",
+        custom_error_message="a content part's type must be 'text' or 'image_url' "
+        "(parts of other types, such as audio and files, are not supported)",
+    ),
+]
+
+
 class CalledFunction(_Lenient):
     name: str
     # a JSON string, as OpenAI sends it; an object is accepted and written as one
@@ -104,7 +127,7 @@ class ToolCallIn(_Lenient):
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant
     tool_call_id: str | None = None  # tool
