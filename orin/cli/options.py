@@ -10,6 +10,7 @@ import typer
 from pydantic import BaseModel, ValidationError
 
 from orin.cli.errors import usage_error
+from orin.install.layout import check_service_user
 from orin.profile.loader import describe_error
 from orin.profile.schema import EngineSection, Profile
 
@@ -155,6 +156,15 @@ def apply_ctx(profile: Profile, n_ctx: int | None) -> Profile:
         return profile.with_n_ctx(n_ctx)
     except ValidationError as exc:
         raise override_error([f"--ctx {n_ctx}"], exc) from None
+
+
+def service_user(value: str) -> str:
+    """Option callback: ``--user`` of install and install-rpc-worker is a system user
+    name the units can run as, not root (a usage error, found before anything runs)."""
+    try:
+        return check_service_user(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def check_url(value: str | None) -> str | None:
