@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -127,10 +128,18 @@ def file_to_write(value: Path | None) -> Path | None:
 
 
 def folder_to_write(value: Path | None) -> Path | None:
-    """Option callback: a folder a command writes files into (made when missing);
-    not a file that is there already."""
-    if value is not None and value.exists() and not value.is_dir():
+    """Option callback: a folder a command writes files into (made when missing, with
+    the folders above it); not a file that is there already, nor a folder under a file
+    or under one this user cannot write in."""
+    if value is None:
+        return None
+    if value.exists() and not value.is_dir():
         raise typer.BadParameter(f"{value} is a file; give a folder")
+    existing = next(p for p in (value, *value.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise typer.BadParameter(f"{existing} is a file, so {value} cannot be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise typer.BadParameter(f"cannot write in {existing}")
     return value
 
 
