@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from orin.cli.errors import handle_errors, usage_error
+from orin.cli.errors import fail, handle_errors, usage_error
 from orin.cli.help import Typer
 from orin.cli.options import ProfileOpt, folder_to_write
 from orin.cli.output import human_bytes
@@ -66,9 +66,30 @@ def _labels(values: list[str] | None) -> list[str] | None:
     return values
 
 
+def _check_combinations(
+    ctx: typer.Context,
+    volume: VolumeKind,
+    pvc_size: str | None,
+    storage_class: str | None,
+    monitor: MonitorKind,
+    monitor_label: list[str] | None,
+) -> None:
+    """An option that only applies to another choice would be ignored: a usage error."""
+    if volume is VolumeKind.hostpath:
+        given = [o for o, v in (("--pvc-size", pvc_size), ("--storage-class", storage_class)) if v]
+        if given:
+            raise usage_error(f"{' and '.join(given)}: for --volume pvc, not hostpath")
+    source = ctx.get_parameter_source("host_path")  # its default is a value, not None
+    if volume is VolumeKind.pvc and source is not None and source.name == "COMMANDLINE":
+        raise usage_error("--host-path is for --volume hostpath: the models are on the claim")
+    if monitor is MonitorKind.none and monitor_label:
+        raise usage_error("--monitor-label labels the monitor, and --monitor none renders none")
+
+
 @app.command("k8s")
 @handle_errors
 def kubernetes(
+    ctx: typer.Context,
     profile_name: ProfileOpt = None,
     replicas: Annotated[
         int | None,
@@ -89,7 +110,12 @@ def kubernetes(
         str, typer.Option("--namespace", "-n", callback=_checked(k8s.check_namespace))
     ] = k8s.DEFAULT_NAMESPACE,
     image: Annotated[
-        str, typer.Option("--image", help="The image built from deploy/Dockerfile.")
+        str,
+        typer.Option(
+            "--image",
+            callback=_checked(k8s.check_image),
+            help="The image built from deploy/Dockerfile.",
+        ),
     ] = k8s.DEFAULT_IMAGE,
     kind: Annotated[
         WorkloadKind,
@@ -121,14 +147,28 @@ def kubernetes(
         ),
     ] = VolumeKind.hostpath,
     host_path: Annotated[
-        str, typer.Option("--host-path", help="The models folder on each board (hostpath).")
+        str,
+        typer.Option(
+            "--host-path",
+            callback=_checked(k8s.check_host_path),
+            help="The models folder on each board (hostpath).",
+        ),
     ] = k8s.MODELS_DIR,
     pvc_size: Annotated[
         str | None,
-        typer.Option("--pvc-size", help="The claim's size (default: the model's and a quarter)."),
+        typer.Option(
+            "--pvc-size",
+            callback=_checked(k8s.check_size),
+            help="The claim's size (pvc; default: the model's and a quarter).",
+        ),
     ] = None,
     storage_class: Annotated[
-        str | None, typer.Option("--storage-class", help="The claim's storage class.")
+        str | None,
+        typer.Option(
+            "--storage-class",
+            callback=_checked(k8s.check_storage_class),
+            help="The claim's storage class (pvc).",
+        ),
     ] = None,
     node_selector: Annotated[
         list[str] | None,
@@ -174,6 +214,7 @@ def kubernetes(
     Secret, a Service and a Prometheus monitor."""
     if replicas is not None and kind.value == "daemonset":
         raise usage_error("--replicas is for a Deployment: a DaemonSet runs one pod per board")
+    _check_combinations(ctx, volume, pvc_size, storage_class, monitor, monitor_label)
     profile = load_profile(profile_name or "demo")
     path, info = k8s.model_for_plan(profile, model)
     plan = k8s.plan_for(profile, info)
@@ -204,7 +245,10 @@ def kubernetes(
         for line in (summary, *rendered.notes):
             print(f"# {line}", file=sys.stderr)
         return
-    written, removed = rendered.write(output)
+    try:
+        written, removed = rendered.write(output)
+    except OSError as exc:  # a folder the check at the start could not foresee (/proc/x)
+        raise fail(f"cannot write the manifests into {output}: {exc.strerror or exc}", 1) from None
     for path in removed:
         print(f"removed {path} (not part of this rendering)")
     for path in written:

@@ -25,7 +25,7 @@ from rich.progress import (
 
 from orin.cli.deps import HttpGet, deps
 from orin.cli.errors import fail, handle_errors
-from orin.cli.options import ApiKeyOpt, JsonOpt, RootOpt, bearer
+from orin.cli.options import ApiKeyOpt, JsonOpt, RootOpt, bearer, service_user
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.doctor.report import Report
 from orin.install import probe
@@ -66,7 +66,12 @@ ProfileOpt = Annotated[
         help="Built-in profile or YAML file (default: the demo profile).",
     ),
 ]
-UserOpt = Annotated[str, typer.Option("--user", help="System user the server runs as.")]
+UserOpt = Annotated[
+    str,
+    typer.Option(
+        "--user", callback=service_user, help="System user the server runs as (not root)."
+    ),
+]
 PortOpt = Annotated[
     int | None, typer.Option("--port", min=1, max=65535, help="Override server.port.")
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -10,6 +11,7 @@ import typer
 from pydantic import BaseModel, ValidationError
 
 from orin.cli.errors import usage_error
+from orin.install.layout import check_service_user
 from orin.profile.loader import describe_error
 from orin.profile.schema import EngineSection, Profile
 
@@ -126,10 +128,18 @@ def file_to_write(value: Path | None) -> Path | None:
 
 
 def folder_to_write(value: Path | None) -> Path | None:
-    """Option callback: a folder a command writes files into (made when missing);
-    not a file that is there already."""
-    if value is not None and value.exists() and not value.is_dir():
+    """Option callback: a folder a command writes files into (made when missing, with
+    the folders above it); not a file that is there already, nor a folder under a file
+    or under one this user cannot write in."""
+    if value is None:
+        return None
+    if value.exists() and not value.is_dir():
         raise typer.BadParameter(f"{value} is a file; give a folder")
+    existing = next(p for p in (value, *value.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise typer.BadParameter(f"{existing} is a file, so {value} cannot be made")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise typer.BadParameter(f"cannot write in {existing}")
     return value
 
 
@@ -155,6 +165,15 @@ def apply_ctx(profile: Profile, n_ctx: int | None) -> Profile:
         return profile.with_n_ctx(n_ctx)
     except ValidationError as exc:
         raise override_error([f"--ctx {n_ctx}"], exc) from None
+
+
+def service_user(value: str) -> str:
+    """Option callback: ``--user`` of install and install-rpc-worker is a system user
+    name the units can run as, not root (a usage error, found before anything runs)."""
+    try:
+        return check_service_user(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def check_url(value: str | None) -> str | None:

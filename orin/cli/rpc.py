@@ -22,6 +22,7 @@ import typer
 
 from orin.cli.errors import handle_errors
 from orin.cli.logs import setup_logging
+from orin.cli.options import service_user
 from orin.errors import LlamaCppError
 from orin.install.steps import InstallError
 
@@ -166,7 +167,9 @@ def install_rpc_worker(
             "the unit drops every other peer (IPAddressDeny=any)."
         ),
     ] = None,
-    user: Annotated[str, typer.Option(help="System user the worker runs as.")] = "orin-llm",
+    user: Annotated[
+        str, typer.Option(callback=service_user, help="System user the worker runs as (not root).")
+    ] = "orin-llm",
     unit_dir: Annotated[
         str, typer.Option("--unit-dir", help="Folder for the unit file.")
     ] = "/etc/systemd/system",

@@ -237,6 +237,9 @@ def _plan_title(plan: Plan, acting: bool) -> str:
 
 def _show_plan(out: Output, plan: Plan, profile: Profile, platform: Platform, acting: bool) -> None:
     out.line(f"board: {platform.describe()}")
+    if not plan.changes:  # a revert with nothing saved: no table of no rows
+        out.line(f"tune system, profile {profile.name}: nothing saved in {plan.state_file}")
+        return
     out.table(
         f"tune system, profile {profile.name}: {_plan_title(plan, acting)}",
         ("setting", "current", "target", "steps", "note"),

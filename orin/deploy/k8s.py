@@ -228,6 +228,42 @@ def check_namespace(value: str) -> str:
     return value
 
 
+# A resource quantity as the API server parses it (resource.Quantity), without the
+# signs and exponents nobody writes for a disk: 20Gi, 500M, 1.5T.
+_QUANTITY = re.compile(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def check_image(value: str) -> str:
+    """An image reference the kubelet can pull: not empty, no spaces or control
+    characters (a registry, a repository, a tag or a digest)."""
+    if not value or any(c.isspace() or not c.isprintable() for c in value):
+        raise ValueError(f"{value!r} is not an image reference (e.g. registry.lan/orin-llm:0.1.0)")
+    return value
+
+
+def check_size(value: str) -> str:
+    """A claim's size: a Kubernetes quantity above zero (20Gi, 500M)."""
+    m = _QUANTITY.fullmatch(value)
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(f"'{value}' is not a size: give a quantity such as 20Gi or 500M")
+    return value
+
+
+def check_storage_class(value: str) -> str:
+    if len(value) > 253 or not _SUBDOMAIN.fullmatch(value):
+        raise ValueError(f"'{value}' is not a storage class name (lower case, a DNS subdomain)")
+    return value
+
+
+def check_host_path(value: str) -> str:
+    """The models folder on each board: an absolute path without '..'."""
+    p = PurePosixPath(value)
+    if not p.is_absolute() or ".." in p.parts:
+        raise ValueError(f"'{value}' is not an absolute path on the boards (without '..')")
+    return value
+
+
 def parse_labels(pairs: list[str]) -> dict[str, str]:
     """``KEY=VALUE`` pairs (label syntax) -> a dict; a ValueError names a bad one."""
     out: dict[str, str] = {}

@@ -7,6 +7,8 @@ All are system paths, reached through SysRoot.
 
 from __future__ import annotations
 
+import re
+
 from orin.model.store import SYSTEM_MODELS_DIR
 from orin.system.statefile import DEFAULT_STATE_PATH, ROOT_STATE_DIR
 
@@ -26,11 +28,31 @@ TUNE_STATE_DIR = ROOT_STATE_DIR
 TUNE_STATE_FILE = DEFAULT_STATE_PATH
 
 DEFAULT_USER = "orin-llm"
+# useradd's default NAME_REGEX, at most 32 characters: what the User= of a unit and
+# useradd/usermod/userdel take as one name (never an option, never two words).
+_USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 GPU_GROUPS = ("video", "render")  # the Jetson GPU nodes belong to these groups
 
 # Homes are hidden from the service (ProtectHome=yes) unless something it must
 # read lives under one of these.
 HOME_PREFIXES = ("/home/", "/root/", "/run/user/")
+
+
+def check_service_user(name: str) -> str:
+    """A ``--user`` the units may run as: a system user name, and not root (the
+    hardening would be for nothing, and ``uninstall --purge`` removes the user).
+    A ValueError says why not."""
+    if name == "root":
+        raise ValueError(
+            "root: the service runs as a user of its own (the default, "
+            f"{DEFAULT_USER}, is created when missing)"
+        )
+    if not _USER_NAME.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is not a user name: lower-case letters, digits, '_' and '-', "
+            "starting with a letter or '_', at most 32 characters"
+        )
+    return name
 
 
 def env_values(text: str) -> dict[str, str]:

@@ -321,7 +321,7 @@ def plan_uninstall(
     if root.exists(TUNE_STATE_FILE):  # the revert checks who could have written it
         steps.append(Action.run(executable, "tune", "system", "--revert"))
     steps += [RemoveTree(d) for d in data]
-    if facts.user_exists:
+    if facts.user_exists and facts.user != "root":  # a unit edited by hand to run as root
         steps.append(Action.run("userdel", facts.user))
     return UninstallPlan(tuple(steps), ())
 

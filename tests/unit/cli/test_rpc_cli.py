@@ -193,6 +193,9 @@ def test_install_rpc_worker_writes_the_unit_and_enables_it(tmp_path: Path) -> No
         ("--allow", "::/0", "admits every address"),
         ("--allow", "any", "not an address or CIDR"),
         ("--host", "10.0.0.2 --evil", "not an IP address or host name"),
+        ("--user", "root", "runs as a user of its own"),
+        ("--user", "bad user", "not a user name"),
+        ("--user", "-x", "not a user name"),
     ],
 )
 def test_install_rpc_worker_refuses_what_would_open_its_fence(

@@ -108,11 +108,54 @@ def test_a_model_that_is_not_here_is_exit_3(model: Path) -> None:
         ["--monitor-label", "k=bad value"],
         ["--replicas", "0"],
         ["--api-key-secret", "-x"],
+        ["--image", ""],
+        ["--image", "registry.lan/orin-llm 0.1.0"],
+        ["--volume", "pvc", "--pvc-size", "lots"],
+        ["--volume", "pvc", "--pvc-size", "0Gi"],
+        ["--volume", "pvc", "--storage-class", "Local_Path"],
+        ["--host-path", "models"],
+        ["--host-path", "/var/lib/../models"],
     ],
 )
 def test_bad_options_are_usage_errors(model: Path, args: list[str]) -> None:
     code, _, err = invoke("--profile", "demo", "--model", str(model), *args)
     assert code == 2, err
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--pvc-size", "20Gi"], "--pvc-size: for --volume pvc"),
+        (["--storage-class", "local-path"], "--storage-class: for --volume pvc"),
+        (["--volume", "pvc", "--host-path", "/data"], "--host-path is for --volume hostpath"),
+        (["--monitor", "none", "--monitor-label", "release=kps"], "--monitor none renders none"),
+    ],
+)
+def test_an_option_for_another_choice_is_a_usage_error(
+    model: Path, args: list[str], says: str
+) -> None:
+    """An option the chosen volume or monitor would ignore is refused, not dropped."""
+    code, out, err = invoke("--profile", "demo", "--model", str(model), *args)
+    assert code == 2 and says in err and out == ""
+
+
+def test_the_claims_options_render_a_valid_claim(model: Path) -> None:
+    args = ("--volume", "pvc", "--pvc-size", "1.5Gi", "--storage-class", "local-path")
+    code, out, err = invoke("--profile", "demo", "--model", str(model), *args)
+    assert code == 0, err
+    claim = next(o for o in yaml.safe_load_all(out) if o["kind"] == "PersistentVolumeClaim")
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1.5Gi"
+    assert claim["spec"]["storageClassName"] == "local-path"
+
+
+def test_an_output_folder_is_made_but_not_under_a_file(model: Path, tmp_path: Path) -> None:
+    nested = tmp_path / "a" / "b"
+    code, _, err = invoke("--model", str(model), "--output", str(nested))
+    assert code == 0, err
+    assert (nested / "01-namespace.yaml").is_file()
+    (tmp_path / "file").write_text("x")
+    code, out, err = invoke("--model", str(model), "--output", str(tmp_path / "file" / "sub"))
+    assert code == 2 and "--output" in err and out == ""
 
 
 def test_deploy_alone_prints_its_help() -> None:

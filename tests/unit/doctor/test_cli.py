@@ -111,6 +111,17 @@ def test_tune_system_apply_then_revert_json(fake: FakeJetson, profile_file: Path
     assert (fake.mode, fake.locked, sorted(fake.zram)) == (2, False, ["/dev/zram0", "/dev/zram1"])
 
 
+def test_tune_system_revert_with_nothing_saved_says_so(fake: FakeJetson) -> None:
+    """Not an empty table: one line naming the state file, then the summary."""
+    code, out, err = invoke(fake, "tune", "system", "--revert")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[1].startswith("tune system, profile defaults: nothing saved in ")
+    assert lines[1].endswith("/var/lib/orin-llm-root/state.json")
+    assert lines[2:] == ["nothing to revert"]
+    assert fake.changes() == []
+
+
 def test_tune_system_reports_the_failed_step(fake: FakeJetson, profile_file: Path) -> None:
     fake.fail[("nvpmodel", "-m", "0")] = "NVPM ERROR: failed to set power mode"
     code, _, err = invoke(fake, "tune", "system", "--profile", str(profile_file), "--apply")

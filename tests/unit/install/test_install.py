@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from orin.cli.deps import Deps
 from orin.doctor.findings import Finding
 from orin.doctor.report import Report
@@ -194,6 +196,27 @@ def test_unit_dir_and_user_options(root: Path, host: FakeHost, deps: Deps) -> No
     unit = (root / "run/systemd/system" / SERVICE).read_text()
     assert "User=llm" in unit
     assert host.changes()[0][-1] == "llm"
+
+
+@pytest.mark.parametrize(
+    ("user", "says"),
+    [
+        ("root", "runs as a user of its own"),
+        ("llm service", "not a user name"),
+        ("--help", "not a user name"),
+        ("Orin", "not a user name"),
+    ],
+)
+def test_a_user_the_unit_cannot_run_as_is_a_usage_error(
+    root: Path, host: FakeHost, deps: Deps, user: str, says: str
+) -> None:
+    """Not root (the hardening would be for nothing, and `uninstall --purge` removes the
+    user), nor a name useradd or User= would read as something else."""
+    before = snapshot(root)
+    for extra in ((), ("--dry-run",)):
+        code, out, err = invoke(deps, root, "install", "--profile", PROFILE, "--user", user, *extra)
+        assert code == 2 and says in err and out == ""
+    assert host.changes() == [] and snapshot(root) == before
 
 
 def test_existing_user_missing_a_group_is_added(root: Path, host: FakeHost, deps: Deps) -> None:

@@ -62,6 +62,19 @@ def test_uninstall_purge_reverts_tuning_and_removes_everything(
     assert "orin-llm" not in host.users
 
 
+def test_uninstall_purge_never_removes_root(root: Path, host: FakeHost, deps: Deps) -> None:
+    """A server unit edited by hand to run as root: purge removes the units and the data,
+    not the root account."""
+    installed(deps, root, host)
+    unit = root / UNIT_DIR.lstrip("/") / SERVICE
+    unit.write_text(unit.read_text().replace("User=orin-llm", "User=root"))
+    host.users["root"] = set()
+    code, out, err = invoke(deps, root, "uninstall", "--purge")
+    assert code == 0, err
+    assert not any(c[0] == "userdel" for c in host.changes())
+    assert "userdel" not in out and "root" in host.users
+
+
 def test_uninstall_dry_run_and_nothing_installed(root: Path, host: FakeHost, deps: Deps) -> None:
     installed(deps, root, host)
     code, out, _ = invoke(deps, root, "uninstall", "--purge", "--dry-run")
