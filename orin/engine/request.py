@@ -15,7 +15,7 @@ from orin.engine.detok import Detokenizer, StopMatcher
 from orin.engine.sampling import SlotSampler
 from orin.engine.stream import RequestStream
 from orin.engine.timings import TimingRecorder
-from orin.engine.types import FinishReason, SamplingParams, TokenEvent
+from orin.engine.types import FinishReason, SamplingParams, TokenEvent, TokenLogprob
 from orin.engine.vision import MediaPrompt, is_image
 
 
@@ -49,6 +49,11 @@ class ActiveRequest:
     drafted: int = 0
     accepted: int = 0
     media: MediaPrompt | None = None  # the prompt's images (negative ids in prompt_tokens)
+    # logprobs of tokens whose text is held back (``_release``): (where the token's text
+    # starts in the detokenized output, its logprob)
+    held_logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)
+    produced: int = 0  # characters the detokenizer has given (stop strings not taken off)
+    emitted: int = 0  # characters sent to the client
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A step checked ``drafted`` speculative tokens and kept ``accepted``."""
@@ -83,29 +88,62 @@ class ActiveRequest:
         self.generated += 1
         if self.spec is not None:
             self.spec.extend(token)
+        if token in self.params.stop_token_ids or (
+            not self.params.ignore_eos and backend.is_eog(token)
+        ):  # counted and reported by id, but it ends the text rather than adding to it:
+            # no logprob either, since the logprobs are those of the text's tokens
+            self.stream.put(TokenEvent(self.id, token, ""))
+            return "stop"
+        piece = self.detok.add(token)
+        text, self.stop_matched = self.stop.feed(piece)
         logprob = None
         if self.params.logprobs is not None:
             assert logits is not None
-            logprob = self.sampler.logprob(token, logits)
-        if token in self.params.stop_token_ids or (
-            not self.params.ignore_eos and backend.is_eog(token)
-        ):  # counted and reported by id, but it ends the text rather than adding to it
-            self.stream.put(TokenEvent(self.id, token, "", logprob))
-            return "stop"
-        text, self.stop_matched = self.stop.feed(self.detok.add(token))
+            logprob = self._release(self.sampler.logprob(token, logits), len(piece), len(text))
         self.stream.put(TokenEvent(self.id, token, text, logprob))
         if self.stop_matched:
+            self.held_logprobs.clear()  # the stop string's tokens: their text is not sent
             return "stop"
         if self.generated >= self.params.max_tokens:
             return "length"
         return None
 
+    def _release(self, logprob: TokenLogprob, produced: int, sent: int) -> TokenLogprob | None:
+        """A token's logprob goes with its text: while a possible stop string holds the
+        text back, so is the logprob, and the tokens of a stop string that completes
+        never have theirs sent (the logprobs are those of the text the client gets, as
+        OpenAI's are). The logprobs of earlier tokens that this token's text releases
+        are sent first, as events of their own; the token's own logprob, when its text
+        starts within what is sent, rides with its event."""
+        start = self.produced
+        self.produced += produced
+        self.emitted += sent
+        if not self.held_logprobs and start < self.emitted:
+            return logprob  # the common case: nothing held
+        self.held_logprobs.append((start, logprob))
+        ready = [lp for at, lp in self.held_logprobs if at < self.emitted]
+        if not ready:
+            return None
+        del self.held_logprobs[: len(ready)]
+        own = ready.pop() if ready[-1] is logprob else None
+        for lp in ready:
+            self.stream.put(TokenEvent(self.id, None, "", lp))
+        return own
+
     def tail_text(self) -> str:
-        """Text still held back, released at the end unless a stop string ended it."""
+        """Text still held back, released at the end unless a stop string ended it.
+        The logprobs held with it are sent first (their text comes with the final
+        event)."""
         if self.detok is None or self.stop is None or self.stop_matched:
             return ""
         text, hit = self.stop.feed(self.detok.flush())
-        return text if hit else text + self.stop.flush()
+        text = text if hit else text + self.stop.flush()
+        self.emitted += len(text)
+        held, self.held_logprobs = self.held_logprobs, []
+        for at, lp in held:  # the tokens of the text sent at the end
+            if not hit or at < self.emitted:
+                self.stream.put(TokenEvent(self.id, None, "", lp))
+        return text
 
     def close(self) -> None:
         if self.sampler is not None:

@@ -405,6 +405,52 @@ def test_logit_bias_and_stop_token_ids(engine: Engine) -> None:
     assert ignored.finish_reason == "length" and 2 not in ignored.token_ids
 
 
+def _pieces_text(engine: Engine, logprobs: Any) -> str:
+    backend = engine.backend
+    assert backend is not None
+    return b"".join(backend.piece(lp.token_id) for lp in logprobs).decode("utf-8", "replace")
+
+
+def test_logprobs_cover_the_text_the_client_gets_and_nothing_after_a_stop(
+    engine: Engine,
+) -> None:
+    """The tokens of a stop string are not in the logprobs (their text is not sent), nor
+    is a stop token's; the logprobs of tokens whose text was held back while it could
+    still become a stop string come before the text they made, streamed or not."""
+    plain = engine.generate("stop here", SamplingParams(max_tokens=16, logprobs=0, **GREEDY))
+    assert _pieces_text(engine, plain.logprobs) == plain.text  # nothing held: all tokens
+    backend = engine.backend
+    assert backend is not None
+    pieces = [backend.piece(t).decode("utf-8", "replace") for t in plain.token_ids]
+    k = next(i for i in range(4, 16) if pieces[i].strip() and pieces[i + 1].strip())
+    # a stop string of two tokens' text, starting where token k starts
+    stop = pieces[k] + pieces[k + 1]
+    assert stop not in "".join(pieces[:k]) + pieces[k]  # it first completes at k + 1
+    cut = engine.generate(
+        "stop here", SamplingParams(max_tokens=16, logprobs=0, stop=[stop], **GREEDY)
+    )
+    assert cut.finish_reason == "stop" and cut.text == "".join(pieces[:k])
+    assert [lp.token_id for lp in cut.logprobs] == list(plain.token_ids[:k])
+
+    events = list(
+        engine.submit("stop here", SamplingParams(max_tokens=16, logprobs=0, stop=[stop], **GREEDY))
+    )
+    sent, with_logprobs = "", []
+    for e in events:  # each logprob arrives no later than its token's text
+        if e.logprob is not None:
+            with_logprobs.append(e.logprob)
+            assert _pieces_text(engine, with_logprobs).startswith(sent)
+        sent += e.text
+    assert sent == cut.text and _pieces_text(engine, with_logprobs) == sent
+
+    ended = engine.generate(
+        "stop here",
+        SamplingParams(max_tokens=16, logprobs=0, stop_token_ids=[plain.token_ids[k]], **GREEDY),
+    )
+    assert ended.finish_reason == "stop" and list(ended.token_ids) == list(plain.token_ids[: k + 1])
+    assert [lp.token_id for lp in ended.logprobs] == list(plain.token_ids[:k])  # no stop token
+
+
 def test_top_logprobs(engine: Engine) -> None:
     c = engine.generate("probabilities", SamplingParams(max_tokens=3, logprobs=5, **GREEDY))
     for lp in c.logprobs:
