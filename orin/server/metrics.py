@@ -118,6 +118,16 @@ PROMPT_CACHE_COUNTERS = {
 }
 
 
+SLOT_MOVES_DOC = (
+    "Busy slots moved down to close a hole left by a finished one (one KV stream per slot: "
+    "a hole splits a step into two llama.cpp passes)."
+)
+PROMPT_SPLITS_DOC = (
+    "Steps of prompts that start together run as two, the shorter prompts first, because "
+    "the step-cost model predicted a lower mean TTFT."
+)
+
+
 class _EngineTotals(Collector):
     """Counters the engine keeps itself, exported as they were at the last scrape."""
 
@@ -127,23 +137,17 @@ class _EngineTotals(Collector):
         self.prompt_cache: dict[str, int] = {}
 
     def collect(self) -> Iterator[Metric]:
-        moves = CounterMetricFamily(
-            PREFIX + "slot_moves",
-            "Busy slots moved down to close a hole left by a finished one (one KV stream "
-            "per slot: a hole splits a step into two llama.cpp passes).",
-        )
-        moves.add_metric([], self.slot_moves)
-        yield moves
-        splits = CounterMetricFamily(
-            PREFIX + "prompt_step_splits",
-            "Steps of prompts that start together run as two, the shorter prompts first, "
-            "because the step-cost model predicted a lower mean TTFT.",
-        )
-        splits.add_metric([], self.prompt_splits)
-        yield splits
-        for name, doc in PROMPT_CACHE_COUNTERS.items():
-            family = CounterMetricFamily(PREFIX + "prompt_cache_" + name, doc)
-            family.add_metric([], self.prompt_cache.get(name, 0))
+        counters = [
+            ("slot_moves", SLOT_MOVES_DOC, self.slot_moves),
+            ("prompt_step_splits", PROMPT_SPLITS_DOC, self.prompt_splits),
+            *(
+                ("prompt_cache_" + name, doc, self.prompt_cache.get(name, 0))
+                for name, doc in PROMPT_CACHE_COUNTERS.items()
+            ),
+        ]
+        for name, doc, value in counters:
+            family = CounterMetricFamily(PREFIX + name, doc)
+            family.add_metric([], value)
             yield family
 
 

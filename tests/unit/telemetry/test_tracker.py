@@ -140,14 +140,19 @@ def test_the_service_samples_the_board_at_the_idle_rate_while_the_engine_waits(
     sampler.source.close()
 
 
-def test_the_snapshot_counts_the_tokens_of_the_window_only(tmp_path: Path) -> None:
+def on_a_board(tmp_path: Path) -> Telemetry:
+    """The server's telemetry on a fake AGX Orin 64GB, its engine faked."""
     board = agx_orin_64gb(tmp_path, 6)
-    telemetry = Telemetry(
+    return Telemetry(
         FakeEngine(),  # type: ignore[arg-type]
         CollectorRegistry(),
         "jetson_sysfs",
         root=board.root,
     )
+
+
+def test_the_snapshot_counts_the_tokens_of_the_window_only(tmp_path: Path) -> None:
+    telemetry = on_a_board(tmp_path)
     tracker = telemetry.tracker
     tracker.on_step(step(1.0, 1.1, prefill=500, decode=0))  # long before the window
     tracker.on_step(step(1.1, 1.2, decode=3))
@@ -182,13 +187,7 @@ def test_a_recording_with_idle_rate_gaps_gives_each_phase_its_own_time() -> None
 def test_the_snapshots_phases_add_up_to_its_window(tmp_path: Path) -> None:
     """An idle server sampled once a second: the last 10 s by phase are 10 s of idle, not
     10.5 (the latest sample standing for half a second after it) or 11."""
-    board = agx_orin_64gb(tmp_path, 6)
-    telemetry = Telemetry(
-        FakeEngine(),  # type: ignore[arg-type]
-        CollectorRegistry(),
-        "jetson_sysfs",
-        root=board.root,
-    )
+    telemetry = on_a_board(tmp_path)
     times = iter([0.3 + i for i in range(30)])  # idle rate, not on the window's edges
     telemetry.sampler.source.close()
     telemetry.sampler = Sampler(Counting(), 50, clock_ns=lambda: round(next(times) * S))
