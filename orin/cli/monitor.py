@@ -153,9 +153,15 @@ def render(
     for r in list(snap.get("recent_requests") or [])[-8:]:
         reqs.add_row(
             str(r["id"]), str(r["finish_reason"]), str(r["prompt_tokens"]),
-            str(r["generated_tokens"]), _fmt(r["ttft_ms"]), _fmt(r["tpot_ms"], "", 2),
+            str(r["generated_tokens"]), _fmt(_ttft(r)), _fmt(r["tpot_ms"], "", 2),
         )  # fmt: skip
     return Group(head, load, phases, reqs)
+
+
+def _ttft(r: dict[str, Any]) -> float | None:
+    """A request's TTFT; none for one that produced no token (cancelled while queued or
+    during prefill), whose recorded ``ttft_ms`` is only the time it ended."""
+    return r["ttft_ms"] if r.get("generated_tokens") else None
 
 
 def _pct(v: float | None) -> float | None:

@@ -17,7 +17,7 @@ import json
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Literal, Protocol, cast
 
 from orin.engine.stream import Completion, RequestStream, collect
@@ -458,23 +458,28 @@ async def sse_events(
         list(streams) if isinstance(streams, (list, tuple)) else [cast(RequestStream, streams)]
     )
     answer = _Answer(fmt, many, on_finish)
+    batches = _batches(many) if len(many) > 1 else None
     try:
         for i in range(len(many)):
             opening = fmt.opening(i)
             if opening is not None:
                 yield encode(opening)
-        if len(many) == 1:
+        if batches is None:
             stream = many[0]
             while ready := await stream.next_batch():
                 if out := answer.events(0, ready):
                     yield out
         else:
-            async for i, ready in _batches(many):
+            async for i, ready in batches:
                 if out := answer.events(i, ready):
                     yield out
     finally:
         for stream in many:
             stream.cancel()  # a no-op when the request already finished
+        if batches is not None:
+            await batches.aclose()  # its waits on the streams end before the one below
+        if len(answer.done) < len(many):  # cut short (the client left): the log's figures
+            await answer.cut_short(0)
 
 
 class _Answer:
@@ -518,6 +523,20 @@ class _Answer:
             return b"".join(out)
         return LastEvents(b"".join(out) + self._tail([self.done[j] for j in range(n)]))
 
+    async def cut_short(self, i: int) -> None:
+        """Take choice ``i``'s events up to its final one after the stream was cut short
+        (its request cancelled: the final event comes within one engine step), and
+        hand the collected request to ``on_finish``: the access log then has the
+        tokens it was served and its latencies, as for an answer that ended."""
+        if i in self.done:
+            self.on_finish(self.done[i])
+            return
+        seen = self.seen[i]
+        while ready := await self.streams[i].next_batch():
+            seen += ready
+        if seen and seen[-1].finish_reason is not None:
+            self.on_finish(collect(self.streams[i].request_id, seen))
+
     def _tail(self, cs: list[Completion]) -> bytes:
         """After every choice ended: an error event or the usage chunk, then ``[DONE]``.
 
@@ -553,7 +572,9 @@ def interrupted_message(c: Completion, draining: bool) -> str:
     return f"{why}: the answer was cut short after {len(c.token_ids)} tokens; retry it"
 
 
-async def _batches(streams: list[RequestStream]) -> AsyncIterator[tuple[int, list[TokenEvent]]]:
+async def _batches(
+    streams: list[RequestStream],
+) -> AsyncGenerator[tuple[int, list[TokenEvent]], None]:
     """(choice, events ready together) from every stream as they come, until each
     has delivered its final event (several streams: one task per wait)."""
     waiting = {asyncio.ensure_future(s.next_batch()): i for i, s in enumerate(streams)}
@@ -569,3 +590,5 @@ async def _batches(streams: list[RequestStream]) -> AsyncIterator[tuple[int, lis
     finally:
         for task in waiting:
             task.cancel()
+        # ended before this returns: a wait left behind would drop the next reader's
+        await asyncio.gather(*waiting, return_exceptions=True)

@@ -77,6 +77,8 @@ class EventStream(Response):
                 await asyncio.gather(gone, ping, return_exceptions=True)
                 await asyncio.wait((body,))
         if body.cancelled():  # the client went away: nobody to end the stream for
+            # the access log and metrics count it as 499, not as an answer served
+            scope.setdefault("state", {})["client_left"] = True
             return
         if not body.result():  # an error in the iterator propagates (the server logs it)
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -98,7 +98,8 @@ class Telemetry:
             {
                 "id": request_id,
                 "finish_reason": reason,
-                "ttft_ms": t.ttft_ms,
+                # a request that produced no token has no TTFT (docs/metrics.md)
+                "ttft_ms": t.ttft_ms if t.generated_tokens > 0 else None,
                 "tpot_ms": t.tpot_ms,
                 "prompt_tokens": t.prompt_tokens,
                 "generated_tokens": t.generated_tokens,

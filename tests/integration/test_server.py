@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -178,6 +179,58 @@ def test_clients_that_leave_free_their_slots(server: tuple[str, ServerState]) ->
     assert health["slots_busy"] == 0 and health["kv_cells_used"] == 0
     metrics = httpx.get(f"{base}/metrics").text
     assert 'orin_llm_requests_total{finish_reason="cancelled"}' in metrics
+
+
+def _counted(base: str, route: str, status: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith("orin_llm_http_requests_total{") and all(
+            label in line for label in (f'route="{route}"', f'status="{status}"')
+        ):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_streaming_client_that_leaves_is_logged_and_counted_as_499(
+    server: tuple[str, ServerState], caplog: pytest.LogCaptureFixture, n: int
+) -> None:
+    """...not as a 200 (its answer was not all sent), and its access log line has the
+    tokens it was served, as the line of an answer that ended has."""
+    base = server[0]
+    port = int(base.rsplit(":", 1)[1])
+    route = "/v1/chat/completions"
+    before = {s: _counted(base, route, s) for s in ("200", "499")}
+    rid = f"req-leaves-mid-stream-{n}"
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "Tell me everything."}],
+            "max_tokens": 600,
+            "ignore_eos": True,  # it ends only when the client leaves
+            "n": n,
+            "stream": True,
+        }
+    ).encode()
+    with caplog.at_level(logging.INFO, "orin.access"):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(
+                f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+                + f"X-Request-Id: {rid}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            got = b""
+            while got.count(b'"content": "') < 3:  # tokens arrived: mid-stream
+                got += s.recv(4096)
+        health = wait_idle(base)
+        assert health["slots_busy"] == 0 and health["kv_cells_used"] == 0
+        deadline = time.monotonic() + 60  # the log line comes once the request has ended
+        while not (lines := [r for r in caplog.records if rid in r.getMessage()]):
+            assert time.monotonic() < deadline
+            threading.Event().wait(0.01)
+    fields = lines[0].fields  # type: ignore[attr-defined]
+    assert fields["status"] == 499
+    assert 1 <= fields["generated_tokens"] < 600 and fields["ttft_ms"] is not None
+    assert _counted(base, route, "499") == before["499"] + 1
+    assert _counted(base, route, "200") == before["200"]
 
 
 def test_non_streaming_client_that_leaves_is_cancelled(server: tuple[str, ServerState]) -> None:

@@ -183,3 +183,18 @@ def test_the_first_frame_shows_the_snapshots_tokens_then_the_counters_window() -
     assert row(first, "prefill")[5] == "90000" and row(first, "decode")[5] == "30000"
     assert "tokens after" not in first
     assert row(later, "prefill")[5] == "0" and row(later, "decode")[5] == "0"
+
+
+def test_a_request_that_produced_no_token_shows_no_ttft() -> None:
+    """A recording's request line keeps the engine's timings as they are: a request
+    cancelled before its first token has a ``ttft_ms`` that is only when it ended."""
+    snap = snapshot()
+    snap["recent_requests"] = [
+        {"id": "req-gone", "finish_reason": "cancelled", "ttft_ms": 1109.97,
+         "tpot_ms": None, "prompt_tokens": 36, "generated_tokens": 0},
+        {"id": "req-served", "finish_reason": "stop", "ttft_ms": 289.57,
+         "tpot_ms": 29.97, "prompt_tokens": 38, "generated_tokens": 27},
+    ]  # fmt: skip
+    out = text(snap)
+    assert row(out, "req-gone") == ["req-gone", "cancelled", "36", "0", "-", "-"]
+    assert row(out, "req-served") == ["req-served", "stop", "38", "27", "289.6", "29.97"]

@@ -95,6 +95,30 @@ def test_a_disconnect_cancels_and_closes_the_iterator_at_once() -> None:
     assert all(m.get("more_body", True) for m in conn.sent)
 
 
+def test_a_client_that_left_is_marked_for_the_access_log_and_one_that_stayed_is_not() -> None:
+    """The middleware logs and counts a request whose client left as 499."""
+
+    async def events(forever: bool) -> AsyncIterator[bytes]:
+        yield event("first")
+        if forever:
+            await asyncio.sleep(3600)
+        yield LastEvents(event("[DONE]"))
+
+    async def go(leave: bool) -> dict[str, Any]:
+        conn = Connection()
+        scope: dict[str, Any] = {"state": {"request_id": "req-1"}}
+        task = asyncio.ensure_future(EventStream(events(leave))(scope, conn.receive, conn.send))
+        if leave:
+            while not conn.sent[1:]:
+                await asyncio.sleep(0)
+            conn.gone.set()
+        await task
+        return dict(scope["state"])
+
+    assert run(go(leave=True)) == {"request_id": "req-1", "client_left": True}
+    assert run(go(leave=False)) == {"request_id": "req-1"}
+
+
 def test_an_iterator_suspended_at_a_send_is_closed_too() -> None:
     closed: list[str] = []
 

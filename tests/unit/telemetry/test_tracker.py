@@ -196,3 +196,28 @@ def test_the_snapshots_phases_add_up_to_its_window(tmp_path: Path) -> None:
     phases = telemetry.snapshot()["phases"]
     assert phases["idle"]["seconds"] == pytest.approx(10.0)
     assert sum(p["seconds"] for p in phases.values()) == pytest.approx(10.0)
+
+
+def test_the_latest_requests_give_no_ttft_to_a_request_that_produced_no_token(
+    tmp_path: Path,
+) -> None:
+    """A request cancelled while queued or during prefill has no first token: its
+    timings' ``ttft_ms`` is only when it ended, which /telemetry (and so monitor) must
+    not show as a TTFT, as /metrics and the dashboard do not count one."""
+    from orin.engine.timings import TimingRecorder
+
+    board = agx_orin_64gb(tmp_path, 6)
+    engine = FakeEngine()
+    telemetry = Telemetry(engine, CollectorRegistry(), "jetson_sysfs", root=board.root)  # type: ignore[arg-type]
+    cancelled = TimingRecorder(arrival_ns=0, prefill_start_ns=12 * 10**6)
+    served = TimingRecorder(arrival_ns=0, prefill_start_ns=5 * 10**6)
+    for t in (90 * 10**6, 120 * 10**6):
+        served.token(t)
+    for observe in engine.finish_observers:
+        observe("req-gone", "cancelled", cancelled.result(1110 * 10**6, 36, 24, 0))
+        observe("req-served", "stop", served.result(120 * 10**6, 36, 24, 0))
+    recent = {r["id"]: r for r in telemetry.snapshot()["recent_requests"]}
+    assert recent["req-gone"]["generated_tokens"] == 0
+    assert recent["req-gone"]["ttft_ms"] is None
+    assert recent["req-served"]["ttft_ms"] == pytest.approx(90.0)
+    telemetry.sampler.source.close()
