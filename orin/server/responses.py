@@ -13,6 +13,7 @@ equal. A chat answer parsed for tool calls or reasoning streams through
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -378,6 +379,9 @@ class CompletionFormatter(Formatter):
 # -- streaming -----------------------------------------------------------------------
 
 DONE = event("[DONE]")
+CUT_SHORT_WAIT_S = 30.0
+"""How long a stream whose client left waits for its request's final event (the engine
+sends it within one step of the cancel) to log the request's figures."""
 _TEXT_MARK = "\u0000orin-text\u0000"
 _json_string = json.encoder.encode_basestring  # json.dumps(text, ensure_ascii=False), in C
 
@@ -479,7 +483,10 @@ async def sse_events(
         if batches is not None:
             await batches.aclose()  # its waits on the streams end before the one below
         if len(answer.done) < len(many):  # cut short (the client left): the log's figures
-            await answer.cut_short(0)
+            # bounded: an engine that is stuck (the watchdog's case) or gone never sends
+            # the final event, and the connection's task must still end
+            with contextlib.suppress(asyncio.TimeoutError):  # not TimeoutError on 3.10
+                await asyncio.wait_for(answer.cut_short(0), CUT_SHORT_WAIT_S)
 
 
 class _Answer:
