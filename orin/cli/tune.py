@@ -33,6 +33,7 @@ from orin.cli.options import (
     RootOpt,
     apply_ctx,
     check_telemetry,
+    file_to_write,
     folder_to_write,
 )
 from orin.cli.output import Output, progress_wanted
@@ -93,7 +94,12 @@ def run(
         float, typer.Option(min=0.1, help="Minutes for the whole run, report included.")
     ] = 10.0,
     out: Annotated[
-        Path | None, typer.Option("--out", help="Tuned profile YAML (default: NAME-tuned.yaml).")
+        Path | None,
+        typer.Option(
+            "--out",
+            callback=file_to_write,
+            help="Tuned profile YAML (default: NAME-tuned.yaml).",
+        ),
     ] = None,
     report: Annotated[
         Path | None,
