@@ -383,7 +383,9 @@ def _show_tuned(out: Output, r: TuneResult) -> None:
         ("prompt", "streams", "TTFT_p95 before", "after", "TPOT_p90 before", "after", "tok/s"),
         rows,
     )
-    verdict = "SLO met" if r.meets_slo else "SLO NOT met: the closest configuration"
+    from orin.tune.figures import verdict as slo_verdict
+
+    verdict = slo_verdict(r.meets_slo, r.has_targets)
     out.line(f"{verdict}; measured {r.search.spent_s:.0f} s of {r.settings.budget_s:.0f} s")
     for line in r.explanation:
         out.line(f"  {line}")
