@@ -83,7 +83,8 @@ def run(
         typer.Option(
             "--profile",
             envvar="ORIN_LLM_PROFILE",
-            help="Built-in profile or YAML file whose slo section is tuned for (default: demo).",
+            help="Built-in profile or YAML file whose slo section is tuned for (default: the "
+            "one serve runs: smollm2 when its package's model is here, else demo).",
         ),
     ] = None,
     model: Annotated[
@@ -287,13 +288,15 @@ def _run_measured(
     as_json: bool,
     quiet: bool = False,
 ) -> None:
-    profile = serve_profile(profile_name, model)[0]  # the profile serve would run
+    profile, chosen_for_you = serve_profile(profile_name, model)  # the profile serve would run
     apply_ctx(profile, settings.n_ctx)  # a --ctx its rules refuse: a usage error, now
     from orin.tune import report as tune_report
     from orin.tune import tuned
     from orin.tune.run import tune
 
     out = Output(as_json)
+    if chosen_for_you is not None and not quiet:  # which profile a bare `tune run` tunes
+        out.note(f"no --profile given: tuning {profile.name}, the profile serve runs without one")
     with TuneProgress.open(out, settings.budget_s, quiet) as bar:
         result = tune(profile, model, settings, progress=bar.say)
         bar.stage("writing the tuned profile and the report")

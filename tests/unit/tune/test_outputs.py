@@ -283,3 +283,23 @@ def test_when_the_budget_ended_every_measurement_the_error_asks_for_more(
         run_mod._chosen(found, ms)  # type: ignore[arg-type]
     assert str(exc.value).startswith("every configuration failed: ")
     assert ("give a larger --budget" in str(exc.value)) is hint
+
+
+def test_tune_without_a_profile_says_which_profile_it_tunes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bare `tune run` tunes the profile serve runs (smollm2 when its model file is in
+    the cache), and says so before it starts; here the cached file is not a GGUF file, so
+    the run stops right after (exit 3) without measuring anything."""
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    (models / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"not a gguf file")
+    monkeypatch.setenv("ORIN_LLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("ORIN_LLM_PROFILE", raising=False)
+    args = ["run", "--budget", "0.1", "--out", str(tmp_path / "t.yaml")]
+    r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r")])
+    assert r.exit_code == 3, r.output
+    assert "no --profile given: tuning smollm2, the profile serve runs without one" in r.stderr
+    assert "not a GGUF file" in r.stderr
+    quiet = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r"), "-q"])
+    assert quiet.exit_code == 3 and "no --profile given" not in quiet.stderr
