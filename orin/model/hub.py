@@ -335,6 +335,16 @@ class _hub_errors:
             return f"HF_HUB_OFFLINE is set, so {ep} is not asked for {repo}; unset it to pull"
         if isinstance(exc, hf.HfHubHTTPError):
             status = exc.response.status_code if exc.response is not None else "?"
+            if status == 401:
+                token = "HF_TOKEN is not a valid token" if os.environ.get("HF_TOKEN") else (
+                    "a private or gated repository needs HF_TOKEN"
+                )
+                return f"{ep} answered HTTP 401 (unauthorized) for {what}: {token}"
+            if status == 403:
+                return (
+                    f"{ep} answered HTTP 403 (forbidden) for {what}: the account of HF_TOKEN "
+                    "has no access (a gated repository's terms are accepted on its page)"
+                )
             return f"{ep} answered HTTP {status} for {what}{again}"
         if isinstance(exc, (httpx2.TransportError, ConnectionError)):
             return (
