@@ -157,6 +157,19 @@ def test_validate_rejects_quantized_v_without_flash_attention(tmp_path: Path) ->
     ]
 
 
+def test_validate_without_findings_prints_no_empty_table(tmp_path: Path) -> None:
+    """Every KV setting explicit and allowed (what tune writes): one line, not a table
+    with headers and no rows."""
+    f = tmp_path / "p.yaml"
+    f.write_text(
+        "name: tuned\nmodel: {quantization: Q4_K_M}\n"
+        "engine: {type_k: q8_0, type_v: q8_0, flash_attn: 'on'}\n"
+    )
+    code, out, _ = invoke("profile", "validate", str(f))
+    assert code == 0
+    assert out.splitlines() == ["tuned: K=q8_0 V=q8_0 flash_attn=on: no findings", "valid"]
+
+
 def test_validate_typo_names_line(tmp_path: Path) -> None:
     f = tmp_path / "p.yaml"
     f.write_text("name: t\nengine:\n  n_ctx: 2048\n  flash_atn: on\n")
