@@ -350,8 +350,10 @@ class _hub_errors:
         if isinstance(exc, hf.HfHubHTTPError):
             status = exc.response.status_code if exc.response is not None else "?"
             if status == 401:
-                token = "HF_TOKEN is not a valid token" if os.environ.get("HF_TOKEN") else (
-                    "a private or gated repository needs HF_TOKEN"
+                token = (
+                    "HF_TOKEN is not a valid token"
+                    if os.environ.get("HF_TOKEN")
+                    else "a private or gated repository needs HF_TOKEN"
                 )
                 return f"{ep} answered HTTP 401 (unauthorized) for {what}: {token}"
             if status == 403:
