@@ -107,7 +107,8 @@ def validate(
     if as_json:
         out.json(report.to_dict())
     else:
-        title = f"{profile.name}: K={report.type_k} V={report.type_v} flash_attn={report.flash_attn}"
+        kv = f"K={report.type_k} V={report.type_v} flash_attn={report.flash_attn}"
+        title = f"{profile.name}: {kv}"
         if report.findings:
             out.table(
                 title,
