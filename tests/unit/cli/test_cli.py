@@ -43,6 +43,28 @@ def test_inspect_errors_are_one_line() -> None:
         assert "Traceback" not in err
 
 
+def test_a_vision_projector_is_inspected_as_one_and_refused_by_plan(tmp_path: Path) -> None:
+    """`model list` calls a projector GGUF a vision projector; `model inspect` shows its
+    metadata, and the commands that need a language model say what the file is instead
+    of naming a metadata key it lacks."""
+    from orin.model import mmproj
+
+    path = mmproj.generate("tiny", tmp_path / "mmproj.gguf")
+    code, out, err = invoke("model", "inspect", str(path))
+    assert code == 0, err
+    assert "vision projector (model.mmproj of a profile)" in out and "mlp" in out
+    code, out, _ = invoke("model", "inspect", str(path), "--json")
+    data = json.loads(out)
+    assert code == 0 and data["kind"] == "vision projector" and data["projector_type"] == "mlp"
+    assert data["path"] == str(path)
+    code, out, err = invoke("model", "plan", str(path))
+    assert code == 3 and out == ""
+    assert err.strip() == (
+        f"orin-llm: {path}: a vision projector (mmproj), not a language model; a profile "
+        "names it as model.mmproj beside the model it serves"
+    )
+
+
 def test_model_list_shows_every_folder_serve_finds_models_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
