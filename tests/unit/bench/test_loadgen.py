@@ -18,6 +18,7 @@ import pytest
 from orin.bench.client import StreamParser, failure_kind, http_error
 from orin.bench.loadgen import BenchRun, LoadSpec, arrival_offsets, plan, run
 from orin.bench.prompts import TokenPool, fit_word_count, special_prefix
+from orin.bench.server import BenchError
 from orin.bench.sse import SSEDecoder
 
 WORDS_PER_TOKEN = 1  # the fakes "tokenize" one token per word
@@ -207,6 +208,31 @@ def test_the_api_key_and_the_model_go_with_every_request() -> None:
     assert r.summary()["completed"] == 6 and r.server.model == "named"
     assert fake.headers and all(h["Authorization"] == "Bearer sekrit" for h in fake.headers)
     assert all(b["model"] == "named" for b in fake.bodies)
+
+
+@pytest.mark.parametrize(
+    ("key", "says"),
+    [
+        (None, "refused the request (401): it requires an API key; give it with --api-key"),
+        ("wrong", "refused the API key (401): check --api-key or ORIN_LLM_API_KEY"),
+    ],
+)
+def test_a_server_that_wants_another_key_is_said_to(key: str | None, says: str) -> None:
+    """A 401 to the probe is about the key, not a refused ignore_eos: the run stops with
+    what to give, once, without a second probe."""
+    fake = FakeServer(usage=True)
+    probes: list[Seen] = []
+
+    def keyed(seen: Seen) -> Answer:
+        if seen.headers.get("Authorization") != "Bearer right":
+            probes.append(seen)
+            return Answer(401, {"error": {"code": "invalid_api_key"}})
+        return fake(seen)
+
+    with serving(keyed) as url, pytest.raises(BenchError) as caught:
+        run(spec(url=url, api_key=key))
+    assert says in str(caught.value)
+    assert len([p for p in probes if p.path.endswith("/completions")]) == 1
 
 
 def test_outputs_that_end_early_are_reported() -> None:
