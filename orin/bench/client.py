@@ -269,10 +269,28 @@ def send(
     except TimeoutError:
         return RequestResult(index, input_len, False, "timeout", start_s=start_s)
     except (OSError, http.client.HTTPException) as exc:
-        return RequestResult(index, input_len, False, type(exc).__name__, start_s=start_s)
+        return RequestResult(index, input_len, False, failure_kind(exc), start_s=start_s)
     except (ValueError, KeyError, TypeError):
         return RequestResult(index, input_len, False, "malformed stream", start_s=start_s)
     return parser.result(index, input_len, start_s)
+
+
+# connection failures by what happened, for the errors table (the first match names it)
+FAILURE_KINDS: tuple[tuple[type[Exception], str], ...] = (
+    (ConnectionRefusedError, "connection refused"),
+    (http.client.IncompleteRead, "broken stream"),  # the response ended early
+    (http.client.RemoteDisconnected, "closed without a response"),
+    (ConnectionResetError, "connection reset"),
+)
+
+
+def failure_kind(exc: Exception) -> str:
+    """A failed connection in words (``connection refused``, ``broken stream``), or the
+    exception's name where there are none."""
+    for kind, words in FAILURE_KINDS:
+        if isinstance(exc, kind):
+            return words
+    return type(exc).__name__
 
 
 # The benchmarks' results: the token times and the server's counts, nothing more.

@@ -90,6 +90,15 @@ def probe(
     info = ServerInfo(kind, model or first.get("id"), ignore_eos=True)
     info.meta = meta if isinstance(meta, dict) else {}
     resp = _complete(info.target(base, headers, timeout), PROBE_TEXT)
+    if resp.status == 401:  # not a refused ignore_eos: no request will pass
+        if "Authorization" in headers:
+            raise BenchError(
+                f"{base} refused the API key (401): check --api-key or ORIN_LLM_API_KEY"
+            )
+        raise BenchError(
+            f"{base} refused the request (401): it requires an API key; give it with "
+            "--api-key or ORIN_LLM_API_KEY"
+        )
     if 400 <= resp.status < 500:
         info.ignore_eos = False
         resp = _complete(info.target(base, headers, timeout), PROBE_TEXT)

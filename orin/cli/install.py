@@ -25,7 +25,7 @@ from rich.progress import (
 
 from orin.cli.deps import HttpGet, deps
 from orin.cli.errors import fail, handle_errors
-from orin.cli.options import ApiKeyOpt, JsonOpt, RootOpt, bearer, service_user
+from orin.cli.options import ApiKeyOpt, JsonOpt, RootOpt, bearer, check_url, service_user
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.doctor.report import Report
 from orin.install import probe
@@ -355,6 +355,7 @@ def status(
         str | None,
         typer.Option(
             "--url",
+            callback=check_url,
             help="A server started with `orin-llm serve` (e.g. http://127.0.0.1:8080): its "
             "/health, /v1/models and latency instead of the installed service's.",
         ),
@@ -407,6 +408,9 @@ def _show_status(out: Output, st: ServiceStatus, by_url: bool) -> None:
         (name.upper(), lat.count, _ms(lat.p50_s), _ms(lat.p95_s), _ms(lat.mean_s))
         for name, lat in st.latency.items()
     ]
+    if not rows:  # no /metrics, or none of its TTFT/TPOT histograms: no table of no rows
+        out.line("latency: none: /metrics exports no TTFT or TPOT histogram")
+        return
     out.table("latency since the server started", ("", "requests", "p50", "p95", "mean"), rows)
 
 

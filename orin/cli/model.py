@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -27,6 +27,7 @@ from orin.model import store
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.model.hub import Chown
 from orin.model.memplan import KV_TYPES, MemoryPlan, plan_memory
+from orin.model.mmproj import ProjectorInfo
 from orin.profile.kvmatch import QUANTIZED_KV, check_kv
 from orin.profile.schema import EngineSection, Profile
 from orin.system.commands import CommandRunner
@@ -45,8 +46,15 @@ PathArg = Annotated[Path, typer.Argument(help="GGUF model file.", show_default=F
 @app.command()
 @handle_errors
 def inspect(path: PathArg, as_json: JsonOpt = False) -> None:
-    """Show a GGUF file's metadata without loading its weights."""
-    info = read_model_info(path)
+    """Show a GGUF file's metadata without loading its weights (a vision projector's too)."""
+    try:
+        info = read_model_info(path)
+    except ModelFileError:
+        proj = _projector_info(path)
+        if proj is None:
+            raise
+        _show_projector(Output(as_json), path, proj)
+        return
     out = Output(as_json)
     if as_json:
         out.json(info.to_dict())
@@ -56,6 +64,38 @@ def inspect(path: PathArg, as_json: JsonOpt = False) -> None:
         "tensor types",
         ("type", "tensors", "parameters", "bytes"),
         ((t.type, t.tensors, f"{t.elements:,}", human_bytes(t.bytes)) for t in info.tensor_types),
+    )
+
+
+def _projector_info(path: Path) -> ProjectorInfo | None:
+    from orin.model import mmproj
+
+    try:
+        return mmproj.read_projector_info(path)
+    except (ValueError, OSError, KeyError, IndexError):
+        return None
+
+
+def _show_projector(out: Output, path: Path, proj: ProjectorInfo) -> None:
+    if out.as_json:
+        out.json({"kind": "vision projector", **asdict(proj), "path": str(path)})
+        return
+    side = proj.image_size // proj.patch_size if proj.patch_size else 0
+    out.pairs(
+        str(path),
+        [
+            ("kind", "vision projector (model.mmproj of a profile)"),
+            ("projector type", proj.projector_type or "unknown"),
+            ("vision encoder", "yes" if proj.has_vision else "no"),
+            ("layers", proj.n_layer),
+            ("attention heads", proj.n_head),
+            ("embedding size", proj.n_embd),
+            ("feed-forward size", proj.n_ff),
+            ("image size", f"{proj.image_size} px, patches of {proj.patch_size} ({side}x{side})"),
+            ("output width", proj.output_width or "unknown"),
+            ("weights", human_bytes(proj.weights_bytes)),
+            ("compute buffer (estimate)", human_bytes(proj.compute_bytes)),
+        ],
     )
 
 

@@ -107,12 +107,17 @@ def validate(
     if as_json:
         out.json(report.to_dict())
     else:
-        out.table(
-            f"{profile.name}: K={report.type_k} V={report.type_v} flash_attn={report.flash_attn}",
-            ("severity", "rule", "finding"),
-            ((f.severity, f.rule, f.message) for f in report.findings),
-            keep=("severity", "rule"),
-        )
+        kv = f"K={report.type_k} V={report.type_v} flash_attn={report.flash_attn}"
+        title = f"{profile.name}: {kv}"
+        if report.findings:
+            out.table(
+                title,
+                ("severity", "rule", "finding"),
+                ((f.severity, f.rule, f.message) for f in report.findings),
+                keep=("severity", "rule"),
+            )
+        else:  # every setting explicit and allowed: no table of no rows
+            out.line(f"{title}: no findings")
         out.line("valid" if report.ok else "INVALID: fix the errors above")
     if not report.ok:
         raise typer.Exit(EXIT_FAILED)

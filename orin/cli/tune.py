@@ -33,6 +33,7 @@ from orin.cli.options import (
     RootOpt,
     apply_ctx,
     check_telemetry,
+    file_to_write,
     folder_to_write,
 )
 from orin.cli.output import Output, progress_wanted
@@ -82,7 +83,8 @@ def run(
         typer.Option(
             "--profile",
             envvar="ORIN_LLM_PROFILE",
-            help="Built-in profile or YAML file whose slo section is tuned for (default: demo).",
+            help="Built-in profile or YAML file whose slo section is tuned for (default: the "
+            "one serve runs: smollm2 when its package's model is here, else demo).",
         ),
     ] = None,
     model: Annotated[
@@ -93,7 +95,12 @@ def run(
         float, typer.Option(min=0.1, help="Minutes for the whole run, report included.")
     ] = 10.0,
     out: Annotated[
-        Path | None, typer.Option("--out", help="Tuned profile YAML (default: NAME-tuned.yaml).")
+        Path | None,
+        typer.Option(
+            "--out",
+            callback=file_to_write,
+            help="Tuned profile YAML (default: NAME-tuned.yaml).",
+        ),
     ] = None,
     report: Annotated[
         Path | None,
@@ -281,13 +288,15 @@ def _run_measured(
     as_json: bool,
     quiet: bool = False,
 ) -> None:
-    profile = serve_profile(profile_name, model)[0]  # the profile serve would run
+    profile, chosen_for_you = serve_profile(profile_name, model)  # the profile serve would run
     apply_ctx(profile, settings.n_ctx)  # a --ctx its rules refuse: a usage error, now
     from orin.tune import report as tune_report
     from orin.tune import tuned
     from orin.tune.run import tune
 
     out = Output(as_json)
+    if chosen_for_you is not None and not quiet:  # which profile a bare `tune run` tunes
+        out.note(f"no --profile given: tuning {profile.name}, the profile serve runs without one")
     with TuneProgress.open(out, settings.budget_s, quiet) as bar:
         result = tune(profile, model, settings, progress=bar.say)
         bar.stage("writing the tuned profile and the report")
@@ -377,7 +386,9 @@ def _show_tuned(out: Output, r: TuneResult) -> None:
         ("prompt", "streams", "TTFT_p95 before", "after", "TPOT_p90 before", "after", "tok/s"),
         rows,
     )
-    verdict = "SLO met" if r.meets_slo else "SLO NOT met: the closest configuration"
+    from orin.tune.figures import verdict as slo_verdict
+
+    verdict = slo_verdict(r.meets_slo, r.has_targets)
     out.line(f"{verdict}; measured {r.search.spent_s:.0f} s of {r.settings.budget_s:.0f} s")
     for line in r.explanation:
         out.line(f"  {line}")

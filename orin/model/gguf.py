@@ -462,6 +462,11 @@ def _build_info(p: Path, contents: GGUFContents) -> ModelInfo:
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ModelFileError(f"{p}: GGUF file has no general.architecture")
+    if arch == "clip":
+        raise ModelFileError(
+            f"{p}: a vision projector (mmproj), not a language model; a profile names it as "
+            "model.mmproj beside the model it serves"
+        )
     shares, n_params, n_bytes = _tensor_stats(p, contents)
     file_type = meta.get("general.file_type")
     file_type = int(file_type) if file_type is not None else None

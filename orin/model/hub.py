@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -149,6 +150,7 @@ def pull(
         _record(models_dir, name, prov, chown, target)
         return PullResult(ref, remote, target, commit, downloaded=False)
     part = models_dir / PARTIAL_DIR / f"{name}.{remote.sha256[:16]}.part"
+    _log_once()
     resumed = _download(ref, remote, commit, part, ep, progress)
     digest = sha256_file(part)
     if digest != remote.sha256:
@@ -252,6 +254,18 @@ class _Restarts:
         return getattr(self._f, name)
 
 
+def _log_once() -> None:
+    """huggingface_hub prints its warnings (a dropped connection it resumes) through a
+    stderr handler of its own and passes them on to the root logger too: where the
+    application has configured logging (the CLI does), each would be printed twice.
+    Its own handler goes then, and the application's prints them in its format."""
+    if logging.getLogger().handlers:
+        library = logging.getLogger("huggingface_hub")
+        for handler in list(library.handlers):
+            if type(handler) is logging.StreamHandler:  # the one it adds when imported
+                library.removeHandler(handler)
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -335,6 +349,18 @@ class _hub_errors:
             return f"HF_HUB_OFFLINE is set, so {ep} is not asked for {repo}; unset it to pull"
         if isinstance(exc, hf.HfHubHTTPError):
             status = exc.response.status_code if exc.response is not None else "?"
+            if status == 401:
+                token = (
+                    "HF_TOKEN is not a valid token"
+                    if os.environ.get("HF_TOKEN")
+                    else "a private or gated repository needs HF_TOKEN"
+                )
+                return f"{ep} answered HTTP 401 (unauthorized) for {what}: {token}"
+            if status == 403:
+                return (
+                    f"{ep} answered HTTP 403 (forbidden) for {what}: the account of HF_TOKEN "
+                    "has no access (a gated repository's terms are accepted on its page)"
+                )
             return f"{ep} answered HTTP {status} for {what}{again}"
         if isinstance(exc, (httpx2.TransportError, ConnectionError)):
             return (

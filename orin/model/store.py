@@ -93,6 +93,8 @@ def pick_gguf(ref: HubRef, names: list[str], where: str) -> str:
         chosen, what = ggufs, "GGUF file"
     if len(chosen) == 1:
         return chosen[0]
+    if not ggufs:
+        raise HubError(f"{where} has no GGUF file at all; orin-llm serves GGUF models")
     if not chosen:
         raise HubError(f"{where} has no {what}; its GGUF files: {_listing(ggufs)}")
     many = f"GGUF files with {ref.quant} in their names" if ref.quant else "GGUF files"

@@ -169,6 +169,21 @@ class Measurement:
         }
 
 
+def has_targets(slo: SLOSection) -> bool:
+    """Whether the SLO sets a latency target; without one every configuration that
+    completes its requests "meets" it, and the ranking is by throughput alone."""
+    return slo.ttft_p95_ms is not None or slo.tpot_p90_ms is not None
+
+
+def verdict(meets_slo: bool, targets: bool) -> str:
+    """The chosen configuration against the SLO, in words."""
+    if not targets:
+        if meets_slo:
+            return "no SLO targets (the profile's slo section sets none): the fastest configuration"
+        return "no SLO targets, and some requests failed: the closest configuration"
+    return "SLO met" if meets_slo else "SLO NOT met: the closest configuration"
+
+
 def score(m: Measurement, slo: SLOSection) -> Score:
     """SLOs hold at every point: p95 TTFT and p90 TPOT within their targets."""
     if m.error is not None or not m.points or any(not p.ttft_ms for p in m.points.values()):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from orin.tune.explain import speculation
-from orin.tune.figures import Measurement, score
+from orin.tune.figures import Measurement, score, verdict
 from orin.tune.plots import draw_all
 from orin.tune.run import TuneResult
 from orin.tune.tuned import change_lines, point_lines, profile_changes
@@ -40,6 +40,11 @@ def _util(m: Measurement, phase: str) -> float | None:
     return f.gpu_util if f.gpu_util is not None else f.cpu_util
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 measurement', '3 measurements'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _worst(m: Measurement, attr: str) -> float | None:
     values = [v for p in m.points.values() for v in [getattr(p, attr)] if v is not None]
     return max(values) if values else None
@@ -56,7 +61,7 @@ def measurement_rows(r: TuneResult) -> list[str]:
         tags = [t for t, c in (("chosen", r.chosen), ("profile", r.space.baseline))
                 if m.candidate == c]  # fmt: skip
         sc = score(m, r.profile.slo)
-        meets = None if sc.failed else sc.meets_slo
+        meets = None if sc.failed or not r.has_targets else sc.meets_slo
         rows.append(
             f"| {m.candidate.label} | {m.reps} | {m.throughput():.1f} | "
             f"{_ms(_worst(m, 'ttft_p95'))} | {_ms(_worst(m, 'tpot_p90'), 1)} | "
@@ -97,13 +102,13 @@ def markdown(r: TuneResult, images: list[str] | None) -> str:
         f"- grid: prompt tokens {list(r.grid.prompt_tokens)} x concurrency "
         f"{list(r.grid.concurrency)}, {r.grid.output_tokens} generated tokens per request",
         f"- search: {len(r.space)} configurations, successive halving over repetitions "
-        f"{list(s.fidelities)}; first round {s.first_round}; {len(s.trials)} measurements"
+        f"{list(s.fidelities)}; first round {s.first_round}; {_count(len(s.trials), 'measurement')}"
         + (f"; {s.stopped}" if s.stopped else ""),
         *(f"- note: {n}" for n in [*r.notes, *r.space.notes]),
         "",
         "## Chosen configuration",
         "",
-        f"`{r.chosen.label}` — SLO {'met' if r.meets_slo else 'not met'}",
+        f"`{r.chosen.label}` — {verdict(r.meets_slo, r.has_targets)}",
         "",
         *(f"- {line}" for line in point_lines(r.chosen_m, r.baseline_m)),
         *(f"- **why**: {e}" for e in r.explanation),

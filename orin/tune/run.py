@@ -29,7 +29,7 @@ from orin.system.root import SysRoot
 from orin.telemetry.sampler import Sampler
 from orin.telemetry.sources import select_source
 from orin.tune.explain import explain
-from orin.tune.figures import Grid, Measurement, score
+from orin.tune.figures import Grid, Measurement, has_targets, score
 from orin.tune.measure import EngineMeasurer, workload
 from orin.tune.search import SearchResult, Trial, successive_halving
 from orin.tune.space import Candidate, Space, build_space
@@ -87,6 +87,11 @@ class TuneResult:
     def meets_slo(self) -> bool:
         return score(self.chosen_m, self.profile.slo).meets_slo
 
+    @property
+    def has_targets(self) -> bool:
+        """The profile's slo sets ttft_p95_ms or tpot_p90_ms (else: ranked by throughput)."""
+        return has_targets(self.profile.slo)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "date": self.started_at,
@@ -106,6 +111,7 @@ class TuneResult:
             "chosen": self.chosen.to_dict(),
             "baseline": self.space.baseline.to_dict(),
             "meets_slo": self.meets_slo,
+            "slo_targets": self.has_targets,
             "explanation": self.explanation,
             "speculation": self.speculation.to_dict() if self.speculation else None,
             "notes": self.notes + list(self.space.notes),
@@ -197,13 +203,15 @@ def tune(
         result = successive_halving(
             space.candidates, measurer.evaluate, budget * (1 - share), s.min_fidelity,
             s.max_fidelity, s.eta, s.seed, first=space.baseline,
-            on_trial=lambda t: say(_describe(t)),
+            on_trial=lambda t: say(_describe(t, targets=has_targets(profile.slo))),
         )  # fmt: skip
         chosen = _chosen(result, measurer)
         spec = refine(
             chosen, space.speculation, measurer.evaluate, measurer.results, profile.slo,
             result.fidelities, budget - result.spent_s, workload(grid),
-            on_trial=lambda t: say(_describe(t, "speculation")),
+            on_trial=lambda t: say(
+                _describe(t, "speculation", targets=has_targets(profile.slo))
+            ),
         )  # fmt: skip
         result.spent_s += spec.spent_s
         reps = measurer.results[spec.chosen].reps
@@ -229,12 +237,19 @@ def tune(
     return out
 
 
+# a measurement's error when the budget, not the configuration, ended it (measure.py)
+BUDGET_ERRORS = ("cut off after", "the budget ran out")
+
+
 def _chosen(result: SearchResult[Candidate], measurer: EngineMeasurer) -> Candidate:
     if result.best is None or result.best_score is None:
         raise TuneError("the budget did not allow a single measurement; give a larger --budget")
     if result.best_score.failed:
         errors = {m.error for m in measurer.results.values() if m.error}
-        raise TuneError("every configuration failed: " + "; ".join(sorted(errors)))
+        hint = ""
+        if errors and all(e.startswith(BUDGET_ERRORS) for e in errors):
+            hint = ": the budget ran out before a measurement completed; give a larger --budget"
+        raise TuneError("every configuration failed: " + "; ".join(sorted(errors)) + hint)
     return result.best
 
 
@@ -256,11 +271,16 @@ def _top_up_baseline(
         result.spent_s += ev.cost_s
 
 
-def _describe(t: Trial[Candidate], stage: str | None = None) -> str:
+def _describe(t: Trial[Candidate], stage: str | None = None, targets: bool = True) -> str:
     s = t.score
-    state = "failed" if s.failed else ("meets SLO" if s.meets_slo else f"{s.excess:+.0%} over")
+    if s.failed:
+        state = ", failed"
+    elif not targets:
+        state = "" if s.meets_slo else ", some requests failed"  # nothing to meet or miss
+    else:
+        state = ", meets SLO" if s.meets_slo else f", {s.excess:+.0%} over"
     head = stage or f"round {t.round}"
     return (
-        f"{head} x{t.fidelity}: {t.candidate.label}: {s.throughput:.1f} tok/s, "
+        f"{head} x{t.fidelity}: {t.candidate.label}: {s.throughput:.1f} tok/s"
         f"{state} ({t.cost_s:.1f} s)"
     )

@@ -79,6 +79,11 @@ def _value(v: Any) -> str:
     return "(none)" if v is None else str(v)
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 repetition', '3 repetitions'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def header(r: TuneResult) -> list[str]:
     chosen, before = r.chosen_m, r.baseline_m
     lines = [
@@ -86,11 +91,11 @@ def header(r: TuneResult) -> list[str]:
         f"Model {r.model_path.name} ({r.info.quantization}); engine in-process, greedy, "
         f"{r.grid.output_tokens} generated tokens per request, telemetry "
         f"{r.telemetry_source or 'off'}.",
-        f"Search: {len(r.search.trials)} measurements of {len(r.space)} configurations "
-        f"(successive halving, repetitions {list(r.search.fidelities)}), "
+        f"Search: {_count(len(r.search.trials), 'measurement')} of {len(r.space)} "
+        f"configurations (successive halving, repetitions {list(r.search.fidelities)}), "
         f"{r.search.spent_s:.0f} s of a {r.settings.budget_s:.0f} s budget.",
-        f"Measured ({chosen.reps} repetitions per point; before = the profile's own "
-        f"settings, {before.reps if before else 0} repetitions):",
+        f"Measured ({_count(chosen.reps, 'repetition')} per point; before = the profile's own "
+        f"settings, {_count(before.reps if before else 0, 'repetition')}):",
         *(f"  {line}" for line in point_lines(chosen, before)),
     ]
     slo = r.profile.slo
@@ -99,6 +104,8 @@ def header(r: TuneResult) -> list[str]:
     if targets:
         verdict = "met at every point" if r.meets_slo else "NOT met; closest configuration"
         lines.append(f"SLO {', '.join(targets)}: {verdict}.")
+    else:
+        lines.append("No SLO targets (the profile's slo section sets none): ranked by throughput.")
     lines += [f"  {e}" for e in r.explanation]
     if r.speculation is not None:
         spec = speculation(r.speculation, r.measurements, slo)

@@ -218,4 +218,7 @@ def test_tune_stops_at_a_short_budget(tmp_path: Path) -> None:
     assert any("the budget allowed" in n for n in data["notes"])
     assert all(c["field"] not in ("name", "description") for c in data["changes"])
     assert ("Changed from the profile" in out.read_text()) is bool(data["changes"])
+    # its slo lists no targets: nothing to meet, so no output says "SLO met"
+    assert data["slo_targets"] is False and "no SLO targets" in result.stdout
+    assert "SLO met" not in result.stdout and "meets SLO" not in result.stderr
     assert CliRunner().invoke(profile_cli.app, ["validate", str(out)]).exit_code == 0

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,6 +91,27 @@ def test_a_server_that_ignores_range_restarts_the_file_and_says_so(
     assert (
         hashlib.sha256((models / FILE).read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest()
     )
+
+
+def test_a_dropped_download_is_reported_once_per_retry(hub_env: FakeHub, tmp_path: Path) -> None:
+    """`orin-llm model pull` as a person runs it (its own process, the CLI's logging): the
+    warning huggingface_hub gives when it resumes a dropped download is one line in the
+    CLI's format, not that line and a plain copy of it from the library's own handler."""
+    data = write_gguf(tmp_path / "src.gguf", params=LLAMA2_7B, file_type=MOSTLY_Q8_0,
+                      tensors={"w": np.arange(MiB, dtype=np.float32)}).read_bytes()  # fmt: skip
+    hub_env.repos[REPO] = {FILE: data}
+    hub_env.cut_after = MiB  # then 503 until the end: one resume is tried, and fails
+    env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1", "COLUMNS": "400"}
+    done = subprocess.run(
+        [sys.executable, "-m", "orin", "model", "pull", f"{REPO}:{FILE}",
+         "--dir", str(tmp_path / "models")],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 9, done.stderr
+    lines = done.stderr.splitlines()
+    dropped = [line for line in lines if "Error while downloading from" in line]
+    assert dropped and all(line.startswith("WARNING huggingface_hub") for line in dropped), lines
+    assert lines[-1].startswith("orin-llm: ") and "run the same pull again to resume" in lines[-1]
 
 
 def test_a_corrupted_download_is_refused(hub_env: FakeHub, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import threading
 import time
@@ -14,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from orin.bench.client import StreamParser, http_error
+from orin.bench.client import StreamParser, failure_kind, http_error
 from orin.bench.loadgen import BenchRun, LoadSpec, arrival_offsets, plan, run
 from orin.bench.prompts import TokenPool, fit_word_count, special_prefix
+from orin.bench.server import BenchError
 from orin.bench.sse import SSEDecoder
 
 WORDS_PER_TOKEN = 1  # the fakes "tokenize" one token per word
@@ -26,12 +28,14 @@ FRAMINGS = ("chunked", "close")
 @dataclass
 class Answer:
     """What a fake says: a JSON body, or (``events`` set) an SSE stream ending in
-    ``[DONE]``; ``stall`` is waited on before the stream's second event."""
+    ``[DONE]``; ``stall`` is waited on before the stream's second event; ``cut`` closes
+    the connection after the first event, without ending the chunked body."""
 
     status: int = 200
     body: Any = None
     events: list[dict[str, Any]] | None = None
     stall: threading.Event | None = None
+    cut: bool = False
 
 
 @dataclass
@@ -84,6 +88,9 @@ def _handler(app: App, framing: str) -> type[BaseHTTPRequestHandler]:
             for i, event in enumerate([*events, b"data: [DONE]\n\n"]):
                 if i == 1 and answer.stall is not None:
                     answer.stall.wait(30)
+                if i == 1 and answer.cut:  # a server that died mid-stream
+                    self.close_connection = True
+                    return
                 self._write(event, framing)
                 time.sleep(0.001)
             if framing == "chunked":
@@ -203,6 +210,31 @@ def test_the_api_key_and_the_model_go_with_every_request() -> None:
     assert all(b["model"] == "named" for b in fake.bodies)
 
 
+@pytest.mark.parametrize(
+    ("key", "says"),
+    [
+        (None, "refused the request (401): it requires an API key; give it with --api-key"),
+        ("wrong", "refused the API key (401): check --api-key or ORIN_LLM_API_KEY"),
+    ],
+)
+def test_a_server_that_wants_another_key_is_said_to(key: str | None, says: str) -> None:
+    """A 401 to the probe is about the key, not a refused ignore_eos: the run stops with
+    what to give, once, without a second probe."""
+    fake = FakeServer(usage=True)
+    probes: list[Seen] = []
+
+    def keyed(seen: Seen) -> Answer:
+        if seen.headers.get("Authorization") != "Bearer right":
+            probes.append(seen)
+            return Answer(401, {"error": {"code": "invalid_api_key"}})
+        return fake(seen)
+
+    with serving(keyed) as url, pytest.raises(BenchError) as caught:
+        run(spec(url=url, api_key=key))
+    assert says in str(caught.value)
+    assert len([p for p in probes if p.path.endswith("/completions")]) == 1
+
+
 def test_outputs_that_end_early_are_reported() -> None:
     class Cut(FakeServer):
         def __call__(self, seen: Seen) -> Answer:
@@ -234,6 +266,24 @@ def test_errors_are_counted_not_raised() -> None:
     s = r.summary()
     assert (s["completed"], s["failed"]) == (4, 4)
     assert s["errors"] == {"http 500 server_error": 4}
+
+
+def test_failed_connections_are_counted_in_words() -> None:
+    """The errors table names what happened to a connection, not Python's exception
+    class: a stream cut off mid-way (a server killed during the run) is a broken stream."""
+    fake = FakeServer(usage=True)
+
+    def dying(seen: Seen) -> Answer:
+        answer = fake(seen)
+        answer.cut = answer.events is not None  # every stream; the probes are not streamed
+        return answer
+
+    s = bench(dying, num_requests=4, concurrency=1, warmup=0).summary()
+    assert (s["completed"], s["failed"], s["errors"]) == (0, 4, {"broken stream": 4})
+    assert failure_kind(ConnectionRefusedError(111, "Connection refused")) == "connection refused"
+    assert failure_kind(http.client.RemoteDisconnected("x")) == "closed without a response"
+    assert failure_kind(ConnectionResetError(104, "reset")) == "connection reset"
+    assert failure_kind(OSError(113, "No route to host")) == "OSError"  # no words: its name
 
 
 def test_a_stalled_stream_times_out() -> None:

@@ -43,6 +43,28 @@ def test_inspect_errors_are_one_line() -> None:
         assert "Traceback" not in err
 
 
+def test_a_vision_projector_is_inspected_as_one_and_refused_by_plan(tmp_path: Path) -> None:
+    """`model list` calls a projector GGUF a vision projector; `model inspect` shows its
+    metadata, and the commands that need a language model say what the file is instead
+    of naming a metadata key it lacks."""
+    from orin.model import mmproj
+
+    path = mmproj.generate("tiny", tmp_path / "mmproj.gguf")
+    code, out, err = invoke("model", "inspect", str(path))
+    assert code == 0, err
+    assert "vision projector (model.mmproj of a profile)" in out and "mlp" in out
+    code, out, _ = invoke("model", "inspect", str(path), "--json")
+    data = json.loads(out)
+    assert code == 0 and data["kind"] == "vision projector" and data["projector_type"] == "mlp"
+    assert data["path"] == str(path)
+    code, out, err = invoke("model", "plan", str(path))
+    assert code == 3 and out == ""
+    assert err.strip() == (
+        f"orin-llm: {path}: a vision projector (mmproj), not a language model; a profile "
+        "names it as model.mmproj beside the model it serves"
+    )
+
+
 def test_model_list_shows_every_folder_serve_finds_models_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -155,6 +177,19 @@ def test_validate_rejects_quantized_v_without_flash_attention(tmp_path: Path) ->
     assert [x["rule"] for x in data["findings"] if x["severity"] == "fail"] == [
         "kv-quant-v-needs-fa"
     ]
+
+
+def test_validate_without_findings_prints_no_empty_table(tmp_path: Path) -> None:
+    """Every KV setting explicit and allowed (what tune writes): one line, not a table
+    with headers and no rows."""
+    f = tmp_path / "p.yaml"
+    f.write_text(
+        "name: tuned\nmodel: {quantization: Q4_K_M}\n"
+        "engine: {type_k: q8_0, type_v: q8_0, flash_attn: 'on'}\n"
+    )
+    code, out, _ = invoke("profile", "validate", str(f))
+    assert code == 0
+    assert out.splitlines() == ["tuned: K=q8_0 V=q8_0 flash_attn=on: no findings", "valid"]
 
 
 def test_validate_typo_names_line(tmp_path: Path) -> None:

@@ -360,6 +360,9 @@ BENCH = ("bench", "--url", "http://127.0.0.1:1", "--concurrency", "1")
         ((*BENCH, "--output", "{dir}/no/b.json"), "no folder {dir}/no: create it first"),
         (("serve", "--profile", "demo", "--record", "{dir}"), "is a folder; give a file name"),
         (("tune", "run", "--profile", "demo", "--report", "{file}"), "is a file; give a folder"),
+        (("tune", "run", "--profile", "demo", "--out", "{dir}"), "is a folder; give a file name"),
+        (("tune", "run", "--profile", "demo", "--out", "{dir}/no/t.yaml"),
+         "no folder {dir}/no: create it first"),
         (("deploy", "k8s", "--profile", "demo", "--output", "{file}"), "is a file; give a folder"),
     ],
 )  # fmt: skip

@@ -123,3 +123,24 @@ def test_status_url_sends_the_api_key_and_says_when_one_is_needed() -> None:
     assert code == 0 and data["error"] is None and data["latency"]
     assert data["models"] == ["smollm2-135m-instruct"]
     assert all(h == {"Authorization": "Bearer s3cret"} for h in seen)
+
+
+def test_status_url_without_a_scheme_is_a_usage_error() -> None:
+    code, out, err = invoke(serving, "--url", "127.0.0.1:8080")
+    assert code == 2 and out == ""
+    assert "give the scheme, e.g. http://127.0.0.1:8080" in " ".join(err.replace("│", " ").split())
+
+
+def test_status_url_of_a_server_without_metrics_says_so_instead_of_an_empty_table() -> None:
+    """A server whose /metrics is not there (llama-server without --metrics): one line,
+    not a latency table without rows."""
+
+    def no_metrics(url: str, timeout: float, headers: dict[str, str] | None = None) -> HttpResult:
+        if url.endswith("/metrics"):
+            return HttpResult(404, "not found")
+        return serving(url, timeout)
+
+    code, out, err = invoke(no_metrics, "--url", "http://127.0.0.1:8080")
+    assert code == 0, err
+    assert "latency: none: /metrics exports no TTFT or TPOT histogram" in out
+    assert "latency since the server started" not in out and "requests" not in out

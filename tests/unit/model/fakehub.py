@@ -9,7 +9,9 @@ get_hf_file_metadata and http_get call, with switches for the failures pulls mus
 ``cut_after`` makes the first GET of a file send that many bytes of a full-length
 response and close the connection; from then on every GET answers 503 until the test
 sets ``down`` back to False (the next pull then resumes). ``sha_override`` makes the
-metadata announce another SHA-256 than the bytes have. Every request is recorded.
+metadata announce another SHA-256 than the bytes have. ``refuse`` answers a repository's
+file requests with a status (401 without a valid token, 403 for an account without
+access). Every request is recorded.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class FakeHub:
     cut_after: int | None = None
     gone: set[str] = field(default_factory=set)  # "repo/path" listed, but 404 on download
     no_range: bool = False  # answer a Range request with the whole file (200), as some servers do
+    refuse: dict[str, int] = field(default_factory=dict)  # repo -> status of its file requests
     down: bool = False
     requests: list[Request] = field(default_factory=list)
     on_request: Callable[[Request], None] | None = None  # e.g. what else has happened by now
@@ -127,6 +130,9 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self._send(404, {"Content-Length": "0"})
                 return
             repo, _, file = resolve.groups()
+            if repo in hub.refuse:
+                self._send(hub.refuse[repo], {"Content-Length": "0"})
+                return
             data = hub.repos.get(repo, {}).get(file)
             if f"{repo}/{file}" in hub.gone:
                 self._send(404, {"Content-Length": "0"})  # a mirror without the file

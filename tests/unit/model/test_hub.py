@@ -145,6 +145,44 @@ def test_quant_selection_errors(fake_hub: FakeHub, models: Path) -> None:
     assert not models.exists() or files_under(models) == []
 
 
+@pytest.mark.parametrize(
+    ("status", "token", "says"),
+    [
+        (401, None, "answered HTTP 401 (unauthorized) for {file}: a private or gated "
+                    "repository needs HF_TOKEN"),
+        (401, "hf_wrong", "answered HTTP 401 (unauthorized) for {file}: HF_TOKEN is not a "
+                          "valid token"),
+        (403, "hf_other", "answered HTTP 403 (forbidden) for {file}: the account of HF_TOKEN "
+                          "has no access"),
+    ],
+)  # fmt: skip
+def test_a_refused_download_says_what_the_token_has_to_do_with_it(
+    fake_hub: FakeHub,
+    models: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    status: int,
+    token: str | None,
+    says: str,
+) -> None:
+    if token is not None:
+        monkeypatch.setenv("HF_TOKEN", token)
+    fake_hub.refuse[REPO] = status
+    with pytest.raises(HubError) as caught:
+        hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models)
+    assert says.format(file=f"{REPO}/{Q4}") in str(caught.value)
+    assert not models.exists() or files_under(models) == []
+
+
+def test_a_repository_without_gguf_files_says_so_once(fake_hub: FakeHub, models: Path) -> None:
+    fake_hub.repos["acme/Docs"] = {"README.md": b"# no weights here\n"}
+    for spec in ("acme/Docs", "acme/Docs:Q4_K_M"):
+        with pytest.raises(HubError) as caught:
+            hub.pull(store.parse_ref(spec), models)
+        assert str(caught.value).endswith(
+            "acme/Docs on " + fake_hub.url + " has no GGUF file at all; orin-llm serves GGUF models"
+        )
+
+
 def test_unknown_repo_and_file_without_sha(fake_hub: FakeHub, models: Path) -> None:
     with pytest.raises(HubError, match=r"no model repository acme/none on http://127\.0\.0\.1"):
         hub.pull(store.parse_ref("acme/none:Q4_K_M"), models)

@@ -17,6 +17,7 @@ from orin.model.gguf import read_model_info
 from orin.profile.loader import parse_profile
 from orin.profile.schema import SLOSection
 from orin.tune import report, tuned
+from orin.tune import run as run_mod
 from orin.tune.explain import explain
 from orin.tune.figures import Grid, Measurement, PhaseFigures, Point, score
 from orin.tune.run import TuneResult, TuneSettings, grid_for, with_ctx
@@ -143,6 +144,42 @@ def test_a_missed_slo_is_explained_in_profile_and_report(
     assert "**why**" in md and "prefill-bound" in md
 
 
+def test_a_profile_without_slo_targets_is_not_said_to_meet_them(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo and smollm2 profiles list prompt lengths and concurrency but no targets:
+    the choice is the fastest configuration, and no output calls that "SLO met"."""
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    text = PROFILE.replace("ttft_p95_ms: 100, tpot_p90_ms: 20, ", "")
+    r = result(tiny_f16, text=text)
+    assert not r.has_targets and r.to_dict()["slo_targets"] is False
+    head = [line for line in tuned.render(r).splitlines() if line.startswith("#")]
+    assert "# No SLO targets (the profile's slo section sets none): ranked by throughput." in head
+    assert not any(line.startswith("# SLO ") for line in head)
+    report.write(r, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "no SLO targets (the profile's slo section sets none): the fastest configuration" in md
+    assert "SLO met" not in md and "| yes |" not in md
+    out = tune_cli.Output()
+    shown: list[str] = []
+    monkeypatch.setattr(out, "line", shown.append)
+    monkeypatch.setattr(out, "table", lambda *a, **k: None)
+    tune_cli._show_tuned(out, r)
+    assert shown[0].startswith("no SLO targets (the profile's slo section sets none)")
+    assert result(tiny_f16).has_targets  # the unit profile's own targets: the usual verdict
+    trial = r.search.trials[0]
+    assert run_mod._describe(trial, targets=False).endswith(f"tok/s ({trial.cost_s:.1f} s)")
+    assert ", meets SLO (" in run_mod._describe(trial, targets=True)
+
+
+def test_counts_of_one_are_singular(tiny_f16: Path) -> None:
+    r = result(tiny_f16)
+    one = dataclasses.replace(r, measurements={**r.measurements, r.chosen: dataclasses.replace(
+        r.chosen_m, reps=1)})  # fmt: skip
+    head = tuned.render(one)
+    assert "(1 repetition per point;" in head and "1 repetitions" not in head
+
+
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="no matplotlib")
 def test_the_report_has_plots_with_matplotlib(tiny_f16: Path, tmp_path: Path) -> None:
     written = report.write(result(tiny_f16), tmp_path)
@@ -218,3 +255,51 @@ def test_one_stream_is_one_stream() -> None:
     single = Measurement(c, m.reps, {(64, 1): m.points[(64, 1)]}, m.phases, cost_s=1.0)
     lines = explain(single, SLOSection(ttft_p95_ms=100, tpot_p90_ms=20))
     assert "64 prompt tokens x 1 stream is" in lines[0] and "1 streams" not in " ".join(lines)
+
+
+@pytest.mark.parametrize(
+    ("errors", "hint"),
+    [
+        (["cut off after 0.8 s (its allowance)", "the budget ran out before this run"], True),
+        (["cut off after 0.8 s (its allowance)", "llama.cpp failed to load the model"], False),
+    ],
+)
+def test_when_the_budget_ended_every_measurement_the_error_asks_for_more(
+    errors: list[str], hint: bool
+) -> None:
+    """The shortest --budget the CLI accepts can end the first measurement before it
+    completes: the error says what to change rather than only "cut off"."""
+    from types import SimpleNamespace
+
+    from orin.tune.search import Score, SearchResult
+
+    cs = [Candidate(128, 128, "on", "f16", "f16", 1, s) for s in (1, 2)]
+    failed = Score(False, 0.0, float("inf"), failed=True)
+    found = SearchResult(cs[0], failed, 1, [], 1.0, 1.0, (1,), 2)
+    ms = SimpleNamespace(
+        results={c: Measurement(c, 1, error=e) for c, e in zip(cs, errors, strict=True)}
+    )
+    with pytest.raises(run_mod.TuneError) as exc:
+        run_mod._chosen(found, ms)  # type: ignore[arg-type]
+    assert str(exc.value).startswith("every configuration failed: ")
+    assert ("give a larger --budget" in str(exc.value)) is hint
+
+
+def test_tune_without_a_profile_says_which_profile_it_tunes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bare `tune run` tunes the profile serve runs (smollm2 when its model file is in
+    the cache), and says so before it starts; here the cached file is not a GGUF file, so
+    the run stops right after (exit 3) without measuring anything."""
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    (models / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"not a gguf file")
+    monkeypatch.setenv("ORIN_LLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("ORIN_LLM_PROFILE", raising=False)
+    args = ["run", "--budget", "0.1", "--out", str(tmp_path / "t.yaml")]
+    r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r")])
+    assert r.exit_code == 3, r.output
+    assert "no --profile given: tuning smollm2, the profile serve runs without one" in r.stderr
+    assert "not a GGUF file" in r.stderr
+    quiet = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r"), "-q"])
+    assert quiet.exit_code == 3 and "no --profile given" not in quiet.stderr
