@@ -162,16 +162,21 @@ def test_profile_list_and_show() -> None:
     assert json.loads(out)["engine"]["flash_attn"] == "on"
 
 
-def test_validate_rejects_quantized_v_without_flash_attention(tmp_path: Path) -> None:
+def validate_kv(tmp_path: Path, name: str, flash_attn: str) -> tuple[int, str, str]:
+    """`profile validate` of a Q4_K_M profile with a q8_0 cache and ``flash_attn``."""
     f = tmp_path / "p.yaml"
     f.write_text(
-        "name: bad\nmodel: {quantization: Q4_K_M}\n"
-        "engine: {type_k: q8_0, type_v: q8_0, flash_attn: off}\n"
+        f"name: {name}\nmodel: {{quantization: Q4_K_M}}\n"
+        f"engine: {{type_k: q8_0, type_v: q8_0, flash_attn: {flash_attn}}}\n"
     )
-    code, out, _ = invoke("profile", "validate", str(f))
+    return invoke("profile", "validate", str(f))
+
+
+def test_validate_rejects_quantized_v_without_flash_attention(tmp_path: Path) -> None:
+    code, out, _ = validate_kv(tmp_path, "bad", "off")
     assert code == 1
     assert "kv-quant-v-needs-fa" in out
-    code, out, _ = invoke("profile", "validate", str(f), "--json")
+    code, out, _ = invoke("profile", "validate", str(tmp_path / "p.yaml"), "--json")
     data = json.loads(out)
     assert data["valid"] is False
     assert [x["rule"] for x in data["findings"] if x["severity"] == "fail"] == [
@@ -182,12 +187,7 @@ def test_validate_rejects_quantized_v_without_flash_attention(tmp_path: Path) ->
 def test_validate_without_findings_prints_no_empty_table(tmp_path: Path) -> None:
     """Every KV setting explicit and allowed (what tune writes): one line, not a table
     with headers and no rows."""
-    f = tmp_path / "p.yaml"
-    f.write_text(
-        "name: tuned\nmodel: {quantization: Q4_K_M}\n"
-        "engine: {type_k: q8_0, type_v: q8_0, flash_attn: 'on'}\n"
-    )
-    code, out, _ = invoke("profile", "validate", str(f))
+    code, out, _ = validate_kv(tmp_path, "tuned", "'on'")
     assert code == 0
     assert out.splitlines() == ["tuned: K=q8_0 V=q8_0 flash_attn=on: no findings", "valid"]
 
