@@ -201,6 +201,40 @@ def test_the_playground_streams_an_answer(
         assert errors == []
 
 
+def test_stop_before_the_first_token_gives_the_question_back(
+    browser: BrowserContext, server: tuple[str, ServerState]
+) -> None:
+    base, _ = server
+    with watched_page(browser) as (page, errors):
+        page.goto(base + "/")
+        first = _chat(page, "Hello there")
+        held: list[Any] = []
+        # the request is held at the browser's network layer, so no token can arrive
+        # before Stop, however fast or loaded the machine is
+        page.route("**/v1/chat/completions", lambda route: held.append(route))
+        page.fill("#chat-input", "A question that is stopped")
+        page.click("#chat-send")
+        poll(lambda: page.locator(".msg").count() == 4, "the question and its empty answer")
+        page.click("#chat-stop")
+        poll(lambda: page.locator("#chat-send").is_enabled(), "the end of the request")
+        assert page.locator(".msg").count() == 2  # only the first exchange stays
+        assert page.locator(".msg.assistant").last.text_content() == first
+        assert page.input_value("#chat-input") == "A question that is stopped"
+        history = page.evaluate("() => window.orinDashboard.chat.messages")
+        assert [m["role"] for m in history] == ["user", "assistant"]
+        page.unroute("**/v1/chat/completions")
+        page.click("#chat-send")  # the question, given back, goes again
+        answer = page.locator(".msg.assistant").last
+        poll(lambda: answer.get_attribute("data-streaming") == "false", "the second answer")
+        history = page.evaluate("() => window.orinDashboard.chat.messages")
+        assert [m["content"] for m in history if m["role"] == "user"] == [
+            "Hello there",
+            "A question that is stopped",
+        ]
+        assert page.input_value("#chat-input") == ""
+        assert errors == []
+
+
 def _chat(page: Page, text: str) -> str:
     page.fill("#chat-max", "24")
     page.fill("#chat-input", text)

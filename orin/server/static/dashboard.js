@@ -287,7 +287,7 @@
 
   async function send(text) {
     chat.messages.push({ role: "user", content: text });
-    addMessage("user", text);
+    const asked = addMessage("user", text);
     const out = addMessage("assistant", "");
     out.dataset.streaming = "true";
     const controller = new AbortController();
@@ -326,12 +326,26 @@
       }
       chat.messages.push({ role: "assistant", content: answer });
     } catch (e) {
-      if (e.name !== "AbortError") {
+      const stopped = e.name === "AbortError";
+      if (!stopped) {
         out.classList.add("error");
         out.textContent = (answer ? answer + "\n" : "") + "[" + e.message + "]";
       }
-      if (answer) chat.messages.push({ role: "assistant", content: answer });
-      else chat.messages.pop();
+      if (!asked.isConnected) {
+        // Clear emptied the log and the conversation: nothing of this exchange stays
+      } else if (answer) {
+        chat.messages.push({ role: "assistant", content: answer });
+      } else {
+        // nothing came back: the question leaves the conversation and goes back into
+        // the input box, so that it can be sent again; stopped before its first token,
+        // it leaves no bubbles behind either
+        chat.messages.pop();
+        if (stopped) {
+          out.remove();
+          asked.remove();
+        }
+        if (!$("chat-input").value) $("chat-input").value = text;
+      }
     } finally {
       out.dataset.streaming = "false";
       chat.abort = null;
@@ -363,7 +377,7 @@
   }
 
   // what the page holds, for a look from the browser's console (and the browser tests)
-  window.orinDashboard = Object.freeze({ store, charts });
+  window.orinDashboard = Object.freeze({ store, charts, chat });
 
   makeCharts();
   setupChat();
