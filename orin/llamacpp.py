@@ -33,7 +33,9 @@ _lock = threading.Lock()
 _captures: list[list[str]] = []
 _callback: Any = None  # keeps the ctypes callback alive
 _aborting = threading.Event()  # an abort callback asked the running decode to stop
-_thread = threading.local()  # .client_input: this thread checks a client's input
+# .client_input: this thread checks a client's input; .expected: fragments of warnings
+# this thread asked for
+_thread = threading.local()
 _stderr_lock = threading.Lock()  # one redirection of fd 2 at a time
 
 
@@ -48,7 +50,22 @@ def _on_log(level: int, text: bytes, _user: Any) -> None:
         how = logging.DEBUG if _aborting.is_set() else _LEVELS.get(level, logging.DEBUG)
         if how > logging.INFO and getattr(_thread, "client_input", False):
             how = logging.INFO  # the client gets the error; the server did nothing wrong
+        if how == logging.WARNING and any(f in line for f in getattr(_thread, "expected", ())):
+            how = logging.INFO  # what the caller chose on purpose, not a problem
         log.log(how, "%s", line.rstrip("\n"))
+
+
+@contextmanager
+def expected_warnings(*fragments: str) -> Iterator[None]:
+    """While this thread runs the block, llama.cpp's warnings that contain one of
+    ``fragments`` are logged at info level: they describe a choice the caller made on
+    purpose (a profile's ``model.pooling`` over the model's own, say), not a problem."""
+    before = getattr(_thread, "expected", ())
+    _thread.expected = before + fragments
+    try:
+        yield
+    finally:
+        _thread.expected = before
 
 
 @contextmanager

@@ -19,7 +19,7 @@ import numpy.typing as npt
 from orin.engine.config import EngineConfig
 from orin.engine.errors import BackendError, ContextShiftUnsupported
 from orin.engine.promptcache import resolved_flash_attn
-from orin.llamacpp import capture_log, llama
+from orin.llamacpp import capture_log, expected_warnings, llama
 from orin.model.gguf import ModelInfo, read_model_info
 
 log = logging.getLogger("orin.engine")
@@ -122,7 +122,10 @@ class Backend:
         cp.embeddings = False
         if cfg.rope_freq_base is not None:
             cp.rope_freq_base = cfg.rope_freq_base
-        with capture_log() as lines:
+        # llama.cpp warns that a pooling asked for differs from the model's own: the
+        # profile asked for it, so it is news, not a warning
+        chosen = ("pooling_type",) if cfg.pooling else ()
+        with capture_log() as lines, expected_warnings(*chosen):
             ctx = lib.llama_init_from_model(self.model, cp)
         if not ctx:
             raise BackendError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ import numpy as np
 import openai
 import pytest
 
+from orin import llamacpp
 from orin.engine.config import engine_config
 from orin.engine.embed import MAX_INPUTS
 from orin.engine.engine import Engine
@@ -258,6 +260,23 @@ def test_a_model_without_pooling_cannot_embed(small: Path) -> None:
         e.embed(["x"])
     assert err.value.param == "model"
     assert "model.pooling" in str(err.value) and "none" in str(err.value)
+
+
+def test_a_pooling_the_profile_chose_is_no_warning(
+    small: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """llama.cpp warns that the pooling asked for differs from the model's own; with
+    ``model.pooling`` set, that was the profile's choice: logged, at info."""
+    with caplog.at_level(logging.DEBUG, logger="orin.llama"), make_engine(small, "mean"):
+        pass
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "orin.llama"]
+    about_pooling = [(level, text) for level, text in said if "pooling_type" in text]
+    assert about_pooling, "llama.cpp no longer says which pooling it uses"
+    assert all(level == logging.INFO for level, _ in about_pooling)
+    # other warnings keep their level: the context-creation thread asks only for this one
+    with caplog.at_level(logging.DEBUG, logger="orin.llama"):
+        llamacpp._on_log(3, b"something else went wrong\n", None)
+    assert caplog.records[-1].levelno == logging.WARNING
 
 
 # -- the server ----------------------------------------------------------------------------
