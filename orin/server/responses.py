@@ -327,7 +327,7 @@ class CompletionFormatter(Formatter):
         self, served: Served, body: CompletionRequest, request_id: str, prompt: list[int]
     ) -> None:
         super().__init__(served, body, request_id)
-        self.echoed = served.detokenize(prompt) if body.echo else ""  # the answer's start
+        self.echoed = _echoed(served, body, prompt) if body.echo else ""  # the answer's start
 
     def text_start(self) -> int:
         return len(self.echoed)
@@ -374,6 +374,14 @@ class CompletionFormatter(Formatter):
         return self._chunk(
             {"index": index, "finish_reason": c.finish_reason, "logprobs": None, "text": ""}
         )
+
+
+def _echoed(served: Served, body: CompletionRequest, prompt: list[int]) -> str:
+    """The prompt as ``echo`` returns it: a text prompt as the client wrote it (control
+    tokens written as text, such as ``<|im_start|>``, stay; detokenizing would drop
+    them), a prompt of token ids as their text."""
+    given = body.single_prompt()
+    return given if isinstance(given, str) else served.detokenize(prompt)
 
 
 # -- streaming -----------------------------------------------------------------------
