@@ -91,6 +91,10 @@ class Formatter(ABC):
         self.request_id = request_id
         self.response_id = self.ID_PREFIX + uuid.uuid4().hex
         self.token_ids = body.return_token_ids
+        # logprobs asked for: a whole answer carries them even when it has no token
+        self.logprobs = (
+            body.logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs is not None
+        )
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.created = int(time.time())  # one instant for every chunk, as OpenAI does
 
@@ -227,7 +231,11 @@ class ChatFormatter(Formatter):
         return msg, bool(parsed.calls)
 
     def choice(self, c: Completion, prompt: list[int], index: int) -> ChatChoice:
-        lp = chat_logprobs(c.logprobs, self.served.engine_piece) if c.logprobs else None
+        lp = (
+            chat_logprobs(c.logprobs, self.served.engine_piece)
+            if c.logprobs or self.logprobs
+            else None
+        )
         message, called = self._message(c.text)
         choice: ChatChoice = {
             "index": index,
@@ -334,7 +342,9 @@ class CompletionFormatter(Formatter):
 
     def choice(self, c: Completion, prompt: list[int], index: int) -> TextChoice:
         piece = self.served.engine_piece
-        logprobs = completion_logprobs(c.logprobs, piece, len(self.echoed)) if c.logprobs else None
+        logprobs = None
+        if c.logprobs or self.logprobs:
+            logprobs = completion_logprobs(c.logprobs, piece, len(self.echoed))
         choice: TextChoice = {
             "index": index,
             "finish_reason": c.finish_reason,

@@ -390,3 +390,22 @@ def test_every_chunk_of_a_stream_has_the_same_id_and_created(
     assert len(chunks) == 4 + (kind == "chat") + include_usage  # opening, 3 tokens, final
     assert len({c["id"] for c in chunks}) == 1
     assert len({c["created"] for c in chunks}) == 1
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_logprobs_asked_for_are_a_list_when_the_answer_has_no_token(kind: str) -> None:
+    """An answer with no token (a stop string matched at once) still carries the
+    logprobs object the client asked for, empty, never null."""
+    empty = Completion("req-1", "", (), (), "stop", TIMINGS)
+    asked = {"logprobs": True} if kind == "chat" else {"logprobs": 0}
+    choice = formatter(kind, **asked).response(empty, [1, 2])["choices"][0]
+    if kind == "chat":
+        assert choice["logprobs"] == {"content": []}
+    else:
+        assert choice["logprobs"] == {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+    assert formatter(kind).response(empty, [1, 2])["choices"][0]["logprobs"] is None
