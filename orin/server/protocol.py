@@ -127,11 +127,22 @@ class ToolCallIn(_Lenient):
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    # checked when left out too: only an assistant's may be null (it may only call tools)
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant
     tool_call_id: str | None = None  # tool
     reasoning_content: str | None = None  # assistant: its thinking, for templates that show it
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content: Any, info: ValidationInfo) -> Any:
+        """OpenAI's rule: every message but an assistant's has content; a user message
+        without it would be served as if the user had said nothing."""
+        role = info.data.get("role")
+        if content is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content (a string or a list of parts)")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):  # an image is a marker where its rows go
