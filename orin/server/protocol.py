@@ -43,6 +43,20 @@ log = logging.getLogger("orin.server")
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """OpenAI's API takes null for any optional parameter: a null where this server
+        has a default other than null means that default (``n``, ``stream``, ``echo``,
+        ``stream_options.include_usage``, an embedding's ``encoding_format``...)."""
+        if isinstance(data, dict) and None in data.values():
+            defaulted: set[str] = set()
+            for name, f in cls.model_fields.items():
+                if not f.is_required() and f.default is not None:
+                    defaulted |= {name, f.alias or name}
+            return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
+
     def ignored_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
 
@@ -239,19 +253,6 @@ def _optional(p: params.Param[Any]) -> Any:
 
 class _Common(_Lenient):
     """Fields shared by chat and text completions (OpenAI's, plus llama.cpp's)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: Any) -> Any:
-        """OpenAI's API takes null for any optional parameter: a null where this server
-        has a default other than null means that default (``n``, ``stream``, ``echo``...)."""
-        if isinstance(data, dict) and None in data.values():
-            fields = cls.model_fields
-            defaulted = {
-                k for k, f in fields.items() if not f.is_required() and f.default is not None
-            }
-            return {k: v for k, v in data.items() if v is not None or k not in defaulted}
-        return data
 
     model: str | None = Field(None, description="Must name the served model when given.")
     temperature: float | None = _optional(params.TEMPERATURE)
