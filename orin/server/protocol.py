@@ -752,7 +752,7 @@ class AssistantMessage(_MessageParts):
 
 class Delta(TypedDict, total=False):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null only in the first delta of an answer that may call tools
     reasoning_content: str
     tool_calls: list[ToolCallDelta]
 

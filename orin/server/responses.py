@@ -252,7 +252,12 @@ class ChatFormatter(Formatter):
         return {**self._envelope(self.CHUNK_OBJECT), "choices": [choice]}
 
     def opening(self, index: int = 0) -> ChatCompletionChunk:
-        delta: Delta = {"role": "assistant", "content": ""}
+        """The role first, with OpenAI's empty content; null content where the answer
+        may be only tool calls, as OpenAI streams it, so that a client that adds the
+        deltas up (the ``openai`` client's stream helper) has the whole answer's null
+        content, not ``""``, when the model only called tools."""
+        calls = self.output is not None and self.output.format is not None
+        delta: Delta = {"role": "assistant", "content": None if calls else ""}
         return self._chunk(
             {"index": index, "finish_reason": None, "logprobs": None, "delta": delta}
         )
