@@ -397,7 +397,7 @@ class _Common(_Lenient):
                 return grammar.json_schema_grammar(fmt.schema_, "response_format.schema")
             return grammar.json_grammar()
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else {}
-        return grammar.json_schema_grammar(schema, "response_format.json_schema")
+        return grammar.json_schema_grammar(schema, "response_format.json_schema.schema")
 
 
 # Fields of OpenAI's, llama.cpp's or vLLM's APIs that change the output and that this

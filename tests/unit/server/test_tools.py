@@ -489,22 +489,37 @@ def test_the_grammar_of_required_and_named_choices() -> None:
     assert g is not None and 'root ::= "[TOOL_CALLS][" tool-call (", " tool-call)* "]"' in g
 
 
-def test_a_schema_the_converter_cannot_take_is_a_400_naming_tools() -> None:
+def test_a_schema_the_converter_cannot_take_is_a_400_naming_that_tools_parameters() -> None:
+    """The param is the function's own entry, also when a named tool_choice picks it
+    from the others: ``tools[1].function.parameters``."""
     from orin.engine.errors import InvalidRequest
 
-    bad = [
-        {
-            "type": "function",
-            "function": {
-                "name": "f",
-                "parameters": {"type": "object", "properties": {"a": {"$ref": "nowhere"}}},
-            },
-        }
-    ]
-    body = request(tools=bad, tool_choice="required")
+    good = {"type": "function", "function": {"name": "g"}}
+    bad = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"a": {"$ref": "nowhere"}}},
+        },
+    }
+    named = {"type": "function", "function": {"name": "f"}}
+    for choice in ("required", named):
+        body = request(tools=[good, bad], tool_choice=choice)
+        with pytest.raises(InvalidRequest) as err:
+            required_grammar(body, output_spec(body, CAPS, "p"))
+        assert err.value.param == "tools[1].function.parameters"
+        assert "'f'" in str(err.value)
+
+
+def test_a_response_format_schema_the_converter_cannot_take_names_the_schema() -> None:
+    from orin.engine.errors import InvalidRequest
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}
     with pytest.raises(InvalidRequest) as err:
-        required_grammar(body, output_spec(body, CAPS, "p"))
-    assert err.value.param == "tools"
+        protocol.ChatCompletionRequest(
+            messages=[{"role": "user", "content": "hi"}], response_format=fmt
+        )._grammar()
+    assert err.value.param == "response_format.json_schema.schema"
 
 
 # -- the answers -------------------------------------------------------------------------
