@@ -76,12 +76,14 @@ def tool_call_grammar(
     syntax: CallSyntax,
     parallel: bool,
     reasoning: Reasoning | None = None,
+    params: Sequence[str] | None = None,
 ) -> str:
     """A grammar for one call (or one or more with ``parallel``) of one of
     ``functions`` (name, JSON schema of its parameters), written in ``syntax``:
     the arguments follow each function's schema as far as llama-cpp-python's
-    converter expresses it. InvalidRequest naming ``tools`` when a schema cannot
-    be converted."""
+    converter expresses it. InvalidRequest when a schema cannot be converted,
+    naming that function's entry of ``params`` (the request's field, such as
+    ``tools[2].function.parameters``), or ``tools`` without them."""
     mod = _converter()
     conv = mod.SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     lit = conv._format_literal
@@ -93,7 +95,8 @@ def tool_call_grammar(
             args = conv.visit(schema, f"{name}-args")
         except Exception as exc:  # the converter raises plain exceptions on bad schemas
             raise InvalidRequest(
-                "tools", f"cannot turn the parameters of {name!r} into a grammar: {exc}"
+                params[i] if params is not None else "tools",
+                f"cannot turn the parameters of {name!r} into a grammar: {exc}",
             ) from exc
         if syntax.name_args is not None:
             body = f"{lit(name)} {lit(syntax.name_args)} {args}"

@@ -43,6 +43,20 @@ log = logging.getLogger("orin.server")
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """OpenAI's API takes null for any optional parameter: a null where this server
+        has a default other than null means that default (``n``, ``stream``, ``echo``,
+        ``stream_options.include_usage``, an embedding's ``encoding_format``...)."""
+        if isinstance(data, dict) and None in data.values():
+            defaulted: set[str] = set()
+            for name, f in cls.model_fields.items():
+                if not f.is_required() and f.default is not None:
+                    defaulted |= {name, f.alias or name}
+            return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
+
     def ignored_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
 
@@ -127,11 +141,22 @@ class ToolCallIn(_Lenient):
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    # checked when left out too: only an assistant's may be null (it may only call tools)
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant
     tool_call_id: str | None = None  # tool
     reasoning_content: str | None = None  # assistant: its thinking, for templates that show it
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content: Any, info: ValidationInfo) -> Any:
+        """OpenAI's rule: every message but an assistant's has content; a user message
+        without it would be served as if the user had said nothing."""
+        role = info.data.get("role")
+        if content is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content (a string or a list of parts)")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):  # an image is a marker where its rows go
@@ -228,19 +253,6 @@ def _optional(p: params.Param[Any]) -> Any:
 
 class _Common(_Lenient):
     """Fields shared by chat and text completions (OpenAI's, plus llama.cpp's)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: Any) -> Any:
-        """OpenAI's API takes null for any optional parameter: a null where this server
-        has a default other than null means that default (``n``, ``stream``, ``echo``...)."""
-        if isinstance(data, dict) and None in data.values():
-            fields = cls.model_fields
-            defaulted = {
-                k for k, f in fields.items() if not f.is_required() and f.default is not None
-            }
-            return {k: v for k, v in data.items() if v is not None or k not in defaulted}
-        return data
 
     model: str | None = Field(None, description="Must name the served model when given.")
     temperature: float | None = _optional(params.TEMPERATURE)
@@ -385,7 +397,7 @@ class _Common(_Lenient):
                 return grammar.json_schema_grammar(fmt.schema_, "response_format.schema")
             return grammar.json_grammar()
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else {}
-        return grammar.json_schema_grammar(schema, "response_format.json_schema")
+        return grammar.json_schema_grammar(schema, "response_format.json_schema.schema")
 
 
 # Fields of OpenAI's, llama.cpp's or vLLM's APIs that change the output and that this
@@ -740,7 +752,7 @@ class AssistantMessage(_MessageParts):
 
 class Delta(TypedDict, total=False):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null only in the first delta of an answer that may call tools
     reasoning_content: str
     tool_calls: list[ToolCallDelta]
 

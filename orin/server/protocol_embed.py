@@ -84,6 +84,9 @@ class EmbeddingRequest(_Lenient):
         if isinstance(value, list) and any(_is_id(x) for x in value):
             return [_prompt(value)]  # token ids, perhaps with text pieces: one prompt
         if isinstance(value, list):
+            empty = next((i for i, x in enumerate(value) if isinstance(x, list) and not x), None)
+            if empty is not None:  # as the engine says of an empty string
+                raise ValueError(f"input {empty} is an empty list of token ids")
             return [_prompt(x) for x in value]
         return [_prompt(value)]
 

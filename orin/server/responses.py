@@ -91,6 +91,10 @@ class Formatter(ABC):
         self.request_id = request_id
         self.response_id = self.ID_PREFIX + uuid.uuid4().hex
         self.token_ids = body.return_token_ids
+        # logprobs asked for: a whole answer carries them even when it has no token
+        self.logprobs = (
+            body.logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs is not None
+        )
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.created = int(time.time())  # one instant for every chunk, as OpenAI does
 
@@ -227,7 +231,11 @@ class ChatFormatter(Formatter):
         return msg, bool(parsed.calls)
 
     def choice(self, c: Completion, prompt: list[int], index: int) -> ChatChoice:
-        lp = chat_logprobs(c.logprobs, self.served.engine_piece) if c.logprobs else None
+        lp = (
+            chat_logprobs(c.logprobs, self.served.engine_piece)
+            if c.logprobs or self.logprobs
+            else None
+        )
         message, called = self._message(c.text)
         choice: ChatChoice = {
             "index": index,
@@ -244,7 +252,12 @@ class ChatFormatter(Formatter):
         return {**self._envelope(self.CHUNK_OBJECT), "choices": [choice]}
 
     def opening(self, index: int = 0) -> ChatCompletionChunk:
-        delta: Delta = {"role": "assistant", "content": ""}
+        """The role first, with OpenAI's empty content; null content where the answer
+        may be only tool calls, as OpenAI streams it, so that a client that adds the
+        deltas up (the ``openai`` client's stream helper) has the whole answer's null
+        content, not ``""``, when the model only called tools."""
+        calls = self.output is not None and self.output.format is not None
+        delta: Delta = {"role": "assistant", "content": None if calls else ""}
         return self._chunk(
             {"index": index, "finish_reason": None, "logprobs": None, "delta": delta}
         )
@@ -327,14 +340,16 @@ class CompletionFormatter(Formatter):
         self, served: Served, body: CompletionRequest, request_id: str, prompt: list[int]
     ) -> None:
         super().__init__(served, body, request_id)
-        self.echoed = served.detokenize(prompt) if body.echo else ""  # the answer's start
+        self.echoed = _echoed(served, body, prompt) if body.echo else ""  # the answer's start
 
     def text_start(self) -> int:
         return len(self.echoed)
 
     def choice(self, c: Completion, prompt: list[int], index: int) -> TextChoice:
         piece = self.served.engine_piece
-        logprobs = completion_logprobs(c.logprobs, piece, len(self.echoed)) if c.logprobs else None
+        logprobs = None
+        if c.logprobs or self.logprobs:
+            logprobs = completion_logprobs(c.logprobs, piece, len(self.echoed))
         choice: TextChoice = {
             "index": index,
             "finish_reason": c.finish_reason,
@@ -374,6 +389,14 @@ class CompletionFormatter(Formatter):
         return self._chunk(
             {"index": index, "finish_reason": c.finish_reason, "logprobs": None, "text": ""}
         )
+
+
+def _echoed(served: Served, body: CompletionRequest, prompt: list[int]) -> str:
+    """The prompt as ``echo`` returns it: a text prompt as the client wrote it (control
+    tokens written as text, such as ``<|im_start|>``, stay; detokenizing would drop
+    them), a prompt of token ids as their text."""
+    given = body.single_prompt()
+    return given if isinstance(given, str) else served.detokenize(prompt)
 
 
 # -- streaming -----------------------------------------------------------------------

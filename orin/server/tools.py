@@ -141,17 +141,18 @@ def required_grammar(body: ChatCompletionRequest, spec: OutputSpec) -> str | Non
     choice = body.effective_tool_choice()
     if choice in ("none", "auto") or spec.format is None:
         return None
-    tools = [t.function for t in body.tools or []]
+    tools = list(enumerate(t.function for t in body.tools or []))  # with their index
     if isinstance(choice, NamedToolChoice):
-        tools = [f for f in tools if f.name == choice.function.name]
+        tools = [(i, f) for i, f in tools if f.name == choice.function.name]
     reasoning = None
     if spec.may_think:  # the model may think first; it must when the prompt opened the block
         reasoning = Reasoning(THINK_OPEN, THINK_CLOSE, open=spec.opens_thinking)
     return tool_call_grammar(
-        [(f.name, f.parameters) for f in tools],
+        [(f.name, f.parameters) for _, f in tools],
         spec.format.syntax,
         parallel=body.parallel_tool_calls and spec.format.parallel,
         reasoning=reasoning,
+        params=[f"tools[{i}].function.parameters" for i, _ in tools],
     )
 
 

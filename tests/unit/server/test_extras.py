@@ -190,6 +190,16 @@ def test_a_bad_request_is_a_400_naming_the_field(
     error(client.post("/v1/embeddings", json=body), 400, param)
 
 
+@pytest.mark.parametrize(("given", "says"), [([[]], "input 0 "), ([[5, 6], []], "input 1 ")])
+def test_an_empty_token_list_is_named_by_its_index(
+    client: TestClient, given: list[list[int]], says: str
+) -> None:
+    """As an empty string is: which input is empty, not every form an input may take."""
+    r = client.post("/v1/embeddings", json={"input": given})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert r.json()["error"]["message"] == f"input: {says}is an empty list of token ids"
+
+
 def test_dimensions_equal_to_the_width_is_accepted(client: TestClient) -> None:
     r = client.post("/v1/embeddings", json={"input": "a", "dimensions": WIDTH})
     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == WIDTH

@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from orin.server import protocol
+from orin.server.protocol_embed import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 TEXT = {"prompt": "hi"}
@@ -33,6 +34,40 @@ def test_null_is_the_default(
     got = model.model_validate_json(json.dumps({**body, field: None}))
     assert getattr(got, field) == model.model_fields[field].default
     assert field not in got.ignored_fields()
+
+
+def test_null_is_the_default_inside_nested_objects_and_on_every_route() -> None:
+    """Not only the top level of chat and completions: stream_options, a tool call in
+    the history, an embeddings request, /tokenize."""
+    chat = protocol.ChatCompletionRequest.model_validate_json(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c", "type": None, "function": {"name": "f", "arguments": None}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c", "content": "1"},
+                ],
+                "stream": True,
+                "stream_options": {"include_usage": None},
+                "response_format": {"type": None},
+            }
+        )
+    )
+    assert chat.stream_options is not None and chat.stream_options.include_usage is False
+    assert chat.response_format is not None and chat.response_format.type == "text"
+    calls = chat.messages[1].tool_calls or []
+    assert (calls[0].type, calls[0].function.arguments) == ("function", "")
+    embed = EmbeddingRequest.model_validate_json('{"input": "x", "encoding_format": null}')
+    assert embed.encoding_format == "float"
+    tok = TokenizeRequest.model_validate_json('{"content": "x", "add_special": null}')
+    assert tok.add_special is False
+    assert DetokenizeRequest.model_validate_json('{"tokens": null}').tokens == []
 
 
 def test_null_stays_null_where_null_is_the_default() -> None:

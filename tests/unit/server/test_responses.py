@@ -55,7 +55,7 @@ def formatter(kind: str, draining: bool = False, **fields: Any) -> Formatter:
             messages=[{"role": "user", "content": "hi"}], **fields
         )
         return ChatFormatter(served(draining), chat, "req-1")
-    body = protocol.CompletionRequest(prompt="hi", **fields)
+    body = protocol.CompletionRequest(prompt=[1, 2], **fields)
     return CompletionFormatter(served(draining), body, "req-1", [1, 2])
 
 
@@ -126,6 +126,22 @@ def test_a_streamed_echo_sends_the_prompt_first() -> None:
     opening = formatter("text", echo=True).opening(0)
     assert opening is not None and opening["choices"][0]["text"] == "<prompt>"
     assert formatter("text").opening(0) is None
+
+
+def test_echo_returns_a_text_prompt_as_written() -> None:
+    """A text prompt is echoed as the client sent it, control tokens written as text
+    included (detokenizing its tokens would drop them); token ids as their text."""
+    prompt = "<|im_start|>user\n  two  spaces\t<|im_end|>\n"
+    body = protocol.CompletionRequest(prompt=prompt, echo=True, logprobs=1)
+    fmt = CompletionFormatter(served(), body, "req-1", [1, 2])
+    opening = fmt.opening(0)
+    assert opening is not None and opening["choices"][0]["text"] == prompt
+    whole = Completion("req-1", "ab", (7, 7), (LOGPROB, LOGPROB), "length", TIMINGS)
+    choice = fmt.response(whole, [1, 2])["choices"][0]
+    assert choice["text"] == prompt + "ab"
+    assert choice["logprobs"]["text_offset"] == [len(prompt), len(prompt) + 1]
+    ids = protocol.CompletionRequest(prompt=[1, 2], echo=True)
+    assert CompletionFormatter(served(), ids, "req-1", [1, 2]).echoed == "<prompt>"
 
 
 def completion(finish: str = "length") -> Completion:
@@ -374,3 +390,22 @@ def test_every_chunk_of_a_stream_has_the_same_id_and_created(
     assert len(chunks) == 4 + (kind == "chat") + include_usage  # opening, 3 tokens, final
     assert len({c["id"] for c in chunks}) == 1
     assert len({c["created"] for c in chunks}) == 1
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_logprobs_asked_for_are_a_list_when_the_answer_has_no_token(kind: str) -> None:
+    """An answer with no token (a stop string matched at once) still carries the
+    logprobs object the client asked for, empty, never null."""
+    empty = Completion("req-1", "", (), (), "stop", TIMINGS)
+    asked = {"logprobs": True} if kind == "chat" else {"logprobs": 0}
+    choice = formatter(kind, **asked).response(empty, [1, 2])["choices"][0]
+    if kind == "chat":
+        assert choice["logprobs"] == {"content": []}
+    else:
+        assert choice["logprobs"] == {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+    assert formatter(kind).response(empty, [1, 2])["choices"][0]["logprobs"] is None

@@ -489,22 +489,37 @@ def test_the_grammar_of_required_and_named_choices() -> None:
     assert g is not None and 'root ::= "[TOOL_CALLS][" tool-call (", " tool-call)* "]"' in g
 
 
-def test_a_schema_the_converter_cannot_take_is_a_400_naming_tools() -> None:
+def test_a_schema_the_converter_cannot_take_is_a_400_naming_that_tools_parameters() -> None:
+    """The param is the function's own entry, also when a named tool_choice picks it
+    from the others: ``tools[1].function.parameters``."""
     from orin.engine.errors import InvalidRequest
 
-    bad = [
-        {
-            "type": "function",
-            "function": {
-                "name": "f",
-                "parameters": {"type": "object", "properties": {"a": {"$ref": "nowhere"}}},
-            },
-        }
-    ]
-    body = request(tools=bad, tool_choice="required")
+    good = {"type": "function", "function": {"name": "g"}}
+    bad = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"a": {"$ref": "nowhere"}}},
+        },
+    }
+    named = {"type": "function", "function": {"name": "f"}}
+    for choice in ("required", named):
+        body = request(tools=[good, bad], tool_choice=choice)
+        with pytest.raises(InvalidRequest) as err:
+            required_grammar(body, output_spec(body, CAPS, "p"))
+        assert err.value.param == "tools[1].function.parameters"
+        assert "'f'" in str(err.value)
+
+
+def test_a_response_format_schema_the_converter_cannot_take_names_the_schema() -> None:
+    from orin.engine.errors import InvalidRequest
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}
     with pytest.raises(InvalidRequest) as err:
-        required_grammar(body, output_spec(body, CAPS, "p"))
-    assert err.value.param == "tools"
+        protocol.ChatCompletionRequest(
+            messages=[{"role": "user", "content": "hi"}], response_format=fmt
+        )._grammar()
+    assert err.value.param == "response_format.json_schema.schema"
 
 
 # -- the answers -------------------------------------------------------------------------
@@ -584,8 +599,8 @@ def stream_chunks(fmt: ChatFormatter, pieces: list[str], **event: Any) -> list[d
 def test_a_streamed_call_reassembles_to_the_whole_answer() -> None:
     chunks = stream_chunks(formatter(HERMES), [CALL_TEXT[i : i + 3] for i in range(0, 93, 3)])
     deltas = [c["choices"][0]["delta"] for c in chunks]
-    assert deltas[0] == {"role": "assistant", "content": ""}
-    content = "".join(d.get("content", "") for d in deltas)
+    assert deltas[0] == {"role": "assistant", "content": None}  # OpenAI's, with tools
+    content = "".join(d.get("content") or "" for d in deltas)
     calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
     first = calls[0]
     assert first["index"] == 0 and first["type"] == "function" and first["id"].startswith("call_")
@@ -596,6 +611,37 @@ def test_a_streamed_call_reassembles_to_the_whole_answer() -> None:
     assert content == whole["content"]
     assert arguments == whole["tool_calls"][0]["function"]["arguments"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def added_up(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Deltas added up as OpenAI's client does (``accumulate_delta``): a key's first
+    value that is not null is taken, strings after it are appended."""
+    message: dict[str, Any] = {}
+    for d in deltas:
+        for key in ("role", "content"):
+            if key not in d:
+                continue
+            if message.get(key) is None or key == "role":
+                message[key] = d[key]
+            elif d[key] is not None:
+                message[key] += d[key]
+    return message
+
+
+@pytest.mark.parametrize(
+    ("spec", "text"),
+    [(HERMES, CALL_TEXT[5:]), (HERMES, CALL_TEXT), (HERMES, "No call."), (None, "Plain.")],
+)
+def test_a_streamed_answer_adds_up_to_the_whole_answers_content(
+    spec: OutputSpec | None, text: str
+) -> None:
+    """Only tool calls: null content streamed as in the whole answer (OpenAI's first
+    delta has content null then), not the empty string; text adds up to the text."""
+    chunks = stream_chunks(formatter(spec), [text[i : i + 4] for i in range(0, len(text), 4)])
+    streamed = added_up([c["choices"][0]["delta"] for c in chunks])
+    whole = formatter(spec).response(completion(text), [1])["choices"][0]["message"]
+    assert streamed["role"] == "assistant"
+    assert streamed["content"] == whole["content"]
 
 
 def test_streamed_reasoning_deltas() -> None:

@@ -101,3 +101,23 @@ def test_a_content_part_of_another_type_is_named_and_refused_as_such(
     )
     assert err["param"] == "messages[0].content[1]"
     assert "'text' or 'image_url'" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user"},
+        {"role": "user", "content": None},
+        {"role": "system", "content": None},
+        {"role": "tool", "tool_call_id": "call_1"},
+    ],
+)
+def test_a_message_without_content_is_refused_unless_it_is_an_assistants(
+    client: TestClient, message: dict[str, Any]
+) -> None:
+    """OpenAI's rule: only an assistant message (which may only call tools) may leave
+    its content out; a user message without it is not served as an empty turn."""
+    messages = [message] if message["role"] != "tool" else [*USER, message]
+    err = refused(client, "/v1/chat/completions", {"messages": messages})
+    assert err["param"] == f"messages[{len(messages) - 1}].content"
+    assert f"a {message['role']} message needs content" in err["message"]
