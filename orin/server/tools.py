@@ -570,6 +570,12 @@ class OutputParser:
         self._strip = self._state == "reasoning"  # whitespace after <think> is dropped
         self._seen_content = False  # any content other than whitespace
         self._marker = ""  # the marker that opened the current call region
+        # content after a call keeps a separator: the whitespace before the call, else
+        # the whitespace after it ("Sure! <call> done" is "Sure! done", not
+        # "Sure!done"); nothing when no content came before the call or none follows
+        self._gap = ""  # the whitespace before the current call region
+        self._sep = ""  # what the next content starts with
+        self._take_ws = False  # the whitespace after a call is the separator
         self._region = ""  # its text since the marker
         # its calls reported, by position in the region: their index in the message,
         # or -1 for one beyond max_calls (parsed and dropped)
@@ -610,6 +616,8 @@ class OutputParser:
         if not text:
             return
         if kind == "content":
+            if self._sep:
+                text, self._sep = self._sep + text, ""
             self._content.append(text)
             self._seen_content = self._seen_content or bool(text.strip())
         else:
@@ -655,10 +663,13 @@ class OutputParser:
 
     def _in_content(self, out: list[Part], final: bool) -> bool:
         if self._strip:
-            self._buf = self._buf.lstrip()
+            rest = self._buf.lstrip()
+            if self._take_ws:
+                self._sep += self._buf[: len(self._buf) - len(rest)]
+            self._buf = rest
             if not self._buf:
                 return False
-            self._strip = False
+            self._strip = self._take_ws = False
         fmt = self.spec.format
         if fmt is None:
             self._emit(out, "content", self._buf)
@@ -676,7 +687,8 @@ class OutputParser:
             before = self._buf[:i]
             content = before.rstrip()
             self._emit(out, "content", content)
-            return self._open_region(before[len(content) :] + marker, self._buf[i + len(marker) :])
+            self._gap = before[len(content) :]
+            return self._open_region(self._gap + marker, self._buf[i + len(marker) :])
         if final:
             self._emit(out, "content", self._buf)
             self._buf = ""
@@ -704,6 +716,9 @@ class OutputParser:
         self._report(out, region.calls)
         if region.end is not None and not region.bad:
             self._buf = self._region[region.end :]
+            if self._seen_content and not self._sep:
+                self._sep = self._gap
+                self._take_ws = not self._gap
             self._close_region(strip=True)
             return True
         if region.bad or final:
@@ -764,5 +779,5 @@ class OutputParser:
         return fmt.closers if fmt is not None else ()
 
     def _close_region(self, strip: bool) -> None:
-        self._marker, self._region, self._sent = "", "", {}
+        self._marker, self._region, self._sent, self._gap = "", "", {}, ""
         self._state, self._strip = "content", strip

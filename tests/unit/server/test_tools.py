@@ -74,6 +74,24 @@ CASES: list[tuple[str, OutputSpec, str, Message]] = [
         ("", "", [("f", '{"a": 1}')]),
     ),
     (
+        "text after a call keeps the whitespace before the call",
+        HERMES,
+        'Sure! <tool_call>{"name": "f", "arguments": {}}</tool_call>\n\n done',
+        ("Sure! done", "", [("f", "{}")]),
+    ),
+    (
+        "text after calls keeps the whitespace after them when none came before",
+        HERMES,
+        'Sure!<tool_call>{"name": "f"}</tool_call>\n<tool_call>{"name": "g"}</tool_call>\nok',
+        ("Sure!\nok", "", [("f", "{}"), ("g", "{}")]),
+    ),
+    (
+        "text after a call with no content before it, or whitespace after calls, adds none",
+        HERMES,
+        '<tool_call>{"name": "f"}</tool_call> done <tool_call>{"name": "g"}</tool_call>\n',
+        ("done", "", [("f", "{}"), ("g", "{}")]),
+    ),
+    (
         "plain text that looks like a marker is content",
         HERMES,
         "a <tool b <tool_cal c < d",
