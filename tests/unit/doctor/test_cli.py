@@ -182,6 +182,21 @@ def test_a_crashed_check_is_an_internal_error_naming_the_check(fake: FakeJetson)
     assert code == 70 and data["exit_code"] == 70 and data["crashed"] == ["broken-check"]
 
 
+@pytest.mark.parametrize("command", [("doctor",), ("tune", "system")])
+def test_a_root_that_is_not_a_folder_is_a_usage_error(
+    fake: FakeJetson, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """Not exit 70 from a check that crashed reading it."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for root in (tmp_path / "missing", a_file):
+        result = CliRunner().invoke(
+            app, [*command, "--root", str(root)], env={"COLUMNS": "200"}, obj=board_deps(fake)
+        )
+        assert result.exit_code == 2, result.output
+        assert "--root" in result.stderr and result.stdout == ""
+
+
 def test_doctor_ctx_is_per_slot_and_checked(fake: FakeJetson, profile_file: Path) -> None:
     args = ("doctor", "--profile", str(profile_file), "--ctx", "1024", "--json")
     code, out, err = invoke(fake, *args)
