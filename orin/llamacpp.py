@@ -34,7 +34,8 @@ _captures: list[list[str]] = []
 _callback: Any = None  # keeps the ctypes callback alive
 _aborting = threading.Event()  # an abort callback asked the running decode to stop
 # .client_input: this thread checks a client's input; .expected: fragments of warnings
-# this thread asked for
+# this thread asked for; .reported: the warning and error lines reported_by_caller
+# collects for this thread
 _thread = threading.local()
 _stderr_lock = threading.Lock()  # one redirection of fd 2 at a time
 
@@ -44,6 +45,13 @@ def _on_log(level: int, text: bytes, _user: Any) -> None:
     with _lock:
         for sink in _captures:
             sink.append(line)
+    reported: list[str] | None = getattr(_thread, "reported", None)
+    if reported is not None:
+        if level in (3, 4):
+            reported.append(line)
+        elif level == 5 and reported and _thread.reported_last:
+            reported[-1] += line  # the rest of a warning or error line
+        _thread.reported_last = level in (3, 4) or (level == 5 and _thread.reported_last)
     if level != 5 and line.strip():
         # the lines of a decode stopped on request ("failed to compute graph", "failed
         # to decode, ret = 2") describe the stop, not a failure
@@ -52,6 +60,8 @@ def _on_log(level: int, text: bytes, _user: Any) -> None:
             how = logging.INFO  # the client gets the error; the server did nothing wrong
         if how == logging.WARNING and any(f in line for f in getattr(_thread, "expected", ())):
             how = logging.INFO  # what the caller chose on purpose, not a problem
+        if how > logging.INFO and reported is not None:
+            how = logging.DEBUG  # the caller's own warning quotes it
         log.log(how, "%s", line.rstrip("\n"))
 
 
@@ -78,6 +88,20 @@ def client_input() -> Iterator[None]:
         yield
     finally:
         _thread.client_input = False
+
+
+@contextmanager
+def reported_by_caller() -> Iterator[list[str]]:
+    """While this thread runs the block, llama.cpp's warnings and errors are collected
+    in the list it yields and logged at debug level only: the caller handles the
+    failure and logs one warning of its own that quotes them (a saved prompt state
+    llama.cpp refuses is skipped, not an error of the server)."""
+    lines: list[str] = []
+    _thread.reported, _thread.reported_last = lines, False
+    try:
+        yield lines
+    finally:
+        _thread.reported = None
 
 
 def with_stderr(fn: Callable[[], T]) -> tuple[T, str]:

@@ -23,6 +23,10 @@ RootOpt = Annotated[
         envvar="ORIN_LLM_SYSROOT",
         help="Filesystem root for /proc and /sys (a fake board tree in tests).",
         hidden=True,
+        # a root that is not a folder is a usage error (exit 2), not a check that
+        # crashes reading it (doctor's exit 70)
+        exists=True,
+        file_okay=False,
     ),
 ]
 ProfileOpt = Annotated[

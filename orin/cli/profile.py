@@ -22,7 +22,7 @@ from orin.cli.help import Typer
 from orin.cli.options import CtxOpt, JsonOpt, RootOpt, apply_ctx
 from orin.cli.output import Output
 from orin.doctor.context import model_path_for
-from orin.engine.config import prompt_files
+from orin.engine.config import draft_model_problem, prompt_files
 from orin.errors import LlamaCppError, OrinError, ProfileError
 from orin.llamacpp import BuildInfo
 from orin.profile.kvmatch import KVFinding
@@ -103,6 +103,7 @@ def validate(
     if model is None:
         report = _with_model_file(report, profile)
     report = _with_prompt_dir(report, profile)
+    report = _with_draft_model(report, profile)
     out = Output(as_json)
     if as_json:
         out.json(report.to_dict())
@@ -156,6 +157,18 @@ def _with_prompt_dir(report: ValidationReport, profile: Profile) -> ValidationRe
         finding = KVFinding("prompt-cache", "fail", f"{exc}: serve would stop (exit 4)")
         return dataclasses.replace(report, findings=(*report.findings, finding))
     return report
+
+
+def _with_draft_model(report: ValidationReport, profile: Profile) -> ValidationReport:
+    """With speculative.mode draft, the draft model must read as a GGUF file, or serve
+    stops at start (doctor's draft-model check)."""
+    draft = draft_model_problem(profile)
+    if draft is None or draft[1] is None:
+        return report
+    finding = KVFinding(
+        "draft-model", "fail", f"speculative.draft_model: {draft[1]}: serve would stop (exit 3)"
+    )
+    return dataclasses.replace(report, findings=(*report.findings, finding))
 
 
 def _build_info_or_none(d: Deps) -> BuildInfo | None:

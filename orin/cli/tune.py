@@ -24,7 +24,7 @@ import typer
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orin.cli.deps import deps
+from orin.cli.deps import Deps, deps
 from orin.cli.errors import handle_errors, no_args_is_help, usage_error
 from orin.cli.help import Typer
 from orin.cli.options import (
@@ -206,7 +206,14 @@ def system(
     state = StateFile(sysroot, state_path)
     info = _model_info(profile)
     n_layer = info.n_layer if info is not None else None
-    board = board_context(sysroot, d.runner, board_settings(profile), state, n_layer=n_layer)
+    board = board_context(
+        sysroot,
+        d.runner,
+        board_settings(profile),
+        state,
+        n_layer=n_layer,
+        gpu_offload=_gpu_offload(d),
+    )
     plan = plan_revert(board, state) if revert else plan_apply(board, state)
     out = Output(as_json)
     if not as_json:
@@ -222,6 +229,15 @@ def system(
         out.json(data)
     else:
         out.line(_summary(plan, done))
+
+
+def _gpu_offload(d: Deps) -> bool | None:
+    """Whether the llama.cpp build can offload, which the engine's load mode depends on
+    (a CPU build maps the file even on unified memory); None when it does not import."""
+    try:
+        return d.build_info().gpu_offload
+    except OrinError:  # LlamaCppError among them
+        return None
 
 
 def _model_info(profile: Profile) -> ModelInfo | None:

@@ -29,12 +29,27 @@ JTOP_UNITS = (
 
 
 def tune_fix(ctx: DoctorContext, setting: str, asked: bool, direct: str) -> str:
-    """The fix through tune system (with the profile field when it does not ask yet)."""
+    """The fix through tune system (with the profile field when it does not ask yet).
+
+    A built-in profile is not the user's to edit (an installed one is inside the
+    package, replaced at the next upgrade): a field it lacks goes into a copy, which
+    tune system is then given."""
     p = ctx.profile
-    ref = p.name if p.source is None or builtin_profiles().get(p.name) == p.source else p.source
-    apply = f"sudo orin-llm tune system --profile {ref} --apply"
-    step = apply if asked else f"{setting} in the profile, then {apply}"
-    return f"{step} (or at once: {direct})"
+    builtin = p.source is None or builtin_profiles().get(p.name) == p.source
+    if asked:
+        ref = p.name if builtin else str(p.source)
+        return f"sudo orin-llm tune system --profile {ref} --apply (or at once: {direct})"
+    if builtin and p.source is not None:
+        copy = f"my-{p.name}.yaml"
+        return (
+            f"{setting} in a copy of the built-in profile (cp {p.source} {copy}), then "
+            f"sudo orin-llm tune system --profile {copy} --apply (or at once: {direct})"
+        )
+    ref = p.name if builtin else str(p.source)
+    return (
+        f"{setting} in the profile, then sudo orin-llm tune system --profile {ref} --apply "
+        f"(or at once: {direct})"
+    )
 
 
 def not_jetson(check_id: str, what: str) -> Finding:

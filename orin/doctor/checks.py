@@ -385,6 +385,28 @@ def check_prompt_cache(ctx: DoctorContext) -> Finding:
     return Finding("prompt-cache", "ok", found)
 
 
+def check_draft_model(ctx: DoctorContext) -> Finding:
+    """With speculative.mode draft, the draft model's header reads (serve checks the
+    same before it loads anything)."""
+    from orin.engine.config import draft_model_problem
+
+    mode = ctx.profile.speculative.mode
+    draft = draft_model_problem(ctx.profile)
+    if draft is None:
+        return Finding("draft-model", "ok", f"no draft model: speculative.mode is {mode}")
+    path, problem = draft
+    if problem is not None:
+        return Finding(
+            "draft-model",
+            "fail",
+            f"speculative.draft_model: {problem}",
+            why="serve stops at start (exit 3) when it cannot read the draft model",
+            fix="put the draft GGUF there (a small model with the served model's "
+            "vocabulary), or speculative.mode: ngram, which needs no second model",
+        )
+    return Finding("draft-model", "ok", f"draft model {path}")
+
+
 def check_mmap(ctx: DoctorContext) -> Finding:
     """mmap while every layer is on the GPU of a unified-memory board."""
     p, info, build = ctx.platform, ctx.model, ctx.build
@@ -419,6 +441,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("context", check_context),
     ("mmproj", check_mmproj),
     ("prompt-cache", check_prompt_cache),
+    ("draft-model", check_draft_model),
     ("mmap", check_mmap),
     ("swappiness", board.check_swappiness),
     ("zram", board.check_zram),

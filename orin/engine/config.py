@@ -227,6 +227,25 @@ def mmproj_path(profile: Profile) -> Path | None:
     return projector_path(profile)
 
 
+def draft_model_problem(profile: Profile) -> tuple[Path, str | None] | None:
+    """With ``speculative.mode: draft``, the draft model's file and why serve could not
+    load it (missing, unreadable, not GGUF, truncated: its header is read), or None for
+    the reason when it reads; None without a draft model. Doctor, ``profile validate``
+    and serve ask before the model loads."""
+    from orin.errors import ModelFileError
+    from orin.model.gguf import read_model_info
+
+    s = profile.speculative
+    if s.mode != "draft" or s.draft_model is None:
+        return None
+    path = profile.path_from(s.draft_model)
+    try:
+        read_model_info(path)
+    except ModelFileError as exc:
+        return path, str(exc)
+    return path, None
+
+
 def spec_config(profile: Profile) -> SpecConfig:
     s = profile.speculative
     return SpecConfig(

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from orin.llamacpp import capture_log
+from orin.llamacpp import capture_log, reported_by_caller
 from orin.system.root import GROUP_OR_OTHER_WRITE
 
 if TYPE_CHECKING:
@@ -408,10 +408,13 @@ class PromptCache:
         self.counters = CacheCounters()
         self.problem: str | None = None
         self._index: dict[str, Entry] = {}
+        # entries this process's llama.cpp refused to load: the next save of the same
+        # prompt writes them again instead of keeping the state that was refused
+        self._refused: set[str] = set()
         try:
             _ensure_dir(self.directory)
         except OSError as exc:
-            self._disable(f"cannot create it: {exc.strerror or exc}")
+            self._disable(_cannot_create(self.directory, exc))
             return
         self.refresh()
 
@@ -489,7 +492,12 @@ class PromptCache:
             return None
         name = entry_name(self.key, tokens)
         known = self._index.get(name)
-        if known is not None and known.state_path.exists() and known.sidecar_path.exists():
+        if (
+            known is not None
+            and name not in self._refused
+            and known.state_path.exists()
+            and known.sidecar_path.exists()
+        ):
             return self._touch(known)
         state_tmp = self._temp_path(name + STATE_SUFFIX)
         try:
@@ -502,6 +510,7 @@ class PromptCache:
                 state_tmp.unlink()
         if entry is not None:
             self._index[name] = entry
+            self._refused.discard(name)
             self.counters.saves += 1
             self._evict(keep=name)
         return entry
@@ -512,7 +521,7 @@ class PromptCache:
         # created 0600 first: llama.cpp's fopen(wb) truncates it and keeps the mode
         os.close(os.open(state_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE))
         array = (kv.lib.llama_token * len(tokens))(*tokens)
-        with capture_log() as lines:
+        with capture_log() as lines, reported_by_caller() as problems:
             written = int(
                 kv.lib.llama_state_seq_save_file(
                     kv.ctx, os.fsencode(state_tmp), seq, array, len(tokens)
@@ -523,7 +532,7 @@ class PromptCache:
                 "prompt cache: llama.cpp could not save sequence %d to %s: %s",
                 seq,
                 state_tmp,
-                _reason(lines),
+                _reason(problems or lines),
             )
             return None
         size = state_tmp.stat().st_size
@@ -617,6 +626,9 @@ class PromptCache:
         if not ok:
             with contextlib.suppress(Exception):
                 lib.llama_memory_seq_rm(kv.memory, seq, 0, -1)
+            # kept (the context may have been unable to take it just now), but the next
+            # save of this prompt replaces it
+            self._refused.add(entry.name)
             return self._refuse(entry, reason, delete=False)
         self._touch(current)
         self.counters.loads += 1
@@ -630,14 +642,14 @@ class PromptCache:
         source = proc if os.path.exists(proc) else str(entry.state_path)
         out = (lib.llama_token * n)()
         count = ctypes.c_size_t(0)
-        with capture_log() as lines:
+        with capture_log() as lines, reported_by_caller() as problems:
             read = int(
                 lib.llama_state_seq_load_file(
                     kv.ctx, os.fsencode(source), seq, out, n, ctypes.pointer(count)
                 )
             )
         if read == 0:
-            return False, f"llama.cpp refused it: {_reason(lines)}"
+            return False, f"llama.cpp refused it: {_reason(problems or lines)}"
         if count.value != n or tuple(out[:n]) != entry.tokens:
             return False, "the state holds other tokens than its sidecar"
         held = int(lib.llama_memory_seq_pos_max(kv.memory, seq))
@@ -836,6 +848,17 @@ def _blocks(fd: int) -> Iterator[bytes]:
         yield block
 
 
+def _cannot_create(path: Path, exc: OSError) -> str:
+    """Why ``_ensure_dir`` failed: a file where a folder on the way should be is named
+    as such (mkdir's own "File exists" says nothing about which)."""
+    for folder in (path, *path.parents):
+        if folder.exists() or folder.is_symlink():
+            if not folder.is_dir():
+                return f"cannot create it: {folder} is not a directory"
+            break
+    return f"cannot create it: {exc.strerror or exc}"
+
+
 def _ensure_dir(path: Path) -> None:
     """Create the directory (0700; missing parents with the umask's modes)."""
     if path.is_dir():
@@ -861,11 +884,16 @@ def _write_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None:
             tmp.unlink()
 
 
+REASON_LINES = 3  # llama.cpp's lines a refusal quotes, at most
+
+
 def _reason(lines: list[str]) -> str:
-    """llama.cpp's last error line of an operation."""
+    """What llama.cpp wrote about a failed save or load (its warning and error lines,
+    ``reported_by_caller``): the last few, first to last. The first usually says what
+    was wrong ("mismatched key type (8 != 1, layer 0)"), the last only that it failed
+    ("failed to restore kv cache")."""
     text = [ln.strip() for ln in "".join(lines).splitlines() if ln.strip()]
-    errors = [ln for ln in text if "error" in ln.lower() or "fail" in ln.lower()]
-    return (errors or text or ["no reason given"])[-1]
+    return "; ".join(list(dict.fromkeys(text))[-REASON_LINES:]) or "no reason given"
 
 
 def _number(value: object) -> bool:

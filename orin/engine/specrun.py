@@ -146,6 +146,19 @@ def system_prefix(chat: ChatTemplate, backend: Backend, system: str) -> list[int
     return a[:n]
 
 
+def skip_reason(n_tokens: int, window: int) -> str | None:
+    """Why a kept prompt of ``n_tokens`` (its part every conversation starts with) is
+    not kept, or None."""
+    if n_tokens < 2:
+        return (
+            f"the chat template gives it {n_tokens} token(s) that every conversation "
+            "starting with it shares: too few to keep"
+        )
+    if n_tokens > window:
+        return f"{n_tokens} tokens, more than the context window of a slot ({window})"
+    return None
+
+
 class WarmCache:
     """The persistent prompt cache as the engine uses it."""
 
@@ -166,16 +179,23 @@ class WarmCache:
         """Restore (or compute and save) each prompt; the first ones stay in idle slots
         as their prefix cache, one slot each, the rest wait on disk."""
         for i, tokens in enumerate(self.prompts):
-            if len(tokens) < 2 or len(tokens) > scheduler.context.window:
-                log.warning("prompt cache: prompt %d (%d tokens) skipped", i, len(tokens))
+            skip = skip_reason(len(tokens), scheduler.context.window)
+            if skip is not None:
+                log.warning("prompt cache: prompt %d skipped: %s", i, skip)
                 continue
             seq = i if i < len(scheduler.slots) else len(scheduler.slots) - 1
             entry = self.cache.get(tokens)
             restored = entry is not None and self.cache.load(self.backend, seq, entry)
             if not restored:
                 self._prefill(seq, tokens)
-                self.cache.save(self.backend, seq, tokens)
-                log.info("prompt cache: prompt %d computed and saved (%d tokens)", i, len(tokens))
+                if self.cache.save(self.backend, seq, tokens) is not None:
+                    log.info(
+                        "prompt cache: prompt %d computed and saved (%d tokens)", i, len(tokens)
+                    )
+                else:  # why is the cache's warning (once, for a disabled cache)
+                    log.info(
+                        "prompt cache: prompt %d computed (%d tokens), not saved", i, len(tokens)
+                    )
             else:
                 log.info("prompt cache: prompt %d restored (%d tokens)", i, len(tokens))
             if i < len(scheduler.slots):

@@ -70,12 +70,41 @@ def parse_profile(text: str, filename: str = "<profile>") -> Profile:
         raise ProfileError(f"{filename}:{line}: YAML syntax error: {exc.problem}") from exc
     if not isinstance(data, dict):
         raise ProfileError(f"{filename}:1: a profile must be a YAML mapping of sections")
+    twice = _given_twice(node)
+    if twice:
+        raise ProfileError("\n".join(f"{filename}:{msg}" for msg in twice))
     lines = _line_index(node)
     try:
         return Profile.model_validate(data)
     except ValidationError as exc:
         messages = [_describe(e, filename, lines) for e in exc.errors()]
         raise ProfileError("\n".join(messages)) from exc
+
+
+def _given_twice(node: yaml.Node | None, prefix: Loc = ()) -> list[str]:
+    """'line: field: given twice ...' for each key a mapping repeats: YAML keeps the last
+    value and drops the first without a word, so an edit meant for the first copy (a
+    second ``engine:`` section lower down, say) would pass silently."""
+    found: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key, value in node.value:
+            name, line = str(key.value), key.start_mark.line + 1
+            if key.tag == "tag:yaml.org,2002:merge":  # '<<: *anchor' may repeat
+                continue
+            field = ".".join(str(p) for p in (*prefix, name))
+            if name in first:
+                found.append(
+                    f"{line}: {field}: given twice (first on line {first[name]}); "
+                    "YAML would keep only this one: merge the two"
+                )
+            else:
+                first[name] = line
+            found.extend(_given_twice(value, (*prefix, name)))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found.extend(_given_twice(item, (*prefix, i)))
+    return found
 
 
 def _line_index(node: yaml.Node | None, prefix: Loc = ()) -> dict[Loc, int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orin import __version__
-from orin.errors import BindError, OrinError
+from orin.errors import BindError, ModelFileError, OrinError
 from orin.profile.loader import resolve_model_path
 from orin.profile.schema import Profile
 from orin.system.commands import SubprocessRunner
@@ -75,7 +75,7 @@ def build_server(
     """Everything ``serve`` runs, wired but not started (tests start it themselves)."""
     import uvicorn
 
-    from orin.engine.config import engine_config
+    from orin.engine.config import draft_model_problem, engine_config
     from orin.engine.engine import Engine
     from orin.llamacpp import build_info
     from orin.model.gguf import read_model_info
@@ -88,6 +88,9 @@ def build_server(
 
     path = resolve_model_path(profile, model)
     info = read_model_info(path)
+    draft = draft_model_problem(profile)
+    if draft is not None and draft[1] is not None:  # before minutes of loading, exit 3
+        raise ModelFileError(f"speculative.draft_model: {draft[1]}")
     build = build_info()
     cfg = engine_config(profile, path, info, build, _available())
     engine = Engine(cfg)

@@ -80,15 +80,18 @@ def board_context(
     state: StateFile,
     platform: Platform | None = None,
     n_layer: int | None = None,
+    gpu_offload: bool | None = None,
 ) -> BoardContext:
     """``n_layer``: the model's layer count, which decides the mmap report when only
-    some layers offload (None when there is no model to read)."""
+    some layers offload (None when there is no model to read); ``gpu_offload``:
+    whether the llama.cpp build can offload (None when unknown), as for the engine."""
     return BoardContext(
         root=root,
         runner=runner,
         platform=platform if platform is not None else detect(root, runner),
         settings=settings,
         n_layer=n_layer,
+        gpu_offload=gpu_offload,
         recorded=_recorded(state),
     )
 

@@ -71,8 +71,15 @@ def test_stock_jetpack6_board(tmp_path: Path, make_ctx: MakeCtx, llama2_q4: Path
         "(or at once: sudo nvpmodel -m 0)"
     )
     assert found["swappiness"].found == "vm.swappiness = 60 on unified memory"
-    assert "system.swappiness: 10 in the profile" not in found["swappiness"].fix
-    assert "system.disable_zram: true in the profile" in found["zram"].fix
+    assert "system.swappiness: 10 in" not in found["swappiness"].fix  # the profile asks
+    # a built-in profile is not edited: the field goes into a copy, which tune system gets
+    source = load_profile("llama2-7b-q4_k_m").source
+    assert found["zram"].fix == (
+        "system.disable_zram: true in a copy of the built-in profile "
+        f"(cp {source} my-llama2-7b-q4_k_m.yaml), then sudo orin-llm tune system "
+        "--profile my-llama2-7b-q4_k_m.yaml --apply (or at once: sudo systemctl disable "
+        "--now nvzramconfig); use an NVMe swap file if you want swap"
+    )
     assert found["clocks"].found == "clocks not locked: CPU, GPU, EMC (jetson_clocks --show)"
     assert found["board"].found == (
         "Jetson AGX Orin 64GB (p3701-0005 from device tree), profile board agx-orin-64gb; "
@@ -211,3 +218,23 @@ def test_gpu_lock_alone_is_not_called_locked(tmp_path: Path, make_ctx: MakeCtx) 
     f = board_checks.check_clocks(make_ctx(fake.board.root, fake.runner))
     assert f.severity == "info"
     assert f.found == "GPU clock locked; CPU and EMC unknown (sysfs devfreq (GPU only))"
+
+
+def test_a_profile_file_gets_its_own_fix(
+    tmp_path: Path, make_ctx: MakeCtx, llama2_q4: Path
+) -> None:
+    """A user's profile is edited in place and given to tune system by its path; what it
+    asks for already needs only the apply."""
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("name: mine\nsystem: {swappiness: 10}\n")
+    report = run_checks(make_ctx(fake.board.root, fake.runner, load_profile(mine), llama2_q4))
+    found = report.by_id()
+    assert found["swappiness"].fix == (
+        f"sudo orin-llm tune system --profile {mine} --apply "
+        "(or at once: sudo sysctl -w vm.swappiness=10)"
+    )
+    assert found["zram"].fix is not None and found["zram"].fix.startswith(
+        "system.disable_zram: true in the profile, then sudo orin-llm tune system "
+        f"--profile {mine} --apply"
+    )

@@ -111,6 +111,23 @@ def test_tune_system_apply_then_revert_json(fake: FakeJetson, profile_file: Path
     assert (fake.mode, fake.locked, sorted(fake.zram)) == (2, False, ["/dev/zram0", "/dev/zram1"])
 
 
+def test_tune_system_reports_the_load_mode_the_engine_will_use(fake: FakeJetson) -> None:
+    """As doctor's mmap check and the engine do, tune system asks the build: a CPU build
+    on a Jetson maps the file (nothing is offloaded, so there is no second copy)."""
+
+    def mmap_target(build_deps: Deps) -> str:
+        code, out, err = invoke(fake, "tune", "system", "--json", deps=build_deps)
+        assert code == 0, err
+        (row,) = [c for c in json.loads(out)["changes"] if c["setting"] == "mmap"]
+        return str(row["target"])
+
+    cuda = board_deps(fake)
+    assert mmap_target(cuda) == "load_mode=none"
+    assert mmap_target(dataclasses.replace(cuda, build_info=lambda: CPU_BUILD)) == (
+        "load_mode=mmap"
+    )
+
+
 def test_tune_system_revert_with_nothing_saved_says_so(fake: FakeJetson) -> None:
     """Not an empty table: one line naming the state file, then the summary."""
     code, out, err = invoke(fake, "tune", "system", "--revert")
@@ -180,6 +197,21 @@ def test_a_crashed_check_is_an_internal_error_naming_the_check(fake: FakeJetson)
     code, out, _ = invoke(fake, "doctor", "--json", deps=crashing)
     data = json.loads(out)
     assert code == 70 and data["exit_code"] == 70 and data["crashed"] == ["broken-check"]
+
+
+@pytest.mark.parametrize("command", [("doctor",), ("tune", "system")])
+def test_a_root_that_is_not_a_folder_is_a_usage_error(
+    fake: FakeJetson, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """Not exit 70 from a check that crashed reading it."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for root in (tmp_path / "missing", a_file):
+        result = CliRunner().invoke(
+            app, [*command, "--root", str(root)], env={"COLUMNS": "200"}, obj=board_deps(fake)
+        )
+        assert result.exit_code == 2, result.output
+        assert "--root" in result.stderr and result.stdout == ""
 
 
 def test_doctor_ctx_is_per_slot_and_checked(fake: FakeJetson, profile_file: Path) -> None:

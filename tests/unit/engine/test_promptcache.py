@@ -5,6 +5,7 @@ runs the real ones)."""
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import logging
 import os
@@ -427,6 +428,86 @@ def test_a_load_llama_cpp_refuses_leaves_the_sequence_empty(
         assert not pc.load(kv, 2, entry)
     assert "llama.cpp refused it" in caplog.text and 2 not in kv.lib.seqs
     assert entry.state_path.exists()  # the file is fine: the context could not take it
+
+
+def test_a_state_llama_cpp_refused_is_replaced_by_the_next_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A state whose digest matches but which llama.cpp cannot read (written by another
+    llama.cpp, or damaged before it was hashed) is computed again at the next start:
+    the save of that prompt writes a new state instead of keeping the refused one."""
+    kv = Handles()
+    entry = saved(cache(tmp_path), kv, [1, 2, 3])
+    data = b"XXXX" + entry.state_path.read_bytes()[4:]  # llama.cpp's magic gone
+    entry.state_path.write_bytes(data)
+    doc = json.loads(entry.sidecar_path.read_text())
+    doc["state_sha256"] = hashlib.sha256(data).hexdigest()
+    entry.sidecar_path.write_text(json.dumps(doc))
+    pc = cache(tmp_path)  # a restart: the entry passes every check of its own
+    found = pc.get([1, 2, 3])
+    assert found is not None
+    with caplog.at_level(logging.WARNING):
+        assert not pc.load(kv, 0, found)
+    assert "llama.cpp refused it" in caplog.text and 0 not in kv.lib.seqs
+    kv.prefill(0, [1, 2, 3])  # the prompt computed instead
+    again = pc.save(kv, 0, [1, 2, 3])
+    assert again is not None and pc.counters.saves == 1
+    assert entry.state_path.read_bytes()[:4] == MAGIC
+    kv.lib.seqs.pop(0)
+    restarted = cache(tmp_path)
+    restored = restarted.get([1, 2, 3])
+    assert restored is not None and restarted.load(kv, 1, restored)
+    assert kv.lib.seqs[1] == [1, 2, 3]
+
+
+def test_a_refusal_quotes_what_llama_cpp_said_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """llama.cpp's own lines about a refused state go into the one warning (the
+    first says why, the last only that it failed), not into the log as errors."""
+    from orin import llamacpp
+
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+    refuse = kv.lib.llama_state_seq_load_file
+
+    def loud(*args: Any) -> int:
+        llamacpp._on_log(1, b"state_read_meta: cell_count = 3\n", None)
+        llamacpp._on_log(4, b"state_read_data: mismatched key type (8 != 1, layer 0)\n", None)
+        llamacpp._on_log(4, b"llama_state_seq_load_file: failed to restore kv cache\n", None)
+        return refuse(*args)
+
+    monkeypatch.setattr(kv.lib, "llama_state_seq_load_file", loud)
+    kv.lib.refuse = True
+    with caplog.at_level(logging.DEBUG):
+        assert not pc.load(kv, 0, entry)
+    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warning) == 1
+    assert warning[0].endswith(
+        "llama.cpp refused it: state_read_data: mismatched key type (8 != 1, layer 0); "
+        "llama_state_seq_load_file: failed to restore kv cache"
+    )
+    assert not [r for r in caplog.records if r.name == "orin.llama" and r.levelno > logging.DEBUG]
+
+
+def test_a_file_in_the_way_of_the_directory_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "afile").write_text("x")
+    with caplog.at_level(logging.WARNING):
+        pc = PromptCache(tmp_path / "afile" / "pc", KEY, 1 << 20)
+    assert pc.problem == (
+        f"{tmp_path / 'afile' / 'pc'}: cannot create it: {tmp_path / 'afile'} is not a directory"
+    )
+    assert pc.find([1, 2]) is None
+
+
+def test_a_prompt_that_is_not_kept_says_why() -> None:
+    from orin.engine.specrun import skip_reason
+
+    assert skip_reason(31, 512) is None and skip_reason(512, 512) is None
+    assert skip_reason(600, 512) == "600 tokens, more than the context window of a slot (512)"
+    assert "1 token(s)" in (skip_reason(1, 512) or "")
 
 
 def test_files_an_interrupted_save_left_are_removed_once_stale(tmp_path: Path) -> None:

@@ -82,6 +82,23 @@ def test_yaml_syntax_error_line() -> None:
         parse_profile("name: x\nengine:\n  slots: 2\n   n_ctx: 5\n", "p.yaml")
 
 
+def test_a_key_given_twice_is_an_error_naming_both_lines() -> None:
+    """YAML itself keeps the last value: the first section would be dropped silently."""
+    text = "name: x\nengine:\n  n_ctx: 512\nserver:\n  port: 9000\nengine:\n  slots: 3\n"
+    with pytest.raises(ProfileError) as exc:
+        parse_profile(text, "p.yaml")
+    assert str(exc.value) == (
+        "p.yaml:6: engine: given twice (first on line 2); YAML would keep only this one: "
+        "merge the two"
+    )
+    twice = r"^p.yaml:4: engine.slots: given twice \(first on line 3\)"
+    with pytest.raises(ProfileError, match=twice):
+        parse_profile("name: x\nengine:\n  slots: 2\n  slots: 4\n", "p.yaml")
+    # YAML merge keys ('<<') are not fields: two of them are not a repeat
+    merged = "name: x\nengine:\n  <<: {slots: 2}\n  <<: {n_ctx: 512}\n"
+    assert parse_profile(merged).engine.slots == 2
+
+
 def test_not_a_mapping() -> None:
     with pytest.raises(ProfileError, match="must be a YAML mapping"):
         parse_profile("- a\n- b\n", "p.yaml")
