@@ -18,7 +18,7 @@ from rich.table import Table
 
 from orin.cli.deps import deps
 from orin.cli.errors import EXIT_INTERNAL, ClickException, exit_code_for, fail
-from orin.cli.options import CtxOpt, JsonOpt, ProfileOpt, RootOpt, apply_ctx
+from orin.cli.options import BoardRootOpt, CtxOpt, JsonOpt, ProfileOpt, apply_ctx
 from orin.cli.output import Output
 from orin.doctor.report import Report
 from orin.errors import OrinError
@@ -46,7 +46,7 @@ def doctor(
     ] = None,
     n_ctx: CtxOpt = None,
     as_json: JsonOpt = False,
-    root: RootOpt = Path("/"),
+    root: BoardRootOpt = Path("/"),
 ) -> None:
     """Diagnose the board, the llama.cpp build, the profile and the model (no weights loaded)."""
     d = deps(ctx)

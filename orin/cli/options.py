@@ -16,15 +16,24 @@ from orin.profile.loader import describe_error
 from orin.profile.schema import EngineSection, Profile
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+_ROOT_HELP = "Filesystem root for /proc and /sys (a fake board tree in tests)."
+# a root that is a file is a usage error (exit 2); commands that only write under it
+# (model pull, install) create what they need there
 RootOpt = Annotated[
+    Path,
+    typer.Option(
+        "--root", envvar="ORIN_LLM_SYSROOT", help=_ROOT_HELP, hidden=True, file_okay=False
+    ),
+]
+# commands that read the board under it (doctor, profile validate, tune): a missing
+# root is a usage error too, not a check that crashes reading it (doctor's exit 70)
+BoardRootOpt = Annotated[
     Path,
     typer.Option(
         "--root",
         envvar="ORIN_LLM_SYSROOT",
-        help="Filesystem root for /proc and /sys (a fake board tree in tests).",
+        help=_ROOT_HELP,
         hidden=True,
-        # a root that is not a folder is a usage error (exit 2), not a check that
-        # crashes reading it (doctor's exit 70)
         exists=True,
         file_okay=False,
     ),

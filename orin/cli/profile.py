@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from orin.cli.deps import Deps, deps
 from orin.cli.errors import EXIT_FAILED, handle_errors
 from orin.cli.help import Typer
-from orin.cli.options import CtxOpt, JsonOpt, RootOpt, apply_ctx
+from orin.cli.options import BoardRootOpt, CtxOpt, JsonOpt, apply_ctx
 from orin.cli.output import Output
 from orin.doctor.context import model_path_for
 from orin.engine.config import draft_model_problem, prompt_files
@@ -94,7 +94,7 @@ def validate(
     ] = None,
     n_ctx: CtxOpt = None,
     as_json: JsonOpt = False,
-    root: RootOpt = Path("/"),
+    root: BoardRootOpt = Path("/"),
 ) -> None:
     """Check a profile (and optionally the model it will serve) against the KV rules."""
     profile = apply_ctx(load_profile(file), n_ctx)

@@ -28,9 +28,9 @@ from orin.cli.deps import Deps, deps
 from orin.cli.errors import handle_errors, no_args_is_help, usage_error
 from orin.cli.help import Typer
 from orin.cli.options import (
+    BoardRootOpt,
     CtxOpt,
     JsonOpt,
-    RootOpt,
     apply_ctx,
     check_telemetry,
     file_to_write,
@@ -190,7 +190,7 @@ def system(
         bool, typer.Option("--revert", help="Restore what the state file saved (root).")
     ] = False,
     as_json: JsonOpt = False,
-    root: RootOpt = Path("/"),
+    root: BoardRootOpt = Path("/"),
     state_path: Annotated[
         str,
         typer.Option("--state-file", help="State file (a path under --root).", hidden=True),
