@@ -1,10 +1,10 @@
 """Every wire model of the OpenAI-compatible API, and their conversion to engine terms.
 
 Requests are lenient (unknown OpenAI fields are accepted and logged, never an
-error), but every known field is bounded by the table in ``orin.params`` (the
-one the profile schema and the engine use), and each request owns its
-conversion to ``SamplingParams``. The response shapes are typed dicts, built by
-the formatters in ``responses.py``.
+error), but every known field must have its JSON type and is bounded by the
+table in ``orin.params`` (the one the profile schema and the engine use), and
+each request owns its conversion to ``SamplingParams``. The response shapes are
+typed dicts, built by the formatters in ``responses.py``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ log = logging.getLogger("orin.server")
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # lenient about fields, strict about types: an unknown field is accepted and
+    # logged, a known one must have its JSON type ("2" is no integer, "yes" no boolean;
+    # an integer is a number), as OpenAI's API refuses them
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="before")
     @classmethod

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from orin.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.unit.server.test_auth import client_for
 
 USER = [{"role": "user", "content": "hi"}]
@@ -121,3 +122,40 @@ def test_a_message_without_content_is_refused_unless_it_is_an_assistants(
     err = refused(client, "/v1/chat/completions", {"messages": messages})
     assert err["param"] == f"messages[{len(messages) - 1}].content"
     assert f"a {message['role']} message needs content" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": USER, "stream": "yes"}, "stream"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": "2"}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": USER, "temperature": "0.5"}, "temperature"),
+        ("/v1/chat/completions", {"messages": USER, "n": True}, "n"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 2.5}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "stream": True, "stream_options": {"include_usage": "true"}},
+            "stream_options.include_usage",
+        ),
+        ("/v1/completions", {"prompt": [True, 2]}, "prompt[0]"),
+        ("/v1/completions", {"prompt": "hi", "echo": 1}, "echo"),
+        ("/v1/embeddings", {"input": "hi", "dimensions": "64"}, "dimensions"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_not_converted(
+    client: TestClient, path: str, body: dict[str, Any], param: str
+) -> None:
+    """As OpenAI's API does: "2" is not a number and "yes" not a boolean, where a
+    lenient parser would have served them as 2 and true."""
+    err = refused(client, path, body)
+    assert err["param"] == param
+
+
+def test_numbers_keep_their_json_forms() -> None:
+    """Strict types still take an integer where a number is asked for, and null for
+    an optional field."""
+    req = ChatCompletionRequest.model_validate(
+        {"messages": USER, "temperature": 0, "top_p": 1, "max_tokens": None, "seed": 7}
+    )
+    assert (req.temperature, req.top_p, req.seed) == (0.0, 1.0, 7)
+    assert CompletionRequest.model_validate({"prompt": [[1, 2]]}).prompt == [1, 2]
