@@ -20,7 +20,7 @@ DemoSize = Literal["tiny", "small", "medium"]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class DemoModel(_Section):

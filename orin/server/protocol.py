@@ -44,7 +44,7 @@ class _Lenient(BaseModel):
     # lenient about fields, strict about types: an unknown field is accepted and
     # logged, a known one must have its JSON type ("2" is no integer, "yes" no boolean;
     # an integer is a number), as OpenAI's API refuses them
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

@@ -50,6 +50,12 @@ def test_bad_value_names_line_and_bound() -> None:
         parse_profile(text, "p.yaml")
 
 
+def test_a_number_that_is_not_finite_is_named_as_such() -> None:
+    text = "name: x\nsampling:\n  temperature: .nan\n"
+    with pytest.raises(ProfileError, match=r"^p.yaml:3: sampling.temperature: .*finite number"):
+        parse_profile(text, "p.yaml")
+
+
 def test_bad_enum_value() -> None:
     text = "name: x\nengine:\n  type_k: q3_k\n"
     with pytest.raises(ProfileError, match=r"p.yaml:3: engine.type_k: Input should be 'auto'"):

@@ -159,3 +159,14 @@ def test_numbers_keep_their_json_forms() -> None:
     )
     assert (req.temperature, req.top_p, req.seed) == (0.0, 1.0, 7)
     assert CompletionRequest.model_validate({"prompt": [[1, 2]]}).prompt == [1, 2]
+
+
+def test_a_number_that_is_not_finite_is_refused(client: TestClient) -> None:
+    """Python's json module reads NaN and Infinity, which JSON itself does not have."""
+    body = '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+    r = client.post(
+        "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "temperature" and "finite number" in err["message"]
