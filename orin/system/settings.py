@@ -269,7 +269,12 @@ class PowerModeSetting(Setting):
             f"{name} ({target})",
             actions,
             saved={"mode_id": mode.id, "name": mode.name, "clocks_locked": locked},
-            note="the default 30 W mode caps GPU and memory clocks",
+            note=(
+                "already in this mode"
+                if not actions
+                else "a lower mode caps GPU and memory clocks; a switch may need a reboot"
+                " and resets clocks that jetson_clocks locked"
+            ),
         )
 
     def apply(self, ctx: BoardContext, change: Change) -> None:

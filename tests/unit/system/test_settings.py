@@ -63,6 +63,7 @@ def test_plan_on_stock_jetpack6(tmp_path: Path) -> None:
         "MODE_30W (2)",
         "MAXN (0)",
     )
+    assert "may need a reboot" in changes["power-mode"].note
     assert describe(changes["clocks"]) == [
         f"mkdir -p {ROOT_STATE_DIR}",
         f"jetson_clocks --store {store}",
@@ -79,6 +80,7 @@ def test_plan_on_a_tuned_board_changes_nothing(tmp_path: Path) -> None:
     assert [c.setting for c in changes.values() if c.needed] == []
     assert changes["clocks"].current == "locked"
     assert changes["zram"].current.startswith("0 zram swap device(s)")
+    assert changes["power-mode"].note == "already in this mode"  # not a cap to lift
 
 
 def test_plan_on_x86_reports_jetson_settings_as_absent(tmp_path: Path) -> None:
