@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import struct
+import zlib
 
 import httpx
 import pytest
@@ -71,6 +73,36 @@ def test_sizes_over_the_limits_are_refused() -> None:
     assert "max_image_bytes" in str(refused(data_url(raw), ImageLimits(max_bytes=len(raw) - 1)))
     assert "max_image_pixels" in str(refused(data_url(raw), ImageLimits(max_pixels=255)))
     load(data_url(raw), ImageLimits(max_bytes=len(raw), max_pixels=256))
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that says it is width x height, with a few bytes of pixel data."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(bytes(1 + 3 * 64))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("size", [(10_000, 10_000), (20_000, 20_000), (2**31 - 1, 1)])
+def test_an_image_past_pillows_own_limit_is_refused_by_max_image_pixels(
+    size: tuple[int, int],
+) -> None:
+    """Pillow's decompression-bomb limit (89 megapixels) is not what refuses them:
+    the message is the profile's, with the size read from the header."""
+    message = str(refused(data_url(png_header(*size))))
+    assert f"{size[0]}x{size[1]} pixels" in message and "max_image_pixels" in message
+    assert "decompression bomb" not in message
+
+
+def test_a_profile_may_allow_images_past_pillows_own_limit() -> None:
+    """An image within a raised server.max_image_pixels is decoded, not refused
+    by Pillow's 89-megapixel warning (it is refused here for its missing rows)."""
+    message = str(refused(data_url(png_header(10_000, 10_000)), ImageLimits(max_pixels=10**8)))
+    assert "truncated" in message and "decompression bomb" not in message
 
 
 def test_other_schemes_and_unlisted_hosts_are_refused() -> None:
