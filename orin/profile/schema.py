@@ -493,7 +493,7 @@ class ServerSection(_Section):
     image_url_hosts: list[str] = Field(
         default_factory=list,
         description="Hosts whose http(s) image URLs chat requests may name, fetched by the "
-        "server within max_image_bytes and a 10 s limit; empty = data: URLs only (the "
+        "server within max_image_bytes and 10 s for the whole fetch; empty = data: URLs only (the "
         "default: the server never fetches a URL a client chose).",
     )
     max_image_bytes: int = Field(

@@ -94,7 +94,9 @@ async def fetch(
     param: str,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> bytes:
-    """An image from a host the profile lists, within the byte and time limits."""
+    """An image from a host the profile lists, within the byte and time limits: the
+    time limit is for the whole fetch, so a server that sends a byte now and then
+    cannot hold the request past it."""
     host = (urlsplit(url).hostname or "").lower()
     if host not in limits.hosts:
         allowed = ", ".join(sorted(limits.hosts)) or "none: send the image as a data: URL"
@@ -104,25 +106,36 @@ async def fetch(
             param,
         )
     try:
-        async with (
-            httpx.AsyncClient(
-                timeout=limits.timeout_s, follow_redirects=False, transport=transport
-            ) as client,
-            client.stream("GET", url) as response,
-        ):
-            if response.status_code != 200:
-                raise BadImage(f"fetching the image failed: HTTP {response.status_code}", param)
-            size = response.headers.get("content-length")
-            if size is not None and size.isdigit() and int(size) > limits.max_bytes:
-                raise _too_large(limits, param)
-            data = bytearray()
-            async for block in response.aiter_bytes():
-                data += block
-                if len(data) > limits.max_bytes:
-                    raise _too_large(limits, param)
-            return bytes(data)
+        return await asyncio.wait_for(_get(url, limits, param, transport), limits.timeout_s)
+    except asyncio.TimeoutError as exc:
+        raise BadImage(
+            f"fetching the image failed: {host} sent no whole image within {limits.timeout_s:g} s",
+            param,
+        ) from exc
     except httpx.HTTPError as exc:
         raise BadImage(f"fetching the image failed: {type(exc).__name__}", param) from exc
+
+
+async def _get(
+    url: str, limits: ImageLimits, param: str, transport: httpx.AsyncBaseTransport | None
+) -> bytes:
+    async with (
+        httpx.AsyncClient(
+            timeout=limits.timeout_s, follow_redirects=False, transport=transport
+        ) as client,
+        client.stream("GET", url) as response,
+    ):
+        if response.status_code != 200:
+            raise BadImage(f"fetching the image failed: HTTP {response.status_code}", param)
+        size = response.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > limits.max_bytes:
+            raise _too_large(limits, param)
+        data = bytearray()
+        async for block in response.aiter_bytes():
+            data += block
+            if len(data) > limits.max_bytes:
+                raise _too_large(limits, param)
+        return bytes(data)
 
 
 def decode(raw: bytes, limits: ImageLimits, param: str) -> RGBImage:

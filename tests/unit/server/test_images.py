@@ -9,6 +9,7 @@ import base64
 import io
 import struct
 import zlib
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -131,6 +132,23 @@ def test_a_listed_host_is_fetched_within_the_limits() -> None:
     assert "HTTP 404" in str(refused(url, hosts, served(b"", 404)))
     redirect = served(b"", 302, {"location": "http://169.254.169.254/"})
     assert "HTTP 302" in str(refused(url, hosts, redirect))  # redirects are not followed
+
+
+def test_the_fetch_time_limit_is_for_the_whole_image() -> None:
+    """A host that keeps sending a byte now and then is cut off at the limit, not
+    given a fresh limit for every read."""
+
+    async def trickle() -> AsyncIterator[bytes]:
+        for _ in range(5000):  # 5 s at least, a hundred times the limit
+            await asyncio.sleep(0.001)
+            yield b"\0"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=trickle())
+
+    limits = ImageLimits(hosts=frozenset({"images.example.com"}), timeout_s=0.05)
+    message = str(refused("https://images.example.com/a.png", limits, httpx.MockTransport(handler)))
+    assert "within 0.05 s" in message
 
 
 def test_limits_come_from_the_server_section() -> None:
