@@ -113,7 +113,8 @@ async def fetch(
             param,
         ) from exc
     except httpx.HTTPError as exc:
-        raise BadImage(f"fetching the image failed: {type(exc).__name__}", param) from exc
+        reason = str(exc) or type(exc).__name__
+        raise BadImage(f"fetching the image from {host} failed: {reason}", param) from exc
 
 
 async def _get(
@@ -125,6 +126,12 @@ async def _get(
         ) as client,
         client.stream("GET", url) as response,
     ):
+        if response.is_redirect:
+            raise BadImage(
+                f"fetching the image failed: HTTP {response.status_code}, a redirect "
+                "(redirects are not followed: name the image's own URL)",
+                param,
+            )
         if response.status_code != 200:
             raise BadImage(f"fetching the image failed: HTTP {response.status_code}", param)
         size = response.headers.get("content-length")

@@ -131,7 +131,8 @@ def test_a_listed_host_is_fetched_within_the_limits() -> None:
     assert "max_image_bytes" in str(refused(url, small, served(b"x" * 4096)))
     assert "HTTP 404" in str(refused(url, hosts, served(b"", 404)))
     redirect = served(b"", 302, {"location": "http://169.254.169.254/"})
-    assert "HTTP 302" in str(refused(url, hosts, redirect))  # redirects are not followed
+    message = str(refused(url, hosts, redirect))  # redirects are not followed
+    assert "HTTP 302" in message and "redirects are not followed" in message
 
 
 def test_the_fetch_time_limit_is_for_the_whole_image() -> None:
@@ -149,6 +150,15 @@ def test_the_fetch_time_limit_is_for_the_whole_image() -> None:
     limits = ImageLimits(hosts=frozenset({"images.example.com"}), timeout_s=0.05)
     message = str(refused("https://images.example.com/a.png", limits, httpx.MockTransport(handler)))
     assert "within 0.05 s" in message
+
+
+def test_a_failed_fetch_says_why() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    limits = ImageLimits(hosts=frozenset({"images.example.com"}))
+    message = str(refused("https://images.example.com/a.png", limits, httpx.MockTransport(handler)))
+    assert "images.example.com" in message and "Connection refused" in message
 
 
 def test_limits_come_from_the_server_section() -> None:
