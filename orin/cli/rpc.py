@@ -65,10 +65,7 @@ def rpc_worker(
     from orin.engine import rpc
 
     setup_logging("text")
-    try:
-        rpc.parse_endpoint(f"{host}:{port}")
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--host") from None
+    _host(host)
     if not rpc.is_loopback(host):
         print(SECURITY_WARNING.format(endpoint=f"{host}:{port}"), file=sys.stderr, flush=True)
     rpc.ggml().rpc_reg()
@@ -109,12 +106,18 @@ _HOST_NAME = re.compile(
 
 
 def _host(value: str) -> str:
-    """``--host``: an IP address or a host name, nothing the unit's command line would
-    read as more arguments."""
+    """``--host``: an IPv4 address or a host name, nothing the unit's command line would
+    read as more arguments (llama.cpp's RPC server splits its endpoint at the first
+    colon, so it cannot listen on an IPv6 address)."""
     import ipaddress
 
     try:
-        ipaddress.ip_address(value)
+        if ipaddress.ip_address(value).version == 6:
+            raise typer.BadParameter(
+                f"{value} is an IPv6 address; llama.cpp's RPC server listens on an IPv4 "
+                "address or a host name",
+                param_hint="--host",
+            )
     except ValueError:
         if not _HOST_NAME.fullmatch(value):
             raise typer.BadParameter(
@@ -183,7 +186,7 @@ def install_rpc_worker(
 ) -> None:
     """Install `orin-llm rpc-worker` as a hardened systemd service on this board."""
     from orin.cli.deps import deps
-    from orin.engine.rpc import is_loopback, parse_endpoint
+    from orin.engine.rpc import is_loopback
     from orin.install.host import gather, require_systemd
     from orin.install.units import (
         RPC_WORKER_SERVICE,
@@ -194,10 +197,7 @@ def install_rpc_worker(
     )
     from orin.system.root import SysRoot
 
-    try:
-        parse_endpoint(f"{_host(host)}:{port}")
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--host") from None
+    _host(host)
     allowed = tuple(_peer(a) for a in allow or ())
     d = deps(ctx)
     runner = d.runner

@@ -50,12 +50,36 @@ LOOPBACK = frozenset({"127.0.0.1", "localhost"})
 DEV_CPU, DEV_GPU, DEV_IGPU = 0, 1, 2
 
 
+def endpoint_problem(text: str) -> str | None:
+    """Why ``text`` is not a worker's ``HOST:PORT`` (None when it is one), in words
+    that say what to write instead."""
+    t = text.strip()
+    if "://" in t:
+        return "a worker is HOST:PORT, without a scheme"
+    if t.startswith("[") or t.count(":") > 1:
+        return (
+            "an IPv6 address cannot name a worker (llama.cpp splits HOST:PORT at its "
+            "first colon): use an IPv4 address or a host name"
+        )
+    host, sep, port = t.partition(":")
+    if not sep or not port:
+        return "the port is missing"
+    if not host:
+        return "the host is missing"
+    if not port.isdigit():
+        return f"the port {port!r} is not a number"
+    if not 0 < int(port) < 65536:
+        return f"the port {port} is not in 1-65535"
+    return None
+
+
 def parse_endpoint(text: str) -> tuple[str, int]:
     """``HOST:PORT``, an IPv4 address or a host name: llama.cpp splits an endpoint at
     its first colon, so an IPv6 address cannot be one."""
-    host, sep, port = text.strip().partition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{text!r} is not HOST:PORT (IPv4 address or host name)")
+    problem = endpoint_problem(text)
+    if problem is not None:
+        raise ValueError(f"{text.strip()!r} is not HOST:PORT: {problem}")
+    host, _, port = text.strip().partition(":")
     return host, int(port)
 
 

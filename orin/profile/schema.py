@@ -202,13 +202,16 @@ class EngineSection(_Section):
     @classmethod
     def _rpc_endpoints(cls, value: list[str]) -> list[str]:
         """Each 'host:port' with a port in 1-65535; duplicates are refused."""
+        from orin.engine.rpc import endpoint_problem
+
         for item in value:  # llama.cpp splits at the first colon: no IPv6 address
-            host, sep, port = item.strip().partition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"engine.rpc: {item!r} is not host:port")
-        if len(set(value)) != len(value):
+            problem = endpoint_problem(item)
+            if problem is not None:
+                raise ValueError(f"engine.rpc: {item.strip()!r} is not host:port: {problem}")
+        workers = [v.strip() for v in value]
+        if len(set(workers)) != len(workers):
             raise ValueError("engine.rpc: a worker is listed twice")
-        return [v.strip() for v in value]
+        return workers
 
     @field_validator("flash_attn", mode="before")
     @classmethod

@@ -193,6 +193,8 @@ def test_install_rpc_worker_writes_the_unit_and_enables_it(tmp_path: Path) -> No
         ("--allow", "::/0", "admits every address"),
         ("--allow", "any", "not an address or CIDR"),
         ("--host", "10.0.0.2 --evil", "not an IP address or host name"),
+        ("--host", "::1", "::1 is an IPv6 address; llama.cpp's RPC server listens on an IPv4"),
+        ("--host", "fe80::2", "fe80::2 is an IPv6 address"),
         ("--user", "root", "runs as a user of its own"),
         ("--user", "bad user", "not a user name"),
         ("--user", "-x", "not a user name"),
@@ -208,6 +210,32 @@ def test_install_rpc_worker_refuses_what_would_open_its_fence(
         "install-rpc-worker", *argv, "--dry-run", "--root", str(tmp_path), obj=deps
     )
     assert code == 2 and says in err and out == ""
+
+
+def test_rpc_worker_says_why_an_ipv6_host_cannot_be_used() -> None:
+    code, _, err = invoke("rpc-worker", "--host", "::1", "--port", "50052")
+    assert code == 2 and "::1 is an IPv6 address" in err and "::1:50052" not in err
+
+
+def test_endpoints_say_what_is_wrong_with_them() -> None:
+    for bad, says in [
+        ("10.0.0.2", "the port is missing"),
+        ("10.0.0.2:99999", "the port 99999 is not in 1-65535"),
+        ("10.0.0.2:abc", "the port 'abc' is not a number"),
+        (":50052", "the host is missing"),
+        ("[::1]:50052", "an IPv6 address cannot name a worker"),
+        ("fe80::1", "an IPv6 address cannot name a worker"),
+        ("tcp://10.0.0.2:50052", "without a scheme"),
+    ]:
+        with pytest.raises(ValueError, match="not HOST:PORT") as info:
+            parse_endpoints(bad)
+        assert says in str(info.value), (bad, str(info.value))
+        with pytest.raises(Exception, match="not host:port") as profile_error:
+            parse_profile(f"name: p\nengine: {{rpc: ['{bad}']}}\n")
+        assert says in str(profile_error.value)
+    assert parse_profile("name: p\nengine: {rpc: [' a:1', 'b:2 ']}\n").engine.rpc == ["a:1", "b:2"]
+    with pytest.raises(Exception, match="listed twice"):
+        parse_profile("name: p\nengine: {rpc: ['a:1', ' a:1']}\n")
 
 
 def test_the_lost_worker_line_names_the_worker_whose_connection_closed() -> None:
