@@ -199,6 +199,13 @@ def install_rpc_worker(
 
     _host(host)
     allowed = tuple(_peer(a) for a in allow or ())
+    if host == "0.0.0.0" and not allowed:
+        raise typer.BadParameter(
+            "0.0.0.0 listens on every interface of this board, with no authentication: "
+            "give the address of its private interface to the serving board, or fence "
+            "the worker with --allow",
+            param_hint="--host",
+        )
     d = deps(ctx)
     runner = d.runner
     facts = gather(runner, user, (RPC_WORKER_SERVICE,))

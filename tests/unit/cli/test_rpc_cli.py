@@ -212,6 +212,16 @@ def test_install_rpc_worker_refuses_what_would_open_its_fence(
     assert code == 2 and says in err and out == ""
 
 
+def test_install_rpc_worker_listens_on_every_interface_only_behind_allow(tmp_path: Path) -> None:
+    deps = Deps(runner=_Runner(), effective_uid=lambda: 0, orin_executable=lambda: "/o")  # type: ignore[arg-type]
+    argv = ("install-rpc-worker", "--host", "0.0.0.0", "--dry-run", "--root", str(tmp_path))
+    code, out, err = invoke(*argv, obj=deps)
+    assert code == 2 and out == "" and "0.0.0.0 listens on every interface" in err
+    assert "--allow" in err
+    code, out, _ = invoke(*argv, "--allow", "10.0.0.1", obj=deps)
+    assert code == 0 and "IPAddressDeny=any\nIPAddressAllow=localhost 10.0.0.1\n" in out
+
+
 def test_rpc_worker_says_why_an_ipv6_host_cannot_be_used() -> None:
     code, _, err = invoke("rpc-worker", "--host", "::1", "--port", "50052")
     assert code == 2 and "::1 is an IPv6 address" in err and "::1:50052" not in err
