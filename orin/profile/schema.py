@@ -511,6 +511,13 @@ class ServerSection(_Section):
         le=268_435_456,
         description="Largest decoded image, width x height (400); checked before decoding.",
     )
+    max_request_image_pixels: int = Field(
+        33_554_432,
+        ge=64,
+        le=1_073_741_824,
+        description="Largest total of decoded pixels of one chat request's images (400; "
+        "they are held in memory while the request is prepared); checked before decoding.",
+    )
     routing_metrics: RoutingMetricsSection = Field(
         default_factory=RoutingMetricsSection,
         description="Queue length, running requests and KV cache usage under the names a "

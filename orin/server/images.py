@@ -43,6 +43,7 @@ class ImageLimits:
     max_pixels: int = 16_777_216
     hosts: frozenset[str] = frozenset()
     timeout_s: float = FETCH_TIMEOUT_S
+    max_request_pixels: int = 33_554_432  # all the images of one request together
 
     @classmethod
     def from_server(cls, server: ServerSection) -> ImageLimits:
@@ -50,6 +51,7 @@ class ImageLimits:
             max_bytes=server.max_image_bytes,
             max_pixels=server.max_image_pixels,
             hosts=frozenset(h.lower() for h in server.image_url_hosts),
+            max_request_pixels=server.max_request_image_pixels,
         )
 
 
@@ -58,9 +60,12 @@ async def load(
     limits: ImageLimits,
     param: str,
     transport: httpx.AsyncBaseTransport | None = None,
+    pixels_left: int | None = None,
 ) -> RGBImage:
     """The image a part's URL names, decoded within ``limits``; BadImage naming
-    ``param`` otherwise. ``transport``: for tests, a fetch without sockets."""
+    ``param`` otherwise. ``transport``: for tests, a fetch without sockets.
+    ``pixels_left``: what the request's earlier images left of
+    ``limits.max_request_pixels`` (checked from the header, as the image's own limit)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url[:8] else ""
     if scheme == "data":
         raw = from_data_url(url, limits, param)
@@ -68,7 +73,7 @@ async def load(
         raw = await fetch(url, limits, param, transport)
     else:
         raise BadImage("an image URL must be a data: URL (base64) or an http(s) URL", param)
-    return await asyncio.to_thread(decode, raw, limits, param)  # off the event loop
+    return await asyncio.to_thread(decode, raw, limits, param, pixels_left)  # off the loop
 
 
 def from_data_url(url: str, limits: ImageLimits, param: str) -> bytes:
@@ -145,8 +150,9 @@ async def _get(
         return bytes(data)
 
 
-def decode(raw: bytes, limits: ImageLimits, param: str) -> RGBImage:
-    """Encoded image bytes into RGB pixels (the first frame of an animation)."""
+def decode(raw: bytes, limits: ImageLimits, param: str, pixels_left: int | None = None) -> RGBImage:
+    """Encoded image bytes into RGB pixels (the first frame of an animation), within
+    the image's pixel limit and what is left of the request's (``pixels_left``)."""
     from PIL import Image, UnidentifiedImageError
 
     # server.max_image_pixels, checked below from the header, replaces Pillow's own
@@ -160,6 +166,13 @@ def decode(raw: bytes, limits: ImageLimits, param: str) -> RGBImage:
             raise BadImage(
                 f"the image is {width}x{height} pixels; at most {limits.max_pixels} "
                 "(server.max_image_pixels)",
+                param,
+            )
+        if pixels_left is not None and width * height > pixels_left:
+            raise BadImage(
+                f"the request's images come to more than {limits.max_request_pixels} "
+                f"pixels together (server.max_request_image_pixels); this one, "
+                f"{width}x{height}, is past it",
                 param,
             )
         rgb = img.convert("RGB")

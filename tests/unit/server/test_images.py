@@ -168,6 +168,37 @@ def test_limits_come_from_the_server_section() -> None:
     limits = ImageLimits.from_server(server)
     assert limits == ImageLimits(4096, 1000, frozenset({"images.example.com"}))
     assert ServerSection().image_url_hosts == []
+    limits = ImageLimits.from_server(ServerSection(max_request_image_pixels=5000))
+    assert limits.max_request_pixels == 5000
+
+
+def request_images(limits: ImageLimits, *sizes: tuple[int, int]) -> object:
+    """The images of a chat request with one image part per size, as the route loads
+    them (orin/server/app.py)."""
+    from types import SimpleNamespace
+
+    from orin.server.app import _images
+
+    parts = [{"type": "image_url", "image_url": data_url(png(*size))} for size in sizes]
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, *parts]}]}
+    )
+    state = SimpleNamespace(engine=SimpleNamespace(supports_images=True), image_limits=limits)
+    return asyncio.run(_images(state, body))  # type: ignore[arg-type]
+
+
+def test_a_requests_images_together_stay_within_its_pixel_budget() -> None:
+    """Each image within server.max_image_pixels, but so many that their pixels
+    would fill the memory: the image past the request's budget is refused by its
+    header, naming its part."""
+    limits = ImageLimits(max_pixels=100 * 100, max_request_pixels=3 * 100 * 100)
+    assert len(request_images(limits, (100, 100), (100, 100), (100, 100))) == 3  # type: ignore[arg-type]
+    with pytest.raises(BadImage) as info:
+        request_images(limits, (100, 100), (100, 100), (100, 100), (1, 1))
+    assert info.value.param == "messages[0].content[4].image_url"
+    message = str(info.value)
+    assert "30000 pixels together" in message and "max_request_image_pixels" in message
+    assert "1x1" in message
 
 
 def test_image_parts_parse_in_the_openai_shape() -> None:
