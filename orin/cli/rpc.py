@@ -66,12 +66,12 @@ def rpc_worker(
 
     setup_logging("text")
     _host(host)
+    if cache is not None:
+        _cache_dir(cache)
     if not rpc.is_loopback(host):
         print(SECURITY_WARNING.format(endpoint=f"{host}:{port}"), file=sys.stderr, flush=True)
     rpc.ggml().rpc_reg()
     rpc.check_bindable(host, port)
-    if cache is not None:
-        cache.mkdir(parents=True, exist_ok=True)
     from orin.engine.config import default_threads
 
     devs = rpc.worker_devices()
@@ -97,6 +97,21 @@ def rpc_worker(
     if failed:
         raise LlamaCppError(f"the RPC server could not start on {host}:{port} (see above)")
     log.info("stopping")
+
+
+def _cache_dir(path: Path) -> None:
+    """``--cache``: a folder the worker can write (made when missing); llama.cpp's
+    server would only fail later, on the first tensor it keeps."""
+    import os
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise typer.BadParameter(
+            f"{path}: cannot make the folder: {exc.strerror or exc}", param_hint="--cache"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise typer.BadParameter(f"{path}: this user cannot write there", param_hint="--cache")
 
 
 _HOST_NAME = re.compile(

@@ -222,6 +222,19 @@ def test_install_rpc_worker_listens_on_every_interface_only_behind_allow(tmp_pat
     assert code == 0 and "IPAddressDeny=any\nIPAddressAllow=localhost 10.0.0.1\n" in out
 
 
+def test_rpc_worker_says_why_its_cache_folder_cannot_be_used(tmp_path: Path) -> None:
+    """Before llama.cpp's backend is even loaded: a usage error, not a traceback."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for cache, says in [
+        (a_file, "cannot make the folder: File exists"),
+        (a_file / "sub", "cannot make the folder: Not a directory"),
+    ]:
+        code, _, err = invoke("rpc-worker", "--port", "50052", "--cache", str(cache))
+        assert code == 2 and f"{cache}: {says}" in err, err
+        assert "internal error" not in err and "Traceback" not in err
+
+
 def test_rpc_worker_says_why_an_ipv6_host_cannot_be_used() -> None:
     code, _, err = invoke("rpc-worker", "--host", "::1", "--port", "50052")
     assert code == 2 and "::1 is an IPv6 address" in err and "::1:50052" not in err
