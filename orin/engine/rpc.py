@@ -202,6 +202,32 @@ def check_workers(endpoints: Sequence[str]) -> None:
 
 
 _registered: set[int] = set()
+# after this long without the worker's answer, loading says what it waits for
+WAIT_NOTICE_S = 10.0
+
+
+def _connect(add_server: Callable[[bytes], int], endpoint: str) -> int:
+    """``ggml_backend_rpc_add_server`` for one worker. A worker serves one server at a
+    time and leaves the next connection waiting in its backlog, and llama.cpp waits
+    for its answer without a limit: after ``WAIT_NOTICE_S`` the log says so, rather
+    than the server staying in ``loading`` without a word."""
+    notice = threading.Timer(
+        WAIT_NOTICE_S,
+        log.warning,
+        (
+            "RPC worker %s accepted the connection but has not answered in %g s: a worker "
+            "serves one server at a time, so another server is probably using it; "
+            "loading waits until it disconnects",
+            endpoint,
+            WAIT_NOTICE_S,
+        ),
+    )
+    notice.daemon = True
+    notice.start()
+    try:
+        return int(add_server(endpoint.encode()) or 0)
+    finally:
+        notice.cancel()
 
 
 def add_workers(endpoints: Sequence[str]) -> list[RpcDevice]:
@@ -221,7 +247,7 @@ def add_workers(endpoints: Sequence[str]) -> list[RpcDevice]:
     add_server = g.proc("ggml_backend_rpc_add_server", ctypes.c_void_p, [ctypes.c_char_p])
     devices: list[RpcDevice] = []
     for ep in endpoints:
-        reg = add_server(ep.encode())
+        reg = _connect(add_server, ep)
         if not reg:
             raise RpcWorkerError(f"RPC worker {ep} offers no devices")
         if reg not in _registered:  # add_server hands back the same reg for an endpoint

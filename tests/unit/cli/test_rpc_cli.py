@@ -222,6 +222,41 @@ def test_install_rpc_worker_listens_on_every_interface_only_behind_allow(tmp_pat
     assert code == 0 and "IPAddressDeny=any\nIPAddressAllow=localhost 10.0.0.1\n" in out
 
 
+def test_a_worker_that_does_not_answer_is_named_while_loading_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker busy with another server accepts the connection and answers only
+    once that server leaves: the log names it instead of a silent 'loading'."""
+    import logging
+    import threading
+
+    from orin.engine import rpc
+
+    noticed = threading.Event()
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "RPC worker 10.0.0.3:50052 accepted the connection" in record.getMessage():
+                noticed.set()
+
+    def busy_worker(endpoint: bytes) -> int:
+        assert endpoint == b"10.0.0.3:50052"
+        assert noticed.wait(60), "no notice while the worker kept the server waiting"
+        return 42
+
+    monkeypatch.setattr(rpc, "WAIT_NOTICE_S", 0.01)
+    handler = Handler(logging.WARNING)
+    logging.getLogger("orin.engine").addHandler(handler)
+    try:
+        assert rpc._connect(busy_worker, "10.0.0.3:50052") == 42
+        noticed.clear()
+        monkeypatch.setattr(rpc, "WAIT_NOTICE_S", 60.0)
+        assert rpc._connect(lambda ep: 7, "10.0.0.3:50052") == 7  # a prompt answer
+        assert not noticed.is_set()
+    finally:
+        logging.getLogger("orin.engine").removeHandler(handler)
+
+
 def test_rpc_worker_says_why_its_cache_folder_cannot_be_used(tmp_path: Path) -> None:
     """Before llama.cpp's backend is even loaded: a usage error, not a traceback."""
     a_file = tmp_path / "file"
