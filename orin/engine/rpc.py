@@ -193,12 +193,18 @@ def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
 
 def check_workers(endpoints: Sequence[str]) -> None:
     """An ``RpcWorkerError`` naming every worker that does not accept a connection."""
-    unreachable = [f"{ep} ({why})" for ep in endpoints if (why := probe(ep)) is not None]
-    if unreachable:
-        raise RpcWorkerError(
-            "cannot reach RPC worker " + ", ".join(unreachable) + "; start it with "
-            "`orin-llm rpc-worker --host ADDR --port PORT` on that board"
+    failed = [(ep, why) for ep in endpoints if (why := probe(ep)) is not None]
+    if not failed:
+        return
+    unreachable = ", ".join(f"{ep} ({why})" for ep, why in failed)
+    advice = "start it with `orin-llm rpc-worker --host ADDR --port PORT` on that board"
+    if any(why == "timed out" for _, why in failed):  # nobody said no: not a stopped worker
+        advice = (
+            "a connection that times out is dropped on the way (the board is off or "
+            "unreachable, a firewall, the worker's --allow) or waits behind a full queue "
+            "(a worker serves one server at a time and keeps one more waiting); else " + advice
         )
+    raise RpcWorkerError(f"cannot reach RPC worker {unreachable}; {advice}")
 
 
 _registered: set[int] = set()

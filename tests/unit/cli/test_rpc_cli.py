@@ -66,6 +66,26 @@ def test_probe_says_why_a_worker_cannot_be_reached() -> None:
         assert probe(f"127.0.0.1:{port}", timeout=2) is None
 
 
+def test_a_worker_that_times_out_is_not_only_said_to_be_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from orin.engine import rpc
+
+    answers = {"10.0.0.2:50052": "Connection refused", "10.0.0.3:50052": "timed out"}
+    monkeypatch.setattr(rpc, "probe", lambda ep: answers[ep])
+    with pytest.raises(RpcWorkerError) as refused:
+        rpc.check_workers(["10.0.0.2:50052"])
+    assert str(refused.value) == (
+        "cannot reach RPC worker 10.0.0.2:50052 (Connection refused); start it with "
+        "`orin-llm rpc-worker --host ADDR --port PORT` on that board"
+    )
+    with pytest.raises(RpcWorkerError) as timed_out:
+        rpc.check_workers(["10.0.0.3:50052"])
+    message = str(timed_out.value)
+    assert message.startswith("cannot reach RPC worker 10.0.0.3:50052 (timed out); ")
+    assert "firewall" in message and "serves one server at a time" in message
+
+
 def test_serve_with_an_unreachable_worker_exits_6_naming_it_before_loading(
     tmp_path: Path,
 ) -> None:
