@@ -65,16 +65,13 @@ def rpc_worker(
     from orin.engine import rpc
 
     setup_logging("text")
-    try:
-        rpc.parse_endpoint(f"{host}:{port}")
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--host") from None
+    _host(host)
+    if cache is not None:
+        _cache_dir(cache)
     if not rpc.is_loopback(host):
         print(SECURITY_WARNING.format(endpoint=f"{host}:{port}"), file=sys.stderr, flush=True)
     rpc.ggml().rpc_reg()
     rpc.check_bindable(host, port)
-    if cache is not None:
-        cache.mkdir(parents=True, exist_ok=True)
     from orin.engine.config import default_threads
 
     devs = rpc.worker_devices()
@@ -102,6 +99,21 @@ def rpc_worker(
     log.info("stopping")
 
 
+def _cache_dir(path: Path) -> None:
+    """``--cache``: a folder the worker can write (made when missing); llama.cpp's
+    server would only fail later, on the first tensor it keeps."""
+    import os
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise typer.BadParameter(
+            f"{path}: cannot make the folder: {exc.strerror or exc}", param_hint="--cache"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise typer.BadParameter(f"{path}: this user cannot write there", param_hint="--cache")
+
+
 _HOST_NAME = re.compile(
     r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
     r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
@@ -109,12 +121,18 @@ _HOST_NAME = re.compile(
 
 
 def _host(value: str) -> str:
-    """``--host``: an IP address or a host name, nothing the unit's command line would
-    read as more arguments."""
+    """``--host``: an IPv4 address or a host name, nothing the unit's command line would
+    read as more arguments (llama.cpp's RPC server splits its endpoint at the first
+    colon, so it cannot listen on an IPv6 address)."""
     import ipaddress
 
     try:
-        ipaddress.ip_address(value)
+        if ipaddress.ip_address(value).version == 6:
+            raise typer.BadParameter(
+                f"{value} is an IPv6 address; llama.cpp's RPC server listens on an IPv4 "
+                "address or a host name",
+                param_hint="--host",
+            )
     except ValueError:
         if not _HOST_NAME.fullmatch(value):
             raise typer.BadParameter(
@@ -183,7 +201,7 @@ def install_rpc_worker(
 ) -> None:
     """Install `orin-llm rpc-worker` as a hardened systemd service on this board."""
     from orin.cli.deps import deps
-    from orin.engine.rpc import is_loopback, parse_endpoint
+    from orin.engine.rpc import is_loopback
     from orin.install.host import gather, require_systemd
     from orin.install.units import (
         RPC_WORKER_SERVICE,
@@ -194,11 +212,15 @@ def install_rpc_worker(
     )
     from orin.system.root import SysRoot
 
-    try:
-        parse_endpoint(f"{_host(host)}:{port}")
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--host") from None
+    _host(host)
     allowed = tuple(_peer(a) for a in allow or ())
+    if host == "0.0.0.0" and not allowed:
+        raise typer.BadParameter(
+            "0.0.0.0 listens on every interface of this board, with no authentication: "
+            "give the address of its private interface to the serving board, or fence "
+            "the worker with --allow",
+            param_hint="--host",
+        )
     d = deps(ctx)
     runner = d.runner
     facts = gather(runner, user, (RPC_WORKER_SERVICE,))

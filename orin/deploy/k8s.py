@@ -303,6 +303,9 @@ def container_profile(profile: Profile) -> tuple[str, tuple[str, ...]]:
     moves: list[tuple[tuple[str, str], str, str]] = []
     if profile.model.path is not None:
         moves.append((("model", "path"), profile.model.path, in_models_dir(profile.model.path)))
+    mmproj = profile.model.mmproj  # the vision projector, beside the model
+    if mmproj is not None:
+        moves.append((("model", "mmproj"), mmproj, in_models_dir(mmproj)))
     draft = profile.speculative.draft_model
     if draft is not None:
         moves.append((("speculative", "draft_model"), str(draft), in_models_dir(str(draft))))

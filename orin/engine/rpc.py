@@ -50,12 +50,36 @@ LOOPBACK = frozenset({"127.0.0.1", "localhost"})
 DEV_CPU, DEV_GPU, DEV_IGPU = 0, 1, 2
 
 
+def endpoint_problem(text: str) -> str | None:
+    """Why ``text`` is not a worker's ``HOST:PORT`` (None when it is one), in words
+    that say what to write instead."""
+    t = text.strip()
+    if "://" in t:
+        return "a worker is HOST:PORT, without a scheme"
+    if t.startswith("[") or t.count(":") > 1:
+        return (
+            "an IPv6 address cannot name a worker (llama.cpp splits HOST:PORT at its "
+            "first colon): use an IPv4 address or a host name"
+        )
+    host, sep, port = t.partition(":")
+    if not sep or not port:
+        return "the port is missing"
+    if not host:
+        return "the host is missing"
+    if not port.isdigit():
+        return f"the port {port!r} is not a number"
+    if not 0 < int(port) < 65536:
+        return f"the port {port} is not in 1-65535"
+    return None
+
+
 def parse_endpoint(text: str) -> tuple[str, int]:
     """``HOST:PORT``, an IPv4 address or a host name: llama.cpp splits an endpoint at
     its first colon, so an IPv6 address cannot be one."""
-    host, sep, port = text.strip().partition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{text!r} is not HOST:PORT (IPv4 address or host name)")
+    problem = endpoint_problem(text)
+    if problem is not None:
+        raise ValueError(f"{text.strip()!r} is not HOST:PORT: {problem}")
+    host, _, port = text.strip().partition(":")
     return host, int(port)
 
 
@@ -169,15 +193,47 @@ def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
 
 def check_workers(endpoints: Sequence[str]) -> None:
     """An ``RpcWorkerError`` naming every worker that does not accept a connection."""
-    unreachable = [f"{ep} ({why})" for ep in endpoints if (why := probe(ep)) is not None]
-    if unreachable:
-        raise RpcWorkerError(
-            "cannot reach RPC worker " + ", ".join(unreachable) + "; start it with "
-            "`orin-llm rpc-worker --host ADDR --port PORT` on that board"
+    failed = [(ep, why) for ep in endpoints if (why := probe(ep)) is not None]
+    if not failed:
+        return
+    unreachable = ", ".join(f"{ep} ({why})" for ep, why in failed)
+    advice = "start it with `orin-llm rpc-worker --host ADDR --port PORT` on that board"
+    if any(why == "timed out" for _, why in failed):  # nobody said no: not a stopped worker
+        advice = (
+            "a connection that times out is dropped on the way (the board is off or "
+            "unreachable, a firewall, the worker's --allow) or waits behind a full queue "
+            "(a worker serves one server at a time and keeps one more waiting); else " + advice
         )
+    raise RpcWorkerError(f"cannot reach RPC worker {unreachable}; {advice}")
 
 
 _registered: set[int] = set()
+# after this long without the worker's answer, loading says what it waits for
+WAIT_NOTICE_S = 10.0
+
+
+def _connect(add_server: Callable[[bytes], int], endpoint: str) -> int:
+    """``ggml_backend_rpc_add_server`` for one worker. A worker serves one server at a
+    time and leaves the next connection waiting in its backlog, and llama.cpp waits
+    for its answer without a limit: after ``WAIT_NOTICE_S`` the log says so, rather
+    than the server staying in ``loading`` without a word."""
+    notice = threading.Timer(
+        WAIT_NOTICE_S,
+        log.warning,
+        (
+            "RPC worker %s accepted the connection but has not answered in %g s: a worker "
+            "serves one server at a time, so another server is probably using it; "
+            "loading waits until it disconnects",
+            endpoint,
+            WAIT_NOTICE_S,
+        ),
+    )
+    notice.daemon = True
+    notice.start()
+    try:
+        return int(add_server(endpoint.encode()) or 0)
+    finally:
+        notice.cancel()
 
 
 def add_workers(endpoints: Sequence[str]) -> list[RpcDevice]:
@@ -197,7 +253,7 @@ def add_workers(endpoints: Sequence[str]) -> list[RpcDevice]:
     add_server = g.proc("ggml_backend_rpc_add_server", ctypes.c_void_p, [ctypes.c_char_p])
     devices: list[RpcDevice] = []
     for ep in endpoints:
-        reg = add_server(ep.encode())
+        reg = _connect(add_server, ep)
         if not reg:
             raise RpcWorkerError(f"RPC worker {ep} offers no devices")
         if reg not in _registered:  # add_server hands back the same reg for an endpoint

@@ -31,6 +31,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import secrets
 import threading
 import weakref
 from collections import deque
@@ -48,8 +49,11 @@ from orin.llamacpp import capture_log, llama
 
 log = logging.getLogger("orin.engine")
 
-MEDIA_MARKER = "<__media__>"
-"""Where an image goes in the rendered prompt text (mtmd's default marker)."""
+MEDIA_MARKER = f"<__media_{secrets.token_hex(8)}__>"
+"""Where an image goes in the rendered prompt text (mtmd's marker, set for each
+context). Not mtmd's default ``<__media__>``: one no client can know, so a message
+whose text says ``<__media__>`` (a question about llama.cpp) beside an image is
+served as written instead of refused for a marker without an image."""
 
 _ID_SPAN = 1 << 20  # image tokens one image may have at most (ids of one image)
 _CHUNK_TEXT, _CHUNK_IMAGE = 0, 1  # mtmd_input_chunk_type
@@ -176,8 +180,7 @@ class Vision:
         if text.count(MEDIA_MARKER) != len(images):
             raise InvalidRequest(
                 "messages",
-                f"the prompt has {text.count(MEDIA_MARKER)} image markers for {len(images)} "
-                f"images (the text may not contain {MEDIA_MARKER!r} itself)",
+                f"the prompt has {text.count(MEDIA_MARKER)} image markers for {len(images)} images",
             )
         bitmaps = []
         keep: list[Any] = []

@@ -150,7 +150,8 @@ def profile_copy(profile: Profile, model_path: str | None = None) -> str:
 
     The service reads this copy, so a profile under a home folder (hidden from
     the service) or an upgrade of the built-in profiles never changes a running
-    installation behind its back. A relative model path is made absolute, and a
+    installation behind its back. Every relative path (the model, its projector, the
+    draft model, the prompt cache's folders) is made absolute, and a
     Hugging Face or packaged model becomes the path of the file install put into the
     service's models directory (``model_path``), so the service loads exactly the file
     that was checked, with no network.
@@ -159,11 +160,13 @@ def profile_copy(profile: Profile, model_path: str | None = None) -> str:
     source = profile.source
     text = source.read_text(encoding="utf-8") if source is not None else None
     path, hf, pkg = profile.model.path, profile.model.hf, profile.model.packaged
-    relative = path is not None and not Path(path).expanduser().is_absolute()
+    relative = _relative_paths(profile)
     if text is None or relative or hf is not None or pkg is not None:
         data = profile.model_dump(mode="json", exclude_unset=True)
         if path is not None:
             data.setdefault("model", {})["path"] = str(resolve_model_path(profile))
+        for (section, key), absolute in relative.items():
+            data.setdefault(section, {})[key] = absolute
         if hf is not None and model_path is not None:
             model = data.setdefault("model", {})
             model.pop("hf", None)
@@ -176,6 +179,28 @@ def profile_copy(profile: Profile, model_path: str | None = None) -> str:
             header += f"# model: the packaged model {pkg}, copied here by install\n"
         text = yaml.safe_dump(data, sort_keys=False)
     return header + text
+
+
+# the files and folders a profile names, each taken from the profile's folder when
+# relative (Profile.path_from): its copy in /etc/orin-llm must name them absolutely
+PROFILE_PATHS = (
+    ("model", "path"),
+    ("model", "mmproj"),
+    ("speculative", "draft_model"),
+    ("prompt_cache", "prompt_dir"),
+    ("prompt_cache", "directory"),
+)
+
+
+def _relative_paths(profile: Profile) -> dict[tuple[str, str], str]:
+    """Each path of the profile that is relative or starts with ``~`` (the service's
+    home is not the installing user's), made absolute as serve would resolve it."""
+    out = {}
+    for section, key in PROFILE_PATHS:
+        value = getattr(getattr(profile, section), key)
+        if value is not None and not Path(value).is_absolute():
+            out[(section, key)] = str(profile.path_from(value))
+    return out
 
 
 def probe_url(host: str, port: int) -> str:

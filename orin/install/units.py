@@ -21,7 +21,7 @@ from orin.errors import KVConfigError, OrinError
 from orin.install.layout import HOME_PREFIXES, PROFILE_FILE, SERVICE, TUNE_SERVICE
 from orin.model.gguf import ModelInfo
 from orin.model.memplan import MemoryPlan, plan_memory
-from orin.profile.fit import projector_bytes
+from orin.profile.fit import projector_bytes, projector_path
 from orin.profile.kvmatch import resolve_kv
 from orin.profile.schema import Profile
 from orin.system.root import SysRoot
@@ -179,11 +179,24 @@ def unit_config(
         grace_seconds=profile.server.grace_seconds,
         memlock=profile.engine.load_mode in MLOCK_MODES,
         devices=found or DEFAULT_GPU_DEVICES,
-        protect_home=protect_home_for((executable, model_path)),
+        protect_home=protect_home_for((executable, model_path, *_other_files(profile))),
         port=port,
         devices_found=bool(found),
         rpc_workers=bool(profile.engine.rpc),
     )
+
+
+def _other_files(profile: Profile) -> tuple[str, ...]:
+    """The files besides the model the service reads: its vision projector and a
+    speculative draft model, as serve resolves them."""
+    out = []
+    projector = projector_path(profile) if profile.model.mmproj is not None else None
+    if projector is not None:
+        out.append(str(projector))
+    draft = profile.speculative.draft_model
+    if draft is not None:
+        out.append(str(profile.path_from(draft)))
+    return tuple(out)
 
 
 def protect_home_for(paths: Iterable[str | None]) -> Literal["yes", "read-only"]:

@@ -202,13 +202,16 @@ class EngineSection(_Section):
     @classmethod
     def _rpc_endpoints(cls, value: list[str]) -> list[str]:
         """Each 'host:port' with a port in 1-65535; duplicates are refused."""
+        from orin.engine.rpc import endpoint_problem
+
         for item in value:  # llama.cpp splits at the first colon: no IPv6 address
-            host, sep, port = item.strip().partition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"engine.rpc: {item!r} is not host:port")
-        if len(set(value)) != len(value):
+            problem = endpoint_problem(item)
+            if problem is not None:
+                raise ValueError(f"engine.rpc: {item.strip()!r} is not host:port: {problem}")
+        workers = [v.strip() for v in value]
+        if len(set(workers)) != len(workers):
             raise ValueError("engine.rpc: a worker is listed twice")
-        return [v.strip() for v in value]
+        return workers
 
     @field_validator("flash_attn", mode="before")
     @classmethod
@@ -493,7 +496,7 @@ class ServerSection(_Section):
     image_url_hosts: list[str] = Field(
         default_factory=list,
         description="Hosts whose http(s) image URLs chat requests may name, fetched by the "
-        "server within max_image_bytes and a 10 s limit; empty = data: URLs only (the "
+        "server within max_image_bytes and 10 s for the whole fetch; empty = data: URLs only (the "
         "default: the server never fetches a URL a client chose).",
     )
     max_image_bytes: int = Field(
@@ -507,6 +510,13 @@ class ServerSection(_Section):
         ge=64,
         le=268_435_456,
         description="Largest decoded image, width x height (400); checked before decoding.",
+    )
+    max_request_image_pixels: int = Field(
+        33_554_432,
+        ge=64,
+        le=1_073_741_824,
+        description="Largest total of decoded pixels of one chat request's images (400; "
+        "they are held in memory while the request is prepared); checked before decoding.",
     )
     routing_metrics: RoutingMetricsSection = Field(
         default_factory=RoutingMetricsSection,

@@ -108,7 +108,13 @@ async def _images(state: ServerState, body: protocol.ChatCompletionRequest) -> l
             parts[0][0].removesuffix(".image_url"),
         )
     limits = state.image_limits
-    return [await images.load(part.url, limits, param) for param, part in parts]
+    left = limits.max_request_pixels  # decoded images add up: a budget for the request
+    out = []
+    for param, part in parts:
+        img = await images.load(part.url, limits, param, pixels_left=left)
+        left -= img.width * img.height
+        out.append(img)
+    return out
 
 
 def _check_model(state: ServerState, name: str | None) -> None:

@@ -18,7 +18,6 @@ import asyncio
 import base64
 import binascii
 import io
-import warnings
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -44,6 +43,7 @@ class ImageLimits:
     max_pixels: int = 16_777_216
     hosts: frozenset[str] = frozenset()
     timeout_s: float = FETCH_TIMEOUT_S
+    max_request_pixels: int = 33_554_432  # all the images of one request together
 
     @classmethod
     def from_server(cls, server: ServerSection) -> ImageLimits:
@@ -51,6 +51,7 @@ class ImageLimits:
             max_bytes=server.max_image_bytes,
             max_pixels=server.max_image_pixels,
             hosts=frozenset(h.lower() for h in server.image_url_hosts),
+            max_request_pixels=server.max_request_image_pixels,
         )
 
 
@@ -59,9 +60,12 @@ async def load(
     limits: ImageLimits,
     param: str,
     transport: httpx.AsyncBaseTransport | None = None,
+    pixels_left: int | None = None,
 ) -> RGBImage:
     """The image a part's URL names, decoded within ``limits``; BadImage naming
-    ``param`` otherwise. ``transport``: for tests, a fetch without sockets."""
+    ``param`` otherwise. ``transport``: for tests, a fetch without sockets.
+    ``pixels_left``: what the request's earlier images left of
+    ``limits.max_request_pixels`` (checked from the header, as the image's own limit)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url[:8] else ""
     if scheme == "data":
         raw = from_data_url(url, limits, param)
@@ -69,7 +73,7 @@ async def load(
         raw = await fetch(url, limits, param, transport)
     else:
         raise BadImage("an image URL must be a data: URL (base64) or an http(s) URL", param)
-    return await asyncio.to_thread(decode, raw, limits, param)  # off the event loop
+    return await asyncio.to_thread(decode, raw, limits, param, pixels_left)  # off the loop
 
 
 def from_data_url(url: str, limits: ImageLimits, param: str) -> bytes:
@@ -95,7 +99,9 @@ async def fetch(
     param: str,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> bytes:
-    """An image from a host the profile lists, within the byte and time limits."""
+    """An image from a host the profile lists, within the byte and time limits: the
+    time limit is for the whole fetch, so a server that sends a byte now and then
+    cannot hold the request past it."""
     host = (urlsplit(url).hostname or "").lower()
     if host not in limits.hosts:
         allowed = ", ".join(sorted(limits.hosts)) or "none: send the image as a data: URL"
@@ -105,50 +111,78 @@ async def fetch(
             param,
         )
     try:
-        async with (
-            httpx.AsyncClient(
-                timeout=limits.timeout_s, follow_redirects=False, transport=transport
-            ) as client,
-            client.stream("GET", url) as response,
-        ):
-            if response.status_code != 200:
-                raise BadImage(f"fetching the image failed: HTTP {response.status_code}", param)
-            size = response.headers.get("content-length")
-            if size is not None and size.isdigit() and int(size) > limits.max_bytes:
-                raise _too_large(limits, param)
-            data = bytearray()
-            async for block in response.aiter_bytes():
-                data += block
-                if len(data) > limits.max_bytes:
-                    raise _too_large(limits, param)
-            return bytes(data)
+        return await asyncio.wait_for(_get(url, limits, param, transport), limits.timeout_s)
+    except asyncio.TimeoutError as exc:
+        raise BadImage(
+            f"fetching the image failed: {host} sent no whole image within {limits.timeout_s:g} s",
+            param,
+        ) from exc
     except httpx.HTTPError as exc:
-        raise BadImage(f"fetching the image failed: {type(exc).__name__}", param) from exc
+        reason = str(exc) or type(exc).__name__
+        raise BadImage(f"fetching the image from {host} failed: {reason}", param) from exc
 
 
-def decode(raw: bytes, limits: ImageLimits, param: str) -> RGBImage:
-    """Encoded image bytes into RGB pixels (the first frame of an animation)."""
+async def _get(
+    url: str, limits: ImageLimits, param: str, transport: httpx.AsyncBaseTransport | None
+) -> bytes:
+    async with (
+        httpx.AsyncClient(
+            timeout=limits.timeout_s, follow_redirects=False, transport=transport
+        ) as client,
+        client.stream("GET", url) as response,
+    ):
+        if response.is_redirect:
+            raise BadImage(
+                f"fetching the image failed: HTTP {response.status_code}, a redirect "
+                "(redirects are not followed: name the image's own URL)",
+                param,
+            )
+        if response.status_code != 200:
+            raise BadImage(f"fetching the image failed: HTTP {response.status_code}", param)
+        size = response.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > limits.max_bytes:
+            raise _too_large(limits, param)
+        data = bytearray()
+        async for block in response.aiter_bytes():
+            data += block
+            if len(data) > limits.max_bytes:
+                raise _too_large(limits, param)
+        return bytes(data)
+
+
+def decode(raw: bytes, limits: ImageLimits, param: str, pixels_left: int | None = None) -> RGBImage:
+    """Encoded image bytes into RGB pixels (the first frame of an animation), within
+    the image's pixel limit and what is left of the request's (``pixels_left``)."""
     from PIL import Image, UnidentifiedImageError
 
+    # server.max_image_pixels, checked below from the header, replaces Pillow's own
+    # decompression-bomb limit (89 megapixels, an error at twice that), which would
+    # refuse with its own message, and refuse images a profile allows
+    Image.MAX_IMAGE_PIXELS = None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(raw), formats=FORMATS)
-            width, height = img.size
-            if width * height > limits.max_pixels:
-                raise BadImage(
-                    f"the image is {width}x{height} pixels; at most {limits.max_pixels} "
-                    "(server.max_image_pixels)",
-                    param,
-                )
-            rgb = img.convert("RGB")
+        img = Image.open(io.BytesIO(raw), formats=FORMATS)
+        width, height = img.size
+        if width * height > limits.max_pixels:
+            raise BadImage(
+                f"the image is {width}x{height} pixels; at most {limits.max_pixels} "
+                "(server.max_image_pixels)",
+                param,
+            )
+        if pixels_left is not None and width * height > pixels_left:
+            raise BadImage(
+                f"the request's images come to more than {limits.max_request_pixels} "
+                f"pixels together (server.max_request_image_pixels); this one, "
+                f"{width}x{height}, is past it",
+                param,
+            )
+        rgb = img.convert("RGB")
     except BadImage:
         raise
     except UnidentifiedImageError as exc:
         raise BadImage(
             f"the image cannot be decoded: not a {', '.join(FORMATS)} image", param
         ) from exc
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Warning) as exc:
+    except (OSError, SyntaxError, ValueError) as exc:
         raise BadImage(f"the image cannot be decoded: {exc}", param) from exc
     if width < 1 or height < 1:
         raise BadImage("the image has no pixels", param)

@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol, cast
 
 from orin.engine.stream import Completion, RequestStream, collect
 from orin.engine.types import FinishReason, RequestTimings, TokenEvent
-from orin.server.errors import Interrupted, error_body
+from orin.server.errors import GenerationFailed, Interrupted, error_body
 from orin.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -578,7 +578,11 @@ class _Answer:
         failed = next((c for c in cs if c.finish_reason == "error"), None)
         if failed is not None:
             err = error_body(
-                failed.error or "generation failed", "server_error", None, None, failed.request_id
+                failed.error or "generation failed",
+                GenerationFailed.type,
+                None,
+                GenerationFailed.code,
+                failed.request_id,
             )
             return event(json.dumps(err)) + DONE
         cut = next((c for c in cs if c.finish_reason == "cancelled"), None)

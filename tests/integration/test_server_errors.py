@@ -344,6 +344,32 @@ def test_a_whole_answer_the_engine_could_not_finish_carries_the_engines_message(
     assert post(base, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
+def test_a_stream_the_engine_could_not_finish_ends_with_the_same_code(
+    server: tuple[str, ServerState], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The error event of a stream carries what a whole answer's 500 does: the
+    engine's message and code generation_failed (a lost RPC worker, docs/fleet.md)."""
+    from orin.engine.errors import BackendError
+
+    base, state = server
+    runner = state.engine.runner
+    assert runner is not None
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise BackendError("llama_decode failed with status -3 on 2 tokens")
+
+    monkeypatch.setattr(runner, "decode", failing)
+    body = {"prompt": "x", "max_tokens": 2, "stream": True}
+    r = post(base, "/v1/completions", body)
+    monkeypatch.undo()
+    assert r.status_code == 200, r.text
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "generation_failed" and err["type"] == "server_error"
+    assert err["message"] == "llama_decode failed with status -3 on 2 tokens"
+
+
 def test_unexpected_errors_carry_the_request_id_not_a_traceback() -> None:
     from orin.server.errors import to_response
 

@@ -264,6 +264,20 @@ def test_bad_images_are_400s_naming_the_part(server: tuple[str, ServerState]) ->
     assert r.status_code == 200
 
 
+def test_text_that_says_llama_cpps_default_marker_is_only_text(
+    server: tuple[str, ServerState],
+) -> None:
+    """A question about ``<__media__>`` (mtmd's default image marker) beside an image
+    is served, its text as written: the engine's marker is one no client knows."""
+    assert MEDIA_MARKER != "<__media__>"
+    base, _ = server
+    body = {"messages": message(png_url(3), "What does <__media__> mean?"), "max_tokens": 2}
+    r = post(base, body)
+    assert r.status_code == 200, r.text
+    alone = post(base, {"messages": message(png_url(3), "What does mean?"), "max_tokens": 2})
+    assert r.json()["usage"]["prompt_tokens"] > alone.json()["usage"]["prompt_tokens"]
+
+
 def test_a_model_without_a_projector_refuses_images(tiny: Path) -> None:
     with live_server(tiny, "model: {demo: {size: tiny, quant: f16}}\n") as (base, _):
         r = post(base, {"messages": message(png_url(1)), "max_tokens": 2})

@@ -212,7 +212,10 @@ def test_validate_names_the_window_line_without_pydantics_prefix(tmp_path: Path)
     f.write_text("name: t\nengine:\n  rpc: [nohost]\n")
     code, _, err = invoke("profile", "validate", str(f))
     assert code == 4
-    assert err.strip() == f"orin-llm: {f}:3: engine.rpc: 'nohost' is not host:port"
+    assert (
+        err.strip()
+        == f"orin-llm: {f}:3: engine.rpc: 'nohost' is not host:port: the port is missing"
+    )
 
 
 def test_validate_builtin_resolves_kv_and_needs_its_model_file(tmp_path: Path) -> None:

@@ -66,6 +66,26 @@ def test_probe_says_why_a_worker_cannot_be_reached() -> None:
         assert probe(f"127.0.0.1:{port}", timeout=2) is None
 
 
+def test_a_worker_that_times_out_is_not_only_said_to_be_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from orin.engine import rpc
+
+    answers = {"10.0.0.2:50052": "Connection refused", "10.0.0.3:50052": "timed out"}
+    monkeypatch.setattr(rpc, "probe", lambda ep: answers[ep])
+    with pytest.raises(RpcWorkerError) as refused:
+        rpc.check_workers(["10.0.0.2:50052"])
+    assert str(refused.value) == (
+        "cannot reach RPC worker 10.0.0.2:50052 (Connection refused); start it with "
+        "`orin-llm rpc-worker --host ADDR --port PORT` on that board"
+    )
+    with pytest.raises(RpcWorkerError) as timed_out:
+        rpc.check_workers(["10.0.0.3:50052"])
+    message = str(timed_out.value)
+    assert message.startswith("cannot reach RPC worker 10.0.0.3:50052 (timed out); ")
+    assert "firewall" in message and "serves one server at a time" in message
+
+
 def test_serve_with_an_unreachable_worker_exits_6_naming_it_before_loading(
     tmp_path: Path,
 ) -> None:
@@ -193,6 +213,8 @@ def test_install_rpc_worker_writes_the_unit_and_enables_it(tmp_path: Path) -> No
         ("--allow", "::/0", "admits every address"),
         ("--allow", "any", "not an address or CIDR"),
         ("--host", "10.0.0.2 --evil", "not an IP address or host name"),
+        ("--host", "::1", "::1 is an IPv6 address; llama.cpp's RPC server listens on an IPv4"),
+        ("--host", "fe80::2", "fe80::2 is an IPv6 address"),
         ("--user", "root", "runs as a user of its own"),
         ("--user", "bad user", "not a user name"),
         ("--user", "-x", "not a user name"),
@@ -208,6 +230,90 @@ def test_install_rpc_worker_refuses_what_would_open_its_fence(
         "install-rpc-worker", *argv, "--dry-run", "--root", str(tmp_path), obj=deps
     )
     assert code == 2 and says in err and out == ""
+
+
+def test_install_rpc_worker_listens_on_every_interface_only_behind_allow(tmp_path: Path) -> None:
+    deps = Deps(runner=_Runner(), effective_uid=lambda: 0, orin_executable=lambda: "/o")  # type: ignore[arg-type]
+    argv = ("install-rpc-worker", "--host", "0.0.0.0", "--dry-run", "--root", str(tmp_path))
+    code, out, err = invoke(*argv, obj=deps)
+    assert code == 2 and out == "" and "0.0.0.0 listens on every interface" in err
+    assert "--allow" in err
+    code, out, _ = invoke(*argv, "--allow", "10.0.0.1", obj=deps)
+    assert code == 0 and "IPAddressDeny=any\nIPAddressAllow=localhost 10.0.0.1\n" in out
+
+
+def test_a_worker_that_does_not_answer_is_named_while_loading_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker busy with another server accepts the connection and answers only
+    once that server leaves: the log names it instead of a silent 'loading'."""
+    import logging
+    import threading
+
+    from orin.engine import rpc
+
+    noticed = threading.Event()
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "RPC worker 10.0.0.3:50052 accepted the connection" in record.getMessage():
+                noticed.set()
+
+    def busy_worker(endpoint: bytes) -> int:
+        assert endpoint == b"10.0.0.3:50052"
+        assert noticed.wait(60), "no notice while the worker kept the server waiting"
+        return 42
+
+    monkeypatch.setattr(rpc, "WAIT_NOTICE_S", 0.01)
+    handler = Handler(logging.WARNING)
+    logging.getLogger("orin.engine").addHandler(handler)
+    try:
+        assert rpc._connect(busy_worker, "10.0.0.3:50052") == 42
+        noticed.clear()
+        monkeypatch.setattr(rpc, "WAIT_NOTICE_S", 60.0)
+        assert rpc._connect(lambda ep: 7, "10.0.0.3:50052") == 7  # a prompt answer
+        assert not noticed.is_set()
+    finally:
+        logging.getLogger("orin.engine").removeHandler(handler)
+
+
+def test_rpc_worker_says_why_its_cache_folder_cannot_be_used(tmp_path: Path) -> None:
+    """Before llama.cpp's backend is even loaded: a usage error, not a traceback."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for cache, says in [
+        (a_file, "cannot make the folder: File exists"),
+        (a_file / "sub", "cannot make the folder: Not a directory"),
+    ]:
+        code, _, err = invoke("rpc-worker", "--port", "50052", "--cache", str(cache))
+        assert code == 2 and f"{cache}: {says}" in err, err
+        assert "internal error" not in err and "Traceback" not in err
+
+
+def test_rpc_worker_says_why_an_ipv6_host_cannot_be_used() -> None:
+    code, _, err = invoke("rpc-worker", "--host", "::1", "--port", "50052")
+    assert code == 2 and "::1 is an IPv6 address" in err and "::1:50052" not in err
+
+
+def test_endpoints_say_what_is_wrong_with_them() -> None:
+    for bad, says in [
+        ("10.0.0.2", "the port is missing"),
+        ("10.0.0.2:99999", "the port 99999 is not in 1-65535"),
+        ("10.0.0.2:abc", "the port 'abc' is not a number"),
+        (":50052", "the host is missing"),
+        ("[::1]:50052", "an IPv6 address cannot name a worker"),
+        ("fe80::1", "an IPv6 address cannot name a worker"),
+        ("tcp://10.0.0.2:50052", "without a scheme"),
+    ]:
+        with pytest.raises(ValueError, match="not HOST:PORT") as info:
+            parse_endpoints(bad)
+        assert says in str(info.value), (bad, str(info.value))
+        with pytest.raises(Exception, match="not host:port") as profile_error:
+            parse_profile(f"name: p\nengine: {{rpc: ['{bad}']}}\n")
+        assert says in str(profile_error.value)
+    assert parse_profile("name: p\nengine: {rpc: [' a:1', 'b:2 ']}\n").engine.rpc == ["a:1", "b:2"]
+    with pytest.raises(Exception, match="listed twice"):
+        parse_profile("name: p\nengine: {rpc: ['a:1', ' a:1']}\n")
 
 
 def test_the_lost_worker_line_names_the_worker_whose_connection_closed() -> None:

@@ -378,6 +378,26 @@ def test_a_model_outside_the_models_folder_moves_into_it(models: Path, tmp_path:
     assert any("model.path" in note for note in m.notes)
 
 
+def test_a_vision_projector_outside_the_models_folder_moves_into_it(
+    models: Path, tmp_path: Path
+) -> None:
+    """model.mmproj is a file the pods read as model.path is: one that stayed at its
+    path on this machine would not be in the pod, and the model would not load."""
+    source = tmp_path / "vision.yaml"
+    data = load_profile("llama2-7b-q4_k_m").model_dump(mode="json", exclude_unset=True)
+    data["model"]["path"] = f"{SYSTEM_MODELS_DIR}/llama-7b.Q4_K_M.gguf"
+    data["model"]["mmproj"] = "/home/me/llava/mmproj-f16.gguf"
+    source.write_text(yaml.safe_dump(data), encoding="utf-8")
+    m = render(models, load_profile(source))
+    served = parse_profile(one(m, "ConfigMap")["data"]["profile.yaml"])
+    assert served.model.mmproj == f"{SYSTEM_MODELS_DIR}/mmproj-f16.gguf"
+    assert served.model.path == f"{SYSTEM_MODELS_DIR}/llama-7b.Q4_K_M.gguf"
+    assert [n for n in m.notes if n.startswith("model.")] == [
+        f"model.mmproj: /home/me/llava/mmproj-f16.gguf is {SYSTEM_MODELS_DIR}/mmproj-f16.gguf "
+        "in the pods; put the file there on each board (or in the models volume)"
+    ]
+
+
 # --- no root, and the API key from a Secret
 
 

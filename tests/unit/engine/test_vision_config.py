@@ -47,3 +47,4 @@ def test_image_limits_have_safe_defaults() -> None:
     server = parse_profile("name: v\n").server
     assert server.image_url_hosts == []
     assert server.max_image_bytes == 8 * 2**20 and server.max_image_pixels == 16_777_216
+    assert server.max_request_image_pixels == 2 * server.max_image_pixels

@@ -23,6 +23,7 @@ from orin.install.units import (
     unit_config,
 )
 from orin.profile.loader import load_profile, parse_profile
+from orin.profile.schema import Profile
 from orin.system.root import SysRoot
 from tests.unit.install.conftest import EXECUTABLE, make_root
 
@@ -129,6 +130,13 @@ def test_home_paths_make_homes_read_only(tmp_path: Path) -> None:
     assert venv_in_home.protect_home == "read-only"
     model_in_home = unit_config(profile, plan, EXECUTABLE, "u", (), (), model_path="/root/m.gguf")
     assert model_in_home.protect_home == "read-only"
+    assert unit_config(profile, plan, EXECUTABLE, "u", (), ()).protect_home == "yes"
+    # the model's vision projector and a draft model are read by the service too
+    for section, key in (("model", "mmproj"), ("speculative", "draft_model")):
+        data = profile.model_dump(mode="json", exclude_unset=True)
+        data.setdefault(section, {})[key] = "/home/me/extra.gguf"
+        other = Profile.model_validate(data)
+        assert unit_config(other, plan, EXECUTABLE, "u", (), ()).protect_home == "read-only", key
 
 
 def test_gpu_devices_found_on_the_board(tmp_path: Path) -> None:

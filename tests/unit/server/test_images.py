@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import struct
+import zlib
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -73,6 +76,36 @@ def test_sizes_over_the_limits_are_refused() -> None:
     load(data_url(raw), ImageLimits(max_bytes=len(raw), max_pixels=256))
 
 
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that says it is width x height, with a few bytes of pixel data."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(bytes(1 + 3 * 64))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("size", [(10_000, 10_000), (20_000, 20_000), (2**31 - 1, 1)])
+def test_an_image_past_pillows_own_limit_is_refused_by_max_image_pixels(
+    size: tuple[int, int],
+) -> None:
+    """Pillow's decompression-bomb limit (89 megapixels) is not what refuses them:
+    the message is the profile's, with the size read from the header."""
+    message = str(refused(data_url(png_header(*size))))
+    assert f"{size[0]}x{size[1]} pixels" in message and "max_image_pixels" in message
+    assert "decompression bomb" not in message
+
+
+def test_a_profile_may_allow_images_past_pillows_own_limit() -> None:
+    """An image within a raised server.max_image_pixels is decoded, not refused
+    by Pillow's 89-megapixel warning (it is refused here for its missing rows)."""
+    message = str(refused(data_url(png_header(10_000, 10_000)), ImageLimits(max_pixels=10**8)))
+    assert "truncated" in message and "decompression bomb" not in message
+
+
 def test_other_schemes_and_unlisted_hosts_are_refused() -> None:
     assert "data: URL" in str(refused("file:///etc/passwd"))
     assert "ftp" not in str(refused("ftp://example.com/a.png"))
@@ -98,7 +131,34 @@ def test_a_listed_host_is_fetched_within_the_limits() -> None:
     assert "max_image_bytes" in str(refused(url, small, served(b"x" * 4096)))
     assert "HTTP 404" in str(refused(url, hosts, served(b"", 404)))
     redirect = served(b"", 302, {"location": "http://169.254.169.254/"})
-    assert "HTTP 302" in str(refused(url, hosts, redirect))  # redirects are not followed
+    message = str(refused(url, hosts, redirect))  # redirects are not followed
+    assert "HTTP 302" in message and "redirects are not followed" in message
+
+
+def test_the_fetch_time_limit_is_for_the_whole_image() -> None:
+    """A host that keeps sending a byte now and then is cut off at the limit, not
+    given a fresh limit for every read."""
+
+    async def trickle() -> AsyncIterator[bytes]:
+        for _ in range(5000):  # 5 s at least, a hundred times the limit
+            await asyncio.sleep(0.001)
+            yield b"\0"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=trickle())
+
+    limits = ImageLimits(hosts=frozenset({"images.example.com"}), timeout_s=0.05)
+    message = str(refused("https://images.example.com/a.png", limits, httpx.MockTransport(handler)))
+    assert "within 0.05 s" in message
+
+
+def test_a_failed_fetch_says_why() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    limits = ImageLimits(hosts=frozenset({"images.example.com"}))
+    message = str(refused("https://images.example.com/a.png", limits, httpx.MockTransport(handler)))
+    assert "images.example.com" in message and "Connection refused" in message
 
 
 def test_limits_come_from_the_server_section() -> None:
@@ -108,6 +168,37 @@ def test_limits_come_from_the_server_section() -> None:
     limits = ImageLimits.from_server(server)
     assert limits == ImageLimits(4096, 1000, frozenset({"images.example.com"}))
     assert ServerSection().image_url_hosts == []
+    limits = ImageLimits.from_server(ServerSection(max_request_image_pixels=5000))
+    assert limits.max_request_pixels == 5000
+
+
+def request_images(limits: ImageLimits, *sizes: tuple[int, int]) -> object:
+    """The images of a chat request with one image part per size, as the route loads
+    them (orin/server/app.py)."""
+    from types import SimpleNamespace
+
+    from orin.server.app import _images
+
+    parts = [{"type": "image_url", "image_url": data_url(png(*size))} for size in sizes]
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, *parts]}]}
+    )
+    state = SimpleNamespace(engine=SimpleNamespace(supports_images=True), image_limits=limits)
+    return asyncio.run(_images(state, body))  # type: ignore[arg-type]
+
+
+def test_a_requests_images_together_stay_within_its_pixel_budget() -> None:
+    """Each image within server.max_image_pixels, but so many that their pixels
+    would fill the memory: the image past the request's budget is refused by its
+    header, naming its part."""
+    limits = ImageLimits(max_pixels=100 * 100, max_request_pixels=3 * 100 * 100)
+    assert len(request_images(limits, (100, 100), (100, 100), (100, 100))) == 3  # type: ignore[arg-type]
+    with pytest.raises(BadImage) as info:
+        request_images(limits, (100, 100), (100, 100), (100, 100), (1, 1))
+    assert info.value.param == "messages[0].content[4].image_url"
+    message = str(info.value)
+    assert "30000 pixels together" in message and "max_request_image_pixels" in message
+    assert "1x1" in message
 
 
 def test_image_parts_parse_in_the_openai_shape() -> None:
