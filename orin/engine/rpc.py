@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orin.endpoints import endpoint_problem
 from orin.errors import BindError, LlamaCppError, RpcWorkerError
 from orin.llamacpp import ggml_library
 
@@ -48,29 +49,6 @@ LOOPBACK = frozenset({"127.0.0.1", "localhost"})
 
 # enum ggml_backend_dev_type
 DEV_CPU, DEV_GPU, DEV_IGPU = 0, 1, 2
-
-
-def endpoint_problem(text: str) -> str | None:
-    """Why ``text`` is not a worker's ``HOST:PORT`` (None when it is one), in words
-    that say what to write instead."""
-    t = text.strip()
-    if "://" in t:
-        return "a worker is HOST:PORT, without a scheme"
-    if t.startswith("[") or t.count(":") > 1:
-        return (
-            "an IPv6 address cannot name a worker (llama.cpp splits HOST:PORT at its "
-            "first colon): use an IPv4 address or a host name"
-        )
-    host, sep, port = t.partition(":")
-    if not sep or not port:
-        return "the port is missing"
-    if not host:
-        return "the host is missing"
-    if not port.isdigit():
-        return f"the port {port!r} is not a number"
-    if not 0 < int(port) < 65536:
-        return f"the port {port} is not in 1-65535"
-    return None
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:

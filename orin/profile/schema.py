@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from orin import params
+from orin.endpoints import endpoint_problem
 
 KVType = Literal["auto", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
 FlashAttn = Literal["auto", "on", "off"]
@@ -202,8 +203,6 @@ class EngineSection(_Section):
     @classmethod
     def _rpc_endpoints(cls, value: list[str]) -> list[str]:
         """Each 'host:port' with a port in 1-65535; duplicates are refused."""
-        from orin.engine.rpc import endpoint_problem
-
         for item in value:  # llama.cpp splits at the first colon: no IPv6 address
             problem = endpoint_problem(item)
             if problem is not None:
