@@ -31,7 +31,8 @@ from typing import Any, Literal
 import yaml
 
 from orin import __version__
-from orin.errors import ModelFileError
+from orin.engine.config import prompt_files
+from orin.errors import ModelFileError, ProfileError
 from orin.install.layout import CACHE_DIR, DEFAULT_USER, GPU_GROUPS, MODELS_DIR, PROFILE_FILE
 from orin.install.units import UnitConfig, service_plan, unit_config
 from orin.model.gguf import ModelInfo, read_model_info
@@ -315,13 +316,53 @@ def container_profile(profile: Profile) -> tuple[str, tuple[str, ...]]:
         "(or in the models volume)"
         for key, old, new in moved
     )
+    cache, cache_notes = prompt_cache_in_pods(profile)
+    notes += cache_notes
     source = profile.source
-    if not moved and source is not None:
+    if not moved and cache is None and source is not None:
         return header + source.read_text(encoding="utf-8"), notes
     data = profile.model_dump(mode="json", exclude_unset=True)
     for (section, key), _, new in moved:
         data.setdefault(section, {})[key] = new
+    if cache is not None:
+        data["prompt_cache"] = cache
     return header + yaml.safe_dump(data, sort_keys=False), notes
+
+
+def prompt_cache_in_pods(profile: Profile) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
+    """The profile's prompt_cache section as the pods get it (None: as it is), and a
+    note for each change. The folders it names are on the machine that renders the
+    manifests: the prompts of ``prompt_dir`` are read now and travel in the ConfigMap
+    as ``prompts``; ``directory`` is dropped, so the pods save states in their cache
+    volume (kept across a container's restarts, not a pod's replacement)."""
+    pc = profile.prompt_cache
+    if pc.prompt_dir is None and pc.directory is None:
+        return None, ()
+    section = profile.model_dump(mode="json", exclude_unset=True).get("prompt_cache", {})
+    notes: list[str] = []
+    if pc.prompt_dir is not None:
+        files = prompt_files(profile)  # a missing folder: the ProfileError serve gives
+        texts = []
+        for f in files:
+            try:
+                texts.append(f.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ProfileError(f"prompt_cache.prompt_dir: cannot read {f}: {exc}") from exc
+        section.pop("prompt_dir", None)
+        section["prompts"] = [*pc.prompts, *texts]
+        count = "1 prompt travels" if len(texts) == 1 else f"{len(texts)} prompts travel"
+        notes.append(
+            f"prompt_cache.prompt_dir: its {count} ({profile.path_from(pc.prompt_dir)}) "
+            "in the ConfigMap as prompt_cache.prompts; render again after changing them"
+        )
+    if pc.directory is not None:
+        section.pop("directory", None)
+        notes.append(
+            f"prompt_cache.directory: {pc.directory} is a folder of this machine; the pods "
+            f"save prompt states under {CACHE_DIR} (kept across container restarts, not "
+            "when a pod is replaced)"
+        )
+    return section, tuple(notes)
 
 
 def render(profile: Profile, plan: MemoryPlan, opts: K8sOptions | None = None) -> Manifests:

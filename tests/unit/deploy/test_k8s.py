@@ -398,6 +398,45 @@ def test_a_vision_projector_outside_the_models_folder_moves_into_it(
     ]
 
 
+def test_a_prompt_folder_travels_in_the_config_map(models: Path, tmp_path: Path) -> None:
+    """prompt_cache.prompt_dir and .directory are folders of the machine that renders
+    the manifests: the prompts go into the ConfigMap, the states into the pods' cache."""
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "b.txt").write_text("You answer in French.", encoding="utf-8")
+    (tmp_path / "prompts" / "a.txt").write_text("You are a car's assistant.", encoding="utf-8")
+    (tmp_path / "prompts" / "notes.md").write_text("not a prompt", encoding="utf-8")
+    source = tmp_path / "cached.yaml"
+    data = load_profile("llama2-7b-q4_k_m").model_dump(mode="json", exclude_unset=True)
+    data["model"]["path"] = f"{SYSTEM_MODELS_DIR}/llama-7b.Q4_K_M.gguf"
+    data["prompt_cache"] = {
+        "prompts": ["Be brief."],
+        "prompt_dir": "prompts",
+        "directory": "/home/me/kv",
+        "max_bytes": 1024**3,
+    }
+    source.write_text(yaml.safe_dump(data), encoding="utf-8")
+    m = render(models, load_profile(source))
+    served = parse_profile(one(m, "ConfigMap")["data"]["profile.yaml"])
+    pc = served.prompt_cache
+    assert pc.prompts == ["Be brief.", "You are a car's assistant.", "You answer in French."]
+    assert (pc.prompt_dir, pc.directory, pc.max_bytes) == (None, None, 1024**3)
+    notes = [n for n in m.notes if n.startswith("prompt_cache.")]
+    assert len(notes) == 2 and "2 prompts" in notes[0] and k8s.CACHE_DIR in notes[1]
+    # a profile without those folders is served as written, comments and all
+    plain = load_profile("llama2-7b-q4_k_m")
+    text = one(render(models, plain), "ConfigMap")["data"]["profile.yaml"]
+    assert text.endswith(plain.source.read_text(encoding="utf-8"))  # type: ignore[union-attr]
+
+
+def test_a_missing_prompt_folder_stops_the_render(models: Path, tmp_path: Path) -> None:
+    source = tmp_path / "cached.yaml"
+    data = load_profile("llama2-7b-q4_k_m").model_dump(mode="json", exclude_unset=True)
+    data["prompt_cache"] = {"prompt_dir": "nowhere"}
+    source.write_text(yaml.safe_dump(data), encoding="utf-8")
+    with pytest.raises(k8s.ProfileError, match="prompt_cache.prompt_dir: .*nowhere"):
+        render(models, load_profile(source))
+
+
 # --- no root, and the API key from a Secret
 
 
