@@ -433,7 +433,7 @@ def test_a_missing_prompt_folder_stops_the_render(models: Path, tmp_path: Path) 
     data = load_profile("llama2-7b-q4_k_m").model_dump(mode="json", exclude_unset=True)
     data["prompt_cache"] = {"prompt_dir": "nowhere"}
     source.write_text(yaml.safe_dump(data), encoding="utf-8")
-    with pytest.raises(k8s.ProfileError, match="prompt_cache.prompt_dir: .*nowhere"):
+    with pytest.raises(k8s.ProfileError, match=r"prompt_cache\.prompt_dir: .*nowhere"):
         render(models, load_profile(source))
 
 
