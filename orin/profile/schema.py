@@ -5,9 +5,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from orin import params
 from orin.endpoints import endpoint_problem
@@ -20,8 +28,24 @@ OverflowPolicy = Literal["reject", "truncate"]
 DemoSize = Literal["tiny", "small", "medium"]
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field takes a number (int or float, or either or None)."""
+    kinds = set(get_args(annotation)) if get_args(annotation) else {annotation}
+    return bool(kinds & {int, float}) and not kinds & {bool, str}
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML's true/yes/on are booleans, which pydantic would take as 1 and 0 (and
+        then report ``n_ctx: true`` as below its bound)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+            raise ValueError(f"Input should be a number, not {str(value).lower()}")
+        return value
 
 
 class DemoModel(_Section):

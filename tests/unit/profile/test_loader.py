@@ -56,6 +56,16 @@ def test_a_number_that_is_not_finite_is_named_as_such() -> None:
         parse_profile(text, "p.yaml")
 
 
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [("engine:\n  n_ctx: true\n", "engine.n_ctx"), ("sampling:\n  top_p: yes\n", "sampling.top_p")],
+)
+def test_a_yaml_boolean_is_no_number(text: str, field: str) -> None:
+    """pydantic would take true as 1, and report n_ctx: true as below its bound."""
+    with pytest.raises(ProfileError, match=rf"^p.yaml:3: {field}: Input should be a number"):
+        parse_profile("name: x\n" + text, "p.yaml")
+
+
 def test_bad_enum_value() -> None:
     text = "name: x\nengine:\n  type_k: q3_k\n"
     with pytest.raises(ProfileError, match=r"p.yaml:3: engine.type_k: Input should be 'auto'"):
