@@ -318,15 +318,10 @@ def state_app(state: ServerState) -> Any:
     return create_app(state)
 
 
-def test_a_whole_answer_the_engine_could_not_finish_carries_the_engines_message(
-    server: tuple[str, ServerState],
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """As a stream's error event does (docs/fleet.md: a lost RPC worker); no traceback."""
+def decode_fails(state: ServerState, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every llama_decode of the server's engine fails until ``monkeypatch.undo``."""
     from orin.engine.errors import BackendError
 
-    base, state = server
     runner = state.engine.runner
     assert runner is not None
 
@@ -334,6 +329,16 @@ def test_a_whole_answer_the_engine_could_not_finish_carries_the_engines_message(
         raise BackendError("llama_decode failed with status -3 on 2 tokens")
 
     monkeypatch.setattr(runner, "decode", failing)
+
+
+def test_a_whole_answer_the_engine_could_not_finish_carries_the_engines_message(
+    server: tuple[str, ServerState],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As a stream's error event does (docs/fleet.md: a lost RPC worker); no traceback."""
+    base, state = server
+    decode_fails(state, monkeypatch)
     r = post(base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
     monkeypatch.undo()
     assert r.status_code == 500, r.text
@@ -349,16 +354,8 @@ def test_a_stream_the_engine_could_not_finish_ends_with_the_same_code(
 ) -> None:
     """The error event of a stream carries what a whole answer's 500 does: the
     engine's message and code generation_failed (a lost RPC worker, docs/fleet.md)."""
-    from orin.engine.errors import BackendError
-
     base, state = server
-    runner = state.engine.runner
-    assert runner is not None
-
-    def failing(*args: Any, **kwargs: Any) -> Any:
-        raise BackendError("llama_decode failed with status -3 on 2 tokens")
-
-    monkeypatch.setattr(runner, "decode", failing)
+    decode_fails(state, monkeypatch)
     body = {"prompt": "x", "max_tokens": 2, "stream": True}
     r = post(base, "/v1/completions", body)
     monkeypatch.undo()
