@@ -110,9 +110,11 @@ def render(
     ``tokens``: tokens by phase in the snapshot's window (TokenWindow); a recording's
     summary counts its own, over the whole recording like its other figures."""
     if snap.get("source") is None and "phases" not in snap:  # serve --telemetry off
+        # health on a line of its own: appended, it made the line wider than the 80
+        # columns of a pipe and wrapped between "health" and its status
         text = Text("telemetry is off on this server (serve --telemetry off): nothing to show")
         if health is not None:
-            text.append(f"  health {health.get('status')}")
+            return Group(Text(f"health {health.get('status')}"), text)
         return Group(text)
     latest = snap.get("latest") or {}
     head = Text(

@@ -160,6 +160,17 @@ def test_a_server_with_telemetry_off_says_so() -> None:
     assert "source None" not in out
 
 
+def test_a_server_with_telemetry_off_shows_its_health_whole_at_80_columns() -> None:
+    """The width of a pipe: "health" and its status stay on one line."""
+    console = Console(width=80, record=True)
+    console.print(render({"source": None, "phase": None}, {"status": "ok"}))
+    lines = console.export_text().splitlines()
+    assert [ln.rstrip() for ln in lines] == [
+        "health ok",
+        "telemetry is off on this server (serve --telemetry off): nothing to show",
+    ]
+
+
 def test_the_first_frame_shows_the_snapshots_tokens_then_the_counters_window() -> None:
     """`monitor --once` and the first 10 s of the live view show the tokens of the steps
     that ended in the server's window; once the monitor has counter readings 10 s
