@@ -3,13 +3,15 @@ whole recording)."""
 
 from __future__ import annotations
 
+import io
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from rich.console import Console
+from rich.console import Console, Group
+from rich.text import Text
 
 from orin.cli.monitor import (
     MonitorError,
@@ -19,7 +21,9 @@ from orin.cli.monitor import (
     parse_token_counters,
     render,
     summarize_recording,
+    watch_frames,
 )
+from orin.cli.output import Output
 from orin.telemetry.record import Recorder
 from orin.telemetry.sources.base import Sample
 
@@ -209,3 +213,24 @@ def test_a_request_that_produced_no_token_shows_no_ttft() -> None:
     out = text(snap)
     assert row(out, "req-gone") == ["req-gone", "cancelled", "36", "0", "-", "-"]
     assert row(out, "req-served") == ["req-served", "stop", "38", "27", "289.6", "29.97"]
+
+
+def test_off_a_terminal_every_refresh_is_printed_after_the_one_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A file or a pipe gets a frame per refresh at once (a live view would print
+    nothing until the monitor stops), until Ctrl-C."""
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    sink = io.StringIO()
+    out = Output()
+    out.out = Console(file=sink, width=80)
+    assert not out.out.is_terminal
+    frames = iter(["two", "three"])
+
+    def next_frame() -> Group:
+        for name in frames:
+            return Group(Text(f"frame {name}"))
+        raise KeyboardInterrupt
+
+    watch_frames(out, Group(Text("frame one")), next_frame, 0.25)
+    assert sink.getvalue().splitlines() == ["frame one", "frame two", "frame three"]
