@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -27,7 +27,7 @@ from rich.text import Text
 
 from orin.cli.errors import handle_errors, usage_error
 from orin.cli.options import ApiKeyOpt, JsonOpt, bearer, check_url
-from orin.cli.output import Output
+from orin.cli.output import Output, guard_stdout
 from orin.errors import OrinError, os_error_text, unreachable
 
 TOKENS_METRIC = "orin_llm_engine_batch_tokens_total"  # by kind: prefill, decode
@@ -110,9 +110,11 @@ def render(
     ``tokens``: tokens by phase in the snapshot's window (TokenWindow); a recording's
     summary counts its own, over the whole recording like its other figures."""
     if snap.get("source") is None and "phases" not in snap:  # serve --telemetry off
+        # health on a line of its own: appended, it made the line wider than the 80
+        # columns of a pipe and wrapped between "health" and its status
         text = Text("telemetry is off on this server (serve --telemetry off): nothing to show")
         if health is not None:
-            text.append(f"  health {health.get('status')}")
+            return Group(Text(f"health {health.get('status')}"), text)
         return Group(text)
     latest = snap.get("latest") or {}
     head = Text(
@@ -285,6 +287,9 @@ def monitor(
         if once:
             out.print(frame)
             return
+        if not out.out.is_terminal:
+            watch_frames(out, frame, lambda: _frame(base, client, window), interval)
+            return
         with Live(frame, console=out.out, refresh_per_second=8) as live:
             try:
                 while True:
@@ -292,3 +297,22 @@ def monitor(
                     live.update(_frame(base, client, window))
             except KeyboardInterrupt:
                 pass
+
+
+def watch_frames(
+    out: Output, first: Group, next_frame: Callable[[], Group], interval: float
+) -> None:
+    """Off a terminal (a file, a pipe): every refresh printed after the one before, as
+    ``top -b`` does, since a live view redraws only a terminal and would print nothing
+    until the monitor stops (``orin-llm monitor | head`` waited forever). A reader that
+    goes away ends it with 141, as for any command (errors.stdout_closed)."""
+    frame = first
+    try:
+        while True:
+            out.print(frame)
+            with guard_stdout():
+                out.out.file.flush()
+            time.sleep(interval)
+            frame = next_frame()
+    except KeyboardInterrupt:
+        pass

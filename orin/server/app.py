@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,6 +14,7 @@ from starlette.exceptions import HTTPException
 
 from orin.engine.errors import EngineError, InvalidRequest
 from orin.engine.stream import Completion, RequestStream, collect
+from orin.engine.types import RequestTimings
 from orin.engine.vision import MediaPrompt, RGBImage
 from orin.server import dashboard, errors, extras, images, protocol, tools
 from orin.server.auth import protect
@@ -127,6 +130,20 @@ def _check_model(state: ServerState, name: str | None) -> None:
         )
 
 
+def _access_timings(completions: Sequence[Completion]) -> RequestTimings | None:
+    """The figures of a request's access log line: with ``n`` choices, the tokens of
+    every choice and the cached tokens as ``usage`` counts them (protocol.usage), the
+    times of the first choice, as the response's ``timings`` carries them."""
+    first = completions[0].timings
+    if first is None:
+        return None
+    return replace(
+        first,
+        generated_tokens=sum(c.timings.generated_tokens for c in completions if c.timings),
+        cached_tokens=min(c.timings.cached_tokens for c in completions if c.timings),
+    )
+
+
 async def _run(
     state: ServerState,
     request: Request,
@@ -143,12 +160,12 @@ async def _run(
     streams = await _submit(state, request, body, prompt, preserve, media)
     if body.stream:
 
-        def finished(c: Completion) -> None:
-            request.state.timings = c.timings
+        def finished(cs: Sequence[Completion]) -> None:
+            request.state.timings = _access_timings(cs)
 
         return EventStream(sse_events(fmt, streams, finished), ping_s=15.0)
     completions = await _collect_or_cancel(request, streams)
-    request.state.timings = completions[0].timings
+    request.state.timings = _access_timings(completions)
     failed = next((c for c in completions if c.finish_reason == "error"), None)
     if failed is not None:
         raise GenerationFailed(failed.error or "generation failed")

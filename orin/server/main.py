@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from orin import __version__
 from orin.errors import BindError, ModelFileError, OrinError
 from orin.profile.loader import resolve_model_path
-from orin.profile.schema import Profile
+from orin.profile.schema import Profile, SamplingSection
 from orin.system.commands import SubprocessRunner
 
 if TYPE_CHECKING:
@@ -99,7 +99,9 @@ def build_server(
         engine=engine,
         model_name=name,
         model_match=profile.server.model_match,
-        system_fingerprint=fingerprint(build.version, build.system_info, info, cfg),
+        system_fingerprint=fingerprint(
+            build.version, build.system_info, info, cfg, profile.sampling
+        ),
         metrics=ServerMetrics(cfg.slots, engine.kv_cells_total, name),
         sampling_defaults=profile.sampling,
         api_key=_api_key(profile),
@@ -255,10 +257,18 @@ def _available() -> int | None:
         return None
 
 
-def fingerprint(llama_version: str, system_info: str, info: ModelInfo, cfg: EngineConfig) -> str:
+def fingerprint(
+    llama_version: str,
+    system_info: str,
+    info: ModelInfo,
+    cfg: EngineConfig,
+    sampling: SamplingSection | None = None,
+) -> str:
     """OpenAI's ``system_fingerprint``: changes when anything that can change the
     output for the same request and seed does (the server and llama.cpp builds,
-    the model file, the KV types and the context layout)."""
+    the model file, the KV types, the context layout and sliding window, the RoPE
+    base, the profile's chat template, and the sampling defaults a request that
+    leaves a parameter out gets)."""
     parts = (
         __version__,
         llama_version,
@@ -271,6 +281,10 @@ def fingerprint(llama_version: str, system_info: str, info: ModelInfo, cfg: Engi
         str(cfg.n_ctx),
         str(cfg.slots),
         cfg.flash_attn,
+        repr(cfg.context),
+        repr(cfg.rope_freq_base),
+        cfg.chat_template or "",
+        sampling.model_dump_json() if sampling is not None else "",
     )
     return "fp_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 

@@ -466,11 +466,11 @@ class ParsedChunks:
 async def sse_events(
     fmt: Formatter,
     streams: RequestStream | Sequence[RequestStream],
-    on_finish: Callable[[Completion], None],
+    on_finish: Callable[[Sequence[Completion]], None],
 ) -> AsyncIterator[bytes]:
     """A streamed answer's SSE events, one request stream per choice (``n``);
-    ``on_finish`` sees the first choice's collected request before the last events
-    go out. Each choice's chunks carry its index and end with its finish reason;
+    ``on_finish`` sees every choice's collected request, in choice order, before the
+    last events go out. Each choice's chunks carry its index and end with its finish reason;
     the last choice to end carries the figures. If the client goes away,
     EventStream cancels this generator and the ``finally`` cancels every choice,
     freeing their slots within one engine step.
@@ -509,7 +509,7 @@ async def sse_events(
             # bounded: an engine that is stuck (the watchdog's case) or gone never sends
             # the final event, and the connection's task must still end
             with contextlib.suppress(asyncio.TimeoutError):  # not TimeoutError on 3.10
-                await asyncio.wait_for(answer.cut_short(0), CUT_SHORT_WAIT_S)
+                await asyncio.wait_for(answer.cut_short(), CUT_SHORT_WAIT_S)
 
 
 class _Answer:
@@ -520,7 +520,7 @@ class _Answer:
         self,
         fmt: Formatter,
         streams: list[RequestStream],
-        on_finish: Callable[[Completion], None],
+        on_finish: Callable[[Sequence[Completion]], None],
     ) -> None:
         self.fmt, self.streams, self.on_finish = fmt, streams, on_finish
         self.chunks = [fmt.token_stream(i) for i in range(len(streams))]
@@ -553,19 +553,24 @@ class _Answer:
             return b"".join(out)
         return LastEvents(b"".join(out) + self._tail([self.done[j] for j in range(n)]))
 
-    async def cut_short(self, i: int) -> None:
-        """Take choice ``i``'s events up to its final one after the stream was cut short
-        (its request cancelled: the final event comes within one engine step), and
-        hand the collected request to ``on_finish``: the access log then has the
-        tokens it was served and its latencies, as for an answer that ended."""
-        if i in self.done:
-            self.on_finish(self.done[i])
-            return
-        seen = self.seen[i]
-        while ready := await self.streams[i].next_batch():
-            seen += ready
-        if seen and seen[-1].finish_reason is not None:
-            self.on_finish(collect(self.streams[i].request_id, seen))
+    async def cut_short(self) -> None:
+        """Take each choice's events up to its final one after the stream was cut short
+        (its requests cancelled: the final events come within one engine step), and
+        hand the collected requests to ``on_finish``, after each choice the ones so
+        far: the access log then has the tokens they were served and their latencies,
+        as for an answer that ended."""
+        got: list[Completion] = []
+        for i, stream in enumerate(self.streams):
+            if i in self.done:
+                got.append(self.done[i])
+            else:
+                seen = self.seen[i]
+                while ready := await stream.next_batch():
+                    seen += ready
+                if not (seen and seen[-1].finish_reason is not None):
+                    continue
+                got.append(collect(stream.request_id, seen))
+            self.on_finish(got)
 
     def _tail(self, cs: list[Completion]) -> bytes:
         """After every choice ended: an error event or the usage chunk, then ``[DONE]``.
@@ -574,7 +579,7 @@ class _Answer:
         down, a client that stopped reading), ends the stream with an OpenAI error
         event, ``data: {"error": {...}}``, never with a finish reason OpenAI does
         not have: the official client raises it as ``openai.APIError``."""
-        self.on_finish(cs[0])
+        self.on_finish(cs)
         failed = next((c for c in cs if c.finish_reason == "error"), None)
         if failed is not None:
             err = error_body(

@@ -233,6 +233,36 @@ def test_a_streaming_client_that_leaves_is_logged_and_counted_as_499(
     assert _counted(base, route, "200") == before["200"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_access_log_counts_the_tokens_of_every_choice(
+    server: tuple[str, ServerState], caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    """With n choices the access log line has the tokens usage has (every choice's),
+    not one choice's."""
+    base = server[0]
+    rid = f"req-access-log-n3-{int(stream)}"
+    body = {"prompt": "Orin", "n": 3, "max_tokens": 5, "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    with caplog.at_level(logging.INFO, "orin.access"):
+        r = httpx.post(f"{base}/v1/completions", json=body, headers={"x-request-id": rid})
+        assert r.status_code == 200
+        if stream:
+            events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: {")]
+            usage = json.loads(events[-1])["usage"]
+        else:
+            usage = r.json()["usage"]
+        deadline = time.monotonic() + 60  # the line comes once the response has ended
+        while not (lines := [r for r in caplog.records if rid in r.getMessage()]):
+            assert time.monotonic() < deadline
+            threading.Event().wait(0.01)
+    assert usage["completion_tokens"] == 15
+    fields = lines[0].fields  # type: ignore[attr-defined]
+    assert fields["generated_tokens"] == 15
+    assert fields["prompt_tokens"] == usage["prompt_tokens"]
+    assert fields["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+
+
 def test_non_streaming_client_that_leaves_is_cancelled(server: tuple[str, ServerState]) -> None:
     """...and counted as 499 (the client closed the request), not as a 5xx."""
     base = server[0]

@@ -3,13 +3,15 @@ whole recording)."""
 
 from __future__ import annotations
 
+import io
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from rich.console import Console
+from rich.console import Console, Group
+from rich.text import Text
 
 from orin.cli.monitor import (
     MonitorError,
@@ -19,7 +21,9 @@ from orin.cli.monitor import (
     parse_token_counters,
     render,
     summarize_recording,
+    watch_frames,
 )
+from orin.cli.output import Output
 from orin.telemetry.record import Recorder
 from orin.telemetry.sources.base import Sample
 
@@ -160,6 +164,17 @@ def test_a_server_with_telemetry_off_says_so() -> None:
     assert "source None" not in out
 
 
+def test_a_server_with_telemetry_off_shows_its_health_whole_at_80_columns() -> None:
+    """The width of a pipe: "health" and its status stay on one line."""
+    console = Console(width=80, record=True)
+    console.print(render({"source": None, "phase": None}, {"status": "ok"}))
+    lines = console.export_text().splitlines()
+    assert [ln.rstrip() for ln in lines] == [
+        "health ok",
+        "telemetry is off on this server (serve --telemetry off): nothing to show",
+    ]
+
+
 def test_the_first_frame_shows_the_snapshots_tokens_then_the_counters_window() -> None:
     """`monitor --once` and the first 10 s of the live view show the tokens of the steps
     that ended in the server's window; once the monitor has counter readings 10 s
@@ -198,3 +213,24 @@ def test_a_request_that_produced_no_token_shows_no_ttft() -> None:
     out = text(snap)
     assert row(out, "req-gone") == ["req-gone", "cancelled", "36", "0", "-", "-"]
     assert row(out, "req-served") == ["req-served", "stop", "38", "27", "289.6", "29.97"]
+
+
+def test_off_a_terminal_every_refresh_is_printed_after_the_one_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A file or a pipe gets a frame per refresh at once (a live view would print
+    nothing until the monitor stops), until Ctrl-C."""
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    sink = io.StringIO()
+    out = Output()
+    out.out = Console(file=sink, width=80)
+    assert not out.out.is_terminal
+    frames = iter(["two", "three"])
+
+    def next_frame() -> Group:
+        for name in frames:
+            return Group(Text(f"frame {name}"))
+        raise KeyboardInterrupt
+
+    watch_frames(out, Group(Text("frame one")), next_frame, 0.25)
+    assert sink.getvalue().splitlines() == ["frame one", "frame two", "frame three"]

@@ -1,10 +1,14 @@
-"""README.md says what the code does: one default port, the exit-code table, completion."""
+"""README.md says what the code does: one default port, the exit-code table, completion,
+the commands and options of its command table."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import typer.main
+
+from orin.cli.app import app
 from orin.cli.errors import EXIT_CODES, EXIT_INTERNAL, EXIT_STDOUT_CLOSED, EXIT_USAGE
 from orin.errors import BindError, HubError, ModelFileError, OrinError, ProfileError
 from orin.profile.schema import ServerSection
@@ -45,3 +49,22 @@ def test_shell_completion_is_documented() -> None:
     text = readme()
     assert "## Shell completion" in text
     assert "orin-llm --install-completion" in text and "orin-llm --show-completion bash" in text
+
+
+def test_every_command_and_option_in_the_command_table_exists() -> None:
+    """A user copies the table's commands: each names a real command, and each of its
+    options is one that command takes."""
+    root = typer.main.get_command(app)
+    rows = re.findall(r"^\| `(?:sudo )?orin-llm ([^`]+)` \|", readme(), flags=re.MULTILINE)
+    assert len(rows) > 15
+    for usage in rows:
+        cmd = root
+        for word in usage.split():
+            sub = getattr(cmd, "commands", {}).get(word)
+            if sub is None:
+                break
+            cmd = sub
+        assert not hasattr(cmd, "commands"), f"{usage}: names a group, not a command"
+        taken = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+        named = set(re.findall(r"--[a-z][a-z0-9-]*", usage))
+        assert named <= taken, f"orin-llm {usage}: no option {sorted(named - taken)}"

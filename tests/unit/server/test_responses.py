@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -204,7 +205,7 @@ def test_a_streamed_chat_from_opening_to_done() -> None:
         [TokenEvent("req-1", None, "!", finish_reason="stop", timings=TIMINGS)],
     ]
     stream = FakeStream(batches)
-    finished: list[Completion] = []
+    finished: list[Sequence[Completion]] = []
 
     async def run() -> list[bytes]:
         return [b async for b in sse_events(fmt, stream, finished.append)]  # type: ignore[arg-type]
@@ -218,7 +219,7 @@ def test_a_streamed_chat_from_opening_to_done() -> None:
     assert deltas == ["a", "bc", "!"]  # the empty text sends nothing
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and "usage" not in chunks[-2]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
-    assert finished[0].text == "abc!" and stream.cancelled
+    assert [c.text for c in finished[0]] == ["abc!"] and stream.cancelled
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
@@ -233,7 +234,7 @@ def test_the_last_events_go_out_together_and_end_the_body(include_usage: bool) -
             [TokenEvent("req-1", 8, "b"), TokenEvent("req-1", None, "c", None, "length", TIMINGS)],
         ]
     )
-    finished: list[Completion] = []
+    finished: list[Sequence[Completion]] = []
     seen: list[tuple[bytes, int]] = []
 
     async def run() -> None:
@@ -242,7 +243,7 @@ def test_the_last_events_go_out_together_and_end_the_body(include_usage: bool) -
 
     asyncio.run(run())
     assert [type(c) for c, _ in seen] == [bytes, LastEvents]
-    assert seen[1][1] == 1 and finished[0].text == "abc"
+    assert seen[1][1] == 1 and [c.text for c in finished[0]] == ["abc"]
     events = [e for e in seen[1][0].split(b"\n\n") if e]
     assert events[-1] == b"data: [DONE]"
     chunks = [json.loads(e[6:]) for e in events[:-1]]
@@ -271,7 +272,8 @@ def test_a_failed_request_ends_with_an_error_event_then_done() -> None:
 
 def test_n_choices_stream_with_their_index_and_one_set_of_figures() -> None:
     """Two choices' events interleave; each choice's chunks carry its index and end
-    with its finish reason, and the last to end carries the figures of both."""
+    with its finish reason, and the last to end carries the figures of both;
+    ``on_finish`` (the access log's figures) gets both choices, in choice order."""
     fmt = formatter("text")
     first = FakeStream(
         [
@@ -286,8 +288,10 @@ def test_n_choices_stream_with_their_index_and_one_set_of_figures() -> None:
         ]
     )
 
+    finished: list[Sequence[Completion]] = []
+
     async def run() -> list[bytes]:
-        return [b async for b in sse_events(fmt, [first, second], lambda c: None)]  # type: ignore[list-item]
+        return [b async for b in sse_events(fmt, [first, second], finished.append)]  # type: ignore[list-item]
 
     events = [e for e in b"".join(asyncio.run(run())).split(b"\n\n") if e]
     assert events[-1] == b"data: [DONE]"
@@ -303,6 +307,7 @@ def test_n_choices_stream_with_their_index_and_one_set_of_figures() -> None:
     assert "usage" not in finals[0] and finals[1]["usage"]["completion_tokens"] == 3
     assert finals[1]["usage"]["prompt_tokens"] == 6  # the prompt counts once
     assert first.cancelled and second.cancelled
+    assert [[c.text for c in cs] for cs in finished] == [["ab", "xy"]]
 
 
 def test_a_full_response_has_a_choice_per_completion() -> None:
