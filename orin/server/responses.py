@@ -215,7 +215,11 @@ class ChatFormatter(Formatter):
         parsed = parser.result()
         msg: AssistantMessage = {
             "role": "assistant",
-            "content": parsed.content if parsed.content or not parsed.calls else None,
+            # with tools offered, null when there is none, as the stream (which opens
+            # with null then) adds up to; without, "" as any answer without text
+            "content": (
+                parsed.content or None if self.output.format is not None else parsed.content
+            ),
         }
         if parsed.reasoning:
             msg["reasoning_content"] = parsed.reasoning

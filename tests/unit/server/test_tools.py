@@ -648,14 +648,23 @@ def added_up(deltas: list[dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("spec", "text"),
-    [(HERMES, CALL_TEXT[5:]), (HERMES, CALL_TEXT), (HERMES, "No call."), (None, "Plain.")],
+    [
+        (HERMES, CALL_TEXT[5:]),
+        (HERMES, CALL_TEXT),
+        (HERMES, "No call."),
+        (HERMES, ""),  # no token at all: null both ways
+        (OPENED, ""),  # reasoning parsed, no tools: "" both ways
+        (OPENED, "hmm</think>4"),
+        (None, "Plain."),
+    ],
 )
 def test_a_streamed_answer_adds_up_to_the_whole_answers_content(
     spec: OutputSpec | None, text: str
 ) -> None:
     """Only tool calls: null content streamed as in the whole answer (OpenAI's first
     delta has content null then), not the empty string; text adds up to the text."""
-    chunks = stream_chunks(formatter(spec), [text[i : i + 4] for i in range(0, len(text), 4)])
+    pieces = [text[i : i + 4] for i in range(0, len(text), 4)] or [""]
+    chunks = stream_chunks(formatter(spec), pieces)
     streamed = added_up([c["choices"][0]["delta"] for c in chunks])
     whole = formatter(spec).response(completion(text), [1])["choices"][0]["message"]
     assert streamed["role"] == "assistant"
