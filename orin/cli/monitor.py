@@ -5,9 +5,11 @@ server's snapshot window) in the live view, the whole recording with
 --recording. The server's snapshot counts the tokens of the steps that ended in
 its window, from the step history it keeps (the last 4,096 steps, which a
 fast board can run in less than the window), so once the monitor has watched
-for a window's length it takes tokens from the server's ``engine_batch_tokens``
-counters instead, read at every refresh: the counter now minus the counter 10 s
-ago. Before that (and with --once) the snapshot's own counts are shown.
+for a window's length it takes tokens from the server's counters instead, read at
+every refresh: the counter now minus the counter 10 s ago. They count what the
+snapshot counts: prompt tokens prefilled (embedding passes' inputs included) and
+tokens generated (a step's decode tokens less the drafts the model rejected).
+Before that (and with --once) the snapshot's own counts are shown.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from orin.cli.output import Output, guard_stdout
 from orin.errors import OrinError, os_error_text, unreachable
 
 TOKENS_METRIC = "orin_llm_engine_batch_tokens_total"  # by kind: prefill, decode
+EMBEDDED_METRIC = "orin_llm_embedding_tokens_total"  # embedding passes: prompt processing
+DRAFTED_METRIC = "orin_llm_spec_drafted_tokens_total"  # in the decode batches
+ACCEPTED_METRIC = "orin_llm_spec_accepted_tokens_total"  # of those, generated
 HISTORY_S = 120.0  # counter readings kept (more than any window the server uses)
 
 
@@ -81,14 +86,26 @@ class TokenWindow:
 
 
 def parse_token_counters(text: str) -> dict[str, float]:
-    """The engine's batch token counters by phase, from /metrics text."""
+    """Tokens by phase, from /metrics text, counted as the /telemetry snapshot counts
+    them: prefill is the prompt tokens of the batches and of embedding passes, decode
+    the tokens generated, which are the decode batches' tokens less the speculative
+    drafts the model rejected (drafted - accepted)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, float] = {}
+    batch: dict[str, float] = {}
+    other: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == TOKENS_METRIC and "kind" in sample.labels:
-                out[sample.labels["kind"]] = sample.value
+                batch[sample.labels["kind"]] = sample.value
+            elif sample.name in (EMBEDDED_METRIC, DRAFTED_METRIC, ACCEPTED_METRIC):
+                other[sample.name] = sample.value
+    out: dict[str, float] = {}
+    if "prefill" in batch:
+        out["prefill"] = batch["prefill"] + other.get(EMBEDDED_METRIC, 0.0)
+    if "decode" in batch:
+        rejected = other.get(DRAFTED_METRIC, 0.0) - other.get(ACCEPTED_METRIC, 0.0)
+        out["decode"] = batch["decode"] - rejected
     return out
 
 

@@ -72,6 +72,22 @@ def prompt_tokens(step: StepLike) -> int:
     return step.prefill_tokens + int(getattr(step, "embedded_tokens", 0))
 
 
+def _aborted(step: StepLike) -> bool:
+    return bool(getattr(step, "aborted", False))
+
+
+def generated_tokens(step: StepLike) -> int:
+    """The tokens a step's decode rows generated: its decode tokens less the drafted
+    ones the model rejected (``drafted_tokens`` and ``accepted_tokens``, which a step
+    without speculation, or from an older recording, lacks). An aborted step's batch
+    was discarded: it generated nothing."""
+    if _aborted(step):
+        return 0
+    drafted = int(getattr(step, "drafted_tokens", 0))
+    accepted = int(getattr(step, "accepted_tokens", 0))
+    return max(step.decode_tokens - drafted + accepted, 0)
+
+
 def phase_shares(step: StepLike | None, t_ns: int | None = None) -> tuple[Share, ...]:
     """How one sample taken at ``t_ns`` during ``step`` (None: between steps) divides
     among phases; an embedding pass counts as prefill, the image encoding at the start
@@ -231,8 +247,11 @@ def summarize(
     for phase in PHASES:
         if weight_total[phase]:
             out[phase].mixed_share = weight_mixed[phase] / weight_total[phase]
-    out["prefill"].tokens = sum(prompt_tokens(s) for s in index.steps)
-    out["decode"].tokens = sum(s.decode_tokens for s in index.steps)
+    # tokens: what the steps delivered, prompt tokens prefilled and tokens generated
+    # (drafts the model rejected were computed, not generated; an aborted step's
+    # batch was discarded), so that energy per token is per generated token
+    out["prefill"].tokens = sum(prompt_tokens(s) for s in index.steps if not _aborted(s))
+    out["decode"].tokens = sum(generated_tokens(s) for s in index.steps)
     return out
 
 

@@ -78,6 +78,17 @@ def test_parse_token_counters() -> None:
     assert parse_token_counters(METRICS) == {"prefill": 5000.0, "decode": 700.0}
 
 
+def test_token_counters_count_what_the_snapshot_counts() -> None:
+    """Decode: the batches' 700 tokens less the 60 drafts the model rejected (90
+    drafted, 30 accepted); prefill: the batches' 5000 and 12 embedded input tokens."""
+    spec = METRICS + (
+        "orin_llm_spec_drafted_tokens_total 90.0\n"
+        "orin_llm_spec_accepted_tokens_total 30.0\n"
+        "orin_llm_embedding_tokens_total 12.0\n"
+    )
+    assert parse_token_counters(spec) == {"prefill": 5012.0, "decode": 640.0}
+
+
 def test_token_window_needs_readings_spanning_the_window() -> None:
     w = TokenWindow()
     assert w.tokens(10.0) is None

@@ -94,6 +94,31 @@ def test_prefill_then_decode_then_idle() -> None:
     assert out["prefill"].mixed_share == 0.0
 
 
+@dataclass(frozen=True)
+class SpecStep(Step):
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    aborted: bool = False
+
+
+def test_decode_tokens_are_the_tokens_generated_not_the_drafts_rejected() -> None:
+    """With speculation a decode row carries its drafts: 10 steps of 1 row + 3 drafts
+    each, 1 draft accepted per step, generated 20 tokens in 40 batch tokens. Energy per
+    generated token divides by 20; an aborted step (batch discarded) adds none."""
+    steps = [
+        SpecStep(t * MS, (t + 10) * MS, 0, 4, drafted_tokens=3, accepted_tokens=1)
+        for t in range(0, 100, 10)
+    ] + [SpecStep(100 * MS, 110 * MS, 50, 0, aborted=True)]
+    samples = [S(t * MS, power_mw={"VDD_GPU_SOC": 10_000.0}) for t in range(5, 100, 10)]
+    out = summarize(samples, steps)
+    assert out["decode"].tokens == 20
+    assert out["decode"].energy_per_token_j == pytest.approx(1.0 / 20)
+    assert out["prefill"].tokens == 0
+    # the samples of a mixed step are still split by the batch's tokens (the work done)
+    shares = phase_shares(SpecStep(0, 1, 4, 4, drafted_tokens=3, accepted_tokens=0))
+    assert [s.weight for s in shares] == [0.5, 0.5]
+
+
 def test_mixed_steps_split_by_token_share_and_say_so() -> None:
     steps = [Step(0, 100 * MS, 30, 10)]
     samples = [S(t * MS, gpu_util=0.8) for t in range(0, 100, 10)]
