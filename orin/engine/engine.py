@@ -63,6 +63,7 @@ from orin.engine.speculative import verify
 from orin.engine.stream import Completion, RequestStream, batched_delivery, deliver_held
 from orin.engine.timings import now_ns
 from orin.engine.types import FinishReason, SamplingParams, StepStats, TokenEvent
+from orin.engine.ubatch import micro_batches
 from orin.engine.vision import MediaPrompt, RGBImage, Vision, is_image
 from orin.model.gguf import ModelInfo
 
@@ -908,6 +909,13 @@ class Engine:
                     kv_cells_used=cells,
                     waiting=self.waiting,
                     embedded_tokens=sum(len(i.tokens) for i in items),
+                    # the backend feeds the sequences in decreasing id order: with one
+                    # KV stream per slot, a pass per sequence (each pooled whole)
+                    micro_batches=micro_batches(
+                        [(i.seq, len(i.tokens)) for i in sorted(items, key=lambda i: -i.seq)],
+                        self.scheduler.n_ubatch,
+                        self.scheduler.unified,
+                    ),
                 )
                 self._lock.notify_all()
         finally:

@@ -128,6 +128,21 @@ def test_greedy_generation_is_the_same_before_and_after_embeddings(engine: Engin
     assert before == after
 
 
+def test_an_embedding_pass_reports_its_llama_cpp_passes(engine: Engine) -> None:
+    """One KV stream per slot: the backend feeds the sequences in decreasing id order,
+    so llama.cpp pools each in a micro-batch of its own, and the step reports as many
+    passes as inputs (orin_llm_engine_micro_batches_total counts them)."""
+    steps: list[StepStats] = []
+    engine.add_step_observer(steps.append)
+    try:
+        engine.embed(TEXTS[:3])
+    finally:
+        engine.remove_step_observer(steps.append)
+    assert not engine.cfg.kv_unified
+    (step,) = [s for s in steps if s.embedded_tokens]
+    assert step.micro_batches == 3
+
+
 def test_a_borrowed_slot_forgets_its_prefix_and_keeps_no_cells(engine: Engine) -> None:
     params = SamplingParams(max_tokens=8, temperature=0.0)
     first = engine.generate("A prompt whose cells stay for reuse", params)
