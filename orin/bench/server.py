@@ -216,14 +216,19 @@ def phase_delta(before: dict[Key, float], after: dict[Key, float]) -> dict[str, 
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
+    # drafts the model rejected ride in the decode batches without being generated
+    rejected = delta("orin_llm_spec_drafted_tokens_total") - delta(
+        "orin_llm_spec_accepted_tokens_total"
+    )
     phases: dict[str, dict[str, Any]] = {}
     for phase in PHASES:
         seconds = delta("orin_llm_phase_seconds_total", phase=phase)
         gpu = delta("orin_llm_gpu_busy_seconds_total", phase=phase)
         cpu = delta("orin_llm_process_cpu_busy_seconds_total", phase=phase)
+        tokens = delta("orin_llm_engine_batch_tokens_total", kind=phase)
         phases[phase] = {
             "seconds": seconds,
-            "tokens": int(delta("orin_llm_engine_batch_tokens_total", kind=phase)),
+            "tokens": int(tokens - rejected if phase == "decode" else tokens),
             "gpu_util": gpu / seconds if seconds > 0 and source != "cpu" else None,
             "cpu_util": cpu / seconds if seconds > 0 else None,
         }
