@@ -4,29 +4,31 @@ from __future__ import annotations
 
 from orin.bench.server import parse_metrics, phase_delta
 
-BEFORE = """
-orin_llm_telemetry_source_info{source="cpu"} 1.0
-orin_llm_phase_seconds_total{phase="prefill"} 1.0
-orin_llm_phase_seconds_total{phase="decode"} 2.0
-orin_llm_process_cpu_busy_seconds_total{phase="prefill"} 0.5
-orin_llm_process_cpu_busy_seconds_total{phase="decode"} 1.0
-orin_llm_engine_batch_tokens_total{kind="prefill"} 100.0
-orin_llm_engine_batch_tokens_total{kind="decode"} 50.0
-orin_llm_spec_drafted_tokens_total 10.0
-orin_llm_spec_accepted_tokens_total 6.0
-"""
 
-AFTER = """
-orin_llm_telemetry_source_info{source="cpu"} 1.0
-orin_llm_phase_seconds_total{phase="prefill"} 2.0
-orin_llm_phase_seconds_total{phase="decode"} 6.0
-orin_llm_process_cpu_busy_seconds_total{phase="prefill"} 1.25
-orin_llm_process_cpu_busy_seconds_total{phase="decode"} 3.0
-orin_llm_engine_batch_tokens_total{kind="prefill"} 400.0
-orin_llm_engine_batch_tokens_total{kind="decode"} 290.0
-orin_llm_spec_drafted_tokens_total 70.0
-orin_llm_spec_accepted_tokens_total 46.0
-"""
+def metrics(
+    seconds: tuple[float, float],
+    cpu: tuple[float, float],
+    tokens: tuple[float, float],
+    drafted: float,
+    accepted: float,
+) -> str:
+    """/metrics text with the counters the bench reads, (prefill, decode) each."""
+    lines = ['orin_llm_telemetry_source_info{source="cpu"} 1.0']
+    for i, phase in enumerate(("prefill", "decode")):
+        lines += [
+            f'orin_llm_phase_seconds_total{{phase="{phase}"}} {seconds[i]}',
+            f'orin_llm_process_cpu_busy_seconds_total{{phase="{phase}"}} {cpu[i]}',
+            f'orin_llm_engine_batch_tokens_total{{kind="{phase}"}} {tokens[i]}',
+        ]
+    lines += [
+        f"orin_llm_spec_drafted_tokens_total {drafted}",
+        f"orin_llm_spec_accepted_tokens_total {accepted}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+BEFORE = metrics((1.0, 2.0), (0.5, 1.0), (100.0, 50.0), drafted=10.0, accepted=6.0)
+AFTER = metrics((2.0, 6.0), (1.25, 3.0), (400.0, 290.0), drafted=70.0, accepted=46.0)
 
 
 def test_decode_tokens_are_the_tokens_generated_not_the_rejected_drafts() -> None:
