@@ -159,12 +159,10 @@ def profile_copy(profile: Profile, model_path: str | None = None) -> str:
     header = f"# orin-llm profile '{profile.name}', installed by `orin-llm install`.\n"
     source = profile.source
     text = source.read_text(encoding="utf-8") if source is not None else None
-    path, hf, pkg = profile.model.path, profile.model.hf, profile.model.packaged
+    hf, pkg = profile.model.hf, profile.model.packaged
     relative = _relative_paths(profile)
     if text is None or relative or hf is not None or pkg is not None:
         data = profile.model_dump(mode="json", exclude_unset=True)
-        if path is not None:
-            data.setdefault("model", {})["path"] = str(resolve_model_path(profile))
         for (section, key), absolute in relative.items():
             data.setdefault(section, {})[key] = absolute
         if hf is not None and model_path is not None:
