@@ -36,20 +36,15 @@ def tune_fix(ctx: DoctorContext, setting: str, asked: bool, direct: str) -> str:
     tune system is then given."""
     p = ctx.profile
     builtin = p.source is None or builtin_profiles().get(p.name) == p.source
-    if asked:
-        ref = p.name if builtin else str(p.source)
-        return f"sudo orin-llm tune system --profile {ref} --apply (or at once: {direct})"
-    if builtin and p.source is not None:
-        copy = f"my-{p.name}.yaml"
-        return (
-            f"{setting} in a copy of the built-in profile (cp {p.source} {copy}), then "
-            f"sudo orin-llm tune system --profile {copy} --apply (or at once: {direct})"
-        )
     ref = p.name if builtin else str(p.source)
-    return (
-        f"{setting} in the profile, then sudo orin-llm tune system --profile {ref} --apply "
-        f"(or at once: {direct})"
-    )
+    if asked:
+        step = ""
+    elif builtin and p.source is not None:
+        ref = f"my-{p.name}.yaml"
+        step = f"{setting} in a copy of the built-in profile (cp {p.source} {ref}), then "
+    else:
+        step = f"{setting} in the profile, then "
+    return f"{step}sudo orin-llm tune system --profile {ref} --apply (or at once: {direct})"
 
 
 def not_jetson(check_id: str, what: str) -> Finding:
