@@ -31,8 +31,8 @@ from typing import Any, Literal
 import yaml
 
 from orin import __version__
-from orin.engine.config import prompt_files
-from orin.errors import ModelFileError, ProfileError
+from orin.engine.config import kept_prompts
+from orin.errors import ModelFileError
 from orin.install.layout import CACHE_DIR, DEFAULT_USER, GPU_GROUPS, MODELS_DIR, PROFILE_FILE
 from orin.install.units import UnitConfig, service_plan, unit_config
 from orin.model.gguf import ModelInfo, read_model_info
@@ -341,16 +341,11 @@ def prompt_cache_in_pods(profile: Profile) -> tuple[dict[str, Any] | None, tuple
     section = profile.model_dump(mode="json", exclude_unset=True).get("prompt_cache", {})
     notes: list[str] = []
     if pc.prompt_dir is not None:
-        files = prompt_files(profile)  # a missing folder: the ProfileError serve gives
-        texts = []
-        for f in files:
-            try:
-                texts.append(f.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ProfileError(f"prompt_cache.prompt_dir: cannot read {f}: {exc}") from exc
+        # a missing folder or an unreadable file: the ProfileError serve gives
+        section["prompts"] = kept_prompts(profile)
         section.pop("prompt_dir", None)
-        section["prompts"] = [*pc.prompts, *texts]
-        count = "1 prompt travels" if len(texts) == 1 else f"{len(texts)} prompts travel"
+        read = len(section["prompts"]) - len(pc.prompts)
+        count = "1 prompt travels" if read == 1 else f"{read} prompts travel"
         notes.append(
             f"prompt_cache.prompt_dir: its {count} ({profile.path_from(pc.prompt_dir)}) "
             "in the ConfigMap as prompt_cache.prompts; render again after changing them"

@@ -278,11 +278,10 @@ def _where(profile: Profile) -> str:
     return f"{profile.source}: " if profile.source is not None else ""
 
 
-def prompt_cache_config(profile: Profile) -> PromptCacheConfig | None:
-    """The prompts to keep (the profile's, then each *.txt of prompt_dir in name order)
-    and where; None when the profile names none."""
-    pc = profile.prompt_cache
-    prompts = list(pc.prompts)
+def kept_prompts(profile: Profile) -> list[str]:
+    """The prompts the prompt cache keeps: the profile's, then each *.txt of prompt_dir
+    in name order, read; a ProfileError naming the file that cannot be read."""
+    prompts = list(profile.prompt_cache.prompts)
     for f in prompt_files(profile):
         try:
             prompts.append(f.read_text(encoding="utf-8"))
@@ -290,9 +289,18 @@ def prompt_cache_config(profile: Profile) -> PromptCacheConfig | None:
             raise ProfileError(
                 f"{_where(profile)}prompt_cache.prompt_dir: cannot read {f}: {exc}"
             ) from exc
+    return prompts
+
+
+def prompt_cache_config(profile: Profile) -> PromptCacheConfig | None:
+    """The prompts to keep (``kept_prompts``) and where; None when the profile names
+    none."""
+    prompts = kept_prompts(profile)
     if not prompts:
         return None
-    return PromptCacheConfig(tuple(prompts), cache_directory(profile), pc.max_bytes)
+    return PromptCacheConfig(
+        tuple(prompts), cache_directory(profile), profile.prompt_cache.max_bytes
+    )
 
 
 def cache_directory(profile: Profile) -> Path:

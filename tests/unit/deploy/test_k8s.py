@@ -16,6 +16,7 @@ import yaml
 
 from orin.deploy import k8s
 from orin.engine.client import EngineStatus
+from orin.errors import ProfileError
 from orin.install.units import LOAD_FLOOR_S, MAX_OVER_HIGH, PROCESS_OVERHEAD, STOP_MARGIN_S
 from orin.model.store import SYSTEM_MODELS_DIR
 from orin.profile.loader import load_profile, parse_profile
@@ -433,7 +434,7 @@ def test_a_missing_prompt_folder_stops_the_render(models: Path, tmp_path: Path) 
     data = load_profile("llama2-7b-q4_k_m").model_dump(mode="json", exclude_unset=True)
     data["prompt_cache"] = {"prompt_dir": "nowhere"}
     source.write_text(yaml.safe_dump(data), encoding="utf-8")
-    with pytest.raises(k8s.ProfileError, match=r"prompt_cache\.prompt_dir: .*nowhere"):
+    with pytest.raises(ProfileError, match=r"prompt_cache\.prompt_dir: .*nowhere"):
         render(models, load_profile(source))
 
 
