@@ -140,7 +140,7 @@ def _access_timings(completions: Sequence[Completion]) -> RequestTimings | None:
     return replace(
         first,
         generated_tokens=sum(c.timings.generated_tokens for c in completions if c.timings),
-        cached_tokens=min(c.timings.cached_tokens for c in completions if c.timings),
+        cached_tokens=protocol.usage(completions)["prompt_tokens_details"]["cached_tokens"],
     )
 
 
