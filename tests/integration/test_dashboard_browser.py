@@ -92,8 +92,9 @@ def server() -> Iterator[tuple[str, ServerState]]:
 
 
 @contextmanager
-def watched_page(context: BrowserContext) -> Iterator[tuple[Page, list[str]]]:
-    """A new page and the console errors and uncaught exceptions it reports."""
+def watched_page(context: BrowserContext, base: str) -> Iterator[tuple[Page, list[str]]]:
+    """A new page on the dashboard at ``base``, and the console errors and uncaught
+    exceptions it reports."""
     page = context.new_page()
     errors: list[str] = []
     page.on(
@@ -104,6 +105,7 @@ def watched_page(context: BrowserContext) -> Iterator[tuple[Page, list[str]]]:
     )
     page.on("pageerror", lambda e: errors.append(str(e)))
     try:
+        page.goto(base + "/")
         yield page, errors
     finally:
         page.close()
@@ -164,8 +166,7 @@ def test_the_page_loads_without_console_errors(
     browser: BrowserContext, server: tuple[str, ServerState]
 ) -> None:
     base, state = server
-    with watched_page(browser) as (page, errors):
-        page.goto(base + "/")
+    with watched_page(browser, base) as (page, errors):
         poll(lambda: points(page, "throughput") >= 1, "the first history row")
         rows = page.locator("#slots-body tr")
         poll(lambda: rows.count() == state.engine.cfg.slots, "a row per slot")
@@ -178,8 +179,7 @@ def test_charts_and_slots_follow_the_load(
     browser: BrowserContext, server: tuple[str, ServerState]
 ) -> None:
     base, _ = server
-    with watched_page(browser) as (page, errors):
-        page.goto(base + "/")
+    with watched_page(browser, base) as (page, errors):
         poll(lambda: points(page, "throughput") >= 1, "the first history row")
         before = points(page, "throughput")
         with load(base) as texts:
@@ -195,8 +195,7 @@ def test_the_playground_streams_an_answer(
     browser: BrowserContext, server: tuple[str, ServerState]
 ) -> None:
     base, _ = server
-    with watched_page(browser) as (page, errors):
-        page.goto(base + "/")
+    with watched_page(browser, base) as (page, errors):
         _chat(page, "Hello there")
         assert errors == []
 
@@ -205,8 +204,7 @@ def test_stop_before_the_first_token_gives_the_question_back(
     browser: BrowserContext, server: tuple[str, ServerState]
 ) -> None:
     base, _ = server
-    with watched_page(browser) as (page, errors):
-        page.goto(base + "/")
+    with watched_page(browser, base) as (page, errors):
         first = _chat(page, "Hello there")
         held: list[Any] = []
         # the request is held at the browser's network layer, so no token can arrive
@@ -267,8 +265,7 @@ def test_board_charts_show_what_a_board_reports(
         h["temp_c"] = {"gpu-thermal": [51.0] * n, "cpu-thermal": [48.5] * n}
         route.fulfill(json=data)
 
-    with watched_page(browser) as (page, errors):
-        page.goto(base + "/")
+    with watched_page(browser, base) as (page, errors):
         poll(lambda: points(page, "throughput") >= 1, "the first history row")
         for chart in ("gpu", "power", "temp"):
             assert page.locator(f"#chart-{chart}").is_hidden()
@@ -303,8 +300,7 @@ def test_with_a_key_the_login_refuses_a_wrong_key_and_opens_on_the_right_one(
 ) -> None:
     base, state = keyed_server
     browser.clear_cookies()
-    with watched_page(browser) as (page, _):
-        page.goto(base + "/")
+    with watched_page(browser, base) as (page, _):
         assert page.locator("#login-form").is_visible()
         assert page.locator("#charts").count() == 0
         assert state.model_name not in page.content()
