@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import http.client
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,6 +198,18 @@ def parse_metrics(text: str) -> dict[Key, float]:
     return out
 
 
+def value(m: Mapping[Key, float], name: str, **labels: str) -> float | None:
+    """One sample of parsed /metrics (``parse_metrics``); None when it is absent."""
+    return m.get((name, tuple(sorted(labels.items()))))
+
+
+def rejected_drafts(m: Mapping[Key, float]) -> float:
+    """The speculative drafts the model rejected (drafted - accepted): they ride in the
+    decode batches' tokens without being generated."""
+    drafted = value(m, "orin_llm_spec_drafted_tokens_total") or 0.0
+    return drafted - (value(m, "orin_llm_spec_accepted_tokens_total") or 0.0)
+
+
 def _source(m: dict[Key, float]) -> str | None:
     for name, labels in m:
         if name == "orin_llm_telemetry_source_info":
@@ -213,13 +225,9 @@ def phase_delta(before: dict[Key, float], after: dict[Key, float]) -> dict[str, 
         return None
 
     def delta(name: str, **labels: str) -> float:
-        key = (name, tuple(sorted(labels.items())))
-        return after.get(key, 0.0) - before.get(key, 0.0)
+        return (value(after, name, **labels) or 0.0) - (value(before, name, **labels) or 0.0)
 
-    # drafts the model rejected ride in the decode batches without being generated
-    rejected = delta("orin_llm_spec_drafted_tokens_total") - delta(
-        "orin_llm_spec_accepted_tokens_total"
-    )
+    rejected = rejected_drafts(after) - rejected_drafts(before)
     phases: dict[str, dict[str, Any]] = {}
     for phase in PHASES:
         seconds = delta("orin_llm_phase_seconds_total", phase=phase)

@@ -34,8 +34,6 @@ from orin.errors import OrinError, os_error_text, unreachable
 
 TOKENS_METRIC = "orin_llm_engine_batch_tokens_total"  # by kind: prefill, decode
 EMBEDDED_METRIC = "orin_llm_embedding_tokens_total"  # embedding passes: prompt processing
-DRAFTED_METRIC = "orin_llm_spec_drafted_tokens_total"  # in the decode batches
-ACCEPTED_METRIC = "orin_llm_spec_accepted_tokens_total"  # of those, generated
 HISTORY_S = 120.0  # counter readings kept (more than any window the server uses)
 
 
@@ -89,23 +87,17 @@ def parse_token_counters(text: str) -> dict[str, float]:
     """Tokens by phase, from /metrics text, counted as the /telemetry snapshot counts
     them: prefill is the prompt tokens of the batches and of embedding passes, decode
     the tokens generated, which are the decode batches' tokens less the speculative
-    drafts the model rejected (drafted - accepted)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    drafts the model rejected (``rejected_drafts``)."""
+    from orin.bench.server import parse_metrics, rejected_drafts, value
 
-    batch: dict[str, float] = {}
-    other: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == TOKENS_METRIC and "kind" in sample.labels:
-                batch[sample.labels["kind"]] = sample.value
-            elif sample.name in (EMBEDDED_METRIC, DRAFTED_METRIC, ACCEPTED_METRIC):
-                other[sample.name] = sample.value
+    m = parse_metrics(text)
     out: dict[str, float] = {}
-    if "prefill" in batch:
-        out["prefill"] = batch["prefill"] + other.get(EMBEDDED_METRIC, 0.0)
-    if "decode" in batch:
-        rejected = other.get(DRAFTED_METRIC, 0.0) - other.get(ACCEPTED_METRIC, 0.0)
-        out["decode"] = batch["decode"] - rejected
+    prefill = value(m, TOKENS_METRIC, kind="prefill")
+    if prefill is not None:
+        out["prefill"] = prefill + (value(m, EMBEDDED_METRIC) or 0.0)
+    decode = value(m, TOKENS_METRIC, kind="decode")
+    if decode is not None:
+        out["decode"] = decode - rejected_drafts(m)
     return out
 
 
