@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import random
 import socket
 import subprocess
 import threading
@@ -18,11 +20,30 @@ from orin.profile.loader import parse_profile
 from orin.server.main import build_server
 from orin.server.state import ServerState
 
+_handed: set[int] = set()  # ports of ORIN_LLM_TEST_PORTS given out already
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on: one the kernel picks, or with
+    ORIN_LLM_TEST_PORTS=LOW-HIGH in the environment, one of that range (for a machine
+    whose test runs are each given ports of their own), not one given out before while
+    others are left, since a test often asks for several before it binds them."""
+    low, _, high = os.environ.get("ORIN_LLM_TEST_PORTS", "").partition("-")
+    if not (low and high):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    ports = random.sample(range(int(low), int(high) + 1), int(high) - int(low) + 1)
+    ports.sort(key=lambda port: port in _handed)  # the ones not given out yet first
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    raise OSError(f"no free port in ORIN_LLM_TEST_PORTS={low}-{high}")
 
 
 @contextmanager

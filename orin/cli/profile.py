@@ -22,7 +22,7 @@ from orin.cli.help import Typer
 from orin.cli.options import BoardRootOpt, CtxOpt, JsonOpt, apply_ctx
 from orin.cli.output import Output
 from orin.doctor.context import model_path_for
-from orin.engine.config import draft_model_problem, prompt_files
+from orin.engine.config import draft_model_problem, prompt_file_problems
 from orin.errors import LlamaCppError, OrinError, ProfileError
 from orin.llamacpp import BuildInfo
 from orin.profile.kvmatch import KVFinding
@@ -149,14 +149,16 @@ def _with_model_file(report: ValidationReport, profile: Profile) -> ValidationRe
 
 
 def _with_prompt_dir(report: ValidationReport, profile: Profile) -> ValidationReport:
-    """prompt_cache.prompt_dir must be a folder (its files are listed, not read), or
+    """prompt_cache.prompt_dir must be a folder whose prompt files are UTF-8 text, or
     serve stops at start (doctor's prompt-cache check)."""
     try:
-        prompt_files(profile)
+        problems = prompt_file_problems(profile)
     except ProfileError as exc:
-        finding = KVFinding("prompt-cache", "fail", f"{exc}: serve would stop (exit 4)")
-        return dataclasses.replace(report, findings=(*report.findings, finding))
-    return report
+        problems = [str(exc)]
+    findings = (
+        KVFinding("prompt-cache", "fail", f"{p}: serve would stop (exit 4)") for p in problems
+    )
+    return dataclasses.replace(report, findings=(*report.findings, *findings))
 
 
 def _with_draft_model(report: ValidationReport, profile: Profile) -> ValidationReport:

@@ -351,11 +351,13 @@ def check_mmproj(ctx: DoctorContext) -> Finding:
 
 def check_prompt_cache(ctx: DoctorContext) -> Finding:
     """The persistent prompt cache's folder of prompts (prompt_cache.prompt_dir) is
-    there (its files are listed, not read: doctor may run as root), and where the
-    saved states go can be written, or made."""
-    from orin.engine.config import cache_directory, prompt_files
+    there and its prompt files are UTF-8 text (those this user can open are read: doctor
+    may run as another user than the server), and where the saved states go can be
+    written, or made."""
+    from orin.engine.config import cache_directory, prompt_file_problems, prompt_files
 
     pc = ctx.profile.prompt_cache
+    why = "serve stops at start when it cannot read the prompts it is to keep"
     try:
         n = len(pc.prompts) + len(prompt_files(ctx.profile))
     except ProfileError as exc:
@@ -363,9 +365,19 @@ def check_prompt_cache(ctx: DoctorContext) -> Finding:
             "prompt-cache",
             "fail",
             str(exc),
-            why="serve stops at start when it cannot read the prompts it is to keep",
+            why=why,
             fix="create the folder and put the prompts in it, one UTF-8 *.txt file each, "
             "or remove prompt_cache.prompt_dir",
+        )
+    problems = prompt_file_problems(ctx.profile)
+    if problems:
+        return Finding(
+            "prompt-cache",
+            "fail",
+            "; ".join(problems),
+            why=why,
+            fix="save each prompt file as UTF-8 text (`iconv -f latin1 -t utf-8`, or the "
+            "editor's encoding setting), or move it out of the folder",
         )
     if not n:
         return Finding("prompt-cache", "ok", "no prompts to keep: the prompt cache is off")

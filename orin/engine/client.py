@@ -48,6 +48,10 @@ class EngineStatus:
     # the persistent prompt cache's running totals (hits, misses, saves, loads, rejected,
     # evicted); empty without one
     prompt_cache: dict[str, int] = field(default_factory=dict)
+    # while the model loads: the RPC worker (HOST:PORT) that accepted the connection and
+    # whose answer llama.cpp waits for, without a limit (a worker busy with another
+    # server); nothing can interrupt that wait, so a stop does not wait for it
+    rpc_wait: str | None = None
 
     @property
     def busy(self) -> bool:

@@ -280,16 +280,52 @@ def _where(profile: Profile) -> str:
 
 def kept_prompts(profile: Profile) -> list[str]:
     """The prompts the prompt cache keeps: the profile's, then each *.txt of prompt_dir
-    in name order, read; a ProfileError naming the file that cannot be read."""
+    in name order, read; a ProfileError naming the file that cannot be read, or that
+    is not UTF-8 text (with the offset of the first byte that is not)."""
     prompts = list(profile.prompt_cache.prompts)
     for f in prompt_files(profile):
         try:
-            prompts.append(f.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ProfileError(
-                f"{_where(profile)}prompt_cache.prompt_dir: cannot read {f}: {exc}"
-            ) from exc
+            prompts.append(prompt_text(f.read_bytes()))
+        except (OSError, ValueError) as exc:
+            raise ProfileError(_unreadable(profile, f, exc)) from exc
     return prompts
+
+
+def prompt_text(data: bytes) -> str:
+    """A prompt file's bytes as text; a ValueError that gives the offset and line of
+    the first byte that is not UTF-8 (a file saved in Latin-1 or UTF-16, say)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(
+            f"not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start} "
+            f"(line {line}): {exc.reason} (save the file as UTF-8)"
+        ) from None
+
+
+def _unreadable(profile: Profile, f: Path, exc: Exception) -> str:
+    return f"{_where(profile)}prompt_cache.prompt_dir: cannot read {f}: {exc}"
+
+
+def prompt_file_problems(profile: Profile) -> list[str]:
+    """What serve would stop on among prompt_dir's files, in kept_prompts' words: a
+    file that is not UTF-8 text. Only regular files this user can open are read (the
+    checks may run as another user than the server, root included): a file that cannot
+    be opened here is not judged. A ProfileError when the folder is missing."""
+    problems = []
+    for f in prompt_files(profile):
+        try:
+            if not f.is_file():
+                continue
+            data = f.read_bytes()
+        except OSError:
+            continue
+        try:
+            prompt_text(data)
+        except ValueError as exc:
+            problems.append(_unreadable(profile, f, exc))
+    return problems
 
 
 def prompt_cache_config(profile: Profile) -> PromptCacheConfig | None:

@@ -83,6 +83,7 @@ milliseconds of each other and each takes about a millisecond to prepare, while 
 step started on the first one alone makes all the others wait for it."""
 UNMET_WARN_S = 600.0
 """Seconds between two warnings that the TPOT target cannot be met beside prompts."""
+JOIN_POLL_S = 0.05  # stop: how often a join looks whether the load waits for an RPC worker
 
 
 class Engine:
@@ -194,7 +195,20 @@ class Engine:
             self._state = "stopped"
             self._lock.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=max(timeout, 5.0))
+            self._join(max(timeout, 5.0))
+
+    def _join(self, timeout: float) -> None:
+        """Join the engine thread within ``timeout``, but give up on one whose load waits
+        for an RPC worker's answer (``rpc_wait``): llama.cpp waits for it without a
+        limit and nothing interrupts the wait; the thread (a daemon) ends with the
+        process."""
+        assert self._thread is not None
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and self._rpc_wait() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._thread.join(min(left, JOIN_POLL_S))
 
     def __enter__(self) -> Engine:
         self.start().wait_ready()
@@ -596,7 +610,16 @@ class Engine:
             slot_moves=self.scheduler.moves,
             prompt_splits=self.scheduler.prompt_splits,
             prompt_cache=self.prompt_cache.counters() if self.prompt_cache is not None else {},
+            rpc_wait=self._rpc_wait(),
         )
+
+    def _rpc_wait(self) -> str | None:
+        """The RPC worker the load waits for (``EngineStatus.rpc_wait``)."""
+        if not self.cfg.rpc or self.backend is not None:
+            return None
+        from orin.engine.rpc import waiting_for
+
+        return waiting_for()
 
     @property
     def slots_busy(self) -> int:

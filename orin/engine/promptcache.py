@@ -19,7 +19,9 @@ not writable by group or others (nothing that runs as root reads a file
 another user can write), and its size and SHA-256 must match the sidecar's.
 The file is opened once and llama.cpp reads that very file through
 ``/proc/self/fd``, so what was checked is what is loaded. A failure is a
-warning naming the file and the reason; the sequence is left empty.
+warning naming the file and the reason; the sequence is left empty. A state
+llama.cpp refused is not offered again (``find``, ``get``) until a save of its
+prompt replaces it, so a refusal costs one failed load and its warning.
 
 All llama.cpp calls belong to the engine thread, so ``PromptCache`` is not
 thread-safe: one thread (the engine's) uses it. Several processes may share
@@ -408,9 +410,10 @@ class PromptCache:
         self.counters = CacheCounters()
         self.problem: str | None = None
         self._index: dict[str, Entry] = {}
-        # entries this process's llama.cpp refused to load: the next save of the same
-        # prompt writes them again instead of keeping the state that was refused
-        self._refused: set[str] = set()
+        # entries this process's llama.cpp refused to load, by name, with the digest of
+        # the state it refused: that state is not offered again (find, get), and the
+        # next save of the same prompt writes it anew instead of keeping it
+        self._refused: dict[str, str] = {}
         try:
             _ensure_dir(self.directory)
         except OSError as exc:
@@ -428,6 +431,7 @@ class PromptCache:
         for e in self._index.values():
             if (
                 e.key == self.key
+                and not self._was_refused(e)
                 and e.n_tokens <= n
                 and (best is None or e.n_tokens > best.n_tokens)
                 and tuple(tokens[: e.n_tokens]) == e.tokens
@@ -439,7 +443,7 @@ class PromptCache:
     def get(self, tokens: Sequence[int]) -> Entry | None:
         """The saved prompt of exactly these tokens."""
         e = self._index.get(entry_name(self.key, tokens)) if tokens else None
-        found = e if e is not None and e.key == self.key else None
+        found = e if e is not None and e.key == self.key and not self._was_refused(e) else None
         self._count(found)
         return found
 
@@ -452,6 +456,10 @@ class PromptCache:
     def total_bytes(self) -> int:
         """Disk the directory's entries take, every key's."""
         return sum(e.disk_bytes for e in self._index.values())
+
+    def _was_refused(self, entry: Entry) -> bool:
+        """Whether llama.cpp refused this very state (the same digest) in this process."""
+        return self._refused.get(entry.name) == entry.state_sha256
 
     def _count(self, found: Entry | None) -> None:
         if found is None:
@@ -510,7 +518,7 @@ class PromptCache:
                 state_tmp.unlink()
         if entry is not None:
             self._index[name] = entry
-            self._refused.discard(name)
+            self._refused.pop(name, None)
             self.counters.saves += 1
             self._evict(keep=name)
         return entry
@@ -626,10 +634,13 @@ class PromptCache:
         if not ok:
             with contextlib.suppress(Exception):
                 lib.llama_memory_seq_rm(kv.memory, seq, 0, -1)
-            # kept (the context may have been unable to take it just now), but the next
-            # save of this prompt replaces it
-            self._refused.add(entry.name)
-            return self._refuse(entry, reason, delete=False)
+            # kept (another llama.cpp build, or a later start, may take it), but neither
+            # offered again by find and get nor kept by the next save of this prompt
+            self._index[current.name] = current  # its digest is what find and get see
+            self._refused[current.name] = current.state_sha256
+            return self._refuse(
+                entry, f"{reason}; not trying it again until it is saved anew", delete=False
+            )
         self._touch(current)
         self.counters.loads += 1
         return True

@@ -188,29 +188,42 @@ def check_workers(endpoints: Sequence[str]) -> None:
 _registered: set[int] = set()
 # after this long without the worker's answer, loading says what it waits for
 WAIT_NOTICE_S = 10.0
+_waiting_for: str | None = None  # the worker whose answer _connect waits for now
+
+
+def waiting_for() -> str | None:
+    """The worker (``HOST:PORT``) whose first answer this process waits for now, inside
+    ``ggml_backend_rpc_add_server``: a wait without a limit that nothing in the process
+    can interrupt (the thread in it ends only with the process). None otherwise."""
+    return _waiting_for
 
 
 def _connect(add_server: Callable[[bytes], int], endpoint: str) -> int:
     """``ggml_backend_rpc_add_server`` for one worker. A worker serves one server at a
     time and leaves the next connection waiting in its backlog, and llama.cpp waits
     for its answer without a limit: after ``WAIT_NOTICE_S`` the log says so, rather
-    than the server staying in ``loading`` without a word."""
+    than the server staying in ``loading`` without a word, and meanwhile
+    ``waiting_for`` names the worker, so that a stop does not wait for it."""
+    global _waiting_for
     notice = threading.Timer(
         WAIT_NOTICE_S,
         log.warning,
         (
             "RPC worker %s accepted the connection but has not answered in %g s: a worker "
             "serves one server at a time, so another server is probably using it; "
-            "loading waits until it disconnects",
+            "loading waits until it disconnects (a stop, SIGTERM or Ctrl-C, ends serve "
+            "without waiting)",
             endpoint,
             WAIT_NOTICE_S,
         ),
     )
     notice.daemon = True
     notice.start()
+    _waiting_for = endpoint
     try:
         return int(add_server(endpoint.encode()) or 0)
     finally:
+        _waiting_for = None
         notice.cancel()
 
 

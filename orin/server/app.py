@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Awaitable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,7 +20,7 @@ from orin.engine.vision import MediaPrompt, RGBImage
 from orin.server import dashboard, errors, extras, images, protocol, tools
 from orin.server.auth import protect
 from orin.server.errors import GenerationFailed, Loading, ModelNotFound
-from orin.server.middleware import RequestContext
+from orin.server.middleware import CLIENT_LEFT, RequestContext
 from orin.server.responses import ChatFormatter, CompletionFormatter, Formatter, sse_events
 from orin.server.sse import EventStream
 from orin.server.state import ServerState
@@ -69,7 +70,11 @@ def _register(app: FastAPI, state: ServerState) -> None:
     async def chat(body: protocol.ChatCompletionRequest, request: Request) -> Any:
         _check_model(state, body.model)
         protocol.check_message_order(body.messages)
-        pictures = await _images(state, body)
+        pictures: list[RGBImage] | None = []
+        if body.image_parts():  # a fetch from a listed host may take its 10 s
+            pictures = await until_client_leaves(request, _images(state, body))
+            if pictures is None:  # nobody to answer: the fetch was stopped
+                return Response(status_code=CLIENT_LEFT)
         text, add_bos = state.engine.render_chat(
             body.template_messages(), body.offered_tools(), body.chat_template_kwargs
         )
@@ -118,6 +123,35 @@ async def _images(state: ServerState, body: protocol.ChatCompletionRequest) -> l
         left -= img.width * img.height
         out.append(img)
     return out
+
+
+T = TypeVar("T")
+
+
+async def until_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result; None when the client leaves first, and then ``work`` is
+    cancelled at once (an image fetch closes its connection, an embedding job is
+    dropped) rather than run for nobody. The client's leaving is seen as the
+    streamed answers and the whole ones see it: the ``http.disconnect`` message."""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    job = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({job, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if job.done():
+            return job.result()
+        job.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await job
+        return None
+    finally:
+        watcher.cancel()
+        if not job.done():
+            job.cancel()
 
 
 def _check_model(state: ServerState, name: str | None) -> None:

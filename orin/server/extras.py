@@ -11,10 +11,7 @@ runs in its thread pool).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,7 +40,8 @@ CLIENT_GONE = 499
 
 def register(app: FastAPI, state: ServerState) -> None:
     """Add the routes to ``app`` (the key is checked in front of every route)."""
-    from orin.server.app import _check_model  # app imports this module: look it up now
+    # app imports this module: look them up now
+    from orin.server.app import _check_model, until_client_leaves
 
     @app.get("/v1/models/{model_id:path}")
     def model(model_id: str) -> dict[str, Any]:
@@ -63,7 +61,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             log.info("request %s: ignoring unknown fields %s", rid, ignored)
         inputs = [_pieces_to_ids(state, p) for p in body.inputs()]
         job = state.engine.embed_async(inputs, body.dimensions, request_id=rid)
-        result = await _embed_or_cancel(request, job)
+        result = await until_client_leaves(request, job)  # None: the client left, job dropped
         if result is None:
             return Response(status_code=CLIENT_GONE)
         state.metrics.on_embedding()
@@ -137,27 +135,3 @@ def _pieces_to_ids(state: ServerState, prompt: str | list[str | int]) -> str | l
     if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
         return prompt  # type: ignore[return-value]
     return mixed_ids(state.engine, prompt, add_special=True, parse_special=True)
-
-
-async def _embed_or_cancel(request: Request, job: Awaitable[Embeddings]) -> Embeddings | None:
-    """Wait for the embeddings; a client that leaves first drops the job (queued or
-    running) and gets nothing (None)."""
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work = asyncio.ensure_future(job)
-    watcher = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if work.done():
-            return work.result()
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await work
-        return None
-    finally:
-        watcher.cancel()
-        if not work.done():
-            work.cancel()

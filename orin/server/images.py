@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
+from PIL import Image, UnidentifiedImageError
 
 from orin.engine.vision import RGBImage
 from orin.profile.schema import ServerSection
@@ -29,6 +30,15 @@ from orin.server.errors import ApiError
 
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
 FETCH_TIMEOUT_S = 10.0
+
+# server.max_image_pixels (up to 256 megapixels), which ``decode`` checks from the
+# header before any pixel is decoded, replaces Pillow's decompression-bomb limit (89
+# megapixels: a warning, and an error at twice that), which would refuse with its own
+# message, and refuse images a profile allows. Pillow reads its limit from one
+# process-wide setting at each of its checks: it is set here, once, when the server's
+# image code is imported, and never from a request's thread. ``decode`` is the only
+# code of the server that opens an image it did not make.
+Image.MAX_IMAGE_PIXELS = None
 
 
 class BadImage(ApiError):
@@ -153,12 +163,6 @@ async def _get(
 def decode(raw: bytes, limits: ImageLimits, param: str, pixels_left: int | None = None) -> RGBImage:
     """Encoded image bytes into RGB pixels (the first frame of an animation), within
     the image's pixel limit and what is left of the request's (``pixels_left``)."""
-    from PIL import Image, UnidentifiedImageError
-
-    # server.max_image_pixels, checked below from the header, replaces Pillow's own
-    # decompression-bomb limit (89 megapixels, an error at twice that), which would
-    # refuse with its own message, and refuse images a profile allows
-    Image.MAX_IMAGE_PIXELS = None
     try:
         img = Image.open(io.BytesIO(raw), formats=FORMATS)
         width, height = img.size
@@ -182,7 +186,8 @@ def decode(raw: bytes, limits: ImageLimits, param: str, pixels_left: int | None 
         raise BadImage(
             f"the image cannot be decoded: not a {', '.join(FORMATS)} image", param
         ) from exc
-    except (OSError, SyntaxError, ValueError) as exc:
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        # (Pillow's own limit only where something in the process set it again)
         raise BadImage(f"the image cannot be decoded: {exc}", param) from exc
     if width < 1 or height < 1:
         raise BadImage("the image has no pixels", param)

@@ -14,6 +14,11 @@ stream still ends properly (error event, ``[DONE]``), the responses get
 ``CUT_FLUSH_S`` to be written, and the server exits (status 0, no traceback).
 A third signal exits without writing anything more.
 
+A signal while the model's load waits for an RPC worker that accepted the
+connection but has not answered (a worker serves one server at a time)
+ends the server at once with ``RPC_WAIT_EXIT``: llama.cpp waits for that answer
+without a limit and nothing interrupts it, so the drain does not wait for it.
+
 uvicorn's own shutdown waits ``timeout_graceful_shutdown`` for connections and
 then cancels the tasks still running, which would end a stream mid-answer with
 a traceback in the log; the drain sets that timeout past its own deadline and
@@ -34,6 +39,7 @@ from types import FrameType
 
 import uvicorn
 
+from orin.engine.rpc import RPC_LOST_EXIT
 from orin.server.notify import SystemdNotifier, Watchdog
 from orin.server.state import ServerState
 
@@ -41,6 +47,9 @@ log = logging.getLogger("orin.server")
 
 FLUSH_S = 5.0  # after the grace period: for the responses of cancelled requests
 CUT_FLUSH_S = 2.0  # after a second signal: for every response to be written
+# the exit code of a server stopped while its load waited for an RPC worker: that of
+# the other RPC worker problems (a lost worker, one that cannot be reached)
+RPC_WAIT_EXIT = RPC_LOST_EXIT
 
 
 class OrinServer(uvicorn.Server):
@@ -67,6 +76,7 @@ class OrinServer(uvicorn.Server):
         self._closer: asyncio.TimerHandle | None = None
         self._close_at = math.inf
         self.failed = False
+        self.exit_code: int | None = None  # the process's, where it is not 0 or 1 (failed)
 
     @property
     def cut_short(self) -> bool:
@@ -112,6 +122,17 @@ class OrinServer(uvicorn.Server):
         state.draining = True
         self._deadline = time.monotonic() + self.grace_s
         state.engine.stop(drain=True, timeout=self.grace_s)  # a second signal ends it early
+        worker = state.engine.status().rpc_wait
+        if worker is not None:  # the load never ends by itself: nothing to wait for
+            log.error(
+                "stopped while the model was loading: RPC worker %s accepted the "
+                "connection but has not answered (a worker serves one server at a time: "
+                "another server is probably using it); exiting with code %d without "
+                "waiting for it",
+                worker,
+                RPC_WAIT_EXIT,
+            )
+            self.exit_code = RPC_WAIT_EXIT
         self._flush()
 
     def _flush(self) -> None:
@@ -127,15 +148,16 @@ class OrinServer(uvicorn.Server):
         self.watchdog.stop()
         left = flush_by - now
         open_now = len(self.server_state.connections)
-        if open_now:
-            log.info(
-                "draining: generation finished; up to %.0f s for %d open connection(s) "
-                "to take their responses",
-                left,
-                open_now,
-            )
-        else:
-            log.info("draining: generation finished; no open connections")
+        if self.exit_code is None:  # (else the load never finished: the drain said why)
+            if open_now:
+                log.info(
+                    "draining: generation finished; up to %.0f s for %d open "
+                    "connection(s) to take their responses",
+                    left,
+                    open_now,
+                )
+            else:
+                log.info("draining: generation finished; no open connections")
         # uvicorn's limit only as a backstop: the connections left at our deadline
         # are closed by us, which ends their response tasks without a traceback
         self.config.timeout_graceful_shutdown = math.ceil(left) + 2
@@ -148,7 +170,7 @@ class OrinServer(uvicorn.Server):
         await super().shutdown(sockets=sockets)
         if self.cut_short:
             log.warning("drain cut short by a second signal; exiting")
-        elif self._signals:
+        elif self._signals and self.exit_code is None:
             log.info("drained; exiting")
 
     def _flush_by(self, now: float) -> float:

@@ -62,6 +62,8 @@ def run_server(
         state.engine.stop(drain=False, timeout=5)
         if state.telemetry is not None:
             state.telemetry.stop()
+    if server.exit_code is not None:
+        return server.exit_code
     return 1 if server.failed else 0
 
 

@@ -4,6 +4,8 @@ skipped with a warning; the output is the one a cold engine gives."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 
 from orin.engine.config import engine_config
 from orin.engine.engine import Engine
+from orin.engine.promptcache import MEMO_NAME
 from orin.engine.types import SamplingParams
 from orin.model import demo
 from orin.model.gguf import read_model_info
@@ -116,3 +119,54 @@ def test_another_kv_type_does_not_load_the_saved_state(small: Path, tmp_path: Pa
         assert e.prompt_cache is not None
         assert e.prompt_cache.cache.counters.loads == 0
     assert len(list(cache.glob("*.state"))) == 2  # one per key
+
+
+def sidecars(cache: Path) -> list[Path]:
+    return [p for p in cache.glob("*.json") if p.name != MEMO_NAME]
+
+
+def foreign_state(small: Path, cache: Path) -> Path:
+    """Put into ``cache`` OTHER's state saved by a context with two KV streams, under
+    the name and sidecar of OTHER's state for one stream, its digest and size updated:
+    every check of the cache's own passes, and llama.cpp refuses it (n_stream mismatch),
+    as it would a state another build of it wrote."""
+    with engine(small, cache, slots=1, prompts=(SYSTEM, OTHER)):
+        pass
+    elsewhere = cache.parent / "two-streams"
+    with engine(small, elsewhere, slots=2, prompts=(OTHER,)):
+        pass
+    (theirs,) = sidecars(elsewhere)
+    tokens = json.loads(theirs.read_text())["tokens"]
+    (ours,) = [p for p in sidecars(cache) if json.loads(p.read_text())["tokens"] == tokens]
+    data = theirs.with_suffix(".state").read_bytes()
+    ours.with_suffix(".state").write_bytes(data)
+    doc = json.loads(ours.read_text())
+    doc["state_sha256"], doc["state_bytes"] = hashlib.sha256(data).hexdigest(), len(data)
+    ours.write_text(json.dumps(doc))
+    return ours.with_suffix(".state")
+
+
+def test_a_state_llama_cpp_refuses_is_tried_once_and_then_left_alone(
+    small: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A saved prompt that is not among the profile's prompts any more is never saved
+    again by this server: once llama.cpp has refused its state, requests that start with
+    it prefill it, without another failed load and another warning each."""
+    with engine(small, None, slots=1) as cold:
+        other, _ = ask(cold, OTHER, "Open hours?")
+        system, _ = ask(cold, SYSTEM, "Where is box 7?")
+    cache = tmp_path / "cache"
+    state = foreign_state(small, cache)
+    with caplog.at_level(logging.INFO, "orin.engine"), engine(small, cache, slots=1) as e:
+        assert e.prompt_cache is not None
+        counters = e.prompt_cache.cache.counters
+        for _ in range(3):  # the one slot holds each prompt in turn: OTHER is not kept
+            assert ask(e, OTHER, "Open hours?")[0] == other
+            assert ask(e, SYSTEM, "Where is box 7?")[0] == system
+        assert counters.rejected == 1 and counters.loads == 1 + 3  # SYSTEM's, from disk
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1, refused
+    assert caplog.text.count("could not restore saved prompts") == 1
+    assert str(state) in refused[0] and "n_stream" in refused[0]
+    assert refused[0].endswith("; not trying it again until it is saved anew")
+    assert state.exists()  # another llama.cpp build may still read it

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from orin.engine.rpc import RPC_LOST_EXIT, probe, rpc_available
-from tests.serverutil import free_port, live_server, wait_healthy
+from tests.serverutil import free_port, live_server, poll, wait_healthy
 
 RPC_LOAD_S = 120.0  # a load across workers: every layer goes over loopback first
 
@@ -232,6 +232,76 @@ def test_a_lost_worker_ends_the_server_with_exit_6_and_a_restart_recovers(
                 assert complete(base) == local_tokens
             finally:
                 stop(again)
+
+
+class SilentWorker:
+    """A worker that is busy with another server, as llama.cpp's looks to the next one:
+    it accepts connections and never answers. ``asked`` is set once a connection sends
+    something (llama.cpp's hello; serve's probes only connect and close)."""
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", free_port()))
+        self.port = int(self.listener.getsockname()[1])
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            if conn.recv(64):
+                self.asked.set()
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def health(port: int, proc: subprocess.Popen[str]) -> httpx.Response | None:
+    assert proc.poll() is None, stop(proc)
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    except httpx.HTTPError:
+        return None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_while_the_load_waits_for_a_busy_worker_exits_6_naming_it(
+    tiny_f16: Path, sig: signal.Signals
+) -> None:
+    """llama.cpp waits for a busy worker's first answer without a limit, and nothing in
+    the process can interrupt that wait: a service manager's stop (SIGTERM) or Ctrl-C
+    (SIGINT) ends serve anyway, with the RPC workers' exit code and a line naming the
+    worker, instead of a drain that waits for the load."""
+    busy, port = SilentWorker(), free_port()
+    try:
+        proc = serve(tiny_f16, port, [busy.port])
+        try:
+            assert busy.asked.wait(RPC_LOAD_S), stop(proc)  # llama.cpp waits for the answer
+            # the HTTP server answers (503, loading): its signal handlers are in place
+            loading = poll(lambda: health(port, proc), "the server answering while it loads")
+            assert loading.status_code == 503
+            proc.send_signal(sig)
+            code = proc.wait(timeout=RPC_LOAD_S)
+        finally:
+            err = stop(proc)
+    finally:
+        busy.close()
+    assert code == RPC_LOST_EXIT, err
+    assert (
+        f"stopped while the model was loading: RPC worker 127.0.0.1:{busy.port} accepted "
+        "the connection but has not answered"
+    ) in err
+    assert "drained; exiting" not in err and "Traceback" not in err
 
 
 def traffic(

@@ -4,8 +4,12 @@ vision projector (orin/model/mmproj.py), through the engine and the server."""
 from __future__ import annotations
 
 import base64
+import contextlib
+import dataclasses
 import http.server
 import io
+import json
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +30,7 @@ from orin.model.gguf import read_model_info
 from orin.profile.loader import parse_profile
 from orin.server.images import ImageLimits
 from orin.server.state import ServerState
-from tests.serverutil import live_server, wait_idle
+from tests.serverutil import free_port, live_server, poll, wait_idle
 
 pytestmark = pytest.mark.llama
 
@@ -303,7 +307,7 @@ def test_a_listed_host_is_fetched_and_others_are_not(server: tuple[str, ServerSt
         def log_message(self, *args: Any) -> None:
             pass
 
-    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    images = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Images)
     thread = threading.Thread(target=images.serve_forever, daemon=True)
     thread.start()
     port = images.server_address[1]
@@ -321,6 +325,79 @@ def test_a_listed_host_is_fetched_and_others_are_not(server: tuple[str, ServerSt
     assert refused.status_code == 400 and "image_url_hosts" in refused.json()["error"]["message"]
     assert fetched.status_code == 200, fetched.text
     assert fetched.json()["timings"]["images_n"] == 1
+
+
+class StalledImageHost:
+    """An image host that answers a GET with its headers and the first bytes of a PNG,
+    then sends nothing more: ``asked`` is set once the fetch is waiting for the rest,
+    ``dropped`` once the fetching side closes its connection."""
+
+    def __init__(self) -> None:
+        self.asked, self.dropped = threading.Event(), threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", free_port()))
+        self.port = int(self.listener.getsockname()[1])
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            start = base64.b64decode(png_url(12).split(",", 1)[1])[:32]
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: 100000\r\n\r\n"
+                + start
+            )
+            self.asked.set()
+            with contextlib.suppress(OSError):  # a reset is a close too
+                while conn.recv(4096):
+                    pass
+            self.dropped.set()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_client_that_leaves_stops_the_image_fetch(server: tuple[str, ServerState]) -> None:
+    """The fetch of an image URL is cancelled when the client closes its connection:
+    the image host sees the server's connection closed. The fetch's time limit is set
+    far beyond the test's waits, so nothing but the client's leaving can end it."""
+    base, state = server
+    host = StalledImageHost()
+    saved = state.image_limits
+    state.image_limits = dataclasses.replace(saved, timeout_s=3600.0)
+    labels = {"method": "POST", "route": "/v1/chat/completions", "status": "499"}
+
+    def left() -> float:
+        count = state.metrics.registry.get_sample_value("orin_llm_http_requests_total", labels)
+        return count or 0.0
+
+    before = left()
+    body = json.dumps(
+        {"messages": message(f"http://127.0.0.1:{host.port}/c.png"), "max_tokens": 2}
+    ).encode()
+    port = int(base.rsplit(":", 1)[1])
+    try:
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert host.asked.wait(60), "the server never fetched the image"
+        client.close()  # the client leaves while the fetch waits for the image's rest
+        assert host.dropped.wait(60), "the fetch went on after the client left"
+    finally:
+        state.image_limits = saved
+        host.close()
+    poll(lambda: left() > before, "the request counted as one whose client left (499)")
+    assert left() == before + 1
+    assert wait_idle(base)["queue"] == 0
 
 
 def test_choices_of_one_image_request_share_its_encoding(server: tuple[str, ServerState]) -> None:

@@ -267,6 +267,36 @@ def test_validate_fails_a_prompt_dir_serve_could_not_read(tmp_path: Path) -> Non
     assert code == 0 and "prompt-cache" not in out
 
 
+def test_a_prompt_file_that_is_not_utf8_fails_validate_as_it_stops_serve(
+    tmp_path: Path, tiny_f16: Path
+) -> None:
+    """validate fails on the file serve would stop on (exit 4), with serve's own words:
+    the file, the offset and line of the first byte that is not UTF-8."""
+    from tests.serverutil import free_port
+
+    (tmp_path / "p").mkdir()
+    bad = tmp_path / "p" / "greeting.txt"
+    bad.write_bytes("Grüß Gott\n".encode("latin-1"))
+    f = tmp_path / "p.yaml"
+    f.write_text(
+        f"name: pc\nmodel: {{path: {tiny_f16}}}\n"
+        f"prompt_cache: {{prompt_dir: p, directory: {tmp_path / 'states'}}}\n"
+    )
+    said = (
+        f"{f}: prompt_cache.prompt_dir: cannot read {bad}: not UTF-8 text: byte 0xfc at "
+        "offset 2 (line 1): invalid start byte (save the file as UTF-8)"
+    )
+    code, out, _ = invoke("profile", "validate", str(f), "--json")
+    failed = [x for x in json.loads(out)["findings"] if x["severity"] == "fail"]
+    assert code == 1 and [x["message"] for x in failed] == [f"{said}: serve would stop (exit 4)"]
+    code, _, err = invoke("serve", "--profile", str(f), "--port", str(free_port()))
+    assert code == 4 and err.strip() == f"orin-llm: {said}"
+    assert not (tmp_path / "states").exists()  # stopped before anything was computed
+    bad.write_text("Grüß Gott\n", encoding="utf-8")
+    code, out, _ = invoke("profile", "validate", str(f), "--json")
+    assert code == 0 and "prompt-cache" not in out
+
+
 def test_validate_takes_a_packaged_models_quantization_from_the_package(tmp_path: Path) -> None:
     """No quantization in the profile, no file needed: the KV types serve will pick."""
     f = tmp_path / "p.yaml"

@@ -1,6 +1,6 @@
 """doctor's prompt-cache check: a missing folder of prompts fails it (serve would stop),
-prompts are counted without being read, and an unwritable place for the saved states
-is a warning."""
+and so does a prompt file that is not UTF-8 text; a file doctor cannot open is counted
+without being judged, and an unwritable place for the saved states is a warning."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_prompts_are_counted_where_they_are_saved(make_ctx: MakeCtx, tmp_path: P
     (tmp_path / "prompts").mkdir()
     for name in ("a.txt", "b.txt", "notes.md"):
         (tmp_path / "prompts" / name).write_text("You are a robot.")
-    (tmp_path / "prompts" / "b.txt").chmod(0)  # listed, never read
+    (tmp_path / "prompts" / "b.txt").chmod(0)  # counted, not judged (unless doctor is root)
     section = "prompt_cache: {prompt_dir: prompts, prompts: [hi], directory: states/here}\n"
     f = check(make_ctx, tmp_path, section)
     assert f.severity == "ok", f
@@ -63,3 +63,18 @@ def test_an_unwritable_place_for_the_states_warns(make_ctx: MakeCtx, tmp_path: P
     locked.mkdir(mode=0o500)
     f = check(make_ctx, tmp_path, f"prompt_cache: {{prompts: [hi], directory: {locked}/x}}\n")
     assert f.severity == "warn" and f"{locked} is not a folder writable here" in f.found
+
+
+def test_a_prompt_file_that_is_not_utf8_fails_naming_it(make_ctx: MakeCtx, tmp_path: Path) -> None:
+    """serve stops on it (exit 4): doctor says so before, with the file and the offset."""
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "a.txt").write_text("You are a robot.")
+    (tmp_path / "prompts" / "b.txt").write_bytes(b"\xff\xfeY\x00o\x00u\x00")  # UTF-16
+    f = check(make_ctx, tmp_path, "prompt_cache: {prompt_dir: prompts}\n")
+    assert f.severity == "fail"
+    assert f.found == (
+        f"{tmp_path / 'p.yaml'}: prompt_cache.prompt_dir: cannot read "
+        f"{tmp_path / 'prompts' / 'b.txt'}: not UTF-8 text: byte 0xff at offset 0 (line 1): "
+        "invalid start byte (save the file as UTF-8)"
+    )
+    assert f.fix is not None and "UTF-8" in f.fix

@@ -118,3 +118,49 @@ def test_the_kv_layout_decides_prefix_reuse_and_serving(tmp_path: Path) -> None:
     assert asked.context.sliding  # the backend refuses it with both ways out
     with pytest.raises(KVConfigError, match="no KV cache"):
         engine_config(profile, path, dataclasses.replace(info, kv_layout="none"))
+
+
+def test_a_prompt_file_that_is_not_utf8_is_named_with_its_first_bad_byte(tmp_path: Path) -> None:
+    """serve reads prompt_dir's files through kept_prompts; validate and doctor through
+    prompt_file_problems: both say which file, where and why, in the same words."""
+    from orin.engine.config import kept_prompts, prompt_file_problems
+    from orin.errors import ProfileError
+    from orin.profile.loader import load_profile
+
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "a.txt").write_text("You are a robot.\n")
+    bad = tmp_path / "prompts" / "b.txt"
+    bad.write_bytes("Line one\nCafé robot\n".encode("latin-1"))  # é is 0xe9 in Latin-1
+    f = tmp_path / "p.yaml"
+    f.write_text("name: t\nprompt_cache: {prompt_dir: prompts, prompts: [hi]}\n")
+    profile = load_profile(f)
+    expected = (
+        f"{f}: prompt_cache.prompt_dir: cannot read {bad}: not UTF-8 text: byte 0xe9 at "
+        "offset 12 (line 2): invalid continuation byte (save the file as UTF-8)"
+    )
+    with pytest.raises(ProfileError) as refused:
+        kept_prompts(profile)
+    assert str(refused.value) == expected
+    assert prompt_file_problems(profile) == [expected]
+    bad.write_text("Café robot\n", encoding="utf-8")
+    assert prompt_file_problems(profile) == []
+    assert kept_prompts(profile) == ["hi", "You are a robot.\n", "Café robot\n"]
+
+
+def test_prompt_files_this_user_cannot_open_are_not_judged(tmp_path: Path) -> None:
+    """validate and doctor may run as another user than the server (root, or an
+    operator): a file they cannot open is left to serve, as before."""
+    import os
+
+    from orin.engine.config import prompt_file_problems
+    from orin.profile.loader import load_profile
+
+    if os.geteuid() == 0:
+        pytest.skip("root opens every file")
+    (tmp_path / "prompts").mkdir()
+    locked = tmp_path / "prompts" / "a.txt"
+    locked.write_bytes(b"\xff\xfe not text")
+    locked.chmod(0)
+    f = tmp_path / "p.yaml"
+    f.write_text("name: t\nprompt_cache: {prompt_dir: prompts}\n")
+    assert prompt_file_problems(load_profile(f)) == []

@@ -460,6 +460,49 @@ def test_a_state_llama_cpp_refused_is_replaced_by_the_next_save(
     assert kv.lib.seqs[1] == [1, 2, 3]
 
 
+def test_a_state_llama_cpp_refused_is_not_offered_again_until_saved_anew(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refusal is said once: find and get leave that state out afterwards (no failed
+    load and no warning per request), until a save of the prompt replaces it; a state
+    of another digest under the same name (written since) is offered again."""
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+    kv.lib.refuse = True
+    with caplog.at_level(logging.WARNING):
+        assert not pc.load(kv, 0, entry)
+    assert caplog.text.count("llama.cpp refused it") == 1
+    assert caplog.text.rstrip().endswith("; not trying it again until it is saved anew")
+    assert pc.find([1, 2, 3, 4]) is None and pc.get([1, 2, 3]) is None
+    assert len(kv.lib.loaded) == 1 and pc.counters.rejected == 1
+    kv.lib.refuse = False
+    again = saved(pc, kv, [1, 2, 3])  # the prompt computed and saved anew
+    assert pc.counters.saves == 2
+    assert pc.find([1, 2, 3, 4]) == again and pc.load(kv, 1, again)
+    # refused again; another process then saves a state of another digest under that
+    # name: offered again once the directory is read again
+    kv.lib.refuse = True
+    kv.lib.seqs.pop(1)
+    assert not pc.load(kv, 1, again) and pc.get([1, 2, 3]) is None
+    replace_state(again, b"\0")
+    pc.refresh()
+    found = pc.get([1, 2, 3])
+    assert found is not None and found.state_sha256 != again.state_sha256
+    # replaced once more behind the index: the state refused is the one left out
+    replace_state(again, b"\1")
+    assert not pc.load(kv, 1, found) and pc.get([1, 2, 3]) is None
+    assert caplog.text.count("llama.cpp refused it") == 3
+
+
+def replace_state(entry: Entry, tail: bytes) -> None:
+    """Another process's state under ``entry``'s name: other bytes, a sidecar to match."""
+    data = entry.state_path.read_bytes() + tail
+    entry.state_path.write_bytes(data)
+    doc = json.loads(entry.sidecar_path.read_text())
+    doc["state_sha256"], doc["state_bytes"] = hashlib.sha256(data).hexdigest(), len(data)
+    entry.sidecar_path.write_text(json.dumps(doc))
+
+
 def test_a_refusal_quotes_what_llama_cpp_said_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -485,7 +528,8 @@ def test_a_refusal_quotes_what_llama_cpp_said_first(
     assert len(warning) == 1
     assert warning[0].endswith(
         "llama.cpp refused it: state_read_data: mismatched key type (8 != 1, layer 0); "
-        "llama_state_seq_load_file: failed to restore kv cache"
+        "llama_state_seq_load_file: failed to restore kv cache; "
+        "not trying it again until it is saved anew"
     )
     assert not [r for r in caplog.records if r.name == "orin.llama" and r.levelno > logging.DEBUG]
 

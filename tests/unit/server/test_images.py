@@ -8,6 +8,7 @@ import asyncio
 import base64
 import io
 import struct
+import warnings
 import zlib
 from collections.abc import AsyncIterator
 
@@ -99,11 +100,32 @@ def test_an_image_past_pillows_own_limit_is_refused_by_max_image_pixels(
     assert "decompression bomb" not in message
 
 
-def test_a_profile_may_allow_images_past_pillows_own_limit() -> None:
-    """An image within a raised server.max_image_pixels is decoded, not refused
-    by Pillow's 89-megapixel warning (it is refused here for its missing rows)."""
-    message = str(refused(data_url(png_header(10_000, 10_000)), ImageLimits(max_pixels=10**8)))
+@pytest.mark.parametrize("side", [10_000, 16_000])
+def test_a_profile_may_allow_images_past_pillows_own_limit(side: int) -> None:
+    """An image within a raised server.max_image_pixels is decoded, not refused by
+    Pillow's 89-megapixel limit: no DecompressionBombWarning (10000x10000) and no
+    DecompressionBombError past twice that (16000x16000, within the profile's 256
+    megapixels); it is refused here for its missing rows."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        message = str(refused(data_url(png_header(side, side)), ImageLimits(max_pixels=2**28)))
     assert "truncated" in message and "decompression bomb" not in message
+    assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+
+
+def test_decoding_leaves_pillows_process_wide_setting_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pillow's decompression-bomb limit is set once, when the server's image code is
+    imported: a request's decode never writes that process-wide setting."""
+    assert Image.MAX_IMAGE_PIXELS is None  # set by importing orin.server.images
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10**12)
+    load(data_url(png(8, 6)))
+    assert Image.MAX_IMAGE_PIXELS == 10**12
+    # set back by something else, Pillow's limit is still a 400, never a 500
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    limits = ImageLimits(max_pixels=2**28)
+    assert "decompression bomb" in str(refused(data_url(png_header(100, 100)), limits))
 
 
 def test_other_schemes_and_unlisted_hosts_are_refused() -> None:

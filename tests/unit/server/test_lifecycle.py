@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
 import uvicorn
 
-from orin.server.lifecycle import CUT_FLUSH_S, FLUSH_S, OrinServer
+from orin.server.lifecycle import CUT_FLUSH_S, FLUSH_S, RPC_WAIT_EXIT, OrinServer
 from orin.server.notify import SystemdNotifier
 from orin.server.state import ServerState
 
@@ -23,6 +25,7 @@ class Engine:
         self.calls: list[tuple[bool, float]] = []
         self.draining = threading.Event()
         self.cancelled = threading.Event()
+        self.rpc_wait: str | None = None  # the RPC worker a load waits for
 
     def stop(self, drain: bool = True, timeout: float = 30.0) -> None:
         self.calls.append((drain, timeout))
@@ -33,7 +36,7 @@ class Engine:
             self.cancelled.set()
 
     def status(self) -> Any:
-        return SimpleNamespace(heartbeat_ns=0)
+        return SimpleNamespace(heartbeat_ns=0, rpc_wait=self.rpc_wait)
 
 
 def server(grace_s: float = 300.0) -> tuple[OrinServer, Engine, Any]:
@@ -51,6 +54,7 @@ def test_the_drain_gives_the_responses_the_rest_of_the_grace_period() -> None:
     engine.cancelled.set()  # the running requests finish at once
     srv.drain()
     assert state.draining and srv.should_exit and not srv.cut_short
+    assert srv.exit_code is None  # serve exits 0
     assert engine.calls == [(True, 300.0)]
     timeout = srv.config.timeout_graceful_shutdown
     assert timeout is not None and 300.0 <= timeout <= 300.0 + FLUSH_S + 3
@@ -83,3 +87,24 @@ def test_a_third_signal_stops_waiting_for_anything() -> None:
     srv.handle_exit(signal.SIGTERM, None)
     assert srv.force_exit and srv.should_exit
     engine.cancelled.set()  # let the drain thread end
+
+
+def test_a_stop_while_the_load_waits_for_an_rpc_worker_exits_6_naming_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The engine's stop gives up on a load that waits for a worker's answer (nothing
+    interrupts that wait): the server says so and exits with the RPC workers' code,
+    not 0 as after a drain."""
+    srv, engine, _ = server(300.0)
+    engine.rpc_wait = "10.0.0.2:50052"
+    engine.cancelled.set()  # the engine's stop returns at once
+    with caplog.at_level(logging.INFO, "orin.server"):
+        srv.drain()
+    assert srv.should_exit and srv.exit_code == RPC_WAIT_EXIT == 6
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [
+        "stopped while the model was loading: RPC worker 10.0.0.2:50052 accepted the "
+        "connection but has not answered (a worker serves one server at a time: another "
+        "server is probably using it); exiting with code 6 without waiting for it"
+    ]
+    assert "drained" not in caplog.text and "generation finished" not in caplog.text
