@@ -148,7 +148,8 @@ class ChatMessage(_Lenient):
     content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant
-    tool_call_id: str | None = None  # tool
+    # tool: the id of the call it answers; checked when left out too
+    tool_call_id: str | None = Field(None, validate_default=True)
     reasoning_content: str | None = None  # assistant: its thinking, for templates that show it
 
     @field_validator("content")
@@ -160,6 +161,15 @@ class ChatMessage(_Lenient):
         if content is None and role is not None and role != "assistant":
             raise ValueError(f"a {role} message needs content (a string or a list of parts)")
         return content
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        """OpenAI's rule: a tool message says which call it answers; without it the
+        template would render an answer to no call."""
+        if call_id is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs tool_call_id, the id of the call it answers")
+        return call_id
 
     def text(self) -> str:
         if isinstance(self.content, list):  # an image is a marker where its rows go

@@ -170,3 +170,27 @@ def test_a_number_that_is_not_finite_is_refused(client: TestClient) -> None:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "temperature" and "finite number" in err["message"]
+
+
+@pytest.mark.parametrize("call_id", [{}, {"tool_call_id": None}])
+def test_a_tool_message_without_its_call_id_is_refused(
+    client: TestClient, call_id: dict[str, Any]
+) -> None:
+    """OpenAI's rule: a tool message names the call it answers; without the id the
+    template would render an answer to no call."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "18 degrees", **call_id},
+    ]
+    err = refused(client, "/v1/chat/completions", {"messages": messages})
+    assert err["param"] == "messages[2].tool_call_id"
+    assert "a tool message needs tool_call_id" in err["message"]
+
+
+def test_only_a_tool_message_needs_a_call_id() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [*USER, {"role": "tool", "tool_call_id": "call_1", "content": "1"}]}
+    )
+    assert [m.tool_call_id for m in req.messages] == [None, "call_1"]
