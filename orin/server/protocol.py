@@ -258,6 +258,11 @@ class NamedToolChoice(_Lenient):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+STREAM_OPTIONS_WITHOUT_STREAM = (
+    "The 'stream_options' parameter is only allowed when 'stream' is enabled."
+)
+
+
 def _optional(p: params.Param[Any]) -> Any:
     """A request field bounded by the table's ``p``; left out, the profile's
     default (or the table's) applies."""
@@ -285,7 +290,7 @@ class _Common(_Lenient):
         description="Choices to generate; they share the prompt's cells (one prefill).",
     )
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None  # only with stream (_stream_options)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
@@ -297,6 +302,17 @@ class _Common(_Lenient):
     penalty_last_n: int | None = _optional(params.PENALTY_LAST_N)
     repeat_last_n: int | None = _optional(params.PENALTY_LAST_N)  # llama.cpp's name
     n_predict: int | None = Field(None, ge=-1, description="llama.cpp's name for max_tokens.")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        """OpenAI refuses stream_options on an answer that is not streamed (null is
+        fine: it means the default)."""
+        if options is not None and not info.data.get("stream"):
+            raise ValueError(STREAM_OPTIONS_WITHOUT_STREAM)
+        return options
 
     def refuse_unsupported(self) -> None:
         """A field that would change the output but is not implemented is a 400 naming

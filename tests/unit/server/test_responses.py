@@ -172,7 +172,7 @@ def test_full_responses() -> None:
 @pytest.mark.parametrize("kind", ["chat", "text"])
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_final_and_usage_chunks(kind: str, include_usage: bool) -> None:
-    fmt = formatter(kind, stream_options={"include_usage": include_usage})
+    fmt = formatter(kind, stream=True, stream_options={"include_usage": include_usage})
     final = parsed(encode(fmt.final_chunk(completion("stop"))))
     assert final["choices"][0]["finish_reason"] == "stop"
     assert final["choices"][0].get("delta", final["choices"][0].get("text")) in ({}, "")
@@ -198,7 +198,7 @@ class FakeStream:
 
 
 def test_a_streamed_chat_from_opening_to_done() -> None:
-    fmt = formatter("chat", stream_options={"include_usage": True})
+    fmt = formatter("chat", stream=True, stream_options={"include_usage": True})
     batches = [
         [TokenEvent("req-1", 7, "a")],
         [TokenEvent("req-1", 8, ""), TokenEvent("req-1", 9, "bc")],
@@ -227,7 +227,7 @@ def test_the_last_events_go_out_together_and_end_the_body(include_usage: bool) -
     """The final token, the finish reason, the usage and [DONE] are one LastEvents
     (EventStream writes it with the end of the body); the tokens before it are
     one chunk per batch, and ``on_finish`` has run when the last events come."""
-    fmt = formatter("text", stream_options={"include_usage": include_usage})
+    fmt = formatter("text", stream=True, stream_options={"include_usage": include_usage})
     stream = FakeStream(
         [
             [TokenEvent("req-1", 7, "a")],
@@ -333,7 +333,7 @@ def test_a_cancelled_stream_ends_with_an_error_event_never_an_unknown_reason(
     """OpenAI has no finish reason "cancelled": a stream the engine cut (shutdown, a
     client that stopped reading) ends with an OpenAI error event and [DONE], which
     the official client raises as openai.APIError."""
-    fmt = formatter(kind, draining, stream_options={"include_usage": True})
+    fmt = formatter(kind, draining, stream=True, stream_options={"include_usage": True})
     cut = TokenEvent("req-1", None, "", None, "cancelled", TIMINGS)
     events = stream_events(fmt, FakeStream([[TokenEvent("req-1", 7, "a")], [cut]]))
     assert events[-1] == b"data: [DONE]"
@@ -382,6 +382,7 @@ def test_every_chunk_of_a_stream_has_the_same_id_and_created(
     monkeypatch.setattr(time, "time", lambda: float(next(clock)))
     fmt = formatter(
         kind,
+        stream=True,
         stream_options={"include_usage": include_usage},
         logprobs=1 if kind == "text" else True,
     )

@@ -194,3 +194,29 @@ def test_only_a_tool_message_needs_a_call_id() -> None:
         {"messages": [*USER, {"role": "tool", "tool_call_id": "call_1", "content": "1"}]}
     )
     assert [m.tool_call_id for m in req.messages] == [None, "call_1"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [{}, {"stream": False}, {"stream": None}])
+def test_stream_options_without_stream_is_refused(
+    client: TestClient, path: str, stream: dict[str, Any]
+) -> None:
+    """As OpenAI refuses it: the options of a stream on an answer that is not one."""
+    body = {"messages": USER} if path == "/v1/chat/completions" else {"prompt": "hi"}
+    err = refused(client, path, {**body, **stream, "stream_options": {"include_usage": True}})
+    assert err["param"] == "stream_options"
+    assert err["message"] == (
+        "stream_options: The 'stream_options' parameter is only allowed when 'stream' is enabled."
+    )
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+def test_stream_options_null_or_with_stream_is_fine(
+    model: type[ChatCompletionRequest] | type[CompletionRequest],
+) -> None:
+    body: dict[str, Any] = {"messages": USER} if model is ChatCompletionRequest else {"prompt": "x"}
+    assert model.model_validate({**body, "stream_options": None}).stream_options is None
+    streamed = model.model_validate(
+        {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert streamed.stream_options is not None and streamed.stream_options.include_usage
