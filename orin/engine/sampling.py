@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -103,22 +103,44 @@ class SlotSampler:
 
     def logprob(self, token: int, logits: npt.NDArray[np.float32]) -> TokenLogprob:
         """The sampled token's log-probability and the top-N alternatives (raw model)."""
-        shifted = logits.astype(np.float64) - float(np.max(logits))
-        logp = shifted - np.log(np.sum(np.exp(shifted)))
-        n = self.params.logprobs or 0
-        top: tuple[TopLogprob, ...] = ()
-        if n:
-            idx = np.argpartition(-logp, n - 1)[:n]
-            idx = idx[np.argsort(-logp[idx])]
-            top = tuple(
-                TopLogprob(int(i), self.backend.detokenize([int(i)]), float(logp[i])) for i in idx
-            )
-        return TokenLogprob(token, float(logp[token]), top)
+        return token_logprobs(self.backend, logits[np.newaxis], [token], self.params.logprobs)[0]
 
     def close(self) -> None:
         if self.chain is not None:
             self.lib.llama_sampler_free(self.chain)
             self.chain = None
+
+
+LOGPROB_BLOCK = 32
+"""Rows of logits turned into log-probabilities at once: a block of float64 copies of
+the vocabulary (32 x 128k x 8 bytes = 32 MiB for a Llama 3 vocabulary)."""
+
+
+def token_logprobs(
+    backend: Backend,
+    logits: npt.NDArray[np.float32],
+    tokens: Sequence[int],
+    top_n: int | None,
+) -> list[TokenLogprob]:
+    """The log-probability of ``tokens[i]`` under row i of ``logits`` (the raw model's
+    distribution, a log-softmax in float64) with the ``top_n`` most likely tokens of
+    that row, most likely first."""
+    out: list[TokenLogprob] = []
+    n = top_n or 0
+    for start in range(0, len(tokens), LOGPROB_BLOCK):
+        block = logits[start : start + LOGPROB_BLOCK].astype(np.float64)
+        block -= block.max(axis=1, keepdims=True)
+        block -= np.log(np.exp(block).sum(axis=1, keepdims=True))
+        for logp, token in zip(block, tokens[start : start + LOGPROB_BLOCK], strict=True):
+            top: tuple[TopLogprob, ...] = ()
+            if n:
+                idx = np.argpartition(-logp, n - 1)[:n]
+                idx = idx[np.argsort(-logp[idx])]
+                top = tuple(
+                    TopLogprob(int(i), backend.detokenize([int(i)]), float(logp[i])) for i in idx
+                )
+            out.append(TokenLogprob(token, float(logp[token]), top))
+    return out
 
 
 def parse_error(printed: str, source: str) -> tuple[str | None, str]:
