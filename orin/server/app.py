@@ -20,7 +20,13 @@ from orin.server import dashboard, errors, extras, images, protocol, tools
 from orin.server.auth import protect
 from orin.server.errors import GenerationFailed, Loading, ModelNotFound
 from orin.server.middleware import RequestContext
-from orin.server.responses import ChatFormatter, CompletionFormatter, Formatter, sse_events
+from orin.server.responses import (
+    ChatFormatter,
+    CompletionFormatter,
+    Formatter,
+    echo_pieces,
+    sse_events,
+)
 from orin.server.sse import EventStream
 from orin.server.state import ServerState
 
@@ -91,7 +97,10 @@ def _register(app: FastAPI, state: ServerState) -> None:
         _check_model(state, body.model)
         p = body.single_prompt()
         prompt = state.engine.tokenize(p) if isinstance(p, str) else p
-        fmt = CompletionFormatter(state, body, _rid(request), prompt)
+        pieces = None
+        if body.scores_prompt():  # the echo's logprobs: each token's text as echoed
+            pieces = echo_pieces(state.engine, p, prompt)
+        fmt = CompletionFormatter(state, body, _rid(request), prompt, pieces)
         return await _run(state, request, body, prompt, fmt)
 
     extras.register(app, state)  # embeddings, tokenize, detokenize, /v1/models/{id}

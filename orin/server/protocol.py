@@ -9,6 +9,7 @@ typed dicts, built by the formatters in ``responses.py``.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import logging
@@ -400,7 +401,12 @@ class _Common(_Lenient):
             ignore_eos=self.ignore_eos,
             grammar=self._grammar(),
             logprobs=self.top_n_logprobs(),
+            prompt_logprobs=self.scores_prompt(),
         )
+
+    def scores_prompt(self) -> bool:
+        """Whether the answer carries the prompt tokens' log-probabilities."""
+        return False
 
     def _grammar(self) -> str | None:
         """The one grammar of ``grammar``, ``json_schema`` and ``response_format``
@@ -473,7 +479,11 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (lambda v: not v, "use tools"),
     "function_call": (lambda v: not v, "use tool_choice"),
     "n_probs": (lambda v: not v, "use logprobs"),
-    "prompt_logprobs": (lambda v: not v, "log-probabilities of prompt tokens are not computed"),
+    "prompt_logprobs": (
+        lambda v: not v,
+        "vLLM's form is not offered; /v1/completions with echo and logprobs gives a "
+        "prompt's log-probabilities",
+    ),
     "suffix": (lambda v: not v, "fill-in-the-middle is not implemented"),
     "audio": (lambda v: not v, "audio output is not implemented"),
     "web_search_options": (lambda v: not v, "web search is not available"),
@@ -671,9 +681,28 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=params.MAX_TOKENS.lo, description=_MAX_TOKENS)
+    # before max_tokens, whose 0 it allows
+    echo: bool = Field(
+        False,
+        description="The prompt before the answer; with logprobs, its tokens' log-probabilities.",
+    )
+    max_tokens: int | None = Field(
+        None, ge=0, description=_MAX_TOKENS + " 0: only the echoed prompt (with echo)."
+    )
     logprobs: int | None = _optional(params.LOGPROBS)
-    echo: bool = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _nothing_only_with_echo(cls, n: int | None, info: ValidationInfo) -> int | None:
+        """OpenAI's legacy rule, which evaluation harnesses rely on: max_tokens 0 with
+        echo returns the prompt (and its log-probabilities) and generates nothing;
+        without echo it would answer with nothing at all."""
+        if n == 0 and not info.data.get("echo"):
+            raise ValueError(
+                "0 generates nothing: max_tokens 0 is only allowed with echo, to get the "
+                "prompt back (with logprobs, its tokens' log-probabilities)"
+            )
+        return n
 
     @field_validator("prompt")
     @classmethod
@@ -694,6 +723,10 @@ class CompletionRequest(_Common):
 
     def top_n_logprobs(self) -> int | None:
         return self.logprobs
+
+    def scores_prompt(self) -> bool:
+        """OpenAI's legacy completions: with echo, logprobs covers the prompt too."""
+        return self.echo and self.logprobs is not None
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt, as text or token ids (validation unwrapped a one-item list)."""
@@ -731,8 +764,9 @@ class ChatLogprobs(TypedDict):
 
 class CompletionLogprobs(TypedDict):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # null for an echoed prompt's first token, which nothing comes before
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -914,9 +948,44 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [
-            {piece(t.token_id).decode("utf-8", "replace"): t.logprob for t in lp.top}
-            for lp in items
-        ],
+        "top_logprobs": [_top(lp, piece) for lp in items],
         "text_offset": offsets,
+    }
+
+
+def _top(lp: TokenLogprob, piece: Piece) -> dict[str, float]:
+    return {piece(t.token_id).decode("utf-8", "replace"): t.logprob for t in lp.top}
+
+
+def prompt_logprobs(
+    pieces: Sequence[bytes], scores: Sequence[TokenLogprob], piece: Piece
+) -> CompletionLogprobs:
+    """An echoed prompt's logprobs, as OpenAI's legacy completions give them: every
+    prompt token (``pieces``: its text as the echo writes it), the first with null
+    (nothing comes before it), each other with ``scores``' log-probability given the
+    tokens before it and its alternatives. ``text_offset`` counts the characters of
+    the tokens' text from the start of the echo (a character split over tokens
+    counts at the token that completes it)."""
+    if len(scores) != max(len(pieces) - 1, 0):
+        raise ValueError(f"{len(scores)} log-probabilities for a prompt of {len(pieces)} tokens")
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    offsets, pos = [], 0
+    for raw in pieces:
+        offsets.append(pos)
+        pos += len(decoder.decode(raw))
+    return {
+        "tokens": [raw.decode("utf-8", "replace") for raw in pieces],
+        "token_logprobs": [None, *(lp.logprob for lp in scores)][: len(pieces)],
+        "top_logprobs": [None, *(_top(lp, piece) for lp in scores)][: len(pieces)],
+        "text_offset": offsets,
+    }
+
+
+def joined_logprobs(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    """An echoed prompt's logprobs, then the answer's."""
+    return {
+        "tokens": first["tokens"] + then["tokens"],
+        "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+        "top_logprobs": first["top_logprobs"] + then["top_logprobs"],
+        "text_offset": first["text_offset"] + then["text_offset"],
     }

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Literal, Protocol, cast
 
 from orin.engine.stream import Completion, RequestStream, collect
-from orin.engine.types import FinishReason, RequestTimings, TokenEvent
+from orin.engine.types import FinishReason, RequestTimings, TokenEvent, TokenLogprob
 from orin.server.errors import GenerationFailed, Interrupted, error_body
 from orin.server.protocol import (
     AssistantMessage,
@@ -31,6 +31,7 @@ from orin.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Chunk,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
     Envelope,
@@ -41,6 +42,8 @@ from orin.server.protocol import (
     ToolCallDelta,
     chat_logprobs,
     completion_logprobs,
+    joined_logprobs,
+    prompt_logprobs,
     usage,
 )
 from orin.server.sse import LastEvents, event
@@ -341,19 +344,41 @@ class CompletionFormatter(Formatter):
     ID_PREFIX = "cmpl-"
 
     def __init__(
-        self, served: Served, body: CompletionRequest, request_id: str, prompt: list[int]
+        self,
+        served: Served,
+        body: CompletionRequest,
+        request_id: str,
+        prompt: list[int],
+        pieces: Sequence[bytes] | None = None,
     ) -> None:
+        """``pieces``: with echo and logprobs, each prompt token's text as the echo
+        writes the prompt (``echo_pieces``); the token's own piece by default."""
         super().__init__(served, body, request_id)
         self.echoed = _echoed(served, body, prompt) if body.echo else ""  # the answer's start
+        # echo with logprobs: the prompt's tokens are scored, and the echo carries them
+        self.scored = body.scores_prompt()
+        self.pieces = list(pieces) if pieces is not None else None
+        self.prompt = prompt
 
     def text_start(self) -> int:
         return len(self.echoed)
+
+    def _prompt_logprobs(self, scores: Sequence[TokenLogprob]) -> CompletionLogprobs:
+        """The echoed prompt's logprobs (tokens, the first one's null, alternatives and
+        offsets) from the engine's scores of its tokens after the first."""
+        pieces = self.pieces
+        if pieces is None:
+            pieces = [self.served.engine_piece(t) for t in self.prompt]
+        return prompt_logprobs(pieces, scores, self.served.engine_piece)
 
     def choice(self, c: Completion, prompt: list[int], index: int) -> TextChoice:
         piece = self.served.engine_piece
         logprobs = None
         if c.logprobs or self.logprobs:
             logprobs = completion_logprobs(c.logprobs, piece, len(self.echoed))
+            if self.scored:
+                scored = self._prompt_logprobs(c.prompt_logprobs or ())
+                logprobs = joined_logprobs(scored, logprobs)
         choice: TextChoice = {
             "index": index,
             "finish_reason": c.finish_reason,
@@ -369,8 +394,9 @@ class CompletionFormatter(Formatter):
         return {**self._envelope(self.OBJECT), "choices": [choice]}
 
     def opening(self, index: int = 0) -> TextCompletion | None:
-        """With ``echo``, the prompt's text, before the answer's (as OpenAI streams it)."""
-        if not self.echoed:
+        """With ``echo``, the prompt's text, before the answer's (as OpenAI streams it);
+        with logprobs too, it waits for the prompt's scores (``chunk``)."""
+        if not self.echoed or self.scored:
             return None
         return self._chunk(
             {"index": index, "finish_reason": None, "logprobs": None, "text": self.echoed}
@@ -378,6 +404,15 @@ class CompletionFormatter(Formatter):
 
     def chunk(self, e: TokenEvent, index: int = 0, offset: int = 0) -> TextCompletion:
         piece = self.served.engine_piece
+        if e.prompt_logprobs is not None:  # the prompt is computed: the echo, scored
+            return self._chunk(
+                {
+                    "index": index,
+                    "finish_reason": None,
+                    "logprobs": self._prompt_logprobs(e.prompt_logprobs),
+                    "text": self.echoed,
+                }
+            )
         lp = None if e.logprob is None else completion_logprobs([e.logprob], piece, offset)
         choice: TextChoice = {
             "index": index,
@@ -393,6 +428,47 @@ class CompletionFormatter(Formatter):
         return self._chunk(
             {"index": index, "finish_reason": c.finish_reason, "logprobs": None, "text": ""}
         )
+
+
+class Vocabulary(Protocol):
+    """What ``echo_pieces`` reads of the engine (``EngineClient`` has it)."""
+
+    def piece(self, token: int, special: bool = False) -> bytes: ...
+
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]: ...
+
+
+def echo_pieces(vocab: Vocabulary, given: str | list[int], prompt: list[int]) -> list[bytes]:
+    """Each prompt token's text as ``echo`` writes the prompt, so that an echoed
+    prompt's logprobs tokens add up to it: token ids as their text (control tokens
+    as nothing), as echo detokenizes them; a text prompt as the client wrote it: a
+    control token such as ``<|im_start|>`` as its text, nothing for a token that
+    tokenizing added (BOS), and without the space a SentencePiece vocabulary puts
+    before a text and after a control token, where taking it off gives the text
+    back exactly."""
+    if not isinstance(given, str):
+        return [vocab.piece(t) for t in prompt]
+    written = vocab.tokenize(given, add_special=False)
+    n = len(written)
+    start = next((k for k in range(len(prompt) - n + 1) if prompt[k : k + n] == written), None)
+    pieces = [
+        vocab.piece(t, special=True) if start is None or start <= i < start + n else b""
+        for i, t in enumerate(prompt)
+    ]
+    text = given.encode("utf-8")
+    if b"".join(pieces) == text:
+        return pieces
+    trimmed = list(pieces)
+    after_control = True  # the text's start is a fragment's start too
+    for i, t in enumerate(prompt):
+        if not pieces[i]:
+            continue
+        if after_control and pieces[i].startswith(b" "):
+            trimmed[i] = pieces[i][1:]
+        after_control = not vocab.piece(t)  # a control token: nothing as plain text
+    return trimmed if b"".join(trimmed) == text else pieces
 
 
 def _echoed(served: Served, body: CompletionRequest, prompt: list[int]) -> str:
@@ -442,7 +518,7 @@ class TokenChunks:
         self.offset = fmt.text_start()  # characters of the choice's text sent so far
 
     def token(self, e: TokenEvent) -> bytes:
-        if self._plain and e.logprob is None:
+        if self._plain and e.logprob is None and e.prompt_logprobs is None:
             out = b"".join((self._head, _json_string(e.text).encode(), self._tail))
         else:
             out = encode(self.fmt.chunk(e, self.index, self.offset))
@@ -540,7 +616,8 @@ class _Answer:
         out = [
             b
             for e in ready
-            if e.finish_reason is None and (e.text or with_ids or e.logprob is not None)
+            if e.finish_reason is None
+            and (e.text or with_ids or e.logprob is not None or e.prompt_logprobs is not None)
             if (b := chunks.token(e))
         ]
         final = ready[-1]

@@ -18,6 +18,7 @@ from orin.server.responses import (
     CompletionFormatter,
     Formatter,
     TokenChunks,
+    echo_pieces,
     encode,
     sse_events,
 )
@@ -133,14 +134,13 @@ def test_echo_returns_a_text_prompt_as_written() -> None:
     """A text prompt is echoed as the client sent it, control tokens written as text
     included (detokenizing its tokens would drop them); token ids as their text."""
     prompt = "<|im_start|>user\n  two  spaces\t<|im_end|>\n"
-    body = protocol.CompletionRequest(prompt=prompt, echo=True, logprobs=1)
+    body = protocol.CompletionRequest(prompt=prompt, echo=True)
     fmt = CompletionFormatter(served(), body, "req-1", [1, 2])
     opening = fmt.opening(0)
     assert opening is not None and opening["choices"][0]["text"] == prompt
-    whole = Completion("req-1", "ab", (7, 7), (LOGPROB, LOGPROB), "length", TIMINGS)
+    whole = Completion("req-1", "ab", (7, 7), (), "length", TIMINGS)
     choice = fmt.response(whole, [1, 2])["choices"][0]
-    assert choice["text"] == prompt + "ab"
-    assert choice["logprobs"]["text_offset"] == [len(prompt), len(prompt) + 1]
+    assert choice["text"] == prompt + "ab" and choice["logprobs"] is None
     ids = protocol.CompletionRequest(prompt=[1, 2], echo=True)
     assert CompletionFormatter(served(), ids, "req-1", [1, 2]).echoed == "<prompt>"
 
@@ -415,3 +415,147 @@ def test_logprobs_asked_for_are_a_list_when_the_answer_has_no_token(kind: str) -
             "text_offset": [],
         }
     assert formatter(kind).response(empty, [1, 2])["choices"][0]["logprobs"] is None
+
+
+# -- an echoed prompt's logprobs ---------------------------------------------------------
+
+PROMPT_SCORES = (TokenLogprob(2, -1.5, (TopLogprob(9, "é", -0.25),)), TokenLogprob(3, -2.0, ()))
+
+
+def scored_formatter(**fields: Any) -> CompletionFormatter:
+    """echo with logprobs on the prompt [1, 2, 3], whose tokens' text is 'ab', 'é', ''."""
+    body = protocol.CompletionRequest(prompt=[1, 2, 3], echo=True, logprobs=1, **fields)
+    return CompletionFormatter(served(), body, "req-1", [1, 2, 3], [b"ab", "é".encode(), b""])
+
+
+def test_an_echoed_prompts_logprobs_come_before_the_answers() -> None:
+    """OpenAI's legacy completions: every prompt token, the first with null logprob and
+    alternatives, then the answer's; offsets count the text the client gets."""
+    whole = Completion(
+        "req-1", "aa", (7, 7), (LOGPROB, LOGPROB), "length", TIMINGS, None, PROMPT_SCORES
+    )
+    choice = scored_formatter().response(whole, [1, 2, 3])["choices"][0]
+    assert choice["text"] == "<prompt>aa"
+    assert choice["logprobs"] == {
+        "tokens": ["ab", "é", "", "a", "a"],
+        "token_logprobs": [None, -1.5, -2.0, -0.5, -0.5],
+        "top_logprobs": [None, {"é": -0.25}, {}, *[{"a": -0.5, "é": -1.25}] * 2],
+        "text_offset": [0, 2, 3, len("<prompt>"), len("<prompt>") + 1],
+    }
+    # without echo, only the answer's
+    plain = protocol.CompletionRequest(prompt=[1, 2, 3], logprobs=1)
+    alone = CompletionFormatter(served(), plain, "req-1", [1, 2, 3]).response(whole, [1, 2, 3])
+    assert alone["choices"][0]["logprobs"]["token_logprobs"] == [-0.5, -0.5]
+
+
+def test_a_streamed_echo_with_logprobs_carries_the_prompts_logprobs() -> None:
+    """The echo waits for the prompt's scores (no opening) and goes out with them, in
+    the chunk of the engine's prompt event; the answer's chunks follow."""
+    fmt = scored_formatter(stream=True)
+    assert fmt.opening(0) is None
+    stream = FakeStream(
+        [
+            [TokenEvent("req-1", None, "", prompt_logprobs=PROMPT_SCORES)],
+            [TokenEvent("req-1", 7, "a", LOGPROB)],
+            [TokenEvent("req-1", None, "", None, "length", TIMINGS)],
+        ]
+    )
+    finished: list[Sequence[Completion]] = []
+
+    async def run() -> list[bytes]:
+        return [b async for b in sse_events(fmt, stream, finished.append)]  # type: ignore[arg-type]
+
+    events = [e for e in b"".join(asyncio.run(run())).split(b"\n\n") if e]
+    chunks = [json.loads(e[6:])["choices"][0] for e in events[:-1]]
+    assert chunks[0]["text"] == "<prompt>"
+    assert chunks[0]["logprobs"] == {
+        "tokens": ["ab", "é", ""],
+        "token_logprobs": [None, -1.5, -2.0],
+        "top_logprobs": [None, {"é": -0.25}, {}],
+        "text_offset": [0, 2, 3],
+    }
+    assert chunks[1]["text"] == "a" and chunks[1]["logprobs"]["text_offset"] == [len("<prompt>")]
+    assert chunks[2]["finish_reason"] == "length"
+    assert finished[0][0].prompt_logprobs == PROMPT_SCORES
+
+
+def test_a_prompts_text_offsets_count_characters_not_bytes() -> None:
+    """A character split over two tokens counts at the token that completes it."""
+    euro = "€".encode()
+    lp = protocol.prompt_logprobs(
+        [b"a", euro[:1], euro[1:], b"b"], PROMPT_SCORES + PROMPT_SCORES[:1], served().engine_piece
+    )
+    assert lp["text_offset"] == [0, 1, 1, 2]
+    assert lp["token_logprobs"] == [None, -1.5, -2.0, -1.5]
+    with pytest.raises(ValueError, match="2 log-probabilities for a prompt of 2 tokens"):
+        protocol.prompt_logprobs([b"a", b"b"], PROMPT_SCORES, served().engine_piece)
+
+
+class Vocab:
+    """Tokens 1 (BOS, added by tokenizing), 5 ('<|im_start|>', a control token) and
+    letters 'a'..: 10 + ord - ord('a')."""
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        if token == 1:
+            return b"<s>" if special else b""
+        if token == 5:
+            return b"<|im_start|>" if special else b""
+        return bytes([ord("a") + token - 10])
+
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        out = [1] if add_special else []
+        rest = text
+        while rest:
+            if rest.startswith("<|im_start|>"):
+                out.append(5)
+                rest = rest[len("<|im_start|>") :]
+            else:
+                out.append(10 + ord(rest[0]) - ord("a"))
+                rest = rest[1:]
+        return out
+
+
+def test_echo_pieces_add_up_to_the_echoed_prompt() -> None:
+    """A text prompt: the control tokens the client wrote as their text, nothing for
+    the BOS tokenizing added; token ids: their text as echo detokenizes them."""
+    vocab = Vocab()
+    text = "<|im_start|>ab"
+    prompt = vocab.tokenize(text)
+    pieces = echo_pieces(vocab, text, prompt)
+    assert pieces == [b"", b"<|im_start|>", b"a", b"b"] and b"".join(pieces).decode() == text
+    assert echo_pieces(vocab, [1, 5, 10], [1, 5, 10]) == [b"", b"", b"a"]
+
+
+class SentencePieceVocab(Vocab):
+    """Like ``Vocab``, but a text fragment (the text's start, and what follows a control
+    token) starts with the space SentencePiece puts before it: 40 + letter is ' a'."""
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        if token >= 40:
+            return b" " + bytes([ord("a") + token - 40])
+        return super().piece(token, special)
+
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        out = super().tokenize(text, add_special, parse_special)
+        return [
+            t + 30 if t >= 10 and (i == 0 or out[i - 1] in (1, 5)) else t for i, t in enumerate(out)
+        ]
+
+
+def test_echo_pieces_leave_off_the_space_sentencepiece_puts_before_a_text() -> None:
+    vocab = SentencePieceVocab()
+    text = "ab<|im_start|>c"
+    prompt = vocab.tokenize(text)
+    assert [vocab.piece(t, special=True) for t in prompt] == [
+        b"<s>",
+        b" a",
+        b"b",
+        b"<|im_start|>",
+        b" c",
+    ]
+    pieces = echo_pieces(vocab, text, prompt)
+    assert pieces == [b"", b"a", b"b", b"<|im_start|>", b"c"]

@@ -220,3 +220,26 @@ def test_stream_options_null_or_with_stream_is_fine(
         {**body, "stream": True, "stream_options": {"include_usage": True}}
     )
     assert streamed.stream_options is not None and streamed.stream_options.include_usage
+
+
+@pytest.mark.parametrize("echo", [{}, {"echo": False}])
+def test_max_tokens_0_without_echo_is_refused(client: TestClient, echo: dict[str, Any]) -> None:
+    """It would answer with nothing at all; with echo it returns the prompt (and its
+    logprobs), OpenAI's legacy way of scoring a text."""
+    err = refused(client, "/v1/completions", {"prompt": "hi", "max_tokens": 0, **echo})
+    assert err["param"] == "max_tokens" and "only allowed with echo" in err["message"]
+    chat = refused(client, "/v1/chat/completions", {"messages": USER, "max_tokens": 0})
+    assert chat["param"] == "max_tokens"
+
+
+def test_max_tokens_0_with_echo_asks_the_engine_for_the_prompt_only() -> None:
+    from orin.profile.schema import SamplingSection
+
+    body = CompletionRequest.model_validate(
+        {"prompt": [1, 2], "echo": True, "max_tokens": 0, "logprobs": 1}
+    )
+    params = body.to_sampling(SamplingSection(), 100)
+    assert (params.max_tokens, params.prompt_logprobs, params.logprobs) == (0, True, 1)
+    params.validate(1000)  # the engine takes it
+    echo_only = CompletionRequest.model_validate({"prompt": "x", "echo": True, "max_tokens": 0})
+    assert not echo_only.to_sampling(SamplingSection(), 100).prompt_logprobs
