@@ -706,11 +706,15 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, p: Any) -> Any:
+    def _prompts(cls, p: Any) -> Any:
+        """One prompt, or a batch of them (a list of texts or of token-id lists), none
+        empty; a batch of one is that prompt."""
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("only one prompt per request is supported")
-            p = p[0]
+            empty = next((i for i, one in enumerate(p) if not one), None)
+            if empty is not None:
+                raise ValueError(f"prompt {empty} of the batch is empty")
+            if len(p) == 1:
+                p = p[0]
         if not p:
             raise ValueError("the prompt is empty")
         return p
@@ -728,10 +732,14 @@ class CompletionRequest(_Common):
         """OpenAI's legacy completions: with echo, logprobs covers the prompt too."""
         return self.echo and self.logprobs is not None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt, as text or token ids (validation unwrapped a one-item list)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each as text or token ids: one, or a batch's in order."""
         p = self.prompt
-        return p if isinstance(p, str) else [int(t) for t in cast(list[int], p)]
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], (str, list)):
+            return [q if isinstance(q, str) else [int(t) for t in q] for q in p]
+        return [[int(t) for t in cast(list[int], p)]]
 
 
 # -- responses -------------------------------------------------------------------------
@@ -870,15 +878,21 @@ Piece = Callable[[int], bytes]
 # -- response parts ---------------------------------------------------------------------------
 
 
-def usage(cs: Completion | Sequence[Completion]) -> Usage:
+def usage(cs: Completion | Sequence[Completion], n: int | None = None) -> Usage:
     """A response's usage: with ``n`` choices the prompt counts once (they share
     its cells) and the completion tokens of every choice add up; the cached
-    tokens are the fewest any choice took from the cache, what the prompt cost."""
+    tokens are the fewest any choice took from the cache, what the prompt cost.
+    A batch of prompts: every ``n`` consecutive choices are one prompt's (None: all
+    of them), and the prompts' figures add up."""
     many = [cs] if isinstance(cs, Completion) else list(cs)
-    t = many[0].timings
-    prompt = t.prompt_tokens if t else 0
+    size = n or len(many)
+    prompt = cached = 0
+    for i in range(0, len(many), size):
+        group = many[i : i + size]
+        t = group[0].timings
+        prompt += t.prompt_tokens if t else 0
+        cached += min((c.timings.cached_tokens for c in group if c.timings), default=0)
     out = sum(len(c.token_ids) for c in many)
-    cached = min((c.timings.cached_tokens for c in many if c.timings), default=0)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": out,

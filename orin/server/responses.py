@@ -100,6 +100,7 @@ class Formatter(ABC):
         )
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.created = int(time.time())  # one instant for every chunk, as OpenAI does
+        self.n = body.n  # choices per prompt (a batch of prompts: of each in turn)
 
     def _envelope(self, kind: str) -> Envelope:
         return {
@@ -115,7 +116,7 @@ class Formatter(ABC):
         leaves usage to its own chunk when asked."""
         out["timings"] = self.served.timings(cs[0].timings)
         if not (final_chunk and self.include_usage):
-            out["usage"] = usage(cs)
+            out["usage"] = usage(cs, self.n)
 
     def response(self, cs: Completion | Sequence[Completion], prompt: list[int]) -> FullResponse:
         """The whole answer of a request that did not stream: one choice per completion.
@@ -145,8 +146,8 @@ class Formatter(ABC):
         """One token's chunk, built in full (``TokenChunks`` takes a faster path);
         ``offset``: the characters of the choice's text before this token's."""
 
-    def text_start(self) -> int:
-        """Where a choice's generated text starts in the text the client gets."""
+    def text_start(self, index: int = 0) -> int:
+        """Where choice ``index``'s generated text starts in the text the client gets."""
         return 0
 
     def token_stream(self, index: int = 0) -> TokenStream:
@@ -171,7 +172,7 @@ class Formatter(ABC):
 
     def usage_chunk(self, cs: Completion | Sequence[Completion]) -> Chunk:
         """The last chunk, with usage and no choice (``stream_options.include_usage``)."""
-        out: Any = {**self._envelope(self.CHUNK_OBJECT), "choices": [], "usage": usage(cs)}
+        out: Any = {**self._envelope(self.CHUNK_OBJECT), "choices": [], "usage": usage(cs, self.n)}
         return out
 
     OBJECT = CHUNK_OBJECT = ""
@@ -340,6 +341,9 @@ def _delta(part: Part) -> Delta:
 
 
 class CompletionFormatter(Formatter):
+    """Text completions; with a batch of prompts, the ``n`` choices of each prompt in
+    turn (choice ``index`` answers prompt ``index // n``), as OpenAI numbers them."""
+
     OBJECT = CHUNK_OBJECT = "text_completion"  # full responses and chunks, as OpenAI has it
     ID_PREFIX = "cmpl-"
 
@@ -348,46 +352,66 @@ class CompletionFormatter(Formatter):
         served: Served,
         body: CompletionRequest,
         request_id: str,
-        prompt: list[int],
-        pieces: Sequence[bytes] | None = None,
+        prompts: Sequence[list[int]],
+        pieces: Sequence[Sequence[bytes]] | None = None,
     ) -> None:
-        """``pieces``: with echo and logprobs, each prompt token's text as the echo
-        writes the prompt (``echo_pieces``); the token's own piece by default."""
+        """``prompts``: each prompt's tokens, in the request's order; ``pieces``: with
+        echo and logprobs, each prompt token's text as the echo writes the prompt
+        (``echo_pieces``), by prompt; the tokens' own pieces by default."""
         super().__init__(served, body, request_id)
-        self.echoed = _echoed(served, body, prompt) if body.echo else ""  # the answer's start
+        self.prompts = [list(p) for p in prompts]
+        given = body.prompts()
+        # each prompt's text as echo writes it: the start of its choices' text
+        self.echoes = (
+            [_echoed(served, g, p) for g, p in zip(given, self.prompts, strict=True)]
+            if body.echo
+            else [""] * len(self.prompts)
+        )
         # echo with logprobs: the prompt's tokens are scored, and the echo carries them
         self.scored = body.scores_prompt()
-        self.pieces = list(pieces) if pieces is not None else None
-        self.prompt = prompt
+        self.pieces = [list(p) for p in pieces] if pieces is not None else None
 
-    def text_start(self) -> int:
-        return len(self.echoed)
+    @property
+    def echoed(self) -> str:
+        """The first prompt's echo."""
+        return self.echoes[0]
 
-    def _prompt_logprobs(self, scores: Sequence[TokenLogprob]) -> CompletionLogprobs:
-        """The echoed prompt's logprobs (tokens, the first one's null, alternatives and
-        offsets) from the engine's scores of its tokens after the first."""
-        pieces = self.pieces
+    def _of(self, index: int) -> int:
+        """The prompt choice ``index`` answers."""
+        return index // self.n
+
+    def text_start(self, index: int = 0) -> int:
+        return len(self.echoes[self._of(index)])
+
+    def _prompt_logprobs(self, scores: Sequence[TokenLogprob], index: int) -> CompletionLogprobs:
+        """Choice ``index``'s echoed prompt's logprobs (tokens, the first one's null,
+        alternatives and offsets) from the engine's scores of its tokens after the
+        first."""
+        k = self._of(index)
+        pieces = self.pieces[k] if self.pieces is not None else None
         if pieces is None:
-            pieces = [self.served.engine_piece(t) for t in self.prompt]
+            pieces = [self.served.engine_piece(t) for t in self.prompts[k]]
         return prompt_logprobs(pieces, scores, self.served.engine_piece)
 
     def choice(self, c: Completion, prompt: list[int], index: int) -> TextChoice:
+        """``prompt`` is not read: each choice's own prompt is known here."""
         piece = self.served.engine_piece
+        echoed = self.echoes[self._of(index)]
         logprobs = None
         if c.logprobs or self.logprobs:
-            logprobs = completion_logprobs(c.logprobs, piece, len(self.echoed))
+            logprobs = completion_logprobs(c.logprobs, piece, len(echoed))
             if self.scored:
-                scored = self._prompt_logprobs(c.prompt_logprobs or ())
+                scored = self._prompt_logprobs(c.prompt_logprobs or (), index)
                 logprobs = joined_logprobs(scored, logprobs)
         choice: TextChoice = {
             "index": index,
             "finish_reason": c.finish_reason,
             "logprobs": logprobs,
-            "text": self.echoed + c.text,
+            "text": echoed + c.text,
         }
         if self.token_ids:
             choice["token_ids"] = list(c.token_ids)
-            choice["prompt_token_ids"] = prompt
+            choice["prompt_token_ids"] = self.prompts[self._of(index)]
         return choice
 
     def _chunk(self, choice: TextChoice) -> TextCompletion:
@@ -396,10 +420,11 @@ class CompletionFormatter(Formatter):
     def opening(self, index: int = 0) -> TextCompletion | None:
         """With ``echo``, the prompt's text, before the answer's (as OpenAI streams it);
         with logprobs too, it waits for the prompt's scores (``chunk``)."""
-        if not self.echoed or self.scored:
+        echoed = self.echoes[self._of(index)]
+        if not echoed or self.scored:
             return None
         return self._chunk(
-            {"index": index, "finish_reason": None, "logprobs": None, "text": self.echoed}
+            {"index": index, "finish_reason": None, "logprobs": None, "text": echoed}
         )
 
     def chunk(self, e: TokenEvent, index: int = 0, offset: int = 0) -> TextCompletion:
@@ -409,8 +434,8 @@ class CompletionFormatter(Formatter):
                 {
                     "index": index,
                     "finish_reason": None,
-                    "logprobs": self._prompt_logprobs(e.prompt_logprobs),
-                    "text": self.echoed,
+                    "logprobs": self._prompt_logprobs(e.prompt_logprobs, index),
+                    "text": self.echoes[self._of(index)],
                 }
             )
         lp = None if e.logprob is None else completion_logprobs([e.logprob], piece, offset)
@@ -471,11 +496,10 @@ def echo_pieces(vocab: Vocabulary, given: str | list[int], prompt: list[int]) ->
     return trimmed if b"".join(trimmed) == text else pieces
 
 
-def _echoed(served: Served, body: CompletionRequest, prompt: list[int]) -> str:
+def _echoed(served: Served, given: str | list[int], prompt: list[int]) -> str:
     """The prompt as ``echo`` returns it: a text prompt as the client wrote it (control
     tokens written as text, such as ``<|im_start|>``, stay; detokenizing would drop
     them), a prompt of token ids as their text."""
-    given = body.single_prompt()
     return given if isinstance(given, str) else served.detokenize(prompt)
 
 
@@ -515,7 +539,7 @@ class TokenChunks:
         head, tail = template.split(_json_string(_TEXT_MARK).encode())
         self._head, self._tail = head, tail
         self._plain = not fmt.token_ids
-        self.offset = fmt.text_start()  # characters of the choice's text sent so far
+        self.offset = fmt.text_start(index)  # characters of the choice's text sent so far
 
     def token(self, e: TokenEvent) -> bytes:
         if self._plain and e.logprob is None and e.prompt_logprobs is None:

@@ -277,3 +277,32 @@ def test_echo_without_logprobs_and_max_tokens_0(server: tuple[TestClient, Engine
     assert out["usage"]["completion_tokens"] == 0
     r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_batch_of_prompts_each_scored_as_its_own(
+    server: tuple[TestClient, Engine], reference: Reference
+) -> None:
+    """lm-evaluation-harness with a batch size above 1 sends several token-id prompts
+    in one request: choice i is prompt i's, with its own echo and logprobs."""
+    client, engine = server
+    prompts = [words(engine, 2), words(engine, 5)[3:], engine.tokenize("Orin", add_special=False)]
+    body = {"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    out = post(client, body)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert out["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert out["usage"]["completion_tokens"] == 0
+    for prompt, choice in zip(prompts, out["choices"], strict=True):
+        lp = choice["logprobs"]
+        assert choice["text"] == engine.detokenize(prompt) == "".join(lp["tokens"])
+        assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(prompt)
+        np.testing.assert_allclose(lp["token_logprobs"][1:], reference(prompt)[0], atol=ATOL)
+    # streamed: each choice's echo chunk carries its own prompt's logprobs
+    firsts: dict[int, dict[str, Any]] = {}
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[len("data: ") :])["choices"][0]
+                firsts.setdefault(choice["index"], choice)
+    for i, prompt in enumerate(prompts):
+        assert firsts[i]["text"] == engine.detokenize(prompt)
+        assert len(firsts[i]["logprobs"]["tokens"]) == len(prompt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -58,7 +59,7 @@ def formatter(kind: str, draining: bool = False, **fields: Any) -> Formatter:
         )
         return ChatFormatter(served(draining), chat, "req-1")
     body = protocol.CompletionRequest(prompt=[1, 2], **fields)
-    return CompletionFormatter(served(draining), body, "req-1", [1, 2])
+    return CompletionFormatter(served(draining), body, "req-1", [[1, 2]])
 
 
 def parsed(chunk: bytes) -> dict[str, Any]:
@@ -135,14 +136,14 @@ def test_echo_returns_a_text_prompt_as_written() -> None:
     included (detokenizing its tokens would drop them); token ids as their text."""
     prompt = "<|im_start|>user\n  two  spaces\t<|im_end|>\n"
     body = protocol.CompletionRequest(prompt=prompt, echo=True)
-    fmt = CompletionFormatter(served(), body, "req-1", [1, 2])
+    fmt = CompletionFormatter(served(), body, "req-1", [[1, 2]])
     opening = fmt.opening(0)
     assert opening is not None and opening["choices"][0]["text"] == prompt
     whole = Completion("req-1", "ab", (7, 7), (), "length", TIMINGS)
     choice = fmt.response(whole, [1, 2])["choices"][0]
     assert choice["text"] == prompt + "ab" and choice["logprobs"] is None
     ids = protocol.CompletionRequest(prompt=[1, 2], echo=True)
-    assert CompletionFormatter(served(), ids, "req-1", [1, 2]).echoed == "<prompt>"
+    assert CompletionFormatter(served(), ids, "req-1", [[1, 2]]).echoed == "<prompt>"
 
 
 def completion(finish: str = "length") -> Completion:
@@ -274,7 +275,7 @@ def test_n_choices_stream_with_their_index_and_one_set_of_figures() -> None:
     """Two choices' events interleave; each choice's chunks carry its index and end
     with its finish reason, and the last to end carries the figures of both;
     ``on_finish`` (the access log's figures) gets both choices, in choice order."""
-    fmt = formatter("text")
+    fmt = formatter("text", n=2)
     first = FakeStream(
         [
             [TokenEvent("req-1.0", 7, "a")],
@@ -311,7 +312,7 @@ def test_n_choices_stream_with_their_index_and_one_set_of_figures() -> None:
 
 
 def test_a_full_response_has_a_choice_per_completion() -> None:
-    out = formatter("chat").response([completion("stop"), completion("length")], [1])
+    out = formatter("chat", n=2).response([completion("stop"), completion("length")], [1])
     assert [c["index"] for c in out["choices"]] == [0, 1]
     assert [c["finish_reason"] for c in out["choices"]] == ["stop", "length"]
     assert out["usage"]["completion_tokens"] == 6 and out["usage"]["prompt_tokens"] == 6
@@ -347,7 +348,7 @@ def test_a_cancelled_stream_ends_with_an_error_event_never_an_unknown_reason(
 
 
 def test_n_choices_cut_at_shutdown_end_with_one_error_event() -> None:
-    fmt = formatter("text", draining=True)
+    fmt = formatter("text", draining=True, n=2)
     done = FakeStream([[TokenEvent("req-1.0", None, "b", finish_reason="stop", timings=TIMINGS)]])
     cut = FakeStream([[TokenEvent("req-1.1", None, "", None, "cancelled", TIMINGS)]])
     events = stream_events(fmt, done, cut)
@@ -361,7 +362,9 @@ def test_a_whole_answer_cut_at_shutdown_is_a_503_not_a_cancelled_choice(kind: st
     from orin.server.errors import Interrupted, to_response
 
     with pytest.raises(Interrupted) as caught:
-        formatter(kind, draining=True).response([completion("stop"), completion("cancelled")], [1])
+        formatter(kind, draining=True, n=2).response(
+            [completion("stop"), completion("cancelled")], [1]
+        )
     r = to_response(caught.value, "req-1")
     body = json.loads(bytes(r.body))
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -425,7 +428,7 @@ PROMPT_SCORES = (TokenLogprob(2, -1.5, (TopLogprob(9, "é", -0.25),)), TokenLogp
 def scored_formatter(**fields: Any) -> CompletionFormatter:
     """echo with logprobs on the prompt [1, 2, 3], whose tokens' text is 'ab', 'é', ''."""
     body = protocol.CompletionRequest(prompt=[1, 2, 3], echo=True, logprobs=1, **fields)
-    return CompletionFormatter(served(), body, "req-1", [1, 2, 3], [b"ab", "é".encode(), b""])
+    return CompletionFormatter(served(), body, "req-1", [[1, 2, 3]], [[b"ab", "é".encode(), b""]])
 
 
 def test_an_echoed_prompts_logprobs_come_before_the_answers() -> None:
@@ -444,7 +447,7 @@ def test_an_echoed_prompts_logprobs_come_before_the_answers() -> None:
     }
     # without echo, only the answer's
     plain = protocol.CompletionRequest(prompt=[1, 2, 3], logprobs=1)
-    alone = CompletionFormatter(served(), plain, "req-1", [1, 2, 3]).response(whole, [1, 2, 3])
+    alone = CompletionFormatter(served(), plain, "req-1", [[1, 2, 3]]).response(whole, [1, 2, 3])
     assert alone["choices"][0]["logprobs"]["token_logprobs"] == [-0.5, -0.5]
 
 
@@ -559,3 +562,55 @@ def test_echo_pieces_leave_off_the_space_sentencepiece_puts_before_a_text() -> N
     ]
     pieces = echo_pieces(vocab, text, prompt)
     assert pieces == [b"", b"a", b"b", b"<|im_start|>", b"c"]
+
+
+# -- a batch of prompts ------------------------------------------------------------------
+
+
+def test_a_batch_of_prompts_answers_each_with_its_n_choices_in_turn() -> None:
+    """OpenAI's numbering: choice index = prompt x n + choice; each choice echoes its
+    own prompt and lists its own prompt's ids; usage counts each prompt once."""
+    body = protocol.CompletionRequest(
+        prompt=["one", "two two"], n=2, echo=True, return_token_ids=True
+    )
+    fmt = CompletionFormatter(served(), body, "req-1", [[1], [2, 2]])
+    t1 = TIMINGS
+    t2 = dataclasses.replace(TIMINGS, prompt_tokens=10, cached_tokens=4)
+    cs = [
+        Completion(f"req-1.{i}", "x", (7,), (), "length", t)
+        for i, t in enumerate((t1, t1, t2, dataclasses.replace(t2, cached_tokens=5)))
+    ]
+    out = fmt.response(cs, [1])
+    choices = out["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["text"] for c in choices] == ["onex", "onex", "two twox", "two twox"]
+    assert [c["prompt_token_ids"] for c in choices] == [[1], [1], [2, 2], [2, 2]]
+    assert out["usage"] == {
+        "prompt_tokens": 6 + 10,
+        "completion_tokens": 4,
+        "total_tokens": 20,
+        "prompt_tokens_details": {"cached_tokens": 2 + 4},
+    }
+    # streamed: each choice's echo opens it, and its offsets start after its own echo
+    assert [fmt.opening(i)["choices"][0]["text"] for i in range(4)] == [  # type: ignore[index]
+        "one",
+        "one",
+        "two two",
+        "two two",
+    ]
+    assert [fmt.text_start(i) for i in range(4)] == [3, 3, 7, 7]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "prompts"),
+    [
+        ("hi", ["hi"]),
+        ([1, 2], [[1, 2]]),
+        (["hi"], ["hi"]),
+        ([[1, 2]], [[1, 2]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ],
+)
+def test_the_prompts_of_a_request(prompt: Any, prompts: list[Any]) -> None:
+    assert protocol.CompletionRequest(prompt=prompt).prompts() == prompts

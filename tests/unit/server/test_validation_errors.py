@@ -243,3 +243,19 @@ def test_max_tokens_0_with_echo_asks_the_engine_for_the_prompt_only() -> None:
     params.validate(1000)  # the engine takes it
     echo_only = CompletionRequest.model_validate({"prompt": "x", "echo": True, "max_tokens": 0})
     assert not echo_only.to_sampling(SamplingSection(), 100).prompt_logprobs
+
+
+@pytest.mark.parametrize(
+    ("prompt", "says"),
+    [
+        (["a", ""], "prompt 1 of the batch is empty"),
+        ([[1], []], "prompt 1 of the batch is empty"),
+        ([], "the prompt is empty"),
+        (["a", [1]], "a valid"),
+    ],
+)
+def test_a_batch_with_an_empty_or_mixed_prompt_is_refused(
+    client: TestClient, prompt: Any, says: str
+) -> None:
+    err = refused(client, "/v1/completions", {"prompt": prompt})
+    assert err["param"].startswith("prompt") and says in err["message"]
