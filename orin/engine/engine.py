@@ -402,8 +402,11 @@ class Engine:
         )
         if bad is not None:
             raise InvalidRequest("prompt", f"token id {bad} is not in the vocabulary")
+        if params.prompt_logprobs and media is not None:
+            raise InvalidRequest("logprobs", "the log-probabilities of image rows do not exist")
         checked = self.scheduler.check_prompt(tokens)
-        if media is not None and checked != tokens:  # never cut an image in two
+        if checked != tokens and (media is not None or params.prompt_logprobs):
+            # never cut an image in two, nor score a prompt other than the one given
             raise ContextLengthExceeded(len(tokens), self.cfg.context.window)
         tokens = checked
         rid = request_id or f"req-{next(_ids)}"
@@ -999,6 +1002,8 @@ class Engine:
             else:
                 rows = self.runner.decode(batch, abort)
             emitted, accepted = self._sample(batch, rows, by_slot)
+            if self.runner.all_rows:
+                self._score_prompts(batch, by_slot)
         except Aborted:
             aborted = True
         except BackendError as exc:
@@ -1065,6 +1070,17 @@ class Engine:
 
     def _abort_check(self) -> bool:
         return self._abort_flag
+
+    def _score_prompts(self, batch: Batch, by_slot: dict[int, ActiveRequest]) -> None:
+        """The log-probabilities of the prompt tokens the logits of this step's chunks
+        with every position's logits predict (before the next decode overwrites them;
+        the lock is not held)."""
+        assert self.runner is not None and self.backend is not None
+        for item in batch.items:
+            if item.logits_all:
+                n = len(item.tokens)
+                logits = self.runner.chunk_logits(item.slot, n)
+                by_slot[item.slot].score_prompt(self.backend, logits, item.pos, n)
 
     def _sample(
         self, batch: Batch, rows: dict[int, int], by_slot: dict[int, ActiveRequest]
@@ -1147,6 +1163,11 @@ class Engine:
                         continue
                     if slot_id in drafted:
                         request.verified(drafted[slot_id], accepted[slot_id])
+                    if request.generated == 0:  # its prompt is done
+                        request.prompt_done()
+                        if request.params.max_tokens == 0:  # and nothing more is asked
+                            self._finish(request, "length")
+                            continue
                     reason = None
                     for token, row in out:
                         logits = (

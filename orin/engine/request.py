@@ -12,7 +12,7 @@ import numpy.typing as npt
 from orin.engine.backend import Backend
 from orin.engine.costmodel import StepCost
 from orin.engine.detok import Detokenizer, StopMatcher
-from orin.engine.sampling import SlotSampler
+from orin.engine.sampling import SlotSampler, token_logprobs
 from orin.engine.stream import RequestStream
 from orin.engine.timings import TimingRecorder
 from orin.engine.types import FinishReason, SamplingParams, TokenEvent, TokenLogprob
@@ -54,6 +54,32 @@ class ActiveRequest:
     held_logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)
     produced: int = 0  # characters the detokenizer has given (stop strings not taken off)
     emitted: int = 0  # characters sent to the client
+    # SamplingParams.prompt_logprobs: those of the prompt tokens computed so far (from
+    # the second on), sent in one event when the prompt is done (``prompt_done``)
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def all_logits(self) -> bool:
+        """The scheduler's hint: every prompt position's logits are needed."""
+        return self.params.prompt_logprobs
+
+    def score_prompt(
+        self, backend: Backend, logits: npt.NDArray[np.float32], pos: int, n: int
+    ) -> None:
+        """The log-probabilities of the prompt tokens that the logits of positions
+        ``pos`` to ``pos + n - 1`` predict (each row, the token after it); the last
+        prompt position's row starts the answer instead."""
+        prompt = self.prompt_tokens
+        targets = prompt[pos + 1 : min(pos + n + 1, len(prompt))]
+        self.prompt_scores += token_logprobs(
+            backend, logits[: len(targets)], targets, self.params.logprobs
+        )
+
+    def prompt_done(self) -> None:
+        """The prompt is computed: its log-probabilities go out, before any token."""
+        if self.params.prompt_logprobs:
+            scores, self.prompt_scores = tuple(self.prompt_scores), []
+            self.stream.put(TokenEvent(self.id, None, "", prompt_logprobs=scores))
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A step checked ``drafted`` speculative tokens and kept ``accepted``."""

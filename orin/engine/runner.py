@@ -57,6 +57,9 @@ class Runner:
         self._abort_cb: Any = self.lib.ggml_abort_callback(self._on_abort)
         self._abort_set = False
         self._out_of_row: dict[int, int] = {}  # batch position -> output row, last decode
+        # slot -> batch position of the first token of its chunk with logits at every
+        # position (BatchItem.logits_all), last decode
+        self.all_rows: dict[int, int] = {}
         self._view: tuple[int, int, npt.NDArray[np.float32]] | None = None  # addr, rows, view
         # llama_get_logits returning the address as an int: no pointer cast per step
         self._logits_addr = self.lib.llama_cpp._lib["llama_get_logits"]
@@ -127,6 +130,8 @@ class Runner:
         rows: dict[int, int] = {}
         out_of_row: dict[int, int] = {}
         self._out_of_row = out_of_row
+        if self.all_rows:
+            self.all_rows = {}
         for index, item in enumerate(batch.items):
             if embeds and index in embeds:
                 continue
@@ -139,6 +144,15 @@ class Runner:
                 logits[n] = False
                 pos += 1
                 n += 1
+            if item.logits_all:  # every position's logits, the last one's sampled
+                first = n - len(item.tokens)
+                self.all_rows[slot] = first
+                for row in range(first, n):
+                    logits[row] = True
+                    out_of_row[row] = len(out_of_row)
+                if item.sample:
+                    rows[slot] = n - 1
+                continue
             if item.sample:
                 first = n - item.outputs
                 rows[slot] = first
@@ -209,6 +223,13 @@ class Runner:
             array = np.ctypeslib.as_array(ptr, shape=(n_rows, self.backend.n_vocab))
             view = self._view = (addr, n_rows, array)
         return view[2]
+
+    def chunk_logits(self, slot: int, n: int) -> npt.NDArray[np.float32]:
+        """The logits of the ``n`` positions of ``slot``'s chunk that had every
+        position's logits in the last decode, in order (a view valid until the next
+        decode)."""
+        first = self._out_of_row[self.all_rows[slot]]
+        return self.outputs()[first : first + n]
 
     def logits(self, row: int) -> npt.NDArray[np.float32]:
         """A view of one batch position's logits (valid until the next decode)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -103,22 +103,58 @@ class SlotSampler:
 
     def logprob(self, token: int, logits: npt.NDArray[np.float32]) -> TokenLogprob:
         """The sampled token's log-probability and the top-N alternatives (raw model)."""
-        shifted = logits.astype(np.float64) - float(np.max(logits))
-        logp = shifted - np.log(np.sum(np.exp(shifted)))
-        n = self.params.logprobs or 0
-        top: tuple[TopLogprob, ...] = ()
-        if n:
-            idx = np.argpartition(-logp, n - 1)[:n]
-            idx = idx[np.argsort(-logp[idx])]
-            top = tuple(
-                TopLogprob(int(i), self.backend.detokenize([int(i)]), float(logp[i])) for i in idx
-            )
-        return TokenLogprob(token, float(logp[token]), top)
+        return token_logprobs(self.backend, logits[np.newaxis], [token], self.params.logprobs)[0]
 
     def close(self) -> None:
         if self.chain is not None:
             self.lib.llama_sampler_free(self.chain)
             self.chain = None
+
+
+LOGPROB_BLOCK = 32
+"""Rows of logits turned into log-probabilities at once: a block of float32 copies of
+the vocabulary (32 x 128k x 4 bytes = 16 MiB for a Llama 3 vocabulary)."""
+
+
+def token_logprobs(
+    backend: Backend,
+    logits: npt.NDArray[np.float32],
+    tokens: Sequence[int],
+    top_n: int | None,
+) -> list[TokenLogprob]:
+    """The log-probability of ``tokens[i]`` under row i of ``logits`` (the raw model's
+    distribution: the logit less the row's log-sum-exp, whose sum is taken in float64)
+    with the ``top_n`` most likely tokens of that row, most likely first.
+
+    Only the values asked for are taken from the row, never a whole row of
+    log-probabilities: a prompt's log-probabilities take a row per prompt token, on
+    the engine thread between two decodes."""
+    out: list[TokenLogprob] = []
+    n = top_n or 0
+    for start in range(0, len(tokens), LOGPROB_BLOCK):
+        block = logits[start : start + LOGPROB_BLOCK]
+        rows = np.arange(len(block))
+        peak = block.max(axis=1)
+        shifted = block - peak[:, np.newaxis]
+        np.exp(shifted, out=shifted)
+        lse = peak.astype(np.float64) + np.log(shifted.sum(axis=1, dtype=np.float64))
+        targets = np.asarray(tokens[start : start + LOGPROB_BLOCK])
+        picked = block[rows, targets].astype(np.float64) - lse
+        if n == 1:
+            best = block.argmax(axis=1)[:, np.newaxis]
+        elif n:
+            best = np.argpartition(block, -n, axis=1)[:, -n:]
+            order = np.argsort(-np.take_along_axis(block, best, axis=1), axis=1, kind="stable")
+            best = np.take_along_axis(best, order, axis=1)
+        for r, token in enumerate(targets.tolist()):
+            top: tuple[TopLogprob, ...] = ()
+            if n:
+                top = tuple(
+                    TopLogprob(i, backend.detokenize([i]), float(block[r, i] - lse[r]))
+                    for i in best[r].tolist()
+                )
+            out.append(TokenLogprob(token, float(picked[r]), top))
+    return out
 
 
 def parse_error(printed: str, source: str) -> tuple[str | None, str]:

@@ -26,13 +26,20 @@ from orin.engine.ubatch import micro_batches
 
 
 class SchedRequest(Protocol):
-    """What the scheduler needs from a request."""
+    """What the scheduler needs from a request. A request may also have ``all_logits``
+    (``_all_logits``): true when it needs the logits of every prompt position (its
+    prompt's log-probabilities), so none of its prompt may come from cached or copied
+    cells."""
 
     @property
     def id(self) -> str: ...
 
     @property
     def prompt_tokens(self) -> list[int]: ...
+
+
+def _all_logits(request: SchedRequest | None) -> bool:
+    return bool(getattr(request, "all_logits", False))
 
 
 class SlotState(enum.Enum):
@@ -107,6 +114,12 @@ the last token. Also the bar for holding a request back for a prefill in
 progress, for restoring a saved prompt from disk, and for a cached prompt worth
 keeping (a copy aside, a hole left open): costs nothing measures."""
 
+LOGITS_CHUNK = 128
+"""Prompt tokens a step feeds at most, all slots together, of prompts whose every
+position's logits are asked for (``all_logits``): llama.cpp's output buffer grows to
+the most rows of logits one decode has (a row is the vocabulary's floats, 0.5 MiB for
+a Llama 3 vocabulary), and keeps that size."""
+
 HOLE_GRACE_STEPS = 2
 """Steps a hole among the busy slots may last before a move closes it, when the move
 would overwrite prompt cells no other slot holds (``_close_holes``): in a burst most
@@ -125,6 +138,7 @@ class BatchItem:
     sample: bool  # logits wanted for the last token: a new token is sampled
     prefill: bool
     draft: int = 0  # the last ``draft`` tokens are speculative: logits for each, and before
+    logits_all: bool = False  # a prompt chunk with logits at every position (``all_logits``)
 
     @property
     def outputs(self) -> int:
@@ -319,7 +333,7 @@ class Scheduler:
             if not idle:
                 break
             request = self.queue.popleft()
-            if self._prefix_in_progress(request.prompt_tokens):
+            if not _all_logits(request) and self._prefix_in_progress(request.prompt_tokens):
                 held.append(request)
                 continue
             slot = self._pick_slot(idle, request.prompt_tokens, packed_only=not fills)
@@ -425,10 +439,14 @@ class Scheduler:
     def _start(self, slot: Slot, request: SchedRequest) -> None:
         prompt = request.prompt_tokens
         # at least the last prompt token is fed again: its logits start the generation
-        limit = len(prompt) - 1 if self.prefix_reuse else 0
-        reuse = self._usable(slot, min(_reusable_prefix(slot, prompt), limit))
-        if reuse < limit:  # a slot holding the whole prompt is the same request again
-            self._evacuate(slot, reuse)
+        whole = len(prompt) - 1 if self.prefix_reuse else 0
+        held = self._usable(slot, min(_reusable_prefix(slot, prompt), whole))
+        if held < whole:  # a slot holding the whole prompt is the same request again
+            self._evacuate(slot, held)
+        # a prompt whose every position's logits are asked for is fed whole: no cells
+        # of its own slot, another slot's or the disk's stand in for any of it
+        limit = 0 if _all_logits(request) else whole
+        reuse = min(held, limit)
         donor, shared = None, reuse
         for other in self.slots if self.prefix_reuse else ():
             if other is not slot and _holds_more(other, prompt, shared):
@@ -579,15 +597,24 @@ class Scheduler:
         allowed = min(self.prefill_chunk, max(0, self.chunk_budget(rows)))
         budget = min(self.n_batch - rows, allowed)
         left = budget
+        logits_left = LOGITS_CHUNK  # of the prompt tokens, those with logits each
         for slot in _prefill_order(self.slots):
-            if left <= 0:
+            every = _all_logits(slot.request)
+            room = min(left, logits_left) if every else left
+            if room <= 0:
                 slot.passed_over = True
                 continue
-            chunk = _one_kind(slot.pending, left)
+            chunk = _one_kind(slot.pending, room)
             done = len(chunk) == len(slot.pending)
-            items.append(BatchItem(slot.id, tuple(chunk), len(slot.cache), done, prefill=True))
+            items.append(
+                BatchItem(
+                    slot.id, tuple(chunk), len(slot.cache), done, prefill=True, logits_all=every
+                )
+            )
             slot.passed_over = False
             left -= len(chunk)
+            if every:
+                logits_left -= len(chunk)
         if not self.unified:  # llama.cpp's split takes increasing ids in batch order
             items.sort(key=lambda i: i.slot)
         passes = self._passes(items)
@@ -689,7 +716,12 @@ class Scheduler:
         worth = self.pass_tokens()
         if worth <= 0 or self.swa_window or not self.prefix_reuse:
             return None
-        text = {i.slot for i in items if i.prefill and i.tokens and i.tokens[0] >= 0}
+        # a chunk with logits at every position is not lengthened: its logits are taken
+        text = {
+            i.slot
+            for i in items
+            if i.prefill and i.tokens and i.tokens[0] >= 0 and not i.logits_all
+        }
         lengths = sorted({len(i.tokens) for i in items if i.slot in text})
         if len(lengths) < 2:
             return None

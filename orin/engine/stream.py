@@ -24,6 +24,8 @@ class Completion:
     finish_reason: FinishReason
     timings: RequestTimings | None
     error: str | None = None
+    # SamplingParams.prompt_logprobs: those of the prompt's tokens after the first
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 _Delivery = list[tuple["RequestStream", TokenEvent]]
@@ -211,6 +213,7 @@ def collect(request_id: str, events: list[TokenEvent]) -> Completion:
     text: list[str] = []
     ids: list[int] = []
     logprobs: list[TokenLogprob] = []
+    prompt: tuple[TokenLogprob, ...] | None = None
     last: TokenEvent | None = None
     for e in events:
         text.append(e.text)
@@ -218,6 +221,8 @@ def collect(request_id: str, events: list[TokenEvent]) -> Completion:
             ids.append(e.token_id)
         if e.logprob is not None:
             logprobs.append(e.logprob)
+        if e.prompt_logprobs is not None:
+            prompt = e.prompt_logprobs
         last = e
     assert last is not None and last.finish_reason is not None
     return Completion(
@@ -228,4 +233,5 @@ def collect(request_id: str, events: list[TokenEvent]) -> Completion:
         last.finish_reason,
         last.timings,
         last.error,
+        prompt,
     )

@@ -36,6 +36,10 @@ class SamplingParams:
     ignore_eos: bool = False
     grammar: str | None = None
     logprobs: int | None = params.LOGPROBS.default  # top-N log-probabilities per token
+    # the log-probability of every prompt token after the first, given the tokens before
+    # it, with ``logprobs`` alternatives (completions' echo): the prompt is computed with
+    # logits at every position, never taken from cached or copied cells
+    prompt_logprobs: bool = False
     # control tokens written out as their text (a tool-call format's markers, such as
     # Mistral's [TOOL_CALLS], that the vocabulary has as control tokens)
     preserve: tuple[int, ...] = ()
@@ -58,6 +62,8 @@ class SamplingParams:
         the model."""
         for p in params.SAMPLING:
             value = getattr(self, p.name)
+            if p is params.MAX_TOKENS and value == 0:
+                continue  # only the prompt: computed, then finished with "length"
             problem = None if value is None else p.problem(value)
             if problem is not None:
                 raise InvalidRequest(p.name, problem)
@@ -136,7 +142,9 @@ class TokenEvent(NamedTuple):
     ``token_id`` is the generated id (None on a final event without a token);
     ``text`` is the newly complete text (may be empty while a multi-byte
     character or a possible stop string is held back). The last event has
-    ``finish_reason`` and ``timings``.
+    ``finish_reason`` and ``timings``. With ``SamplingParams.prompt_logprobs``, one
+    event without a token, once the prompt is computed, carries
+    ``prompt_logprobs``: those of the prompt's tokens after the first, in order.
 
     A named tuple rather than a frozen dataclass, like ``StepStats``: one is made
     per token on the engine thread, and a frozen dataclass's ``__init__`` sets each
@@ -151,6 +159,7 @@ class TokenEvent(NamedTuple):
     finish_reason: FinishReason | None = None
     timings: RequestTimings | None = None
     error: str | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class StepStats(NamedTuple):

@@ -21,7 +21,13 @@ from orin.server import dashboard, errors, extras, images, protocol, tools
 from orin.server.auth import protect
 from orin.server.errors import GenerationFailed, Loading, ModelNotFound
 from orin.server.middleware import CLIENT_LEFT, RequestContext
-from orin.server.responses import ChatFormatter, CompletionFormatter, Formatter, sse_events
+from orin.server.responses import (
+    ChatFormatter,
+    CompletionFormatter,
+    Formatter,
+    echo_pieces,
+    sse_events,
+)
 from orin.server.sse import EventStream
 from orin.server.state import ServerState
 
@@ -89,15 +95,18 @@ def _register(app: FastAPI, state: ServerState) -> None:
         body.constrain(tools.required_grammar(body, output))
         fmt = ChatFormatter(state, body, _rid(request), output)
         preserve = state.engine.control_tokens(output.marker_texts())
-        return await _run(state, request, body, prompt, fmt, preserve, media)
+        return await _run(state, request, body, [prompt], fmt, preserve, media)
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request) -> Any:
         _check_model(state, body.model)
-        p = body.single_prompt()
-        prompt = state.engine.tokenize(p) if isinstance(p, str) else p
-        fmt = CompletionFormatter(state, body, _rid(request), prompt)
-        return await _run(state, request, body, prompt, fmt)
+        given = body.prompts()
+        prompts = [state.engine.tokenize(p) if isinstance(p, str) else p for p in given]
+        pieces = None
+        if body.scores_prompt():  # the echo's logprobs: each token's text as echoed
+            pieces = [echo_pieces(state.engine, g, p) for g, p in zip(given, prompts, strict=True)]
+        fmt = CompletionFormatter(state, body, _rid(request), prompts, pieces)
+        return await _run(state, request, body, prompts, fmt)
 
     extras.register(app, state)  # embeddings, tokenize, detokenize, /v1/models/{id}
     dashboard.register(app, state)  # /, /login, assets, /dashboard/data, /slots
@@ -164,17 +173,20 @@ def _check_model(state: ServerState, name: str | None) -> None:
         )
 
 
-def _access_timings(completions: Sequence[Completion]) -> RequestTimings | None:
-    """The figures of a request's access log line: with ``n`` choices, the tokens of
-    every choice and the cached tokens as ``usage`` counts them (protocol.usage), the
-    times of the first choice, as the response's ``timings`` carries them."""
+def _access_timings(completions: Sequence[Completion], n: int) -> RequestTimings | None:
+    """The figures of a request's access log line: with ``n`` choices (of each prompt
+    of a batch), the tokens of every choice and the prompt and cached tokens as
+    ``usage`` counts them (protocol.usage), the times of the first choice, as the
+    response's ``timings`` carries them."""
     first = completions[0].timings
     if first is None:
         return None
+    counted = protocol.usage(completions, n)
     return replace(
         first,
         generated_tokens=sum(c.timings.generated_tokens for c in completions if c.timings),
-        cached_tokens=protocol.usage(completions)["prompt_tokens_details"]["cached_tokens"],
+        prompt_tokens=counted["prompt_tokens"],
+        cached_tokens=counted["prompt_tokens_details"]["cached_tokens"],
     )
 
 
@@ -182,67 +194,75 @@ async def _run(
     state: ServerState,
     request: Request,
     body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
-    prompt: list[int],
+    prompts: list[list[int]],
     fmt: Formatter,
     preserve: tuple[int, ...] = (),
     media: MediaPrompt | None = None,
 ) -> Any:
+    """``prompts``: chat's one, or a completion's (a batch of them)."""
     body.refuse_unsupported()
     ignored = body.ignored_fields()
     if ignored:
         protocol.log.info("request %s: ignoring unknown fields %s", _rid(request), ignored)
-    streams = await _submit(state, request, body, prompt, preserve, media)
+    streams = await _submit(state, request, body, prompts, preserve, media)
     if body.stream:
 
         def finished(cs: Sequence[Completion]) -> None:
-            request.state.timings = _access_timings(cs)
+            request.state.timings = _access_timings(cs, body.n)
 
         return EventStream(sse_events(fmt, streams, finished), ping_s=15.0)
     completions = await _collect_or_cancel(request, streams)
-    request.state.timings = _access_timings(completions)
+    request.state.timings = _access_timings(completions, body.n)
     failed = next((c for c in completions if c.finish_reason == "error"), None)
     if failed is not None:
         raise GenerationFailed(failed.error or "generation failed")
-    return fmt.response(completions, prompt)
+    return fmt.response(completions, prompts[0])
 
 
 async def _submit(
     state: ServerState,
     request: Request,
     body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
-    prompt: list[int],
+    prompts: list[list[int]],
     preserve: tuple[int, ...],
     media: MediaPrompt | None = None,
 ) -> list[RequestStream]:
-    """One engine request per choice (``n``), all of the same prompt: the scheduler
-    prefills it once and the other choices copy its cells. A choice the engine
+    """One engine request per choice (``n``) of each prompt, in turn: the scheduler
+    prefills a prompt once and its other choices copy its cells. A choice the engine
     refuses (a full queue) withdraws those already queued."""
     rid = _rid(request)
     cfg = state.engine.cfg
-    if body.n > cfg.slots + cfg.max_queue:  # a full queue's 429 would be retried forever
+    total = body.n * len(prompts)
+    if total > cfg.slots + cfg.max_queue:  # a full queue's 429 would be retried forever
+        one = len(prompts) == 1
+        what = f"{body.n} choices" if one else f"{len(prompts)} prompts x {body.n} choices"
         raise InvalidRequest(
-            "n",
-            f"{body.n} choices can never be queued together here: this server holds "
+            "n" if one else "prompt",
+            f"{what} can never be queued together here: this server holds "
             f"{cfg.slots + cfg.max_queue} requests at most (engine.slots {cfg.slots} + "
             f"server.max_queue {cfg.max_queue})",
         )
     streams: list[RequestStream] = []
     try:
-        choices = body.choice_params(
-            state.sampling_defaults,
-            state.max_tokens_cap,
-            preserve,
-            prompt_tokens=len(prompt),
-            context=state.engine.cfg.context,
-        )
+        choices = [
+            (prompt, params)
+            for prompt in prompts
+            for params in body.choice_params(
+                state.sampling_defaults,
+                state.max_tokens_cap,
+                preserve,
+                prompt_tokens=len(prompt),
+                context=state.engine.cfg.context,
+            )
+        ]
         arrival = getattr(request.state, "arrival", None)
         last = len(choices) - 1
-        for i, params in enumerate(choices):
+        for i, (prompt, params) in enumerate(choices):
             streams.append(
                 await state.engine.submit_async(
                     prompt,
                     params,
-                    request_id=rid if body.n == 1 else f"{rid}.{i}",
+                    request_id=rid if total == 1 else f"{rid}.{i}",
                     whole=not body.stream,
                     media=media,
                     arrival=arrival if i == last else None,  # queued: the engine may start

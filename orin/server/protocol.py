@@ -9,6 +9,7 @@ typed dicts, built by the formatters in ``responses.py``.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import logging
@@ -148,7 +149,8 @@ class ChatMessage(_Lenient):
     content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant
-    tool_call_id: str | None = None  # tool
+    # tool: the id of the call it answers; checked when left out too
+    tool_call_id: str | None = Field(None, validate_default=True)
     reasoning_content: str | None = None  # assistant: its thinking, for templates that show it
 
     @field_validator("content")
@@ -160,6 +162,15 @@ class ChatMessage(_Lenient):
         if content is None and role is not None and role != "assistant":
             raise ValueError(f"a {role} message needs content (a string or a list of parts)")
         return content
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        """OpenAI's rule: a tool message says which call it answers; without it the
+        template would render an answer to no call."""
+        if call_id is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs tool_call_id, the id of the call it answers")
+        return call_id
 
     def text(self) -> str:
         if isinstance(self.content, list):  # an image is a marker where its rows go
@@ -248,6 +259,11 @@ class NamedToolChoice(_Lenient):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+STREAM_OPTIONS_WITHOUT_STREAM = (
+    "The 'stream_options' parameter is only allowed when 'stream' is enabled."
+)
+
+
 def _optional(p: params.Param[Any]) -> Any:
     """A request field bounded by the table's ``p``; left out, the profile's
     default (or the table's) applies."""
@@ -275,7 +291,7 @@ class _Common(_Lenient):
         description="Choices to generate; they share the prompt's cells (one prefill).",
     )
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None  # only with stream (_stream_options)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
@@ -287,6 +303,17 @@ class _Common(_Lenient):
     penalty_last_n: int | None = _optional(params.PENALTY_LAST_N)
     repeat_last_n: int | None = _optional(params.PENALTY_LAST_N)  # llama.cpp's name
     n_predict: int | None = Field(None, ge=-1, description="llama.cpp's name for max_tokens.")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        """OpenAI refuses stream_options on an answer that is not streamed (null is
+        fine: it means the default)."""
+        if options is not None and not info.data.get("stream"):
+            raise ValueError(STREAM_OPTIONS_WITHOUT_STREAM)
+        return options
 
     def refuse_unsupported(self) -> None:
         """A field that would change the output but is not implemented is a 400 naming
@@ -374,7 +401,12 @@ class _Common(_Lenient):
             ignore_eos=self.ignore_eos,
             grammar=self._grammar(),
             logprobs=self.top_n_logprobs(),
+            prompt_logprobs=self.scores_prompt(),
         )
+
+    def scores_prompt(self) -> bool:
+        """Whether the answer carries the prompt tokens' log-probabilities."""
+        return False
 
     def _grammar(self) -> str | None:
         """The one grammar of ``grammar``, ``json_schema`` and ``response_format``
@@ -447,7 +479,11 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (lambda v: not v, "use tools"),
     "function_call": (lambda v: not v, "use tool_choice"),
     "n_probs": (lambda v: not v, "use logprobs"),
-    "prompt_logprobs": (lambda v: not v, "log-probabilities of prompt tokens are not computed"),
+    "prompt_logprobs": (
+        lambda v: not v,
+        "vLLM's form is not offered; /v1/completions with echo and logprobs gives a "
+        "prompt's log-probabilities",
+    ),
     "suffix": (lambda v: not v, "fill-in-the-middle is not implemented"),
     "audio": (lambda v: not v, "audio output is not implemented"),
     "web_search_options": (lambda v: not v, "web search is not available"),
@@ -645,17 +681,40 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=params.MAX_TOKENS.lo, description=_MAX_TOKENS)
+    # before max_tokens, whose 0 it allows
+    echo: bool = Field(
+        False,
+        description="The prompt before the answer; with logprobs, its tokens' log-probabilities.",
+    )
+    max_tokens: int | None = Field(
+        None, ge=0, description=_MAX_TOKENS + " 0: only the echoed prompt (with echo)."
+    )
     logprobs: int | None = _optional(params.LOGPROBS)
-    echo: bool = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _nothing_only_with_echo(cls, n: int | None, info: ValidationInfo) -> int | None:
+        """OpenAI's legacy rule, which evaluation harnesses rely on: max_tokens 0 with
+        echo returns the prompt (and its log-probabilities) and generates nothing;
+        without echo it would answer with nothing at all."""
+        if n == 0 and not info.data.get("echo"):
+            raise ValueError(
+                "0 generates nothing: max_tokens 0 is only allowed with echo, to get the "
+                "prompt back (with logprobs, its tokens' log-probabilities)"
+            )
+        return n
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, p: Any) -> Any:
+    def _prompts(cls, p: Any) -> Any:
+        """One prompt, or a batch of them (a list of texts or of token-id lists), none
+        empty; a batch of one is that prompt."""
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("only one prompt per request is supported")
-            p = p[0]
+            empty = next((i for i, one in enumerate(p) if not one), None)
+            if empty is not None:
+                raise ValueError(f"prompt {empty} of the batch is empty")
+            if len(p) == 1:
+                p = p[0]
         if not p:
             raise ValueError("the prompt is empty")
         return p
@@ -669,10 +728,18 @@ class CompletionRequest(_Common):
     def top_n_logprobs(self) -> int | None:
         return self.logprobs
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt, as text or token ids (validation unwrapped a one-item list)."""
+    def scores_prompt(self) -> bool:
+        """OpenAI's legacy completions: with echo, logprobs covers the prompt too."""
+        return self.echo and self.logprobs is not None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each as text or token ids: one, or a batch's in order."""
         p = self.prompt
-        return p if isinstance(p, str) else [int(t) for t in cast(list[int], p)]
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], (str, list)):
+            return [q if isinstance(q, str) else [int(t) for t in q] for q in p]
+        return [[int(t) for t in cast(list[int], p)]]
 
 
 # -- responses -------------------------------------------------------------------------
@@ -705,8 +772,9 @@ class ChatLogprobs(TypedDict):
 
 class CompletionLogprobs(TypedDict):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # null for an echoed prompt's first token, which nothing comes before
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -810,15 +878,21 @@ Piece = Callable[[int], bytes]
 # -- response parts ---------------------------------------------------------------------------
 
 
-def usage(cs: Completion | Sequence[Completion]) -> Usage:
+def usage(cs: Completion | Sequence[Completion], n: int | None = None) -> Usage:
     """A response's usage: with ``n`` choices the prompt counts once (they share
     its cells) and the completion tokens of every choice add up; the cached
-    tokens are the fewest any choice took from the cache, what the prompt cost."""
+    tokens are the fewest any choice took from the cache, what the prompt cost.
+    A batch of prompts: every ``n`` consecutive choices are one prompt's (None: all
+    of them), and the prompts' figures add up."""
     many = [cs] if isinstance(cs, Completion) else list(cs)
-    t = many[0].timings
-    prompt = t.prompt_tokens if t else 0
+    size = n or len(many)
+    prompt = cached = 0
+    for i in range(0, len(many), size):
+        group = many[i : i + size]
+        t = group[0].timings
+        prompt += t.prompt_tokens if t else 0
+        cached += min((c.timings.cached_tokens for c in group if c.timings), default=0)
     out = sum(len(c.token_ids) for c in many)
-    cached = min((c.timings.cached_tokens for c in many if c.timings), default=0)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": out,
@@ -888,9 +962,44 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [
-            {piece(t.token_id).decode("utf-8", "replace"): t.logprob for t in lp.top}
-            for lp in items
-        ],
+        "top_logprobs": [_top(lp, piece) for lp in items],
         "text_offset": offsets,
+    }
+
+
+def _top(lp: TokenLogprob, piece: Piece) -> dict[str, float]:
+    return {piece(t.token_id).decode("utf-8", "replace"): t.logprob for t in lp.top}
+
+
+def prompt_logprobs(
+    pieces: Sequence[bytes], scores: Sequence[TokenLogprob], piece: Piece
+) -> CompletionLogprobs:
+    """An echoed prompt's logprobs, as OpenAI's legacy completions give them: every
+    prompt token (``pieces``: its text as the echo writes it), the first with null
+    (nothing comes before it), each other with ``scores``' log-probability given the
+    tokens before it and its alternatives. ``text_offset`` counts the characters of
+    the tokens' text from the start of the echo (a character split over tokens
+    counts at the token that completes it)."""
+    if len(scores) != max(len(pieces) - 1, 0):
+        raise ValueError(f"{len(scores)} log-probabilities for a prompt of {len(pieces)} tokens")
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    offsets, pos = [], 0
+    for raw in pieces:
+        offsets.append(pos)
+        pos += len(decoder.decode(raw))
+    return {
+        "tokens": [raw.decode("utf-8", "replace") for raw in pieces],
+        "token_logprobs": [None, *(lp.logprob for lp in scores)][: len(pieces)],
+        "top_logprobs": [None, *(_top(lp, piece) for lp in scores)][: len(pieces)],
+        "text_offset": offsets,
+    }
+
+
+def joined_logprobs(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    """An echoed prompt's logprobs, then the answer's."""
+    return {
+        "tokens": first["tokens"] + then["tokens"],
+        "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+        "top_logprobs": first["top_logprobs"] + then["top_logprobs"],
+        "text_offset": first["text_offset"] + then["text_offset"],
     }

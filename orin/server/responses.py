@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Literal, Protocol, cast
 
 from orin.engine.stream import Completion, RequestStream, collect
-from orin.engine.types import FinishReason, RequestTimings, TokenEvent
+from orin.engine.types import FinishReason, RequestTimings, TokenEvent, TokenLogprob
 from orin.server.errors import GenerationFailed, Interrupted, error_body
 from orin.server.protocol import (
     AssistantMessage,
@@ -31,6 +31,7 @@ from orin.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Chunk,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
     Envelope,
@@ -41,6 +42,8 @@ from orin.server.protocol import (
     ToolCallDelta,
     chat_logprobs,
     completion_logprobs,
+    joined_logprobs,
+    prompt_logprobs,
     usage,
 )
 from orin.server.sse import LastEvents, event
@@ -97,6 +100,7 @@ class Formatter(ABC):
         )
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.created = int(time.time())  # one instant for every chunk, as OpenAI does
+        self.n = body.n  # choices per prompt (a batch of prompts: of each in turn)
 
     def _envelope(self, kind: str) -> Envelope:
         return {
@@ -112,7 +116,7 @@ class Formatter(ABC):
         leaves usage to its own chunk when asked."""
         out["timings"] = self.served.timings(cs[0].timings)
         if not (final_chunk and self.include_usage):
-            out["usage"] = usage(cs)
+            out["usage"] = usage(cs, self.n)
 
     def response(self, cs: Completion | Sequence[Completion], prompt: list[int]) -> FullResponse:
         """The whole answer of a request that did not stream: one choice per completion.
@@ -142,8 +146,8 @@ class Formatter(ABC):
         """One token's chunk, built in full (``TokenChunks`` takes a faster path);
         ``offset``: the characters of the choice's text before this token's."""
 
-    def text_start(self) -> int:
-        """Where a choice's generated text starts in the text the client gets."""
+    def text_start(self, index: int = 0) -> int:
+        """Where choice ``index``'s generated text starts in the text the client gets."""
         return 0
 
     def token_stream(self, index: int = 0) -> TokenStream:
@@ -168,7 +172,7 @@ class Formatter(ABC):
 
     def usage_chunk(self, cs: Completion | Sequence[Completion]) -> Chunk:
         """The last chunk, with usage and no choice (``stream_options.include_usage``)."""
-        out: Any = {**self._envelope(self.CHUNK_OBJECT), "choices": [], "usage": usage(cs)}
+        out: Any = {**self._envelope(self.CHUNK_OBJECT), "choices": [], "usage": usage(cs, self.n)}
         return out
 
     OBJECT = CHUNK_OBJECT = ""
@@ -337,47 +341,103 @@ def _delta(part: Part) -> Delta:
 
 
 class CompletionFormatter(Formatter):
+    """Text completions; with a batch of prompts, the ``n`` choices of each prompt in
+    turn (choice ``index`` answers prompt ``index // n``), as OpenAI numbers them."""
+
     OBJECT = CHUNK_OBJECT = "text_completion"  # full responses and chunks, as OpenAI has it
     ID_PREFIX = "cmpl-"
 
     def __init__(
-        self, served: Served, body: CompletionRequest, request_id: str, prompt: list[int]
+        self,
+        served: Served,
+        body: CompletionRequest,
+        request_id: str,
+        prompts: Sequence[list[int]],
+        pieces: Sequence[Sequence[bytes]] | None = None,
     ) -> None:
+        """``prompts``: each prompt's tokens, in the request's order; ``pieces``: with
+        echo and logprobs, each prompt token's text as the echo writes the prompt
+        (``echo_pieces``), by prompt; the tokens' own pieces by default."""
         super().__init__(served, body, request_id)
-        self.echoed = _echoed(served, body, prompt) if body.echo else ""  # the answer's start
+        self.prompts = [list(p) for p in prompts]
+        given = body.prompts()
+        # each prompt's text as echo writes it: the start of its choices' text
+        self.echoes = (
+            [_echoed(served, g, p) for g, p in zip(given, self.prompts, strict=True)]
+            if body.echo
+            else [""] * len(self.prompts)
+        )
+        # echo with logprobs: the prompt's tokens are scored, and the echo carries them
+        self.scored = body.scores_prompt()
+        self.pieces = [list(p) for p in pieces] if pieces is not None else None
 
-    def text_start(self) -> int:
-        return len(self.echoed)
+    @property
+    def echoed(self) -> str:
+        """The first prompt's echo."""
+        return self.echoes[0]
+
+    def _of(self, index: int) -> int:
+        """The prompt choice ``index`` answers."""
+        return index // self.n
+
+    def text_start(self, index: int = 0) -> int:
+        return len(self.echoes[self._of(index)])
+
+    def _prompt_logprobs(self, scores: Sequence[TokenLogprob], index: int) -> CompletionLogprobs:
+        """Choice ``index``'s echoed prompt's logprobs (tokens, the first one's null,
+        alternatives and offsets) from the engine's scores of its tokens after the
+        first."""
+        k = self._of(index)
+        pieces = self.pieces[k] if self.pieces is not None else None
+        if pieces is None:
+            pieces = [self.served.engine_piece(t) for t in self.prompts[k]]
+        return prompt_logprobs(pieces, scores, self.served.engine_piece)
 
     def choice(self, c: Completion, prompt: list[int], index: int) -> TextChoice:
+        """``prompt`` is not read: each choice's own prompt is known here."""
         piece = self.served.engine_piece
+        echoed = self.echoes[self._of(index)]
         logprobs = None
         if c.logprobs or self.logprobs:
-            logprobs = completion_logprobs(c.logprobs, piece, len(self.echoed))
+            logprobs = completion_logprobs(c.logprobs, piece, len(echoed))
+            if self.scored:
+                scored = self._prompt_logprobs(c.prompt_logprobs or (), index)
+                logprobs = joined_logprobs(scored, logprobs)
         choice: TextChoice = {
             "index": index,
             "finish_reason": c.finish_reason,
             "logprobs": logprobs,
-            "text": self.echoed + c.text,
+            "text": echoed + c.text,
         }
         if self.token_ids:
             choice["token_ids"] = list(c.token_ids)
-            choice["prompt_token_ids"] = prompt
+            choice["prompt_token_ids"] = self.prompts[self._of(index)]
         return choice
 
     def _chunk(self, choice: TextChoice) -> TextCompletion:
         return {**self._envelope(self.OBJECT), "choices": [choice]}
 
     def opening(self, index: int = 0) -> TextCompletion | None:
-        """With ``echo``, the prompt's text, before the answer's (as OpenAI streams it)."""
-        if not self.echoed:
+        """With ``echo``, the prompt's text, before the answer's (as OpenAI streams it);
+        with logprobs too, it waits for the prompt's scores (``chunk``)."""
+        echoed = self.echoes[self._of(index)]
+        if not echoed or self.scored:
             return None
         return self._chunk(
-            {"index": index, "finish_reason": None, "logprobs": None, "text": self.echoed}
+            {"index": index, "finish_reason": None, "logprobs": None, "text": echoed}
         )
 
     def chunk(self, e: TokenEvent, index: int = 0, offset: int = 0) -> TextCompletion:
         piece = self.served.engine_piece
+        if e.prompt_logprobs is not None:  # the prompt is computed: the echo, scored
+            return self._chunk(
+                {
+                    "index": index,
+                    "finish_reason": None,
+                    "logprobs": self._prompt_logprobs(e.prompt_logprobs, index),
+                    "text": self.echoes[self._of(index)],
+                }
+            )
         lp = None if e.logprob is None else completion_logprobs([e.logprob], piece, offset)
         choice: TextChoice = {
             "index": index,
@@ -395,11 +455,51 @@ class CompletionFormatter(Formatter):
         )
 
 
-def _echoed(served: Served, body: CompletionRequest, prompt: list[int]) -> str:
+class Vocabulary(Protocol):
+    """What ``echo_pieces`` reads of the engine (``EngineClient`` has it)."""
+
+    def piece(self, token: int, special: bool = False) -> bytes: ...
+
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]: ...
+
+
+def echo_pieces(vocab: Vocabulary, given: str | list[int], prompt: list[int]) -> list[bytes]:
+    """Each prompt token's text as ``echo`` writes the prompt, so that an echoed
+    prompt's logprobs tokens add up to it: token ids as their text (control tokens
+    as nothing), as echo detokenizes them; a text prompt as the client wrote it: a
+    control token such as ``<|im_start|>`` as its text, nothing for a token that
+    tokenizing added (BOS), and without the space a SentencePiece vocabulary puts
+    before a text and after a control token, where taking it off gives the text
+    back exactly."""
+    if not isinstance(given, str):
+        return [vocab.piece(t) for t in prompt]
+    written = vocab.tokenize(given, add_special=False)
+    n = len(written)
+    start = next((k for k in range(len(prompt) - n + 1) if prompt[k : k + n] == written), None)
+    pieces = [
+        vocab.piece(t, special=True) if start is None or start <= i < start + n else b""
+        for i, t in enumerate(prompt)
+    ]
+    text = given.encode("utf-8")
+    if b"".join(pieces) == text:
+        return pieces
+    trimmed = list(pieces)
+    after_control = True  # the text's start is a fragment's start too
+    for i, t in enumerate(prompt):
+        if not pieces[i]:
+            continue
+        if after_control and pieces[i].startswith(b" "):
+            trimmed[i] = pieces[i][1:]
+        after_control = not vocab.piece(t)  # a control token: nothing as plain text
+    return trimmed if b"".join(trimmed) == text else pieces
+
+
+def _echoed(served: Served, given: str | list[int], prompt: list[int]) -> str:
     """The prompt as ``echo`` returns it: a text prompt as the client wrote it (control
     tokens written as text, such as ``<|im_start|>``, stay; detokenizing would drop
     them), a prompt of token ids as their text."""
-    given = body.single_prompt()
     return given if isinstance(given, str) else served.detokenize(prompt)
 
 
@@ -439,10 +539,10 @@ class TokenChunks:
         head, tail = template.split(_json_string(_TEXT_MARK).encode())
         self._head, self._tail = head, tail
         self._plain = not fmt.token_ids
-        self.offset = fmt.text_start()  # characters of the choice's text sent so far
+        self.offset = fmt.text_start(index)  # characters of the choice's text sent so far
 
     def token(self, e: TokenEvent) -> bytes:
-        if self._plain and e.logprob is None:
+        if self._plain and e.logprob is None and e.prompt_logprobs is None:
             out = b"".join((self._head, _json_string(e.text).encode(), self._tail))
         else:
             out = encode(self.fmt.chunk(e, self.index, self.offset))
@@ -540,7 +640,8 @@ class _Answer:
         out = [
             b
             for e in ready
-            if e.finish_reason is None and (e.text or with_ids or e.logprob is not None)
+            if e.finish_reason is None
+            and (e.text or with_ids or e.logprob is not None or e.prompt_logprobs is not None)
             if (b := chunks.token(e))
         ]
         final = ready[-1]

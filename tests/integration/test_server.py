@@ -110,6 +110,36 @@ def test_completions_with_timings_and_token_ids(server: tuple[str, ServerState])
     assert again["system_fingerprint"] == data["system_fingerprint"]
 
 
+def test_a_batch_of_prompts_with_n_choices(
+    client: openai.OpenAI, server: tuple[str, ServerState]
+) -> None:
+    """OpenAI's prompt list: the n choices of each prompt in turn (index = prompt x n +
+    choice), each the greedy answer its prompt gets alone; usage counts each prompt
+    once, with the access log's figures."""
+    prompts = ["The board boots and", "Robots on the floor"]
+    alone = [
+        client.completions.create(model="demo", prompt=p, max_tokens=6, temperature=0)
+        for p in prompts
+    ]
+    batch = client.completions.create(
+        model="demo", prompt=prompts, n=2, max_tokens=6, temperature=0
+    )
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    texts = [a.choices[0].text for a in alone]
+    assert [c.text for c in batch.choices] == [texts[0], texts[0], texts[1], texts[1]]
+    assert batch.usage is not None and alone[0].usage is not None and alone[1].usage is not None
+    assert batch.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[1].usage.prompt_tokens
+    assert batch.usage.completion_tokens == 4 * 6
+    streamed = client.completions.create(
+        model="demo", prompt=prompts, n=2, max_tokens=6, temperature=0, stream=True
+    )
+    got = ["", "", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            got[c.index] += c.text
+    assert got == [c.text for c in batch.choices]
+
+
 def test_json_schema_response_format(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",

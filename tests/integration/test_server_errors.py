@@ -63,7 +63,8 @@ def error_of(r: httpx.Response) -> dict[str, Any]:
         ({"prompt": "x", "n": 17}, "n"),
         ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"5": 300}}, "logit_bias"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),  # one slot, no queue: never together
         ({"max_tokens": 3}, "prompt"),
     ],
 )

@@ -13,10 +13,12 @@ import pytest
 
 from orin.engine.errors import ContextLengthExceeded, InvalidRequest, QueueFull
 from orin.engine.scheduler import (
+    LOGITS_CHUNK,
     Batch,
     BatchItem,
     ContextPolicy,
     Copy,
+    Load,
     Remove,
     Scheduler,
     Shift,
@@ -683,3 +685,113 @@ def test_random_bursts_with_evened_tails_keep_every_prompt_and_cell(seed: int) -
                 assert 0 <= slot.cached_prompt < len(prompts[rid])
                 s.release(slot, keep_cache=True)
     assert s.retails > 10
+
+
+# -- prompts whose every position's logits are asked for (echoed prompt logprobs) ------
+
+
+@dataclass
+class Scored(Req):
+    """A request that needs the logits of every prompt position (``all_logits``)."""
+
+    all_logits: bool = True
+
+
+def _fed_with_logits(batches: list[Batch], slot: int) -> list[int]:
+    """The positions a slot was fed at with logits each, in order."""
+    return [
+        i.pos + k
+        for b in batches
+        for i in b.items
+        if i.slot == slot
+        for k in range(len(i.tokens))
+        if i.logits_all
+    ]
+
+
+def _until_decoding(s: Scheduler, r: FakeRunner, rid: str) -> list[Batch]:
+    batches = []
+    while (slot := s.slot_of(rid)) is None or slot.state is not SlotState.DECODE:
+        batches.append(step(s, r))
+    return batches
+
+
+def test_a_scored_prompt_is_fed_whole_whatever_holds_it() -> None:
+    """Its own slot's cached prompt, another slot's cells (busy or idle) and a saved
+    prompt on disk would each leave positions without logits: none is taken, and
+    every position is fed once, with logits."""
+    s, r = make(slots=3, n_batch=64, window=512), FakeRunner()
+    prompt = list(range(100, 150))
+    s.add(Req("cached", [*prompt, 1]))
+    s.add(Req("busy", [*prompt, 2]))
+    _until_decoding(s, r, "cached")
+    _until_decoding(s, r, "busy")
+    s.release(s.slot_of("cached"), keep_cache=True)  # type: ignore[arg-type]
+    s.stored = lambda p: (len(p) - 1, "saved")
+    s.add(Scored("scored", [*prompt, 1]))
+    batches = _until_decoding(s, r, "scored")
+    slot = s.slot_of("scored")
+    assert slot is not None and slot.cached_prompt == 0
+    assert _fed_with_logits(batches, slot.id) == list(range(51))
+    ops = [op for b in batches for op in b.ops]
+    assert not any(isinstance(op, (Copy, Load)) and _target(op) == slot.id for op in ops)
+    # the same prompt without the need is taken from the cells
+    s.add(Req("plain", [*prompt, 1]))
+    _until_decoding(s, r, "plain")
+    assert s.slot_of("plain").cached_prompt == 50  # type: ignore[union-attr]
+
+
+def _target(op: object) -> int:
+    return op.dst if isinstance(op, Copy) else op.seq  # type: ignore[attr-defined,no-any-return]
+
+
+def test_a_scored_prompt_does_not_wait_for_a_prefill_of_the_same_prompt() -> None:
+    """n choices that all score the prompt: none can copy another's cells, so none
+    waits for another's prefill; they are prefilled side by side."""
+    s, r = make(slots=3, n_batch=128, window=512), FakeRunner()
+    prompt = list(range(1, 41))
+    for rid in ("c0", "c1", "c2"):
+        s.add(Scored(rid, prompt))
+    b = step(s, r)
+    assert sorted(i.slot for i in b.items) == [0, 1, 2] and not s.queue
+    assert all(i.logits_all and i.pos == 0 for i in b.items)
+
+
+def test_chunks_with_every_logit_take_at_most_logits_chunk_tokens_a_step() -> None:
+    """llama.cpp's output buffer keeps the most rows one decode had: the scored
+    prompts of a step feed LOGITS_CHUNK tokens at most, together; a plain prompt
+    beside them takes the rest of the budget."""
+    s, r = make(slots=3, n_batch=512, window=1024), FakeRunner()
+    s.add(Scored("s0", list(range(1000, 1200))))
+    s.add(Scored("s1", list(range(2000, 2200))))
+    s.add(Req("plain", list(range(3000, 3300))))
+    batches = []
+    while any(sl.state is not SlotState.DECODE for sl in s.slots):
+        batches.append(step(s, r))
+    for b in batches:
+        assert sum(len(i.tokens) for i in b.items if i.logits_all) <= LOGITS_CHUNK
+    first = batches[0]
+    assert sum(len(i.tokens) for i in first.items if i.logits_all) == LOGITS_CHUNK
+    assert [len(i.tokens) for i in first.items if not i.logits_all] == [300]
+    for rid in ("s0", "s1"):
+        assert _fed_with_logits(batches, s.slot_of(rid).id) == list(range(200))  # type: ignore[union-attr]
+
+
+def test_a_scored_chunk_is_never_lengthened_to_even_the_tails() -> None:
+    """Evening the tails feeds cached cells again in front of a chunk; a scored
+    prompt's cells were computed with their logits, already taken: its chunk stays
+    as it is (each position's logits are read once)."""
+    s, r = make(slots=2, n_batch=64, window=256), FakeRunner()
+    s.pass_tokens = lambda: 100.0
+    s.add(Req("old", [*SYSTEM, 900]))
+    _until_decoding(s, r, "old")
+    s.release(s.slot_of("old"), keep_cache=True)  # type: ignore[arg-type]
+    s.add(Scored("scored", list(range(500, 568))))  # 64 tokens in a step, then 4
+    first = step(s, r)
+    assert [len(i.tokens) for i in first.items] == [64]
+    s.add(Req("user", [*SYSTEM, *range(600, 610)]))  # a 10-token tail after the system
+    second = step(s, r)
+    scored = s.slot_of("scored")
+    assert scored is not None
+    assert [(i.pos, len(i.tokens)) for i in second.items if i.slot == scored.id] == [(64, 4)]
+    assert _fed_with_logits([first, second], scored.id) == list(range(68))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from orin.server.responses import (
     CompletionFormatter,
     Formatter,
     TokenChunks,
+    echo_pieces,
     encode,
     sse_events,
 )
@@ -57,7 +59,7 @@ def formatter(kind: str, draining: bool = False, **fields: Any) -> Formatter:
         )
         return ChatFormatter(served(draining), chat, "req-1")
     body = protocol.CompletionRequest(prompt=[1, 2], **fields)
-    return CompletionFormatter(served(draining), body, "req-1", [1, 2])
+    return CompletionFormatter(served(draining), body, "req-1", [[1, 2]])
 
 
 def parsed(chunk: bytes) -> dict[str, Any]:
@@ -133,16 +135,15 @@ def test_echo_returns_a_text_prompt_as_written() -> None:
     """A text prompt is echoed as the client sent it, control tokens written as text
     included (detokenizing its tokens would drop them); token ids as their text."""
     prompt = "<|im_start|>user\n  two  spaces\t<|im_end|>\n"
-    body = protocol.CompletionRequest(prompt=prompt, echo=True, logprobs=1)
-    fmt = CompletionFormatter(served(), body, "req-1", [1, 2])
+    body = protocol.CompletionRequest(prompt=prompt, echo=True)
+    fmt = CompletionFormatter(served(), body, "req-1", [[1, 2]])
     opening = fmt.opening(0)
     assert opening is not None and opening["choices"][0]["text"] == prompt
-    whole = Completion("req-1", "ab", (7, 7), (LOGPROB, LOGPROB), "length", TIMINGS)
+    whole = Completion("req-1", "ab", (7, 7), (), "length", TIMINGS)
     choice = fmt.response(whole, [1, 2])["choices"][0]
-    assert choice["text"] == prompt + "ab"
-    assert choice["logprobs"]["text_offset"] == [len(prompt), len(prompt) + 1]
+    assert choice["text"] == prompt + "ab" and choice["logprobs"] is None
     ids = protocol.CompletionRequest(prompt=[1, 2], echo=True)
-    assert CompletionFormatter(served(), ids, "req-1", [1, 2]).echoed == "<prompt>"
+    assert CompletionFormatter(served(), ids, "req-1", [[1, 2]]).echoed == "<prompt>"
 
 
 def completion(finish: str = "length") -> Completion:
@@ -172,7 +173,7 @@ def test_full_responses() -> None:
 @pytest.mark.parametrize("kind", ["chat", "text"])
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_final_and_usage_chunks(kind: str, include_usage: bool) -> None:
-    fmt = formatter(kind, stream_options={"include_usage": include_usage})
+    fmt = formatter(kind, stream=True, stream_options={"include_usage": include_usage})
     final = parsed(encode(fmt.final_chunk(completion("stop"))))
     assert final["choices"][0]["finish_reason"] == "stop"
     assert final["choices"][0].get("delta", final["choices"][0].get("text")) in ({}, "")
@@ -198,7 +199,7 @@ class FakeStream:
 
 
 def test_a_streamed_chat_from_opening_to_done() -> None:
-    fmt = formatter("chat", stream_options={"include_usage": True})
+    fmt = formatter("chat", stream=True, stream_options={"include_usage": True})
     batches = [
         [TokenEvent("req-1", 7, "a")],
         [TokenEvent("req-1", 8, ""), TokenEvent("req-1", 9, "bc")],
@@ -227,7 +228,7 @@ def test_the_last_events_go_out_together_and_end_the_body(include_usage: bool) -
     """The final token, the finish reason, the usage and [DONE] are one LastEvents
     (EventStream writes it with the end of the body); the tokens before it are
     one chunk per batch, and ``on_finish`` has run when the last events come."""
-    fmt = formatter("text", stream_options={"include_usage": include_usage})
+    fmt = formatter("text", stream=True, stream_options={"include_usage": include_usage})
     stream = FakeStream(
         [
             [TokenEvent("req-1", 7, "a")],
@@ -274,7 +275,7 @@ def test_n_choices_stream_with_their_index_and_one_set_of_figures() -> None:
     """Two choices' events interleave; each choice's chunks carry its index and end
     with its finish reason, and the last to end carries the figures of both;
     ``on_finish`` (the access log's figures) gets both choices, in choice order."""
-    fmt = formatter("text")
+    fmt = formatter("text", n=2)
     first = FakeStream(
         [
             [TokenEvent("req-1.0", 7, "a")],
@@ -311,7 +312,7 @@ def test_n_choices_stream_with_their_index_and_one_set_of_figures() -> None:
 
 
 def test_a_full_response_has_a_choice_per_completion() -> None:
-    out = formatter("chat").response([completion("stop"), completion("length")], [1])
+    out = formatter("chat", n=2).response([completion("stop"), completion("length")], [1])
     assert [c["index"] for c in out["choices"]] == [0, 1]
     assert [c["finish_reason"] for c in out["choices"]] == ["stop", "length"]
     assert out["usage"]["completion_tokens"] == 6 and out["usage"]["prompt_tokens"] == 6
@@ -333,7 +334,7 @@ def test_a_cancelled_stream_ends_with_an_error_event_never_an_unknown_reason(
     """OpenAI has no finish reason "cancelled": a stream the engine cut (shutdown, a
     client that stopped reading) ends with an OpenAI error event and [DONE], which
     the official client raises as openai.APIError."""
-    fmt = formatter(kind, draining, stream_options={"include_usage": True})
+    fmt = formatter(kind, draining, stream=True, stream_options={"include_usage": True})
     cut = TokenEvent("req-1", None, "", None, "cancelled", TIMINGS)
     events = stream_events(fmt, FakeStream([[TokenEvent("req-1", 7, "a")], [cut]]))
     assert events[-1] == b"data: [DONE]"
@@ -347,7 +348,7 @@ def test_a_cancelled_stream_ends_with_an_error_event_never_an_unknown_reason(
 
 
 def test_n_choices_cut_at_shutdown_end_with_one_error_event() -> None:
-    fmt = formatter("text", draining=True)
+    fmt = formatter("text", draining=True, n=2)
     done = FakeStream([[TokenEvent("req-1.0", None, "b", finish_reason="stop", timings=TIMINGS)]])
     cut = FakeStream([[TokenEvent("req-1.1", None, "", None, "cancelled", TIMINGS)]])
     events = stream_events(fmt, done, cut)
@@ -361,7 +362,9 @@ def test_a_whole_answer_cut_at_shutdown_is_a_503_not_a_cancelled_choice(kind: st
     from orin.server.errors import Interrupted, to_response
 
     with pytest.raises(Interrupted) as caught:
-        formatter(kind, draining=True).response([completion("stop"), completion("cancelled")], [1])
+        formatter(kind, draining=True, n=2).response(
+            [completion("stop"), completion("cancelled")], [1]
+        )
     r = to_response(caught.value, "req-1")
     body = json.loads(bytes(r.body))
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -382,6 +385,7 @@ def test_every_chunk_of_a_stream_has_the_same_id_and_created(
     monkeypatch.setattr(time, "time", lambda: float(next(clock)))
     fmt = formatter(
         kind,
+        stream=True,
         stream_options={"include_usage": include_usage},
         logprobs=1 if kind == "text" else True,
     )
@@ -414,3 +418,199 @@ def test_logprobs_asked_for_are_a_list_when_the_answer_has_no_token(kind: str) -
             "text_offset": [],
         }
     assert formatter(kind).response(empty, [1, 2])["choices"][0]["logprobs"] is None
+
+
+# -- an echoed prompt's logprobs ---------------------------------------------------------
+
+PROMPT_SCORES = (TokenLogprob(2, -1.5, (TopLogprob(9, "é", -0.25),)), TokenLogprob(3, -2.0, ()))
+
+
+def scored_formatter(**fields: Any) -> CompletionFormatter:
+    """echo with logprobs on the prompt [1, 2, 3], whose tokens' text is 'ab', 'é', ''."""
+    body = protocol.CompletionRequest(prompt=[1, 2, 3], echo=True, logprobs=1, **fields)
+    return CompletionFormatter(served(), body, "req-1", [[1, 2, 3]], [[b"ab", "é".encode(), b""]])
+
+
+def test_an_echoed_prompts_logprobs_come_before_the_answers() -> None:
+    """OpenAI's legacy completions: every prompt token, the first with null logprob and
+    alternatives, then the answer's; offsets count the text the client gets."""
+    whole = Completion(
+        "req-1", "aa", (7, 7), (LOGPROB, LOGPROB), "length", TIMINGS, None, PROMPT_SCORES
+    )
+    choice = scored_formatter().response(whole, [1, 2, 3])["choices"][0]
+    assert choice["text"] == "<prompt>aa"
+    assert choice["logprobs"] == {
+        "tokens": ["ab", "é", "", "a", "a"],
+        "token_logprobs": [None, -1.5, -2.0, -0.5, -0.5],
+        "top_logprobs": [None, {"é": -0.25}, {}, *[{"a": -0.5, "é": -1.25}] * 2],
+        "text_offset": [0, 2, 3, len("<prompt>"), len("<prompt>") + 1],
+    }
+    # without echo, only the answer's
+    plain = protocol.CompletionRequest(prompt=[1, 2, 3], logprobs=1)
+    alone = CompletionFormatter(served(), plain, "req-1", [[1, 2, 3]]).response(whole, [1, 2, 3])
+    assert alone["choices"][0]["logprobs"]["token_logprobs"] == [-0.5, -0.5]
+
+
+def test_a_streamed_echo_with_logprobs_carries_the_prompts_logprobs() -> None:
+    """The echo waits for the prompt's scores (no opening) and goes out with them, in
+    the chunk of the engine's prompt event; the answer's chunks follow."""
+    fmt = scored_formatter(stream=True)
+    assert fmt.opening(0) is None
+    stream = FakeStream(
+        [
+            [TokenEvent("req-1", None, "", prompt_logprobs=PROMPT_SCORES)],
+            [TokenEvent("req-1", 7, "a", LOGPROB)],
+            [TokenEvent("req-1", None, "", None, "length", TIMINGS)],
+        ]
+    )
+    finished: list[Sequence[Completion]] = []
+
+    async def run() -> list[bytes]:
+        return [b async for b in sse_events(fmt, stream, finished.append)]  # type: ignore[arg-type]
+
+    events = [e for e in b"".join(asyncio.run(run())).split(b"\n\n") if e]
+    chunks = [json.loads(e[6:])["choices"][0] for e in events[:-1]]
+    assert chunks[0]["text"] == "<prompt>"
+    assert chunks[0]["logprobs"] == {
+        "tokens": ["ab", "é", ""],
+        "token_logprobs": [None, -1.5, -2.0],
+        "top_logprobs": [None, {"é": -0.25}, {}],
+        "text_offset": [0, 2, 3],
+    }
+    assert chunks[1]["text"] == "a" and chunks[1]["logprobs"]["text_offset"] == [len("<prompt>")]
+    assert chunks[2]["finish_reason"] == "length"
+    assert finished[0][0].prompt_logprobs == PROMPT_SCORES
+
+
+def test_a_prompts_text_offsets_count_characters_not_bytes() -> None:
+    """A character split over two tokens counts at the token that completes it."""
+    euro = "€".encode()
+    lp = protocol.prompt_logprobs(
+        [b"a", euro[:1], euro[1:], b"b"], PROMPT_SCORES + PROMPT_SCORES[:1], served().engine_piece
+    )
+    assert lp["text_offset"] == [0, 1, 1, 2]
+    assert lp["token_logprobs"] == [None, -1.5, -2.0, -1.5]
+    with pytest.raises(ValueError, match="2 log-probabilities for a prompt of 2 tokens"):
+        protocol.prompt_logprobs([b"a", b"b"], PROMPT_SCORES, served().engine_piece)
+
+
+class Vocab:
+    """Tokens 1 (BOS, added by tokenizing), 5 ('<|im_start|>', a control token) and
+    letters 'a'..: 10 + ord - ord('a')."""
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        if token == 1:
+            return b"<s>" if special else b""
+        if token == 5:
+            return b"<|im_start|>" if special else b""
+        return bytes([ord("a") + token - 10])
+
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        out = [1] if add_special else []
+        rest = text
+        while rest:
+            if rest.startswith("<|im_start|>"):
+                out.append(5)
+                rest = rest[len("<|im_start|>") :]
+            else:
+                out.append(10 + ord(rest[0]) - ord("a"))
+                rest = rest[1:]
+        return out
+
+
+def test_echo_pieces_add_up_to_the_echoed_prompt() -> None:
+    """A text prompt: the control tokens the client wrote as their text, nothing for
+    the BOS tokenizing added; token ids: their text as echo detokenizes them."""
+    vocab = Vocab()
+    text = "<|im_start|>ab"
+    prompt = vocab.tokenize(text)
+    pieces = echo_pieces(vocab, text, prompt)
+    assert pieces == [b"", b"<|im_start|>", b"a", b"b"] and b"".join(pieces).decode() == text
+    assert echo_pieces(vocab, [1, 5, 10], [1, 5, 10]) == [b"", b"", b"a"]
+
+
+class SentencePieceVocab(Vocab):
+    """Like ``Vocab``, but a text fragment (the text's start, and what follows a control
+    token) starts with the space SentencePiece puts before it: 40 + letter is ' a'."""
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        if token >= 40:
+            return b" " + bytes([ord("a") + token - 40])
+        return super().piece(token, special)
+
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        out = super().tokenize(text, add_special, parse_special)
+        return [
+            t + 30 if t >= 10 and (i == 0 or out[i - 1] in (1, 5)) else t for i, t in enumerate(out)
+        ]
+
+
+def test_echo_pieces_leave_off_the_space_sentencepiece_puts_before_a_text() -> None:
+    vocab = SentencePieceVocab()
+    text = "ab<|im_start|>c"
+    prompt = vocab.tokenize(text)
+    assert [vocab.piece(t, special=True) for t in prompt] == [
+        b"<s>",
+        b" a",
+        b"b",
+        b"<|im_start|>",
+        b" c",
+    ]
+    pieces = echo_pieces(vocab, text, prompt)
+    assert pieces == [b"", b"a", b"b", b"<|im_start|>", b"c"]
+
+
+# -- a batch of prompts ------------------------------------------------------------------
+
+
+def test_a_batch_of_prompts_answers_each_with_its_n_choices_in_turn() -> None:
+    """OpenAI's numbering: choice index = prompt x n + choice; each choice echoes its
+    own prompt and lists its own prompt's ids; usage counts each prompt once."""
+    body = protocol.CompletionRequest(
+        prompt=["one", "two two"], n=2, echo=True, return_token_ids=True
+    )
+    fmt = CompletionFormatter(served(), body, "req-1", [[1], [2, 2]])
+    t1 = TIMINGS
+    t2 = dataclasses.replace(TIMINGS, prompt_tokens=10, cached_tokens=4)
+    cs = [
+        Completion(f"req-1.{i}", "x", (7,), (), "length", t)
+        for i, t in enumerate((t1, t1, t2, dataclasses.replace(t2, cached_tokens=5)))
+    ]
+    out = fmt.response(cs, [1])
+    choices = out["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["text"] for c in choices] == ["onex", "onex", "two twox", "two twox"]
+    assert [c["prompt_token_ids"] for c in choices] == [[1], [1], [2, 2], [2, 2]]
+    assert out["usage"] == {
+        "prompt_tokens": 6 + 10,
+        "completion_tokens": 4,
+        "total_tokens": 20,
+        "prompt_tokens_details": {"cached_tokens": 2 + 4},
+    }
+    # streamed: each choice's echo opens it, and its offsets start after its own echo
+    assert [fmt.opening(i)["choices"][0]["text"] for i in range(4)] == [  # type: ignore[index]
+        "one",
+        "one",
+        "two two",
+        "two two",
+    ]
+    assert [fmt.text_start(i) for i in range(4)] == [3, 3, 7, 7]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "prompts"),
+    [
+        ("hi", ["hi"]),
+        ([1, 2], [[1, 2]]),
+        (["hi"], ["hi"]),
+        ([[1, 2]], [[1, 2]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ],
+)
+def test_the_prompts_of_a_request(prompt: Any, prompts: list[Any]) -> None:
+    assert protocol.CompletionRequest(prompt=prompt).prompts() == prompts

@@ -170,3 +170,92 @@ def test_a_number_that_is_not_finite_is_refused(client: TestClient) -> None:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "temperature" and "finite number" in err["message"]
+
+
+@pytest.mark.parametrize("call_id", [{}, {"tool_call_id": None}])
+def test_a_tool_message_without_its_call_id_is_refused(
+    client: TestClient, call_id: dict[str, Any]
+) -> None:
+    """OpenAI's rule: a tool message names the call it answers; without the id the
+    template would render an answer to no call."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "18 degrees", **call_id},
+    ]
+    err = refused(client, "/v1/chat/completions", {"messages": messages})
+    assert err["param"] == "messages[2].tool_call_id"
+    assert "a tool message needs tool_call_id" in err["message"]
+
+
+def test_only_a_tool_message_needs_a_call_id() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [*USER, {"role": "tool", "tool_call_id": "call_1", "content": "1"}]}
+    )
+    assert [m.tool_call_id for m in req.messages] == [None, "call_1"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [{}, {"stream": False}, {"stream": None}])
+def test_stream_options_without_stream_is_refused(
+    client: TestClient, path: str, stream: dict[str, Any]
+) -> None:
+    """As OpenAI refuses it: the options of a stream on an answer that is not one."""
+    body = {"messages": USER} if path == "/v1/chat/completions" else {"prompt": "hi"}
+    err = refused(client, path, {**body, **stream, "stream_options": {"include_usage": True}})
+    assert err["param"] == "stream_options"
+    assert err["message"] == (
+        "stream_options: The 'stream_options' parameter is only allowed when 'stream' is enabled."
+    )
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+def test_stream_options_null_or_with_stream_is_fine(
+    model: type[ChatCompletionRequest] | type[CompletionRequest],
+) -> None:
+    body: dict[str, Any] = {"messages": USER} if model is ChatCompletionRequest else {"prompt": "x"}
+    assert model.model_validate({**body, "stream_options": None}).stream_options is None
+    streamed = model.model_validate(
+        {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert streamed.stream_options is not None and streamed.stream_options.include_usage
+
+
+@pytest.mark.parametrize("echo", [{}, {"echo": False}])
+def test_max_tokens_0_without_echo_is_refused(client: TestClient, echo: dict[str, Any]) -> None:
+    """It would answer with nothing at all; with echo it returns the prompt (and its
+    logprobs), OpenAI's legacy way of scoring a text."""
+    err = refused(client, "/v1/completions", {"prompt": "hi", "max_tokens": 0, **echo})
+    assert err["param"] == "max_tokens" and "only allowed with echo" in err["message"]
+    chat = refused(client, "/v1/chat/completions", {"messages": USER, "max_tokens": 0})
+    assert chat["param"] == "max_tokens"
+
+
+def test_max_tokens_0_with_echo_asks_the_engine_for_the_prompt_only() -> None:
+    from orin.profile.schema import SamplingSection
+
+    body = CompletionRequest.model_validate(
+        {"prompt": [1, 2], "echo": True, "max_tokens": 0, "logprobs": 1}
+    )
+    params = body.to_sampling(SamplingSection(), 100)
+    assert (params.max_tokens, params.prompt_logprobs, params.logprobs) == (0, True, 1)
+    params.validate(1000)  # the engine takes it
+    echo_only = CompletionRequest.model_validate({"prompt": "x", "echo": True, "max_tokens": 0})
+    assert not echo_only.to_sampling(SamplingSection(), 100).prompt_logprobs
+
+
+@pytest.mark.parametrize(
+    ("prompt", "says"),
+    [
+        (["a", ""], "prompt 1 of the batch is empty"),
+        ([[1], []], "prompt 1 of the batch is empty"),
+        ([], "the prompt is empty"),
+        (["a", [1]], "a valid"),
+    ],
+)
+def test_a_batch_with_an_empty_or_mixed_prompt_is_refused(
+    client: TestClient, prompt: Any, says: str
+) -> None:
+    err = refused(client, "/v1/completions", {"prompt": prompt})
+    assert err["param"].startswith("prompt") and says in err["message"]
