@@ -89,6 +89,18 @@ def test_bench_usage_mistakes_exit_2(args: tuple[str, ...], message: str) -> Non
     assert out == ""
 
 
+def test_bench_with_a_model_the_server_does_not_list_is_a_usage_error() -> None:
+    fake = FakeServer(usage=True)
+    with serving(fake) as url:
+        code, out, err = invoke(
+            "bench", "--url", url, "--model", "nosuch", "--num-requests", "1", "--concurrency", "1"
+        )
+    assert code == 2, err
+    assert "Invalid value for '--model'" in err and "lists: fake" in err
+    assert "Traceback" not in err and out == ""
+    assert fake.bodies == []  # no completion was sent
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
