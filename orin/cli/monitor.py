@@ -171,8 +171,9 @@ def render(
 
 def _ttft(r: dict[str, Any]) -> float | None:
     """A request's TTFT; none for one that produced no token (cancelled while queued or
-    during prefill), whose recorded ``ttft_ms`` is only the time it ended."""
-    return r["ttft_ms"] if r.get("generated_tokens") else None
+    during prefill), whose ``ttft_ms`` in a recording made before it was written as
+    null is only the time it ended."""
+    return r.get("ttft_ms") if r.get("generated_tokens") else None
 
 
 def _pct(v: float | None) -> float | None:
@@ -253,7 +254,7 @@ def summarize_recording(path: Path) -> dict[str, Any]:
         "latest": None,
         "window_s": round(covered, 1),
         "phases": {p: s.to_dict() for p, s in phases.items()},
-        "recent_requests": rec["request"],
+        "recent_requests": [{**r, "ttft_ms": _ttft(r)} for r in rec["request"]],
     }
 
 

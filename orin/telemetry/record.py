@@ -40,7 +40,9 @@ class Recorder:
         self._q.put({"type": "step", **s._asdict()})
 
     def on_finish(self, request_id: str, reason: FinishReason, t: RequestTimings) -> None:
-        self._q.put({"type": "request", "id": request_id, "finish_reason": reason, **asdict(t)})
+        line = {"type": "request", "id": request_id, "finish_reason": reason, **asdict(t)}
+        line["ttft_ms"] = t.first_token_ms  # null without a token, as /telemetry gives it
+        self._q.put(line)
 
     def _write(self, obj: dict[str, Any]) -> None:
         self._fh.write(json.dumps(obj, separators=(",", ":")) + "\n")

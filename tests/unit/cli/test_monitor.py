@@ -4,6 +4,7 @@ whole recording)."""
 from __future__ import annotations
 
 import io
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -212,8 +213,9 @@ def test_the_first_frame_shows_the_snapshots_tokens_then_the_counters_window() -
 
 
 def test_a_request_that_produced_no_token_shows_no_ttft() -> None:
-    """A recording's request line keeps the engine's timings as they are: a request
-    cancelled before its first token has a ``ttft_ms`` that is only when it ended."""
+    """A recording made before its request lines said null kept the engine's timings
+    as they were: a request cancelled before its first token has a ``ttft_ms`` that is
+    only when it ended."""
     snap = snapshot()
     snap["recent_requests"] = [
         {"id": "req-gone", "finish_reason": "cancelled", "ttft_ms": 1109.97,
@@ -245,3 +247,29 @@ def test_off_a_terminal_every_refresh_is_printed_after_the_one_before(
 
     watch_frames(out, Group(Text("frame one")), next_frame, 0.25)
     assert sink.getvalue().splitlines() == ["frame one", "frame two", "frame three"]
+
+
+def test_a_recordings_summary_gives_no_ttft_for_a_request_without_a_token(
+    tmp_path: Path,
+) -> None:
+    """`monitor --recording --json` says null for a request that produced no token, also
+    for a recording whose line kept the raw time (one made before lines said null)."""
+    path = record(tmp_path / "run.jsonl", [1.0, 2.0])
+    old = {
+        "type": "request",
+        "id": "req-gone",
+        "finish_reason": "cancelled",
+        "ttft_ms": 1109.97,
+        "tpot_ms": None,
+        "prompt_tokens": 36,
+        "generated_tokens": 0,
+    }
+    served = {**old, "id": "req-served", "finish_reason": "stop", "ttft_ms": 289.57,
+              "generated_tokens": 27}  # fmt: skip
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(old) + "\n" + json.dumps(served) + "\n")
+    requests = summarize_recording(path)["recent_requests"]
+    assert [(r["id"], r["ttft_ms"]) for r in requests] == [
+        ("req-gone", None),
+        ("req-served", 289.57),
+    ]
