@@ -415,3 +415,35 @@ def test_a_line_to_a_pipe_is_never_wrapped(
     out.note(long)
     captured = capsys.readouterr()
     assert captured.out == long + "\n" and captured.err == long + "\n"
+
+
+@pytest.mark.parametrize("columns", [80, 240])
+@pytest.mark.parametrize("command", [("profile", "list"), ("profile", "show", "demo")])
+def test_tables_in_a_pipe_have_no_trailing_spaces(command: tuple[str, ...], columns: int) -> None:
+    """rich pads each cell to its column's width: in a file or a pipe a line ends at its
+    last character, as a table as labelled lines (80 columns) as in a grid (240)."""
+    code, out, err = invoke(*command, columns=columns)
+    assert code == 0, err
+    assert out.count("\n") > 10
+    padded = [line for line in out.splitlines() if line != line.rstrip()]
+    assert padded == []
+
+
+def _command_paths(command: object = None, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    command = command or typer.main.get_command(app)
+    yield path
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _command_paths(sub, (*path, name))
+
+
+def test_help_in_a_pipe_has_no_trailing_spaces() -> None:
+    """rich pads each line of --help's panels to the width; in a pipe they end at their
+    last character, for every command and group."""
+    paths = list(_command_paths())
+    assert ("model", "pull") in paths and ("deploy", "k8s") in paths
+    for path in paths:
+        code, out, err = invoke(*path, "--help", columns=80)
+        assert code == 0, (path, err)
+        assert "Usage: orin-llm" in out
+        padded = [line for line in out.splitlines() if line != line.rstrip()]
+        assert padded == [], path
