@@ -135,6 +135,8 @@ def file_to_write(value: Path | None) -> Path | None:
     if value is not None:
         if value.is_dir():
             raise typer.BadParameter(f"{value} is a folder; give a file name in it")
+        if value.parent.exists() and not value.parent.is_dir():
+            raise typer.BadParameter(f"{value.parent} is a file, not a folder")
         if not value.parent.is_dir():
             raise typer.BadParameter(f"no folder {value.parent}: create it first")
     return value

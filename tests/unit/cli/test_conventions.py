@@ -376,6 +376,10 @@ BENCH = ("bench", "--url", "http://127.0.0.1:1", "--concurrency", "1")
         (("tune", "run", "--profile", "demo", "--out", "{dir}/no/t.yaml"),
          "no folder {dir}/no: create it first"),
         (("deploy", "k8s", "--profile", "demo", "--output", "{file}"), "is a file; give a folder"),
+        (("model", "demo", "--out", "{dir}"), "is a folder; give a file name in it"),
+        (("model", "demo", "--out", "{dir}/no/m.gguf"), "no folder {dir}/no: create it first"),
+        (("model", "demo", "--out", "{file}/m.gguf"), "{file} is a file, not a folder"),
+        ((*BENCH, "--output", "{file}/b.json"), "{file} is a file, not a folder"),
     ],
 )  # fmt: skip
 def test_a_path_a_command_could_not_write_is_refused_before_it_starts(
@@ -385,6 +389,21 @@ def test_a_path_a_command_could_not_write_is_refused_before_it_starts(
     paths = {"dir": str(tmp_path), "file": str(tmp_path / "f")}
     code, _, err = invoke(*(a.format(**paths) for a in args))
     assert code == 2 and says.format(**paths) in " ".join(err.replace("│", " ").split())
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("model", "demo", "--size", "huge"), "'huge': give one of tiny, small, medium"),
+        (("model", "demo", "--quant", "q9_9"), "'q9_9': give one of f32, f16,"),
+    ],
+)
+def test_a_demo_model_the_generator_cannot_make_is_a_usage_error(
+    tmp_path: Path, args: tuple[str, ...], says: str
+) -> None:
+    code, out, err = invoke(*args, "--out", str(tmp_path / "m.gguf"))
+    assert code == 2 and says in err and out == ""
+    assert not (tmp_path / "m.gguf").exists()
 
 
 @pytest.mark.parametrize(
