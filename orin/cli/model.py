@@ -20,7 +20,7 @@ from rich.progress import (
 from orin.cli.deps import deps
 from orin.cli.errors import handle_errors
 from orin.cli.help import Typer
-from orin.cli.options import CtxOpt, JsonOpt, RootOpt, file_to_write
+from orin.cli.options import CtxOpt, JsonOpt, RootOpt, file_to_write, folder_to_write
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.errors import ModelFileError, OrinError, ProfileError
 from orin.model import store
@@ -421,6 +421,7 @@ DirOpt = Annotated[
     Path | None,
     typer.Option(
         "--dir",
+        callback=folder_to_write,  # a file there, or a folder not writable: exit 2 at once
         help="Models directory (default: /var/lib/orin-llm/models as root, the service's; "
         "else ~/.cache/orin-llm/models).",
     ),
@@ -429,6 +430,7 @@ SeenDirOpt = Annotated[
     Path | None,
     typer.Option(
         "--dir",
+        callback=folder_to_write,  # a file there, or a folder not writable: exit 2 at once
         help="Models directory (default: both that serve looks in: ~/.cache/orin-llm/models, "
         "then /var/lib/orin-llm/models, the installed service's).",
     ),

@@ -380,6 +380,8 @@ BENCH = ("bench", "--url", "http://127.0.0.1:1", "--concurrency", "1")
         (("model", "demo", "--out", "{dir}/no/m.gguf"), "no folder {dir}/no: create it first"),
         (("model", "demo", "--out", "{file}/m.gguf"), "{file} is a file, not a folder"),
         ((*BENCH, "--output", "{file}/b.json"), "{file} is a file, not a folder"),
+        (("model", "pull", "a/b:Q4_K_M", "--dir", "{file}"), "is a file; give a folder"),
+        (("model", "pull", "a/b:Q4_K_M", "--dir", "{file}/m"), "is a file, so {file}/m cannot"),
     ],
 )  # fmt: skip
 def test_a_path_a_command_could_not_write_is_refused_before_it_starts(
