@@ -80,6 +80,10 @@ def test_bench_json_prints_and_output_writes(tmp_path: Path) -> None:
         (("--slo", "ttft=5"), "ttft_p95_ms"),
         (("--input-len", "ten"), "comma-separated"),
         ((), "--concurrency"),  # neither --concurrency nor --request-rate
+        (("--request-rate", "nan"), "the request rate must be positive"),
+        (("--request-rate", "0"), "the request rate must be positive"),
+        (("--concurrency", "1", "--burstiness", "nan"), "burstiness must be positive and finite"),
+        (("--concurrency", "1", "--burstiness", "inf"), "burstiness must be positive and finite"),
     ],
 )
 def test_bench_usage_mistakes_exit_2(args: tuple[str, ...], message: str) -> None:
