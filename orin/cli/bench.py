@@ -154,6 +154,10 @@ def bench(
         spec.check()
     except ValueError as exc:
         raise usage_error(str(exc)) from None
+    if model_file is not None:  # missing or not GGUF: exit 3 now, not a note after the run
+        from orin.model.gguf import read_model_info
+
+        read_model_info(model_file)
     out = Output(as_json)
     from orin.bench.server import UnknownModel
 

@@ -93,6 +93,22 @@ def test_bench_usage_mistakes_exit_2(args: tuple[str, ...], message: str) -> Non
     assert out == ""
 
 
+@pytest.mark.parametrize("name", ["missing.gguf", "not-gguf.txt"])
+def test_bench_reads_the_model_file_it_is_given_before_it_sends_anything(
+    tmp_path: Path, name: str
+) -> None:
+    (tmp_path / "not-gguf.txt").write_text("hello")
+    fake = FakeServer(usage=True)
+    with serving(fake) as url:
+        code, out, err = invoke(
+            "bench", "--url", url, "--concurrency", "1", "--num-requests", "1",
+            "--model-file", str(tmp_path / name),
+        )  # fmt: skip
+    assert code == 3, err
+    assert err.startswith(f"orin-llm: {tmp_path / name}: ") and out == ""
+    assert fake.bodies == []
+
+
 def test_bench_with_a_model_the_server_does_not_list_is_a_usage_error() -> None:
     fake = FakeServer(usage=True)
     with serving(fake) as url:
