@@ -430,7 +430,7 @@ SeenDirOpt = Annotated[
     Path | None,
     typer.Option(
         "--dir",
-        callback=folder_to_write,  # a file there, or a folder not writable: exit 2 at once
+        file_okay=False,  # a file is a usage error; a folder only read needs no writing
         help="Models directory (default: both that serve looks in: ~/.cache/orin-llm/models, "
         "then /var/lib/orin-llm/models, the installed service's).",
     ),

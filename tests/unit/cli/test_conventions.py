@@ -413,6 +413,16 @@ def test_a_path_a_command_could_not_write_is_refused_before_it_starts(
     assert code == 2 and says.format(**paths) in " ".join(err.replace("│", " ").split())
 
 
+@pytest.mark.parametrize("command", [("model", "list"), ("model", "rm", "m.gguf")])
+def test_a_models_folder_that_is_a_file_is_a_usage_error(
+    tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """(`model list` said "no such folder" and exited 0; `model rm` found no model.)"""
+    (tmp_path / "f").write_text("")
+    code, out, err = invoke(*command, "--dir", str(tmp_path / "f"))
+    assert code == 2 and f"'{tmp_path / 'f'}' is a file" in err and out == ""
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
