@@ -498,3 +498,22 @@ def test_help_in_a_pipe_has_no_trailing_spaces() -> None:
         assert "Usage: orin-llm" in out
         padded = [line for line in out.splitlines() if line != line.rstrip()]
         assert padded == [], path
+
+
+def test_a_cache_folder_that_cannot_be_made_is_said_plainly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ORIN_LLM_CACHE_DIR naming a file: the demo model cannot be written, exit 7 with
+    the folder named, not an internal error."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("ORIN_LLM_CACHE_DIR", str(tmp_path / "file"))
+    from orin.model.demo import file_name
+
+    code, out, err = invoke("model", "demo", "--size", "tiny", "--quant", "f32")
+    models = tmp_path / "file" / "models"
+    assert code == 7, err
+    assert err.strip() == (
+        f"orin-llm: cannot write the demo model {models / file_name('tiny', 'f32')}: "
+        f"{models}: not a directory"
+    )
+    assert out == ""
