@@ -246,7 +246,14 @@ def summarize_recording(path: Path) -> dict[str, Any]:
         SimpleNamespace(**{k: v for k, v in s.items() if k != "type"}) for s in rec["sample"]
     ]
     steps = [SimpleNamespace(**s) for s in rec["step"]]
-    phases = summarize(samples, steps)
+    try:
+        phases = summarize(samples, steps)
+    except (AttributeError, TypeError) as exc:  # a line without a field a recording has
+        missing = getattr(exc, "name", None)
+        why = f"a line has no {missing!r}" if missing else "a line has a field of another type"
+        raise MonitorError(
+            f"{path}: not a recording this version of orin-llm reads ({why})"
+        ) from None
     covered = sum(p.seconds for p in phases.values())
     return {
         "source": rec["meta"][0].get("source"),

@@ -75,13 +75,16 @@ class Recorder:
 
 
 def read_recording(path: Path) -> dict[str, list[dict[str, Any]]]:
-    """The recording's lines grouped by type; a torn last line (a killed run) is skipped."""
+    """The recording's lines grouped by type; a torn last line (a killed run) is skipped,
+    as is any line that is not a JSON object (a file that is no recording, text or
+    binary, has no meta line then)."""
     out: dict[str, list[dict[str, Any]]] = {"meta": [], "sample": [], "step": [], "request": []}
-    with path.open(encoding="utf-8") as fh:
+    with path.open(encoding="utf-8", errors="replace") as fh:  # bytes of another file
         for line in fh:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            out.setdefault(obj.get("type", "unknown"), []).append(obj)
+            if isinstance(obj, dict):
+                out.setdefault(str(obj.get("type", "unknown")), []).append(obj)
     return out

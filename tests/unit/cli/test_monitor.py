@@ -273,3 +273,26 @@ def test_a_recordings_summary_gives_no_ttft_for_a_request_without_a_token(
         ("req-gone", None),
         ("req-served", 289.57),
     ]
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"[1, 2]\n", "not an orin-llm recording"),  # JSON lines, not objects
+        (b"GGUF\x03\x00\x00\x00\x80\xff\xfe binary", "not an orin-llm recording"),
+        (
+            b'{"type": "meta", "source": "cpu"}\n{"type": "sample", "t_ns": 1}\n{"type": "step"}\n',
+            "not a recording this version of orin-llm reads (a line has no 'start_ns')",
+        ),
+    ],
+)
+def test_a_file_that_is_not_a_recording_is_said_to_be_one(
+    tmp_path: Path, content: bytes, says: str
+) -> None:
+    """Another file given to `monitor --recording` is a MonitorError (exit 1, one line),
+    not an internal error."""
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(MonitorError) as caught:
+        summarize_recording(path)
+    assert str(caught.value) == f"{path}: {says}"
