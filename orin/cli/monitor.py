@@ -187,6 +187,10 @@ def fetch(url: str, client: httpx.Client) -> tuple[dict[str, Any], dict[str, Any
             raise MonitorError(
                 f"{url} requires an API key: give it with --api-key or ORIN_LLM_API_KEY"
             )
+        if resp.status_code == 404:  # not "telemetry off", which orin-llm answers with 200
+            raise MonitorError(f"{url} has no /telemetry (404): monitor watches an orin-llm server")
+        if resp.status_code >= 400:
+            raise MonitorError(f"{url}/telemetry answered {resp.status_code}")
         snap = resp.json()
         health = client.get(f"{url}/health").json()
     except httpx.ConnectError as exc:

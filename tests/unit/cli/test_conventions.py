@@ -22,7 +22,7 @@ from orin.cli.app import app
 from orin.cli.options import CTX_HELP
 from orin.cli.output import Output, progress_wanted
 from orin.profile.loader import builtin_profiles
-from tests.unit.bench.test_loadgen import FakeServer, serving
+from tests.unit.bench.test_loadgen import Answer, FakeServer, Seen, serving
 
 runner = CliRunner()
 
@@ -517,3 +517,28 @@ def test_a_cache_folder_that_cannot_be_made_is_said_plainly(
         f"{models}: not a directory"
     )
     assert out == ""
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/", "/"])
+@pytest.mark.parametrize("command", [("monitor", "--once"), ("status",)])
+def test_a_server_url_with_the_openai_path_reaches_the_servers_root(
+    suffix: str, command: tuple[str, ...]
+) -> None:
+    """An OpenAI client's base URL (http://host:8080/v1) given to --url: the routes these
+    commands read (/health, /telemetry, /metrics) are at the root, not under /v1."""
+    seen: list[str] = []
+
+    def app(s: Seen) -> Answer:
+        seen.append(s.path)
+        if s.path == "/health":
+            return Answer(body={"status": "ok"})
+        if s.path == "/telemetry":
+            return Answer(body={"source": None, "phase": None})
+        return Answer(404, {"error": {"message": f"Not Found: GET {s.path}"}})
+
+    with serving(app) as url:  # http://127.0.0.1:PORT/v1
+        root = url.removesuffix("/v1")
+        invoke(*command, "--url", root + suffix)
+    assert "/health" in seen
+    assert not [path for path in seen if path.startswith("/v1/health")]
+    assert "/v1/telemetry" not in seen

@@ -296,3 +296,27 @@ def test_a_file_that_is_not_a_recording_is_said_to_be_one(
     with pytest.raises(MonitorError) as caught:
         summarize_recording(path)
     assert str(caught.value) == f"{path}: {says}"
+
+
+@pytest.mark.parametrize(
+    ("status", "says"),
+    [
+        (404, "has no /telemetry (404): monitor watches an orin-llm server"),
+        (500, "/telemetry answered 500"),
+    ],
+)
+def test_a_server_without_telemetry_is_not_said_to_have_it_off(status: int, says: str) -> None:
+    """Another OpenAI-compatible server (or a URL with a path before /telemetry) answers
+    404 with an error body: that is not orin-llm's "telemetry off" (a 200)."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        return httpx.Response(status, json={"error": {"message": "Not Found"}})
+
+    with (
+        httpx.Client(transport=httpx.MockTransport(answer)) as client,
+        pytest.raises(MonitorError) as caught,
+    ):
+        fetch("http://127.0.0.1:8080", client)
+    assert str(caught.value).startswith("http://127.0.0.1:8080") and says in str(caught.value)
