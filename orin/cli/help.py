@@ -4,7 +4,7 @@ an argument in the usage line as ``PATH`` or ``[NAME]`` rather than ``{path}``, 
 a docstring's wrapped lines as the paragraphs they are (rich help keeps a single line
 break, so a docstring wrapped at the source's width would print broken lines), and,
 in a file or a pipe, lines that end at their last character (rich pads each line of
-its panels to the width)."""
+its panels to the width) and a reader that goes away ending it with 141."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from typing import Any
 
 import typer
 from typer.core import TyperCommand, TyperGroup
+
+from orin.cli.errors import stdout_closed
 
 
 def unwrap(text: str | None) -> str | None:
@@ -57,7 +59,11 @@ def _help_stripped(write_help: Callable[[], None]) -> None:
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         write_help()
-    sys.stdout.write(_TRAILING.sub(r"\1", buffer.getvalue()))
+    try:
+        sys.stdout.write(_TRAILING.sub(r"\1", buffer.getvalue()))
+        sys.stdout.flush()  # now, so that a reader already gone is seen here
+    except BrokenPipeError:  # `orin-llm --help | head -1`: exit 141, as every command
+        stdout_closed()
 
 
 class Command(TyperCommand):

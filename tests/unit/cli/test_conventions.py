@@ -235,7 +235,10 @@ def _closed_stdout_run(*args: str) -> subprocess.CompletedProcess[bytes]:
         os.close(write)
 
 
-@pytest.mark.parametrize("args", [("profile", "list", "--json"), ("profile", "list")])
+@pytest.mark.parametrize(
+    "args",
+    [("profile", "list", "--json"), ("profile", "list"), ("--help",), ("bench", "--help")],
+)
 def test_a_closed_stdout_ends_the_command_quietly(args: tuple[str, ...]) -> None:
     done = _closed_stdout_run(*args)
     assert done.returncode == 141, done.stderr  # 128 + SIGPIPE
