@@ -66,10 +66,10 @@ class LoadSpec:
             raise ValueError("give --concurrency N (closed loop) or --request-rate R (open loop)")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
-        if self.request_rate is not None and self.request_rate <= 0:
+        if self.request_rate is not None and not self.request_rate > 0:  # nan too
             raise ValueError("the request rate must be positive (inf: all at once)")
-        if self.burstiness <= 0:
-            raise ValueError("burstiness must be positive")
+        if not 0 < self.burstiness < math.inf:
+            raise ValueError("burstiness must be positive and finite")
 
     @property
     def base_url(self) -> str:

@@ -32,6 +32,18 @@ class BenchError(OrinError):
     """The server cannot be benchmarked (unreachable, or it refuses every request)."""
 
 
+class UnknownModel(BenchError):
+    """The model asked for is not one the server lists in ``/v1/models``: nothing is
+    sent (a server that answers for any name would report figures under a name it
+    does not serve)."""
+
+    def __init__(self, base: str, model: str, listed: Sequence[str]) -> None:
+        self.model, self.listed = model, tuple(listed)
+        super().__init__(
+            f"{base} does not serve a model '{model}'; its /v1/models lists: " + ", ".join(listed)
+        )
+
+
 @dataclass
 class ServerInfo:
     kind: str  # "orin-llm" or "openai" (any other OpenAI-compatible server)
@@ -63,6 +75,19 @@ def _models(base: str, headers: dict[str, str], timeout: float) -> list[Any]:
     return data if isinstance(data, list) else []
 
 
+def _entry(base: str, model: str | None, listed: list[Any]) -> dict[str, Any]:
+    """The ``/v1/models`` entry of the model to benchmark: the one named, else the
+    first. A name the list lacks raises UnknownModel; a server that lists nothing
+    (no ``/v1/models``) cannot be checked and gets the name as given."""
+    entries = [e for e in listed if isinstance(e, dict)]
+    names = [e["id"] for e in entries if isinstance(e.get("id"), str)]
+    if model is None or not names:
+        return entries[0] if entries else {}
+    if model not in names:
+        raise UnknownModel(base, model, names)
+    return next(e for e in entries if e.get("id") == model)
+
+
 def _complete(target: Target, prompt: str | list[int]) -> Reply:
     body = target.body(prompt, 1, stream=False)
     url = f"{target.base_url}/v1/completions"
@@ -83,8 +108,7 @@ def probe(
     timeout: float = 600.0,
 ) -> ServerInfo:
     """Identify the server and prepare prompts for every input length."""
-    listed = _models(base, headers, timeout)
-    first = listed[0] if listed and isinstance(listed[0], dict) else {}
+    first = _entry(base, model, _models(base, headers, timeout))
     kind = "orin-llm" if first.get("owned_by") == "orin-llm" else "openai"
     meta = first.get("meta") if kind == "orin-llm" else None
     info = ServerInfo(kind, model or first.get("id"), ignore_eos=True)

@@ -66,7 +66,11 @@ def bench(
         str, typer.Option(callback=check_url, help="Server base URL, e.g. http://127.0.0.1:8080.")
     ],
     model: Annotated[
-        str | None, typer.Option(help="Model name to send (default: the server's first).")
+        str | None,
+        typer.Option(
+            help="Model name to send, one the server lists in /v1/models "
+            "(default: the server's first)."
+        ),
     ] = None,
     num_requests: Annotated[int, typer.Option(min=1, help="Measured requests.")] = 64,
     input_len: Annotated[
@@ -150,8 +154,17 @@ def bench(
         spec.check()
     except ValueError as exc:
         raise usage_error(str(exc)) from None
+    if model_file is not None:  # missing or not GGUF: exit 3 now, not a note after the run
+        from orin.model.gguf import read_model_info
+
+        read_model_info(model_file)
     out = Output(as_json)
-    result = _run_with_progress(spec, out)
+    from orin.bench.server import UnknownModel
+
+    try:
+        result = _run_with_progress(spec, out)
+    except UnknownModel as exc:  # found from /v1/models, before any request is sent
+        raise typer.BadParameter(str(exc), param_hint="'--model'") from None
     if as_json:
         out.json(result.to_json())
     else:

@@ -2,8 +2,8 @@
 
 The YAML goes to stdout (``| kubectl apply -f -``), or one file per object into
 ``--output DIR``; what the cluster needs besides (the API key's Secret, node
-labels, the models folder on each board) is said on stderr, or on stdout next
-to the files' names.
+labels, the models folder on each board) is said on stderr, as are the names of
+the files written (stdout stays empty then), as for every command (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -242,16 +242,16 @@ def kubernetes(
     )
     if output is None:
         sys.stdout.write(rendered.yaml())
-        for line in (summary, *rendered.notes):
-            print(f"# {line}", file=sys.stderr)
-        return
-    try:
-        written, removed = rendered.write(output)
-    except OSError as exc:  # a folder the check at the start could not foresee (/proc/x)
-        raise fail(f"cannot write the manifests into {output}: {exc.strerror or exc}", 1) from None
-    for path in removed:
-        print(f"removed {path} (not part of this rendering)")
-    for path in written:
-        print(f"wrote {path}")
+    else:
+        try:
+            written, removed = rendered.write(output)
+        except OSError as exc:  # a folder the check at the start could not foresee (/proc/x)
+            raise fail(
+                f"cannot write the manifests into {output}: {exc.strerror or exc}", 1
+            ) from None
+        for path in removed:
+            print(f"removed {path} (not part of this rendering)", file=sys.stderr)
+        for path in written:
+            print(f"wrote {path}", file=sys.stderr)
     for line in (summary, *rendered.notes):
-        print(f"# {line}")
+        print(f"# {line}", file=sys.stderr)

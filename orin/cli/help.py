@@ -2,16 +2,24 @@
 groups that print a switch (``--json``, ``--version``) without a value placeholder,
 an argument in the usage line as ``PATH`` or ``[NAME]`` rather than ``{path}``, and
 a docstring's wrapped lines as the paragraphs they are (rich help keeps a single line
-break, so a docstring wrapped at the source's width would print broken lines)."""
+break, so a docstring wrapped at the source's width would print broken lines), and,
+in a file or a pipe, lines that end at their last character (rich pads each line of
+its panels to the width) and a reader that goes away ending it with 141."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import re
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import typer
 from typer.core import TyperCommand, TyperGroup
+
+from orin.cli.errors import stdout_closed
 
 
 def unwrap(text: str | None) -> str | None:
@@ -38,10 +46,33 @@ def _argument_usage(param: Any) -> str:
     return name if param.required else f"[{name}]"
 
 
+_TRAILING = re.compile(r"[ \t]+((?:\x1b\[[0-9;]*m)*)$", re.MULTILINE)
+
+
+def _help_stripped(write_help: Callable[[], None]) -> None:
+    """Run ``write_help`` (typer's rich help, printed on stdout); off a terminal, its
+    lines go out without the spaces that pad them to the width (a style's closing
+    escape code after them, with FORCE_COLOR, stays)."""
+    if sys.stdout.isatty():
+        write_help()
+        return
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        write_help()
+    try:
+        sys.stdout.write(_TRAILING.sub(r"\1", buffer.getvalue()))
+        sys.stdout.flush()  # now, so that a reader already gone is seen here
+    except BrokenPipeError:  # `orin-llm --help | head -1`: exit 141, as every command
+        stdout_closed()
+
+
 class Command(TyperCommand):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["help"] = unwrap(kwargs.get("help"))
         super().__init__(*args, **kwargs)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        _help_stripped(lambda: super(Command, self).format_help(ctx, formatter))
 
     def get_params(self, ctx: Any) -> list[Any]:
         return _switches_bare(super().get_params(ctx))
@@ -60,6 +91,9 @@ class Group(TyperGroup):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["help"] = unwrap(kwargs.get("help"))
         super().__init__(*args, **kwargs)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        _help_stripped(lambda: super(Group, self).format_help(ctx, formatter))
 
     def get_params(self, ctx: Any) -> list[Any]:
         return _switches_bare(super().get_params(ctx))

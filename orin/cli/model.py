@@ -20,7 +20,7 @@ from rich.progress import (
 from orin.cli.deps import deps
 from orin.cli.errors import handle_errors
 from orin.cli.help import Typer
-from orin.cli.options import CtxOpt, JsonOpt, RootOpt
+from orin.cli.options import CtxOpt, JsonOpt, RootOpt, file_to_write, folder_to_write
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.errors import ModelFileError, OrinError, ProfileError
 from orin.model import store
@@ -351,13 +351,38 @@ def _note_swa(out: Output, p: MemoryPlan, other: MemoryPlan) -> None:
         )
 
 
+def _demo_size(value: str) -> str:
+    """Option callback: a size the generator has (another is a usage error, exit 2)."""
+    from orin.model.demo import SIZES
+
+    if value not in SIZES:
+        raise typer.BadParameter(f"{value!r}: give one of {', '.join(SIZES)}")
+    return value
+
+
+def _demo_quant(value: str) -> str:
+    """Option callback: a type the generator writes (another is a usage error, exit 2)."""
+    from orin.model.demo import QUANTS
+
+    if value not in QUANTS:
+        raise typer.BadParameter(f"{value!r}: give one of {', '.join(QUANTS)}")
+    return value
+
+
 @app.command()
 @handle_errors
 def demo(
-    size: Annotated[str, typer.Option(help="tiny, small or medium.")] = "small",
-    quant: Annotated[str, typer.Option(help="f32, f16, q8_0, q6_k, q4_k_m, ...")] = "q4_k_m",
+    size: Annotated[
+        str, typer.Option(callback=_demo_size, help="tiny, small or medium.")
+    ] = "small",
+    quant: Annotated[
+        str, typer.Option(callback=_demo_quant, help="f32, f16, q8_0, q6_k, q4_k_m, ...")
+    ] = "q4_k_m",
     out_path: Annotated[
-        Path | None, typer.Option("--out", help="Write here instead of the cache.")
+        Path | None,
+        typer.Option(
+            "--out", callback=file_to_write, help="Write this file instead of the cache's."
+        ),
     ] = None,
 ) -> None:
     """Generate a deterministic random-weight GGUF model (for demos and tests)."""
@@ -396,6 +421,7 @@ DirOpt = Annotated[
     Path | None,
     typer.Option(
         "--dir",
+        callback=folder_to_write,  # a file there, or a folder not writable: exit 2 at once
         help="Models directory (default: /var/lib/orin-llm/models as root, the service's; "
         "else ~/.cache/orin-llm/models).",
     ),
@@ -404,6 +430,7 @@ SeenDirOpt = Annotated[
     Path | None,
     typer.Option(
         "--dir",
+        file_okay=False,  # a file is a usage error; a folder only read needs no writing
         help="Models directory (default: both that serve looks in: ~/.cache/orin-llm/models, "
         "then /var/lib/orin-llm/models, the installed service's).",
     ),

@@ -171,8 +171,9 @@ def render(
 
 def _ttft(r: dict[str, Any]) -> float | None:
     """A request's TTFT; none for one that produced no token (cancelled while queued or
-    during prefill), whose recorded ``ttft_ms`` is only the time it ended."""
-    return r["ttft_ms"] if r.get("generated_tokens") else None
+    during prefill), whose ``ttft_ms`` in a recording made before it was written as
+    null is only the time it ended."""
+    return r.get("ttft_ms") if r.get("generated_tokens") else None
 
 
 def _pct(v: float | None) -> float | None:
@@ -186,6 +187,10 @@ def fetch(url: str, client: httpx.Client) -> tuple[dict[str, Any], dict[str, Any
             raise MonitorError(
                 f"{url} requires an API key: give it with --api-key or ORIN_LLM_API_KEY"
             )
+        if resp.status_code == 404:  # not "telemetry off", which orin-llm answers with 200
+            raise MonitorError(f"{url} has no /telemetry (404): monitor watches an orin-llm server")
+        if resp.status_code >= 400:
+            raise MonitorError(f"{url}/telemetry answered {resp.status_code}")
         snap = resp.json()
         health = client.get(f"{url}/health").json()
     except httpx.ConnectError as exc:
@@ -245,7 +250,14 @@ def summarize_recording(path: Path) -> dict[str, Any]:
         SimpleNamespace(**{k: v for k, v in s.items() if k != "type"}) for s in rec["sample"]
     ]
     steps = [SimpleNamespace(**s) for s in rec["step"]]
-    phases = summarize(samples, steps)
+    try:
+        phases = summarize(samples, steps)
+    except (AttributeError, TypeError) as exc:  # a line without a field a recording has
+        missing = getattr(exc, "name", None)
+        why = f"a line has no {missing!r}" if missing else "a line has a field of another type"
+        raise MonitorError(
+            f"{path}: not a recording this version of orin-llm reads ({why})"
+        ) from None
     covered = sum(p.seconds for p in phases.values())
     return {
         "source": rec["meta"][0].get("source"),
@@ -253,7 +265,7 @@ def summarize_recording(path: Path) -> dict[str, Any]:
         "latest": None,
         "window_s": round(covered, 1),
         "phases": {p: s.to_dict() for p, s in phases.items()},
-        "recent_requests": rec["request"],
+        "recent_requests": [{**r, "ttft_ms": _ttft(r)} for r in rec["request"]],
     }
 
 

@@ -135,6 +135,8 @@ def file_to_write(value: Path | None) -> Path | None:
     if value is not None:
         if value.is_dir():
             raise typer.BadParameter(f"{value} is a folder; give a file name in it")
+        if value.parent.exists() and not value.parent.is_dir():
+            raise typer.BadParameter(f"{value.parent} is a file, not a folder")
         if not value.parent.is_dir():
             raise typer.BadParameter(f"no folder {value.parent}: create it first")
     return value
@@ -191,7 +193,13 @@ def service_user(value: str) -> str:
 
 def check_url(value: str | None) -> str | None:
     """Option callback: a server URL needs its scheme (``--url 127.0.0.1:8080`` is a
-    usage error, exit 2, not a connection failure)."""
-    if value is not None and not value.startswith(("http://", "https://")):
+    usage error, exit 2, not a connection failure). The URL the commands get is the
+    server's root: a trailing ``/`` or ``/v1`` (an OpenAI client's base URL) goes, as
+    the routes they read (/health, /telemetry, /metrics) are not under /v1."""
+    if value is None:
+        return None
+    if not value.startswith(("http://", "https://")):
         raise typer.BadParameter(f"{value!r}: give the scheme, e.g. http://127.0.0.1:8080")
-    return value
+    base = value.rstrip("/")
+    base = base[: -len("/v1")] if base.endswith("/v1") else base
+    return base.rstrip("/")

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from typing import Any, TextIO
 
 from rich.console import Console, Group, RenderableType
+from rich.segment import Segment, Segments
 from rich.table import Table
 from rich.text import Text
 
@@ -89,14 +90,49 @@ class Output:
         asks for), never when the output goes to a file or a pipe (a log line stays one
         line for grep)."""
         with guard_stdout():
-            self.out.print(text, soft_wrap=not _wraps(self.out))
+            _text(self.out, text)
 
     def print(self, renderable: RenderableType) -> None:
+        """A table or a group of them. In a file or a pipe, each line ends at its last
+        character: rich pads every cell to its column's width, which a terminal shows
+        as nothing and a file keeps as trailing spaces."""
         with guard_stdout():
-            self.out.print(renderable)
+            if self.out.is_terminal:
+                self.out.print(renderable)
+            else:
+                _print_stripped(self.out, renderable)
 
     def note(self, text: str) -> None:
-        self.err.print(text, soft_wrap=not _wraps(self.err))
+        _text(self.err, text)
+
+
+def _text(console: Console, text: str) -> None:
+    """A line of text, wrapped as ``Output.line`` says; where it wraps in a file or a
+    pipe (COLUMNS), its lines end without the space rich leaves where it broke them."""
+    if not _wraps(console):
+        console.print(text, soft_wrap=True)
+    elif console.is_terminal:
+        console.print(text)
+    else:
+        _print_stripped(console, console.render_str(text))
+
+
+def _print_stripped(console: Console, renderable: RenderableType) -> None:
+    lines = console.render_lines(renderable, pad=False)
+    segments = [s for line in lines for s in (*without_trailing_spaces(line), Segment.line())]
+    console.print(Segments(segments), end="")
+
+
+def without_trailing_spaces(line: Sequence[Segment]) -> list[Segment]:
+    """One rendered line without the spaces that end it (a cell's padding)."""
+    out = list(line)
+    while out and not out[-1].control:
+        text = out[-1].text.rstrip(" ")
+        if text:
+            out[-1] = Segment(text, out[-1].style)
+            break
+        out.pop()
+    return out
 
 
 def make_table(

@@ -38,7 +38,7 @@ from orin.install.units import UnitConfig, service_plan, unit_config
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.model.memplan import MemoryPlan
 from orin.profile.loader import named_model_path, resolve_model_path
-from orin.profile.schema import Profile
+from orin.profile.schema import PATH_FIELDS, Profile
 
 Manifest = dict[str, Any]
 Kind = Literal["deployment", "daemonset"]
@@ -299,17 +299,15 @@ def container_profile(profile: Profile) -> tuple[str, tuple[str, ...]]:
     for each path moved into the models volume.
 
     The profile's own file, comments included, when every file it names is in the
-    models folder already; otherwise its settings with those paths moved."""
+    models folder already; otherwise its settings with those paths moved. The files
+    a profile names (PATH_FIELDS: the model, its projector, the draft model) move
+    into the models folder; its folders are the prompt cache's (prompt_cache_in_pods)."""
     header = f"# orin-llm profile '{profile.name}', rendered by `orin-llm deploy k8s`.\n"
     moves: list[tuple[tuple[str, str], str, str]] = []
-    if profile.model.path is not None:
-        moves.append((("model", "path"), profile.model.path, in_models_dir(profile.model.path)))
-    mmproj = profile.model.mmproj  # the vision projector, beside the model
-    if mmproj is not None:
-        moves.append((("model", "mmproj"), mmproj, in_models_dir(mmproj)))
-    draft = profile.speculative.draft_model
-    if draft is not None:
-        moves.append((("speculative", "draft_model"), str(draft), in_models_dir(str(draft))))
+    for named in PATH_FIELDS:
+        value = named.value(profile)
+        if named.what == "file" and value is not None:
+            moves.append(((named.section, named.key), str(value), in_models_dir(str(value))))
     moved = [(key, old, new) for key, old, new in moves if old != new]
     notes = tuple(
         f"{'.'.join(key)}: {old} is {new} in the pods; put the file there on each board "

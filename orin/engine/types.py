@@ -127,6 +127,13 @@ class RequestTimings:
         return self.e2e_ms - self.ttft_ms
 
     @property
+    def first_token_ms(self) -> float | None:
+        """The TTFT as reports give it: None for a request that produced no token
+        (cancelled while queued or during prefill, or failed before its first token),
+        whose ``ttft_ms`` is only the time it ended (../docs/metrics.md)."""
+        return self.ttft_ms if self.generated_tokens > 0 else None
+
+    @property
     def prefilled_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
 

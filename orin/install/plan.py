@@ -38,7 +38,7 @@ from orin.install.units import UnitConfig, render_units
 from orin.model import store
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.profile.loader import resolve_model_path
-from orin.profile.schema import Profile
+from orin.profile.schema import PATH_FIELDS, Profile
 from orin.system.actions import Action
 from orin.system.root import SysRoot
 
@@ -179,25 +179,16 @@ def profile_copy(profile: Profile, model_path: str | None = None) -> str:
     return header + text
 
 
-# the files and folders a profile names, each taken from the profile's folder when
-# relative (Profile.path_from): its copy in /etc/orin-llm must name them absolutely
-PROFILE_PATHS = (
-    ("model", "path"),
-    ("model", "mmproj"),
-    ("speculative", "draft_model"),
-    ("prompt_cache", "prompt_dir"),
-    ("prompt_cache", "directory"),
-)
-
-
 def _relative_paths(profile: Profile) -> dict[tuple[str, str], str]:
-    """Each path of the profile that is relative or starts with ``~`` (the service's
-    home is not the installing user's), made absolute as serve would resolve it."""
+    """Each path of the profile (PATH_FIELDS: taken from the profile's folder when
+    relative) that is relative or starts with ``~`` (the service's home is not the
+    installing user's), made absolute as serve would resolve it: the copy in
+    /etc/orin-llm lives in another folder."""
     out = {}
-    for section, key in PROFILE_PATHS:
-        value = getattr(getattr(profile, section), key)
+    for field in PATH_FIELDS:
+        value = field.value(profile)
         if value is not None and not Path(value).is_absolute():
-            out[(section, key)] = str(profile.path_from(value))
+            out[(field.section, field.key)] = str(profile.path_from(value))
     return out
 
 

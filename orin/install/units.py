@@ -21,9 +21,9 @@ from orin.errors import KVConfigError, OrinError
 from orin.install.layout import HOME_PREFIXES, PROFILE_FILE, SERVICE, TUNE_SERVICE
 from orin.model.gguf import ModelInfo
 from orin.model.memplan import MemoryPlan, plan_memory
-from orin.profile.fit import projector_bytes, projector_path
+from orin.profile.fit import projector_bytes
 from orin.profile.kvmatch import resolve_kv
-from orin.profile.schema import Profile
+from orin.profile.schema import PATH_FIELDS, Profile
 from orin.system.root import SysRoot
 
 MiB = 1 << 20
@@ -187,15 +187,14 @@ def unit_config(
 
 
 def _other_files(profile: Profile) -> tuple[str, ...]:
-    """The files besides the model the service reads: its vision projector and a
-    speculative draft model, as serve resolves them."""
+    """The files and folders besides the model the service reads (PATH_FIELDS: its
+    vision projector, a speculative draft model, the prompt cache's folders), as
+    serve resolves them."""
     out = []
-    projector = projector_path(profile) if profile.model.mmproj is not None else None
-    if projector is not None:
-        out.append(str(projector))
-    draft = profile.speculative.draft_model
-    if draft is not None:
-        out.append(str(profile.path_from(draft)))
+    for field in PATH_FIELDS:
+        value = field.value(profile)
+        if value is not None and field.name != "model.path":  # the model: model_path
+            out.append(str(profile.path_from(value)))
     return tuple(out)
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from orin.errors import DemoModelError
+from orin.errors import DemoModelError, os_error_text
 from orin.llamacpp import capture_log, llama
 from orin.model import vocab as vocab_mod
 from orin.paths import models_cache_dir
@@ -133,8 +133,7 @@ def ensure(size: str, quant: str, cache: Path | None = None) -> Path:
     path = (cache if cache is not None else models_cache_dir()) / file_name(size, quant)
     if path.is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return generate(size, quant, path)
+    return generate(size, quant, path)  # which makes the folder
 
 
 def generate(size: str, quant: str, out: Path, seed: int = 0) -> Path:
@@ -143,15 +142,21 @@ def generate(size: str, quant: str, out: Path, seed: int = 0) -> Path:
     if not 0 <= seed < 2**32:
         raise DemoModelError(f"demo model seed must be in [0, 2**32), not {seed}")
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _temp_path(out, ".f32") as raw:
-        _write_f32(raw, size, shape, seed)
-        if ftype == QUANTS["f32"]:
-            _publish(raw, out)
-        else:
-            with _temp_path(out, f".{quant}") as quantized:
-                _quantize(raw, quantized, ftype)
-                _publish(quantized, out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with _temp_path(out, ".f32") as raw:
+            _write_f32(raw, size, shape, seed)
+            if ftype == QUANTS["f32"]:
+                _publish(raw, out)
+            else:
+                with _temp_path(out, f".{quant}") as quantized:
+                    _quantize(raw, quantized, ftype)
+                    _publish(quantized, out)
+    except OSError as exc:  # a cache folder under a file, a full or read-only disk
+        where = f" {exc.filename}:" if exc.filename else ""
+        raise DemoModelError(
+            f"cannot write the demo model {out}:{where} {os_error_text(exc.strerror or str(exc))}"
+        ) from exc
     return out
 
 

@@ -35,6 +35,8 @@ def find_profile(name_or_path: str | Path) -> Path:
     """A profile file by path, or a built-in profile by name."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
+        if p.is_dir():
+            raise ProfileError(f"{p}: a folder, not a profile file")
         if not p.is_file():
             raise ProfileError(f"{p}: no such profile file")
         return p

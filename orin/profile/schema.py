@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -26,6 +27,21 @@ LoadMode = Literal["auto", "none", "mmap", "mlock", "mmap+mlock", "direct_io"]
 NumaStrategy = Literal["disabled", "distribute", "isolate", "numactl", "mirror"]
 OverflowPolicy = Literal["reject", "truncate"]
 DemoSize = Literal["tiny", "small", "medium"]
+
+
+@dataclass(frozen=True)
+class Names:
+    """Marks a field (``Annotated`` metadata) that names a file or a folder of the
+    machine serve runs on; relative paths start at the profile's folder
+    (``Profile.path_from``). ``PATH_FIELDS`` lists the marked fields, for the
+    commands that carry a profile elsewhere: install makes each absolute in its copy,
+    deploy k8s moves each into the pods, and both read the one list."""
+
+    what: Literal["file", "folder"]
+
+
+FILE = Names("file")
+FOLDER = Names("folder")
 
 
 def _numeric(annotation: Any) -> bool:
@@ -56,7 +72,7 @@ class DemoModel(_Section):
 
 
 class ModelSection(_Section):
-    path: str | None = Field(
+    path: Annotated[str | None, FILE] = Field(
         None,
         description="Path of the GGUF file; relative paths are taken from the profile's folder.",
     )
@@ -100,7 +116,7 @@ class ModelSection(_Section):
         "neither (or with pooling none) cannot embed.",
     )
 
-    mmproj: str | None = Field(
+    mmproj: Annotated[str | None, FILE] = Field(
         None,
         description="Path of a multimodal projector GGUF (llama-server's --mmproj): images in "
         "chat messages; relative paths are taken from the profile's folder.",
@@ -334,7 +350,7 @@ class SpeculativeSection(_Section):
     ngram_max: int = Field(
         4, ge=1, le=16, description="ngram: the longest suffix looked up (tried first)."
     )
-    draft_model: Path | None = Field(
+    draft_model: Annotated[Path | None, FILE] = Field(
         None,
         description="draft: GGUF of the draft model (relative paths start at the profile's "
         "directory); it must share the served model's vocabulary.",
@@ -384,12 +400,12 @@ class PromptCacheSection(_Section):
         "restored at start and whenever a request starts with one (each is rendered with the "
         "chat template as a conversation's system message).",
     )
-    prompt_dir: Path | None = Field(
+    prompt_dir: Annotated[Path | None, FOLDER] = Field(
         None,
         description="A directory of such prompts, one UTF-8 *.txt file each (relative paths "
         "start at the profile's directory).",
     )
-    directory: Path | None = Field(
+    directory: Annotated[Path | None, FOLDER] = Field(
         None,
         description="Where the saved KV state goes; default = prompt-cache under the cache "
         "directory (/var/cache/orin-llm/prompt-cache for the installed service).",
@@ -622,3 +638,36 @@ class Profile(_Section):
                 f"context.keep ({self.context.keep}) must be below the window ({limit})"
             )
         return self
+
+
+@dataclass(frozen=True)
+class PathField:
+    """A profile field that names a file or a folder (``Names``)."""
+
+    section: str
+    key: str
+    what: Literal["file", "folder"]
+
+    @property
+    def name(self) -> str:
+        return f"{self.section}.{self.key}"
+
+    def value(self, profile: Profile) -> str | Path | None:
+        value = getattr(getattr(profile, self.section), self.key)
+        assert value is None or isinstance(value, str | Path)
+        return value
+
+
+def _path_fields() -> tuple[PathField, ...]:
+    out = []
+    for section, info in Profile.model_fields.items():
+        model = info.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        for key, field in model.model_fields.items():
+            out += [PathField(section, key, m.what) for m in field.metadata if isinstance(m, Names)]
+    return tuple(out)
+
+
+# every field of a profile that names a file or a folder, in the order of the schema
+PATH_FIELDS = _path_fields()

@@ -171,10 +171,9 @@ class History:
             self._window.prompt += s.prefill_tokens + s.embedded_tokens
 
     def on_finish(self, request_id: str, reason: FinishReason, t: RequestTimings) -> None:
-        ttft = t.ttft_ms if t.generated_tokens > 0 else None
         with self._lock:
             self._window.finished += 1
-            self._finished.append((self._clock(), ttft, t.tpot_ms))
+            self._finished.append((self._clock(), t.first_token_ms, t.tpot_ms))
 
     def on_sample(self, sample: Sample, shares: tuple[Share, ...], dt: float) -> None:
         with self._lock:

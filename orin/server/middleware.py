@@ -137,7 +137,7 @@ class RequestContext:
                 prompt_tokens=t.prompt_tokens,
                 cached_tokens=t.cached_tokens,
                 generated_tokens=t.generated_tokens,
-                ttft_ms=round(t.ttft_ms, 1),
+                ttft_ms=round(t.first_token_ms, 1) if t.first_token_ms is not None else None,
                 tpot_ms=round(t.tpot_ms, 2) if t.tpot_ms is not None else None,
             )
         text = " ".join(f"{k}={v}" for k, v in fields.items())

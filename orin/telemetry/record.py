@@ -40,7 +40,9 @@ class Recorder:
         self._q.put({"type": "step", **s._asdict()})
 
     def on_finish(self, request_id: str, reason: FinishReason, t: RequestTimings) -> None:
-        self._q.put({"type": "request", "id": request_id, "finish_reason": reason, **asdict(t)})
+        line = {"type": "request", "id": request_id, "finish_reason": reason, **asdict(t)}
+        line["ttft_ms"] = t.first_token_ms  # null without a token, as /telemetry gives it
+        self._q.put(line)
 
     def _write(self, obj: dict[str, Any]) -> None:
         self._fh.write(json.dumps(obj, separators=(",", ":")) + "\n")
@@ -73,13 +75,16 @@ class Recorder:
 
 
 def read_recording(path: Path) -> dict[str, list[dict[str, Any]]]:
-    """The recording's lines grouped by type; a torn last line (a killed run) is skipped."""
+    """The recording's lines grouped by type; a torn last line (a killed run) is skipped,
+    as is any line that is not a JSON object (a file that is no recording, text or
+    binary, has no meta line then)."""
     out: dict[str, list[dict[str, Any]]] = {"meta": [], "sample": [], "step": [], "request": []}
-    with path.open(encoding="utf-8") as fh:
+    with path.open(encoding="utf-8", errors="replace") as fh:  # bytes of another file
         for line in fh:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            out.setdefault(obj.get("type", "unknown"), []).append(obj)
+            if isinstance(obj, dict):
+                out.setdefault(str(obj.get("type", "unknown")), []).append(obj)
     return out

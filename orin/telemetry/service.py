@@ -98,8 +98,7 @@ class Telemetry:
             {
                 "id": request_id,
                 "finish_reason": reason,
-                # a request that produced no token has no TTFT (docs/metrics.md)
-                "ttft_ms": t.ttft_ms if t.generated_tokens > 0 else None,
+                "ttft_ms": t.first_token_ms,
                 "tpot_ms": t.tpot_ms,
                 "prompt_tokens": t.prompt_tokens,
                 "generated_tokens": t.generated_tokens,

@@ -18,7 +18,7 @@ import pytest
 from orin.bench.client import StreamParser, failure_kind, http_error
 from orin.bench.loadgen import BenchRun, LoadSpec, arrival_offsets, plan, run
 from orin.bench.prompts import TokenPool, fit_word_count, special_prefix
-from orin.bench.server import BenchError
+from orin.bench.server import BenchError, UnknownModel
 from orin.bench.sse import SSEDecoder
 
 WORDS_PER_TOKEN = 1  # the fakes "tokenize" one token per word
@@ -203,11 +203,45 @@ def test_a_server_refusing_ignore_eos_is_still_measured() -> None:
 
 
 def test_the_api_key_and_the_model_go_with_every_request() -> None:
-    fake = FakeServer(usage=True)
+    class Two(FakeServer):
+        def __call__(self, seen: Seen) -> Answer:
+            if seen.path == "/v1/models":
+                return Answer(body={"data": [{"id": "fake"}, {"id": "named"}]})
+            return super().__call__(seen)
+
+    fake = Two(usage=True)
     r = bench(fake, api_key="sekrit", model="named")
     assert r.summary()["completed"] == 6 and r.server.model == "named"
     assert fake.headers and all(h["Authorization"] == "Bearer sekrit" for h in fake.headers)
     assert all(b["model"] == "named" for b in fake.bodies)
+
+
+def test_a_model_the_server_does_not_list_stops_the_run_before_any_request() -> None:
+    """A server may answer for any model name (orin-llm's default): a mistyped --model
+    would be measured and reported under a name the server does not serve."""
+    fake = FakeServer(usage=True)
+    seen: list[str] = []
+
+    def watched(s: Seen) -> Answer:
+        seen.append(s.path)
+        return fake(s)
+
+    with serving(watched) as url, pytest.raises(UnknownModel) as caught:
+        run(spec(url=url, model="nosuch"))
+    assert caught.value.listed == ("fake",)
+    assert "does not serve a model 'nosuch'; its /v1/models lists: fake" in str(caught.value)
+    assert seen == ["/v1/models"]  # nothing but the list was asked for
+
+
+def test_a_server_that_lists_no_models_takes_the_name_as_given() -> None:
+    fake = FakeServer(usage=True)
+
+    def unlisted(s: Seen) -> Answer:
+        return Answer(404) if s.path == "/v1/models" else fake(s)
+
+    r = bench(unlisted, model="whatever", num_requests=2)
+    assert r.summary()["completed"] == 2 and r.server.model == "whatever"
+    assert all(b["model"] == "whatever" for b in fake.bodies)
 
 
 @pytest.mark.parametrize(

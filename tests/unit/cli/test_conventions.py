@@ -22,7 +22,7 @@ from orin.cli.app import app
 from orin.cli.options import CTX_HELP
 from orin.cli.output import Output, progress_wanted
 from orin.profile.loader import builtin_profiles
-from tests.unit.bench.test_loadgen import FakeServer, serving
+from tests.unit.bench.test_loadgen import Answer, FakeServer, Seen, serving
 
 runner = CliRunner()
 
@@ -80,6 +80,10 @@ def test_bench_json_prints_and_output_writes(tmp_path: Path) -> None:
         (("--slo", "ttft=5"), "ttft_p95_ms"),
         (("--input-len", "ten"), "comma-separated"),
         ((), "--concurrency"),  # neither --concurrency nor --request-rate
+        (("--request-rate", "nan"), "the request rate must be positive"),
+        (("--request-rate", "0"), "the request rate must be positive"),
+        (("--concurrency", "1", "--burstiness", "nan"), "burstiness must be positive and finite"),
+        (("--concurrency", "1", "--burstiness", "inf"), "burstiness must be positive and finite"),
     ],
 )
 def test_bench_usage_mistakes_exit_2(args: tuple[str, ...], message: str) -> None:
@@ -87,6 +91,34 @@ def test_bench_usage_mistakes_exit_2(args: tuple[str, ...], message: str) -> Non
     assert code == 2, err
     assert message in err and "internal error" not in err and "Traceback" not in err
     assert out == ""
+
+
+@pytest.mark.parametrize("name", ["missing.gguf", "not-gguf.txt"])
+def test_bench_reads_the_model_file_it_is_given_before_it_sends_anything(
+    tmp_path: Path, name: str
+) -> None:
+    (tmp_path / "not-gguf.txt").write_text("hello")
+    fake = FakeServer(usage=True)
+    with serving(fake) as url:
+        code, out, err = invoke(
+            "bench", "--url", url, "--concurrency", "1", "--num-requests", "1",
+            "--model-file", str(tmp_path / name),
+        )  # fmt: skip
+    assert code == 3, err
+    assert err.startswith(f"orin-llm: {tmp_path / name}: ") and out == ""
+    assert fake.bodies == []
+
+
+def test_bench_with_a_model_the_server_does_not_list_is_a_usage_error() -> None:
+    fake = FakeServer(usage=True)
+    with serving(fake) as url:
+        code, out, err = invoke(
+            "bench", "--url", url, "--model", "nosuch", "--num-requests", "1", "--concurrency", "1"
+        )
+    assert code == 2, err
+    assert "Invalid value for '--model'" in err and "lists: fake" in err
+    assert "Traceback" not in err and out == ""
+    assert fake.bodies == []  # no completion was sent
 
 
 @pytest.mark.parametrize(
@@ -203,7 +235,10 @@ def _closed_stdout_run(*args: str) -> subprocess.CompletedProcess[bytes]:
         os.close(write)
 
 
-@pytest.mark.parametrize("args", [("profile", "list", "--json"), ("profile", "list")])
+@pytest.mark.parametrize(
+    "args",
+    [("profile", "list", "--json"), ("profile", "list"), ("--help",), ("bench", "--help")],
+)
 def test_a_closed_stdout_ends_the_command_quietly(args: tuple[str, ...]) -> None:
     done = _closed_stdout_run(*args)
     assert done.returncode == 141, done.stderr  # 128 + SIGPIPE
@@ -364,6 +399,12 @@ BENCH = ("bench", "--url", "http://127.0.0.1:1", "--concurrency", "1")
         (("tune", "run", "--profile", "demo", "--out", "{dir}/no/t.yaml"),
          "no folder {dir}/no: create it first"),
         (("deploy", "k8s", "--profile", "demo", "--output", "{file}"), "is a file; give a folder"),
+        (("model", "demo", "--out", "{dir}"), "is a folder; give a file name in it"),
+        (("model", "demo", "--out", "{dir}/no/m.gguf"), "no folder {dir}/no: create it first"),
+        (("model", "demo", "--out", "{file}/m.gguf"), "{file} is a file, not a folder"),
+        ((*BENCH, "--output", "{file}/b.json"), "{file} is a file, not a folder"),
+        (("model", "pull", "a/b:Q4_K_M", "--dir", "{file}"), "is a file; give a folder"),
+        (("model", "pull", "a/b:Q4_K_M", "--dir", "{file}/m"), "is a file, so {file}/m cannot"),
     ],
 )  # fmt: skip
 def test_a_path_a_command_could_not_write_is_refused_before_it_starts(
@@ -373,6 +414,31 @@ def test_a_path_a_command_could_not_write_is_refused_before_it_starts(
     paths = {"dir": str(tmp_path), "file": str(tmp_path / "f")}
     code, _, err = invoke(*(a.format(**paths) for a in args))
     assert code == 2 and says.format(**paths) in " ".join(err.replace("│", " ").split())
+
+
+@pytest.mark.parametrize("command", [("model", "list"), ("model", "rm", "m.gguf")])
+def test_a_models_folder_that_is_a_file_is_a_usage_error(
+    tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """(`model list` said "no such folder" and exited 0; `model rm` found no model.)"""
+    (tmp_path / "f").write_text("")
+    code, out, err = invoke(*command, "--dir", str(tmp_path / "f"))
+    assert code == 2 and f"'{tmp_path / 'f'}' is a file" in err and out == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("model", "demo", "--size", "huge"), "'huge': give one of tiny, small, medium"),
+        (("model", "demo", "--quant", "q9_9"), "'q9_9': give one of f32, f16,"),
+    ],
+)
+def test_a_demo_model_the_generator_cannot_make_is_a_usage_error(
+    tmp_path: Path, args: tuple[str, ...], says: str
+) -> None:
+    code, out, err = invoke(*args, "--out", str(tmp_path / "m.gguf"))
+    assert code == 2 and says in err and out == ""
+    assert not (tmp_path / "m.gguf").exists()
 
 
 @pytest.mark.parametrize(
@@ -403,3 +469,79 @@ def test_a_line_to_a_pipe_is_never_wrapped(
     out.note(long)
     captured = capsys.readouterr()
     assert captured.out == long + "\n" and captured.err == long + "\n"
+
+
+@pytest.mark.parametrize("columns", [80, 240])
+@pytest.mark.parametrize("command", [("profile", "list"), ("profile", "show", "demo")])
+def test_tables_in_a_pipe_have_no_trailing_spaces(command: tuple[str, ...], columns: int) -> None:
+    """rich pads each cell to its column's width: in a file or a pipe a line ends at its
+    last character, as a table as labelled lines (80 columns) as in a grid (240)."""
+    code, out, err = invoke(*command, columns=columns)
+    assert code == 0, err
+    assert out.count("\n") > 10
+    padded = [line for line in out.splitlines() if line != line.rstrip()]
+    assert padded == []
+
+
+def _command_paths(command: object = None, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    command = command or typer.main.get_command(app)
+    yield path
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _command_paths(sub, (*path, name))
+
+
+def test_help_in_a_pipe_has_no_trailing_spaces() -> None:
+    """rich pads each line of --help's panels to the width; in a pipe they end at their
+    last character, for every command and group."""
+    paths = list(_command_paths())
+    assert ("model", "pull") in paths and ("deploy", "k8s") in paths
+    for path in paths:
+        code, out, err = invoke(*path, "--help", columns=80)
+        assert code == 0, (path, err)
+        assert "Usage: orin-llm" in out
+        padded = [line for line in out.splitlines() if line != line.rstrip()]
+        assert padded == [], path
+
+
+def test_a_cache_folder_that_cannot_be_made_is_said_plainly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ORIN_LLM_CACHE_DIR naming a file: the demo model cannot be written, exit 7 with
+    the folder named, not an internal error."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("ORIN_LLM_CACHE_DIR", str(tmp_path / "file"))
+    from orin.model.demo import file_name
+
+    code, out, err = invoke("model", "demo", "--size", "tiny", "--quant", "f32")
+    models = tmp_path / "file" / "models"
+    assert code == 7, err
+    assert err.strip() == (
+        f"orin-llm: cannot write the demo model {models / file_name('tiny', 'f32')}: "
+        f"{models}: not a directory"
+    )
+    assert out == ""
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/", "/"])
+@pytest.mark.parametrize("command", [("monitor", "--once"), ("status",)])
+def test_a_server_url_with_the_openai_path_reaches_the_servers_root(
+    suffix: str, command: tuple[str, ...]
+) -> None:
+    """An OpenAI client's base URL (http://host:8080/v1) given to --url: the routes these
+    commands read (/health, /telemetry, /metrics) are at the root, not under /v1."""
+    seen: list[str] = []
+
+    def app(s: Seen) -> Answer:
+        seen.append(s.path)
+        if s.path == "/health":
+            return Answer(body={"status": "ok"})
+        if s.path == "/telemetry":
+            return Answer(body={"source": None, "phase": None})
+        return Answer(404, {"error": {"message": f"Not Found: GET {s.path}"}})
+
+    with serving(app) as url:  # http://127.0.0.1:PORT/v1
+        root = url.removesuffix("/v1")
+        invoke(*command, "--url", root + suffix)
+    assert "/health" in seen
+    assert not [path for path in seen if path.startswith("/v1/health")]
+    assert "/v1/telemetry" not in seen

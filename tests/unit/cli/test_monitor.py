@@ -4,6 +4,7 @@ whole recording)."""
 from __future__ import annotations
 
 import io
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -212,8 +213,9 @@ def test_the_first_frame_shows_the_snapshots_tokens_then_the_counters_window() -
 
 
 def test_a_request_that_produced_no_token_shows_no_ttft() -> None:
-    """A recording's request line keeps the engine's timings as they are: a request
-    cancelled before its first token has a ``ttft_ms`` that is only when it ended."""
+    """A recording made before its request lines said null kept the engine's timings
+    as they were: a request cancelled before its first token has a ``ttft_ms`` that is
+    only when it ended."""
     snap = snapshot()
     snap["recent_requests"] = [
         {"id": "req-gone", "finish_reason": "cancelled", "ttft_ms": 1109.97,
@@ -245,3 +247,76 @@ def test_off_a_terminal_every_refresh_is_printed_after_the_one_before(
 
     watch_frames(out, Group(Text("frame one")), next_frame, 0.25)
     assert sink.getvalue().splitlines() == ["frame one", "frame two", "frame three"]
+
+
+def test_a_recordings_summary_gives_no_ttft_for_a_request_without_a_token(
+    tmp_path: Path,
+) -> None:
+    """`monitor --recording --json` says null for a request that produced no token, also
+    for a recording whose line kept the raw time (one made before lines said null)."""
+    path = record(tmp_path / "run.jsonl", [1.0, 2.0])
+    old = {
+        "type": "request",
+        "id": "req-gone",
+        "finish_reason": "cancelled",
+        "ttft_ms": 1109.97,
+        "tpot_ms": None,
+        "prompt_tokens": 36,
+        "generated_tokens": 0,
+    }
+    served = {**old, "id": "req-served", "finish_reason": "stop", "ttft_ms": 289.57,
+              "generated_tokens": 27}  # fmt: skip
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(old) + "\n" + json.dumps(served) + "\n")
+    requests = summarize_recording(path)["recent_requests"]
+    assert [(r["id"], r["ttft_ms"]) for r in requests] == [
+        ("req-gone", None),
+        ("req-served", 289.57),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"[1, 2]\n", "not an orin-llm recording"),  # JSON lines, not objects
+        (b"GGUF\x03\x00\x00\x00\x80\xff\xfe binary", "not an orin-llm recording"),
+        (
+            b'{"type": "meta", "source": "cpu"}\n{"type": "sample", "t_ns": 1}\n{"type": "step"}\n',
+            "not a recording this version of orin-llm reads (a line has no 'start_ns')",
+        ),
+    ],
+)
+def test_a_file_that_is_not_a_recording_is_said_to_be_one(
+    tmp_path: Path, content: bytes, says: str
+) -> None:
+    """Another file given to `monitor --recording` is a MonitorError (exit 1, one line),
+    not an internal error."""
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(MonitorError) as caught:
+        summarize_recording(path)
+    assert str(caught.value) == f"{path}: {says}"
+
+
+@pytest.mark.parametrize(
+    ("status", "says"),
+    [
+        (404, "has no /telemetry (404): monitor watches an orin-llm server"),
+        (500, "/telemetry answered 500"),
+    ],
+)
+def test_a_server_without_telemetry_is_not_said_to_have_it_off(status: int, says: str) -> None:
+    """Another OpenAI-compatible server (or a URL with a path before /telemetry) answers
+    404 with an error body: that is not orin-llm's "telemetry off" (a 200)."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        return httpx.Response(status, json={"error": {"message": "Not Found"}})
+
+    with (
+        httpx.Client(transport=httpx.MockTransport(answer)) as client,
+        pytest.raises(MonitorError) as caught,
+    ):
+        fetch("http://127.0.0.1:8080", client)
+    assert str(caught.value).startswith("http://127.0.0.1:8080") and says in str(caught.value)

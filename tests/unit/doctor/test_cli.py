@@ -259,3 +259,17 @@ def test_tune_system_keeps_settings_and_commands_whole_at_80_columns(
     # the steps do not fit beside four more columns: one setting after the other
     assert {"swappiness", "zram", "power-mode", "clocks"} <= {line.strip() for line in lines}
     assert "   target: 10" in out
+
+
+def test_doctor_in_a_pipe_has_no_trailing_spaces(fake: FakeJetson) -> None:
+    """The findings as labelled lines (below 100 columns) wrap their long values: no
+    line of them ends in the spaces rich pads a grid's cells with."""
+    cpu = dataclasses.replace(board_deps(fake), build_info=lambda: CPU_BUILD)
+    for columns in ("80", "200"):
+        result = CliRunner().invoke(
+            app, ["doctor", "--root", str(fake.board.base)], env={"COLUMNS": columns}, obj=cpu
+        )
+        assert result.exit_code == 1, result.stderr
+        lines = result.stdout.splitlines()
+        assert len(lines) > len(CHECKS)
+        assert [line for line in lines if line != line.rstrip()] == []

@@ -23,7 +23,7 @@ from orin.install.units import (
     unit_config,
 )
 from orin.profile.loader import load_profile, parse_profile
-from orin.profile.schema import Profile
+from orin.profile.schema import PATH_FIELDS, Profile
 from orin.system.root import SysRoot
 from tests.unit.install.conftest import EXECUTABLE, make_root
 
@@ -131,12 +131,16 @@ def test_home_paths_make_homes_read_only(tmp_path: Path) -> None:
     model_in_home = unit_config(profile, plan, EXECUTABLE, "u", (), (), model_path="/root/m.gguf")
     assert model_in_home.protect_home == "read-only"
     assert unit_config(profile, plan, EXECUTABLE, "u", (), ()).protect_home == "yes"
-    # the model's vision projector and a draft model are read by the service too
-    for section, key in (("model", "mmproj"), ("speculative", "draft_model")):
+    # every other file and folder the profile names is read by the service too: the
+    # vision projector, a draft model, the prompt cache's folders
+    others = [f for f in PATH_FIELDS if f.name != "model.path"]
+    assert {f.name for f in others} >= {"model.mmproj", "prompt_cache.prompt_dir"}
+    for named in others:
         data = profile.model_dump(mode="json", exclude_unset=True)
-        data.setdefault(section, {})[key] = "/home/me/extra.gguf"
+        data.setdefault(named.section, {})[named.key] = "/home/me/extra"
         other = Profile.model_validate(data)
-        assert unit_config(other, plan, EXECUTABLE, "u", (), ()).protect_home == "read-only", key
+        config = unit_config(other, plan, EXECUTABLE, "u", (), ())
+        assert config.protect_home == "read-only", named.name
 
 
 def test_gpu_devices_found_on_the_board(tmp_path: Path) -> None:

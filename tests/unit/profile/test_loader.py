@@ -165,6 +165,15 @@ def test_missing_profile_file(tmp_path: Path) -> None:
         find_profile(tmp_path / "nope.yaml")
 
 
+def test_a_folder_is_not_a_profile_file(tmp_path: Path) -> None:
+    """It is there: saying there is no such file would send the user looking for a typo."""
+    (tmp_path / "profiles.yaml").mkdir()
+    for folder in (tmp_path, tmp_path / "profiles.yaml"):
+        with pytest.raises(ProfileError) as caught:
+            find_profile(folder)
+        assert str(caught.value) == f"{folder}: a folder, not a profile file"
+
+
 def test_relative_model_path_from_profile_folder(tmp_path: Path) -> None:
     f = tmp_path / "p.yaml"
     f.write_text("name: p\nmodel: {path: models/m.gguf}\n")
