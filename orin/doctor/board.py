@@ -118,6 +118,10 @@ def check_numa(ctx: DoctorContext) -> Finding:
 
 
 def check_power_mode(ctx: DoctorContext) -> Finding:
+    """The power mode against the board's uncapped one: MAXN on the AGX Orin and the
+    Orin NX (mode 0), but mode 0 is 15W on an Orin Nano, whose fastest mode is 15W
+    before JetPack 6.2 and MAXN_SUPER (2) with it: the ids come from the board's own
+    nvpmodel table."""
     p = ctx.platform
     if not p.is_jetson:
         return not_jetson("power-mode", "no nvpmodel power modes")
@@ -128,18 +132,28 @@ def check_power_mode(ctx: DoctorContext) -> Finding:
             "warn",
             "nvpmodel -q gave no answer",
             why="the power mode caps the GPU, CPU and memory clocks",
-            fix="check that JetPack's nvpmodel is installed: nvpmodel -q",
+            fix="check that JetPack's nvpmodel is installed (package nvidia-l4t-nvpmodel): "
+            "nvpmodel -q",
         )
-    if mode.is_maxn:
+    top = p.fastest_power_mode
+    if top is None:  # no mode table: MAXN by name, or mode 0
+        fastest, top, top_name = mode.is_maxn, 0, "MAXN"
+    else:
+        top_name = p.power_modes[top]
+        fastest = mode.id == top if mode.id is not None else mode.name == top_name
+    if fastest:
         return Finding("power-mode", "ok", f"power mode {mode.name} ({mode.id})")
     return Finding(
         "power-mode",
         "warn",
-        f"power mode {mode.name} ({mode.id}), not MAXN",
-        why="below MAXN the GPU and memory clocks are capped; decode is bound by memory "
-        "bandwidth, so TPOT rises with the cap",
+        f"power mode {mode.name} ({mode.id}), not {top_name} ({top}), this board's fastest",
+        why=f"below {top_name} the GPU and memory clocks are capped; decode is bound by "
+        "memory bandwidth, so TPOT rises with the cap",
         fix=tune_fix(
-            ctx, "system.power_mode: 0", ctx.profile.system.power_mode == 0, "sudo nvpmodel -m 0"
+            ctx,
+            f"system.power_mode: {top}",
+            ctx.profile.system.power_mode == top,
+            f"sudo nvpmodel -m {top}",
         ),
     )
 

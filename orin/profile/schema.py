@@ -427,7 +427,11 @@ class SystemSection(_Section):
         description="mmap policy: auto = off when every layer is on the GPU (unified memory).",
     )
     power_mode: int | None = Field(
-        None, ge=0, le=15, description="nvpmodel mode id to set (0 = MAXN); none = unchanged."
+        None,
+        ge=0,
+        le=15,
+        description="nvpmodel mode id to set (0 = MAXN on the AGX Orin and the Orin NX; an "
+        "Orin Nano's fastest mode has another id: doctor names it); none = unchanged.",
     )
     lock_clocks: bool = Field(False, description="Run jetson_clocks to pin clocks at maximum.")
     drop_caches: bool = Field(False, description="Drop the page cache before loading the model.")

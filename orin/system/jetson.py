@@ -8,6 +8,7 @@ tested on captured lines; ``platform.detect`` does the reading.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 # L4T release -> JetPack release (NVIDIA's release notes; R35 = JetPack 5, R36 = JetPack 6).
@@ -51,11 +52,16 @@ MODULES = {
 CUDA_ARCH_BY_SOC = {"tegra234": "8.7", "tegra194": "7.2", "tegra186": "6.2", "tegra210": "5.3"}
 
 # nvpmodel modes when /etc/nvpmodel.conf cannot be read (L4T's nvpmodel_p3701_0000.conf
-# serves the 64GB modules, nvpmodel_p3701_0004.conf the 32GB one: 40 W where 64GB has 50 W).
+# serves the 64GB modules, nvpmodel_p3701_0004.conf the 32GB one: 40 W where 64GB has 50 W;
+# the POWER_MODEL lines of both files as the LineageOS device tree for these modules,
+# android_device_nvidia_concord's nvpmodel/, carries them). The industrial module
+# (p3701-0008) has a table of its own (nvpmodel_p3701_0008.conf), and the Orin NX and
+# Nano tables changed with JetPack 6.2's super modes (nvpmodel_p3767_000N_super.conf: on
+# the Orin Nano 8GB mode 0 is 15W and MAXN_SUPER is 2), so none of them is guessed here:
+# only the board's own nvpmodel.conf names their modes.
 POWER_MODES_BY_MODULE = {
     "p3701-0000": {0: "MAXN", 1: "MODE_15W", 2: "MODE_30W", 3: "MODE_50W"},
     "p3701-0005": {0: "MAXN", 1: "MODE_15W", 2: "MODE_30W", 3: "MODE_50W"},
-    "p3701-0008": {0: "MAXN", 1: "MODE_15W", 2: "MODE_30W", 3: "MODE_50W"},
     "p3701-0004": {0: "MAXN", 1: "MODE_15W", 2: "MODE_30W", 3: "MODE_40W"},
 }
 
@@ -78,6 +84,7 @@ _PART = re.compile(r"\bp\d{4}-\d{4}\b")
 _BOARDIDS = re.compile(r"(\d{4})[:-](\d{4})")
 _NVPM_MODE = re.compile(r"NV Power Mode:\s*(\S+)")
 _NVPM_CONF = re.compile(r"<\s*POWER_MODEL\s+ID=(\d+)\s+NAME=(\S+?)\s*>")
+_WATTS = re.compile(r"(\d+)W")
 _FREQS = re.compile(r"MinFreq=(\d+)\s+MaxFreq=(\d+)\s+CurrentFreq=(\d+)")
 _OVERRIDE = re.compile(r"FreqOverride=(\d)")
 
@@ -194,6 +201,8 @@ class PowerMode:
 
     @property
     def is_maxn(self) -> bool:
+        """MAXN by its name, or mode 0 (MAXN on the AGX Orin and the Orin NX): for a
+        board whose mode table is unknown; ``fastest_power_mode`` where it is known."""
         return self.name.upper().startswith("MAXN") or self.id == 0
 
 
@@ -207,6 +216,25 @@ def parse_nvpmodel_query(text: str) -> PowerMode | None:
         mode_id = next((int(ln) for ln in lines[i + 1 :] if ln.isdigit()), None)
         return PowerMode(m.group(1), mode_id)
     return None
+
+
+def fastest_power_mode(modes: Mapping[int, str]) -> int | None:
+    """The id of the mode without caps among a board's nvpmodel modes, or None when the
+    names do not say.
+
+    Not always mode 0: a mode named MAXN (MAXN_SUPER on JetPack 6.2's super tables) is
+    the uncapped one where there is one, else the highest wattage in the names. The
+    Orin Nano 8GB has 15W (0) and 7W (1) before JetPack 6.2, and 15W (0), 25W (1),
+    MAXN_SUPER (2) and 7W (3) with it (L4T's nvpmodel_p3767_0003.conf and
+    nvpmodel_p3767_0003_super.conf).
+    """
+    maxn = sorted(i for i, name in modes.items() if name.upper().startswith("MAXN"))
+    if maxn:
+        return maxn[0]
+    watts = {i: int(m.group(1)) for i, name in modes.items() if (m := _WATTS.search(name))}
+    if not watts:
+        return None
+    return min(watts, key=lambda i: (-watts[i], i))
 
 
 def parse_nvpmodel_conf(text: str) -> dict[int, str]:

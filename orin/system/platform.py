@@ -30,6 +30,7 @@ from orin.system.jetson import (
     ModuleId,
     PowerMode,
     device_tree_strings,
+    fastest_power_mode,
     identify_module,
     parse_boardids,
     parse_jetson_clocks_show,
@@ -133,6 +134,11 @@ class Platform:
         return self.is_jetson
 
     @property
+    def fastest_power_mode(self) -> int | None:
+        """The id of this board's uncapped nvpmodel mode (not always 0), None if unknown."""
+        return fastest_power_mode(self.power_modes)
+
+    @property
     def zram_devices(self) -> tuple[SwapDevice, ...]:
         return tuple(s for s in self.swaps if s.kind == "zram")
 
@@ -154,6 +160,7 @@ class Platform:
             l4t=self.l4t.version if self.l4t else None,
             l4t_support=self.l4t.support if self.l4t else None,
             board=self.board,
+            fastest_power_mode=self.fastest_power_mode,
             unified_memory=self.unified_memory,
             clocks=None
             if self.clocks is None

@@ -243,7 +243,8 @@ class Zram(Setting):
 
 
 class PowerModeSetting(Setting):
-    """nvpmodel mode (0 = MAXN); verified after the switch, which may need a reboot."""
+    """nvpmodel mode (0 = MAXN on the AGX Orin and the Orin NX, not on an Orin Nano);
+    verified after the switch, which may need a reboot."""
 
     id = "power-mode"
 
@@ -263,18 +264,25 @@ class PowerModeSetting(Setting):
         name = p.power_modes.get(target, f"mode {target}")
         actions = () if mode.id == target else (power_mode_action(target),)
         locked = p.clocks.locked if p.clocks else None
+        note = (
+            "already in this mode"
+            if not actions
+            else "a lower mode caps GPU and memory clocks; a switch may need a reboot"
+            " and resets clocks that jetson_clocks locked"
+        )
+        top = p.fastest_power_mode
+        if top is not None and top != target:  # mode 0 is 15W on an Orin Nano
+            note += (
+                f"; {name} ({target}) is not this board's fastest mode: that is "
+                f"{p.power_modes[top]} (system.power_mode: {top})"
+            )
         return Change(
             self.id,
             current,
             f"{name} ({target})",
             actions,
             saved={"mode_id": mode.id, "name": mode.name, "clocks_locked": locked},
-            note=(
-                "already in this mode"
-                if not actions
-                else "a lower mode caps GPU and memory clocks; a switch may need a reboot"
-                " and resets clocks that jetson_clocks locked"
-            ),
+            note=note,
         )
 
     def apply(self, ctx: BoardContext, change: Change) -> None:

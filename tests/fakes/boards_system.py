@@ -59,11 +59,11 @@ CPU_BUILD = BuildInfo(
 )
 
 
-def nvpmodel_conf(modes: dict[int, str]) -> str:
+def nvpmodel_conf(modes: dict[int, str], default: int = 2) -> str:
     lines = ["< PARAM TYPE=FILE NAME=CPU_ONLINE >", "CORE_0 /sys/devices/system/cpu/cpu0/online"]
     for i, name in modes.items():
         lines += [f"< POWER_MODEL ID={i} NAME={name} >", "CPU_ONLINE CORE_0 1"]
-    lines.append("< PM_CONFIG DEFAULT=2 >")
+    lines.append(f"< PM_CONFIG DEFAULT={default} >")
     return "\n".join(lines) + "\n"
 
 
@@ -237,6 +237,20 @@ def clocks_show(
 
 AGX_64GB_MODES = {0: "MAXN", 1: "MODE_15W", 2: "MODE_30W", 3: "MODE_50W"}
 AGX_32GB_MODES = {0: "MAXN", 1: "MODE_15W", 2: "MODE_30W", 3: "MODE_40W"}
+# L4T's nvpmodel_p3767_0000.conf (Orin NX 16GB) and nvpmodel_p3767_0003.conf (Orin Nano
+# 8GB) before JetPack 6.2, and their _super.conf of JetPack 6.2, as the LineageOS
+# device tree for these modules carries them (android_device_nvidia_concord, nvpmodel/).
+ORIN_NX_16GB_MODES = {0: "MAXN", 1: "10W", 2: "15W", 3: "25W"}
+ORIN_NX_16GB_SUPER_MODES = {0: "MAXN_SUPER", 1: "10W", 2: "15W", 3: "25W", 4: "40W"}
+ORIN_NANO_8GB_MODES = {0: "15W", 1: "7W"}
+ORIN_NANO_8GB_SUPER_MODES = {0: "15W", 1: "25W", 2: "MAXN_SUPER", 3: "7W"}
+R36_4_3_LINE = (
+    "# R36 (release), REVISION: 4.3, GCID: 38968081, BOARD: generic, EABI: aarch64, "
+    "DATE: Wed Jan  8 01:49:37 UTC 2025\n"
+)
+ORIN_NANO_GPU_HZ = (306000000, 625000000)
+ORIN_NANO_SUPER_GPU_HZ = (306000000, 1020000000)
+ORIN_NX_GPU_HZ = (306000000, 918000000)
 
 
 def _jetson_tree(
@@ -246,12 +260,17 @@ def _jetson_tree(
     gpu_devfreq: str,
     cores: int = 12,
     gpu_hz: tuple[int, int] = GPU_HZ,
+    model: str = "NVIDIA Jetson AGX Orin Developer Kit",
+    carrier: str = "p3737-0000",
 ) -> None:
-    board.write("/proc/device-tree/model", "NVIDIA Jetson AGX Orin Developer Kit\0")
-    # an AGX Orin 64GB developer kit's compatible list (NVIDIA/jetson-gpio issue 125)
+    """``module`` as the device tree names it (``p3767-0005-super`` on an Orin Nano
+    developer kit flashed with JetPack 6.2's super configuration)."""
+    board.write("/proc/device-tree/model", model + "\0")
+    # an AGX Orin 64GB developer kit's compatible list (NVIDIA/jetson-gpio issue 125);
+    # the Orin NX and Nano sit on the p3768-0000 carrier
     board.write(
         "/proc/device-tree/compatible",
-        f"nvidia,p3737-0000+{module}\0nvidia,{module}\0nvidia,tegra234\0nvidia,tegra23x\0",
+        f"nvidia,{carrier}+{module}\0nvidia,{module}\0nvidia,tegra234\0nvidia,tegra23x\0",
     )
     board.write("/etc/nv_tegra_release", release)
     board.write("/sys/devices/system/node/node0/cpulist", f"0-{cores - 1}\n")
@@ -340,3 +359,59 @@ def x86_machine(base: Path) -> tuple[FakeBoard, FakeRunner]:
     board.write("/proc/sys/vm/drop_caches", "0\n")
     thermal_zone(board, 0, "x86_pkg_temp", 41.0, [("passive", 100.0), ("critical", 105.0)])
     return board, FakeRunner()
+
+
+def orin_nx_16gb_jp6(base: Path, super_modes: bool = False) -> FakeJetson:
+    """An Orin NX 16GB on the developer kit's carrier, JetPack 6, stock: 15W, zram on.
+
+    8 cores, a 918 MHz GPU, MemTotal about 15.3 GiB. ``super_modes``: JetPack 6.2's
+    nvpmodel table (MAXN_SUPER is mode 0, 40W mode 4), in mode 4, its default.
+    """
+    board = FakeBoard(base).meminfo(total=15 * GiB, available=12 * GiB)
+    release = R36_4_3_LINE if super_modes else R36_LINE
+    _jetson_tree(
+        board,
+        "p3767-0000",
+        release,
+        "17000000.gpu",
+        8,
+        ORIN_NX_GPU_HZ,
+        "NVIDIA Jetson Orin NX Engineering Reference Developer Kit",
+        "p3768-0000",
+    )
+    modes = ORIN_NX_16GB_SUPER_MODES if super_modes else ORIN_NX_16GB_MODES
+    default = 4 if super_modes else 2
+    board.write("/etc/nvpmodel.conf", nvpmodel_conf(modes, default))
+    board.write("/proc/sys/vm/swappiness", "60\n")
+    zram = {f"/dev/zram{i}": (ZRAM_KIB // 4, 5) for i in range(8)}
+    return FakeJetson(
+        board, modes, mode=default, zram=zram, jtop=None, cores=8, gpu_hz=ORIN_NX_GPU_HZ
+    )
+
+
+def orin_nano_8gb_jp6(base: Path, super_modes: bool = False, mode: int = 0) -> FakeJetson:
+    """An Orin Nano 8GB developer kit (module p3767-0005) on JetPack 6, stock otherwise.
+
+    6 cores, MemTotal about 7.4 GiB. Before JetPack 6.2 its modes are 15W (0, the
+    fastest) and 7W (1), with no MAXN; JetPack 6.2's super configuration (the device
+    tree then names ``p3767-0005-super``) has 15W (0), 25W (1, the default),
+    MAXN_SUPER (2) and 7W (3).
+    """
+    board = FakeBoard(base).meminfo(total=7 * GiB + GiB // 2, available=6 * GiB)
+    gpu_hz = ORIN_NANO_SUPER_GPU_HZ if super_modes else ORIN_NANO_GPU_HZ
+    _jetson_tree(
+        board,
+        "p3767-0005-super" if super_modes else "p3767-0005",
+        R36_4_3_LINE if super_modes else R36_LINE,
+        "17000000.gpu",
+        6,
+        gpu_hz,
+        "NVIDIA Jetson Orin Nano Engineering Reference Developer Kit"
+        + (" Super" if super_modes else ""),
+        "p3768-0000",
+    )
+    modes = ORIN_NANO_8GB_SUPER_MODES if super_modes else ORIN_NANO_8GB_MODES
+    board.write("/etc/nvpmodel.conf", nvpmodel_conf(modes, 1 if super_modes else 0))
+    board.write("/proc/sys/vm/swappiness", "60\n")
+    zram = {f"/dev/zram{i}": (ZRAM_KIB // 8, 5) for i in range(6)}
+    return FakeJetson(board, modes, mode=mode, zram=zram, jtop=None, cores=6, gpu_hz=gpu_hz)

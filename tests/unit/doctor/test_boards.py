@@ -17,6 +17,8 @@ from tests.fakes.boards_system import (
     agx_orin_32gb_devkit_tree_jp6,
     agx_orin_32gb_jp5_tuned,
     agx_orin_64gb_jp6,
+    orin_nano_8gb_jp6,
+    orin_nx_16gb_jp6,
     x86_machine,
 )
 from tests.unit.doctor.conftest import MakeCtx
@@ -238,3 +240,35 @@ def test_a_profile_file_gets_its_own_fix(
         "system.disable_zram: true in the profile, then sudo orin-llm tune system "
         f"--profile {mine} --apply"
     )
+
+
+@pytest.mark.parametrize(
+    ("super_modes", "mode", "found", "top"),
+    [
+        (True, 1, "power mode 25W (1), not MAXN_SUPER (2), this board's fastest", 2),
+        (True, 0, "power mode 15W (0), not MAXN_SUPER (2), this board's fastest", 2),
+        (True, 2, None, 2),
+        (False, 0, None, 0),  # before JetPack 6.2 an Orin Nano's fastest mode is 15W
+        (False, 1, "power mode 7W (1), not 15W (0), this board's fastest", 0),
+    ],
+)
+def test_an_orin_nanos_fastest_mode_is_not_mode_0(
+    tmp_path: Path, make_ctx: MakeCtx, super_modes: bool, mode: int, found: str | None, top: int
+) -> None:
+    """Mode 0 is 15W on an Orin Nano; with JetPack 6.2 MAXN_SUPER is mode 2, so 'mode 0
+    is MAXN' would call 15W fine and tell a board in 25W to drop to 15W."""
+    fake = orin_nano_8gb_jp6(tmp_path / "board", super_modes, mode)
+    f = board_checks.check_power_mode(make_ctx(fake.board.root, fake.runner))
+    if found is None:
+        assert f.severity == "ok"
+        return
+    assert (f.severity, f.found) == ("warn", found)
+    assert f.fix.startswith(f"system.power_mode: {top} in the profile, then sudo orin-llm tune")
+    assert f.fix.endswith(f"(or at once: sudo nvpmodel -m {top})")
+
+
+def test_an_orin_nx_with_super_modes_is_told_mode_0(tmp_path: Path, make_ctx: MakeCtx) -> None:
+    fake = orin_nx_16gb_jp6(tmp_path / "board", super_modes=True)
+    f = board_checks.check_power_mode(make_ctx(fake.board.root, fake.runner))
+    assert f.found == "power mode 40W (4), not MAXN_SUPER (0), this board's fastest"
+    assert f.fix.endswith("(or at once: sudo nvpmodel -m 0)")

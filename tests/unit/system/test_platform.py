@@ -10,6 +10,7 @@ from orin.system.jetson import (
     L4TRelease,
     ModuleId,
     device_tree_strings,
+    fastest_power_mode,
     identify_module,
     parse_boardids,
     parse_jetson_clocks_show,
@@ -28,6 +29,7 @@ from tests.fakes.boards_system import (
     agx_orin_32gb_jp5_tuned,
     agx_orin_64gb_jp6,
     clocks_show,
+    orin_nano_8gb_jp6,
     x86_machine,
 )
 
@@ -304,3 +306,28 @@ def test_missing_sources_are_none_not_errors(board: FakeBoard) -> None:
     p = detect(board.root, FakeRunner())
     assert p.is_jetson and p.memory is None and p.power_mode is None and p.clocks is None
     assert p.thermal == () and p.swaps == ()
+
+
+@pytest.mark.parametrize(
+    ("modes", "fastest"),
+    [
+        ({0: "MAXN", 1: "MODE_15W", 2: "MODE_30W", 3: "MODE_50W"}, 0),  # AGX Orin 64GB
+        ({0: "MAXN_SUPER", 1: "10W", 2: "15W", 3: "25W", 4: "40W"}, 0),  # Orin NX, JP 6.2
+        ({0: "15W", 1: "7W"}, 0),  # Orin Nano 8GB before JetPack 6.2: no MAXN
+        ({0: "15W", 1: "25W", 2: "MAXN_SUPER", 3: "7W"}, 2),  # Orin Nano 8GB, JP 6.2
+        ({0: "10W", 1: "7W_AI", 2: "7W_CPU"}, 0),  # Orin Nano 4GB
+        ({3: "QUIET", 5: "LOUD"}, None),
+        ({}, None),
+    ],
+)
+def test_fastest_power_mode(modes: dict[int, str], fastest: int | None) -> None:
+    assert fastest_power_mode(modes) == fastest
+
+
+def test_detect_an_orin_nano_with_jetpack_62_super_modes(tmp_path: Path) -> None:
+    fake = orin_nano_8gb_jp6(tmp_path, super_modes=True, mode=1)
+    p = detect(fake.board.root, fake.runner)
+    assert p.module == "p3767-0005" and p.module_name == "Jetson Orin Nano 8GB (developer kit)"
+    assert p.power_mode is not None and p.power_mode.name == "25W"
+    assert p.fastest_power_mode == 2 and p.to_dict()["fastest_power_mode"] == 2
+    assert p.board is None  # no profile board value for an Orin Nano

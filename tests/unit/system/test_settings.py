@@ -24,6 +24,7 @@ from tests.fakes.boards_system import (
     FakeJetson,
     agx_orin_32gb_jp5_tuned,
     agx_orin_64gb_jp6,
+    orin_nano_8gb_jp6,
     x86_machine,
 )
 
@@ -217,3 +218,16 @@ def test_board_settings_from_a_profile() -> None:
         load=LoadSettings(load_mode="mlock", mmap="on", gpu_layers=10),
     )
     assert board_settings(Profile(name="d")).swappiness == 10  # the schema's default
+
+
+def test_a_mode_0_that_is_not_the_boards_fastest_is_noted(tmp_path: Path) -> None:
+    """A profile written for an AGX Orin (power_mode: 0, MAXN there) on an Orin Nano with
+    JetPack 6.2, where mode 0 is 15W and MAXN_SUPER is 2: planned as asked, and said."""
+    fake = orin_nano_8gb_jp6(tmp_path, super_modes=True, mode=1)
+    change = plan(fake, profile(power_mode=0))["power-mode"]
+    assert (change.current, change.target) == ("25W (1)", "15W (0)")
+    assert describe(change) == ["nvpmodel -m 0"]
+    assert change.note.endswith(
+        "; 15W (0) is not this board's fastest mode: that is MAXN_SUPER (system.power_mode: 2)"
+    )
+    assert "fastest" not in plan(fake, profile(power_mode=2))["power-mode"].note
