@@ -14,7 +14,7 @@ from orin.doctor.findings import Finding
 from orin.profile.loader import builtin_profiles
 from orin.severity import Severity, worst
 from orin.system.services import unit_active_state
-from orin.system.settings import STATE_DIR, SWAPPINESS_FILE
+from orin.system.settings import JETSON_CLOCKS, STATE_DIR, SWAPPINESS_FILE
 
 SWAPPINESS_MAX = 10
 THERMAL_MARGIN_C = 10.0
@@ -191,10 +191,18 @@ def check_clocks(ctx: DoctorContext) -> Finding:
         why="frequency scaling ramps the clocks up at each request and down between them: "
         "slower first tokens and TPOT that swings under varying load (jetson_clocks pins "
         "CPU and GPU at min = max and EMC at its maximum through the BPMP override)",
-        fix=tune_fix(
+        fix=_install_jetson_clocks(ctx)
+        + tune_fix(
             ctx, "system.lock_clocks: true", ctx.profile.system.lock_clocks, "sudo jetson_clocks"
         ),
     )
+
+
+def _install_jetson_clocks(ctx: DoctorContext) -> str:
+    """The step before locking where the board has no jetson_clocks (a minimal image)."""
+    if ctx.runner.which(JETSON_CLOCKS) is not None:
+        return ""
+    return f"{JETSON_CLOCKS} is not installed: sudo apt install nvidia-l4t-tools, then "
 
 
 JETPACK6 = "JetPack 6 (L4T R36)"

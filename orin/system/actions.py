@@ -29,10 +29,14 @@ class Describable(Protocol):
 class StepError(OrinError):
     """One step of a system change failed; the message names the step and the reason."""
 
-    def __init__(self, action: Describable, reason: str) -> None:
+    def __init__(self, action: Describable, reason: str, completed: bool = False) -> None:
+        """``completed``: the step itself ran and may have changed something (a mode
+        switch that nvpmodel took but that waits for a reboot), so undoing its
+        setting is needed even when it is the setting's first step."""
         super().__init__(f"{action.describe()}: {reason}")
         self.action = action
         self.reason = reason
+        self.completed = completed
 
 
 @dataclass(frozen=True)

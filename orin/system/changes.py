@@ -160,7 +160,7 @@ def apply_plan(
         try:
             SETTINGS_BY_ID[change.setting].apply(ctx, change)
         except StepError as exc:
-            if change.actions.index(exc.action) > 0:  # some of its own steps ran
+            if exc.completed or _changed_before(change, exc):  # undo its own steps too
                 done.append(change)
             state.seal()
             raise _rolled_back(ctx, state, before, done, change, exc) from exc
@@ -169,6 +169,13 @@ def apply_plan(
             state.record(StateEntry(change.setting, change.target, change.saved))
         done.append(change)
     return tuple(c.setting for c in done)
+
+
+def _changed_before(change: Change, exc: StepError) -> bool:
+    """Whether a step of ``change`` before the failed one changed the board: creating
+    root's state folder does not (a clocks store that failed has nothing to restore)."""
+    ran = change.actions[: change.actions.index(exc.action)]
+    return any(a.kind != "mkdir" for a in ran)
 
 
 def _rolled_back(
@@ -188,6 +195,10 @@ def _rolled_back(
             SETTINGS_BY_ID[change.setting].revert(ctx, change.saved)
         except StepError as err:
             problems.append(f"{change.setting}: {err}")
+            if change is failed and change.setting not in before:
+                # its steps ran but were never recorded: record them now, so that
+                # --revert can finish what this rollback could not
+                state.record(StateEntry(change.setting, change.target, change.saved))
             continue
         undone.append(change.setting)
         if change.setting in before:

@@ -24,7 +24,7 @@ from orin.errors import OrinError
 from orin.system.actions import Action, StepError, execute_all
 from orin.system.commands import CommandRunner
 from orin.system.loadmode import LoadSettings, mmap_policy
-from orin.system.platform import Platform, query_power_mode
+from orin.system.platform import Platform, parse_swaps, query_power_mode
 from orin.system.root import SysRoot
 from orin.system.services import unit_file_state
 from orin.system.statefile import CLOCKS_STORE as CLOCKS_STORE
@@ -33,10 +33,12 @@ from orin.system.statefile import ROOT_STATE_DIR
 SWAPPINESS_FILE = "/proc/sys/vm/swappiness"
 SYSCTL_FILE = "/etc/sysctl.d/99-orin-llm.conf"
 DROP_CACHES_FILE = "/proc/sys/vm/drop_caches"
+SWAPS_FILE = "/proc/swaps"
 # Root's own folder (0700), never the service user's /var/lib/orin-llm: root reads
 # the clocks store back (orin.system.statefile).
 STATE_DIR = ROOT_STATE_DIR
 ZRAM_SERVICE = "nvzramconfig"
+JETSON_CLOCKS = "jetson_clocks"
 NVPMODEL_ANSWER = "no\n"  # nvpmodel may ask to reboot; never reboot from here
 
 
@@ -230,11 +232,16 @@ class Zram(Setting):
         )
 
     def revert_actions(self, ctx: BoardContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
+        """Swap on each saved device that is not on now: /proc/swaps is read again here,
+        since an apply that failed half-way (or a swapon by hand) left some devices on,
+        and swapon of an active device fails (EBUSY)."""
+        active = {d.path for d in parse_swaps(ctx.root.read_text(SWAPS_FILE) or "")}
         actions = []
         if saved.get("service") == "enabled":
             actions.append(Action.run("systemctl", "enable", ZRAM_SERVICE))
         for dev in saved.get("devices", []):
-            actions.append(Action.run("swapon", "-p", str(dev["priority"]), dev["path"]))
+            if dev["path"] not in active:
+                actions.append(Action.run("swapon", "-p", str(dev["priority"]), dev["path"]))
         return tuple(actions)
 
     def describe_saved(self, saved: Mapping[str, Any]) -> str:
@@ -291,8 +298,12 @@ class PowerModeSetting(Setting):
         now = query_power_mode(ctx.runner)
         if change.actions and (now is None or now.id != target):
             seen = f"{now.name} ({now.id})" if now else "no answer from nvpmodel -q"
+            # nvpmodel took the mode and applies it at the next boot: the setting is
+            # rolled back (nvpmodel -m OLD), so no reboot switches the board unrecorded
             raise StepError(
-                change.actions[0], f"the mode did not change ({seen}); it may need a reboot"
+                change.actions[0],
+                f"the mode did not change ({seen}); it may need a reboot",
+                completed=True,
             )
 
     def revert_actions(self, ctx: BoardContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
@@ -325,6 +336,13 @@ class Clocks(Setting):
             current += f" ({', '.join(state.unlocked)})"
         if not ctx.settings.lock_clocks:
             return self.report(current, "unchanged", "set system.lock_clocks: true to lock")
+        if ctx.runner.which(JETSON_CLOCKS) is None:  # as nvpmodel's absence skips the mode
+            return self.report(
+                current,
+                "locked",
+                f"{JETSON_CLOCKS} is not installed (JetPack's nvidia-l4t-tools package "
+                "provides it): skipped",
+            )
         if locked and state is not None and state.complete and not _power_mode_changes(ctx):
             # Locked by someone else (jtop, a boot script): nothing stored, so revert
             # leaves their lock alone.

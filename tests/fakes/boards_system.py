@@ -81,6 +81,7 @@ class FakeJetson:
     other_swaps: list[str] = field(default_factory=list)
     fail: dict[tuple[str, ...], str] = field(default_factory=dict)  # argv -> stderr
     mode_needs_reboot: bool = False
+    pending_mode: int | None = None  # taken by nvpmodel -m, applied at the next boot
     cores: int = 12  # AGX Orin 64GB: 12 Cortex-A78AE; 32GB: 8
     gpu_hz: tuple[int, int] = GPU_HZ
     runner: FakeRunner = field(init=False)
@@ -127,8 +128,11 @@ class FakeJetson:
         if args[1:2] == ("-q",):
             return ok(args, f"{NVPM_WARN}NV Power Mode: {self.modes[self.mode]}\n{self.mode}\n")
         if args[1:2] == ("-m",) and int(args[2]) in self.modes:
-            if self.mode_needs_reboot:
+            if self.mode_needs_reboot and int(args[2]) != self.mode:
+                # answered "no" to the reboot: nvpmodel keeps the mode for the next boot
+                self.pending_mode = int(args[2])
                 return ok(args, "NVPM WARN: Reboot required for changing to this power mode\n")
+            self.pending_mode = None
             self.mode, self.locked = int(args[2]), False  # a mode switch resets the clocks
             return ok(args)
         return CommandResult(args, 1, "", "NVPM ERROR: invalid mode")
@@ -168,6 +172,10 @@ class FakeJetson:
         return ok(args)
 
     def _swapon(self, args: tuple[str, ...]) -> CommandResult:
+        if args[-1] in self.zram:
+            return CommandResult(
+                args, 255, "", f"swapon: {args[-1]}: swapon failed: Device or resource busy"
+            )
         self.zram[args[-1]] = (ZRAM_KIB, int(args[2]))
         self.write_swaps()
         return ok(args)

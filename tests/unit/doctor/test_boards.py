@@ -272,3 +272,18 @@ def test_an_orin_nx_with_super_modes_is_told_mode_0(tmp_path: Path, make_ctx: Ma
     f = board_checks.check_power_mode(make_ctx(fake.board.root, fake.runner))
     assert f.found == "power mode 40W (4), not MAXN_SUPER (0), this board's fastest"
     assert f.fix.endswith("(or at once: sudo nvpmodel -m 0)")
+
+
+def test_clocks_fix_without_jetson_clocks_installs_it_first(
+    tmp_path: Path, make_ctx: MakeCtx
+) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    del fake.runner.answers[("jetson_clocks",)]  # the GPU's devfreq is read instead
+    f = board_checks.check_clocks(make_ctx(fake.board.root, fake.runner))
+    assert (f.severity, f.found) == ("warn", "clocks not locked: GPU (sysfs devfreq (GPU only))")
+    assert f.fix.startswith(
+        "jetson_clocks is not installed: sudo apt install nvidia-l4t-tools, then "
+    )
+    stock = agx_orin_64gb_jp6(tmp_path / "stock")
+    fix = board_checks.check_clocks(make_ctx(stock.board.root, stock.runner)).fix
+    assert fix.startswith("system.lock_clocks: true in the profile, then sudo orin-llm tune")

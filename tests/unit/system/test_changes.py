@@ -401,3 +401,84 @@ def test_the_old_state_in_the_service_users_folder_is_not_read(tmp_path: Path) -
     ):
         revert(fake)
     assert fake.changes() == []
+
+
+def test_a_board_without_jetson_clocks_skips_the_lock_and_applies_the_rest(
+    tmp_path: Path,
+) -> None:
+    """A minimal image without nvidia-l4t-tools: the lock is skipped in the plan, not
+    planned as steps that fail and roll back everything else."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    del fake.runner.answers[("jetson_clocks",)]
+    state = StateFile(fake.board.root)
+    ctx = board_context(fake.board.root, fake.runner, TUNED, state)
+    plan = plan_apply(ctx, state)
+    clocks = next(c for c in plan.changes if c.setting == "clocks")
+    assert clocks.actions == () and clocks.note.startswith("jetson_clocks is not installed")
+    assert apply_plan(ctx, plan, state, root_uid) == ("swappiness", "zram", "power-mode")
+    assert not any(c[0] == "jetson_clocks" for c in fake.changes())
+    assert list(state.entries()) == ["swappiness", "zram", "power-mode"]
+
+
+def test_a_clocks_store_that_fails_has_nothing_to_restore(tmp_path: Path) -> None:
+    """Only root's folder was made before the store failed: the rollback runs no
+    jetson_clocks --restore of a file that was never written."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    before = board_values(fake)
+    store = str(fake.board.root.path(CLOCKS_STORE))
+    fake.fail[("jetson_clocks", "--store", store)] = "jetson_clocks: cannot open store"
+    with pytest.raises(ApplyError) as err:
+        apply(fake)
+    assert str(err.value) == (
+        f"clocks failed at `jetson_clocks --store {store}`: exit status 1: jetson_clocks: "
+        "cannot open store; rolled back: power-mode, zram, swappiness"
+    )
+    assert ("jetson_clocks", "--restore", store) not in fake.calls
+    assert board_values(fake) == before
+    assert not fake.board.root.exists(DEFAULT_STATE_PATH)
+
+
+def test_a_setting_its_rollback_cannot_undo_is_left_for_revert(tmp_path: Path) -> None:
+    """The lock failed half-way and so did its restore: the clocks entry is recorded, as
+    the error says, and --revert restores them once the cause is fixed."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    store = str(fake.board.root.path(CLOCKS_STORE))
+    fake.fail[("jetson_clocks",)] = "jetson_clocks: EMC busy"
+    fake.fail[("jetson_clocks", "--restore", store)] = "jetson_clocks: EMC busy"
+    with pytest.raises(ApplyError) as err:
+        apply(fake)
+    message = str(err.value)
+    assert "rolled back: power-mode, zram, swappiness; could not roll back clocks: " in message
+    assert f"(still listed in {fake.board.root.path(DEFAULT_STATE_PATH)}" in message
+    entries = StateFile(fake.board.root).entries()
+    assert list(entries) == ["clocks"]
+    assert entries["clocks"].saved == {"store": CLOCKS_STORE, "stored_before": False}
+    fake.locked = True  # the failed lock left them pinned
+    fake.fail.clear()
+    assert revert(fake) == ("clocks",)
+    assert not fake.locked and not fake.board.root.exists(CLOCKS_STORE)
+    assert not fake.board.root.exists(DEFAULT_STATE_PATH)
+
+
+def test_a_zram_rollback_swaps_on_only_what_was_swapped_off(tmp_path: Path) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path)
+    before = board_values(fake)
+    fake.fail[("swapoff", "/dev/zram1")] = "swapoff: /dev/zram1: Cannot allocate memory"
+    with pytest.raises(ApplyError) as err:
+        apply(fake)
+    assert str(err.value).endswith("rolled back: zram, swappiness")  # swapon zram1 is EBUSY
+    assert ("swapon", "-p", "5", "/dev/zram1") not in fake.calls
+    assert board_values(fake) == before
+
+
+def test_a_mode_switch_waiting_for_a_reboot_is_taken_back(tmp_path: Path) -> None:
+    """nvpmodel keeps a mode that needs a reboot for the next boot: the rollback switches
+    back, so no reboot puts the board in a mode the state file does not list."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    fake.mode_needs_reboot = True
+    with pytest.raises(ApplyError) as err:
+        apply(fake)
+    assert str(err.value).endswith("rolled back: power-mode, zram, swappiness")
+    assert fake.changes()[3:5] == [("nvpmodel", "-m", "0"), ("nvpmodel", "-m", "2")]
+    assert (fake.mode, fake.pending_mode) == (2, None)
+    assert not fake.board.root.exists(DEFAULT_STATE_PATH)
