@@ -31,6 +31,7 @@ from orin.cli.errors import handle_errors, usage_error
 from orin.cli.options import ApiKeyOpt, JsonOpt, bearer, check_url
 from orin.cli.output import Output, guard_stdout
 from orin.errors import OrinError, os_error_text, unreachable
+from orin.telemetry.power import board_power_mw
 
 TOKENS_METRIC = "orin_llm_engine_batch_tokens_total"  # by kind: prefill, decode
 EMBEDDED_METRIC = "orin_llm_embedding_tokens_total"  # embedding passes: prompt processing
@@ -138,9 +139,9 @@ def render(
     load.add_row("EMC", _bar(latest.get("emc_util")))
     load.add_row("CPU (machine)", _bar(latest.get("cpu_util")))
     load.add_row("CPU (server)", _bar(latest.get("proc_cpu_util")))
-    power = latest.get("power_mw") or {}
-    if power:
-        load.add_row("power", f"{sum(power.values()) / 1000:.1f} W")
+    power = board_power_mw(latest.get("power_mw"))
+    if power is not None:
+        load.add_row("power", f"{power / 1000:.1f} W")
     recording = snap.get("phase") == "recording"
     phases = Table(title=phase_title(snap, recording or tokens is not None), title_justify="left")
     for col in ("phase", "seconds", "GPU mean", "GPU p95", "CPU mean", "tokens", "J/token"):

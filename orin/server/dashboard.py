@@ -55,6 +55,7 @@ from orin.system.memory import read_meminfo
 from orin.system.root import SysRoot
 from orin.telemetry.metrics import read_temperatures
 from orin.telemetry.phases import Share
+from orin.telemetry.power import board_power_mw
 from orin.telemetry.sources.base import Sample
 
 log = logging.getLogger("orin.server")
@@ -268,9 +269,8 @@ def _total(accs: Iterable[list[float]]) -> list[float] | None:
 
 
 def _power_w(sample: Sample | None) -> float | None:
-    if sample is None or not sample.power_mw:
-        return None
-    return round(sum(sample.power_mw.values()) / 1000, 3)
+    power = board_power_mw(sample.power_mw) if sample is not None else None
+    return None if power is None else round(power / 1000, 3)
 
 
 # -- the endpoint -------------------------------------------------------------------

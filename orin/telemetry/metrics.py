@@ -25,6 +25,7 @@ from orin.system.memory import read_meminfo
 from orin.system.platform import SENSOR_OFF_C, THERMAL_DIR
 from orin.system.root import SysRoot
 from orin.telemetry.phases import Share
+from orin.telemetry.power import board_power_mw
 from orin.telemetry.sources.base import Sample
 
 PREFIX = "orin_llm_"  # every metric of orin-llm, the server's included
@@ -109,7 +110,7 @@ class PhaseMetrics:
 
     def observe(self, sample: Sample, shares: tuple[Share, ...], dt: float) -> None:
         """A PhaseTracker observer: one attributed sample."""
-        power = sum(sample.power_mw.values()) if sample.power_mw else None
+        power = board_power_mw(sample.power_mw)
         gpu, cpu = sample.gpu_util, sample.proc_cpu_util
         for share in shares:
             w = share.weight * dt

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from orin.telemetry.power import board_power_mw
+
 Phase = Literal["prefill", "decode", "encode", "idle"]
 PHASES: tuple[Phase, ...] = ("prefill", "decode", "encode", "idle")
 METRICS = ("gpu_util", "emc_util", "cpu_util", "proc_cpu_util")
@@ -222,7 +224,7 @@ def summarize(
             for s, (lo, hi) in zip(ordered, sides, strict=True)
         ]
     for sample, (lo, hi) in zip(ordered, sides, strict=True):
-        power = sum(sample.power_mw.values()) if sample.power_mw else None
+        power = board_power_mw(sample.power_mw)
         step = index.at(sample.t_ns)
         # inside a step the sampler runs at its full rate: a sample next to an idle-rate
         # gap (the first of a request) stands for at most a period on that side

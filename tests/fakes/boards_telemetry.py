@@ -80,6 +80,23 @@ JP6 = OrinLayout(
     monitors={"1-0040": JP5_RAILS_0040},
 )
 LAYOUTS = {5: JP5, 6: JP6}
+# Orin NX and Orin Nano (p3767 modules): one INA3221 whose first channel is the module's
+# input, VDD_IN, feeding the other two (NVIDIA's Orin NX/Nano power monitoring; jtop
+# takes VDD_IN as the total). tegrastats prints the same three.
+ORIN_NX_RAILS: tuple[Rail, ...] = (
+    ("VDD_IN", 5048, 1508),
+    ("VDD_CPU_GPU_CV", 5040, 420),
+    ("VDD_SOC", 5040, 304),
+)
+ORIN_NX_JP6 = OrinLayout(
+    jetpack=6,
+    gpu_device=JP6.gpu_device,
+    gpu_node=JP6.gpu_node,
+    gpu_name=JP6.gpu_name,
+    i2c_bus=JP6.i2c_bus,
+    upstream_ina3221=True,
+    monitors={"1-0040": ORIN_NX_RAILS},
+)
 
 
 def rail_mw(rail: Rail) -> float:
@@ -182,13 +199,15 @@ def agx_orin_64gb(
     load: int | None = 123,
     emc: bool = False,
     absolute_links: bool = False,
+    layout: OrinLayout | None = None,
 ) -> TelemetryBoard:
-    """An AGX Orin 64GB with the JetPack ``jetpack`` (5 or 6) sysfs layout.
+    """An AGX Orin 64GB with the JetPack ``jetpack`` (5 or 6) sysfs layout, or another
+    module's ``layout`` (ORIN_NX_JP6).
 
     Besides the iGPU it has a VIC devfreq entry (a non-GPU decoy) and an entry
     without of_node, which discovery must pass over.
     """
-    layout = LAYOUTS[jetpack]
+    layout = layout or LAYOUTS[jetpack]
     board = TelemetryBoard(base)
     board.meminfo()
     platform = os.path.dirname(layout.gpu_device)

@@ -33,7 +33,7 @@
       absent: "memory", series: [["mem_used_bytes", "MemTotal − MemAvailable"], ["gpu_mem_used_bytes", "GPU memory (discrete GPU)"]] },
     { id: "kv", title: "KV cells", fmt: fmtInt, counts: true,
       series: [["kv_cells_used", "held by requests"], ["kv_cells_cached", "kept as prefixes"]] },
-    { id: "power", title: "Power (sum of rails)", unit: "W", fmt: fmtNum, axis: axisNum, optional: true,
+    { id: "power", title: "Power (board)", unit: "W", fmt: fmtNum, axis: axisNum, optional: true,
       absent: "power (the board reports no rails)", series: [["power_w", "power"]] },
     { id: "temp", title: "Temperatures", unit: "°C", fmt: fmtNum, axis: axisNum, optional: true,
       absent: "temperatures (no thermal zone)", dynamic: "temp_c", series: [] },

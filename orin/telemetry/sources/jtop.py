@@ -36,11 +36,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from orin.telemetry.power import INPUT_RAILS
 from orin.telemetry.sources.base import Availability, Sample, one_line
 
 CPU_KEY_RE = re.compile(r"^CPU(\d+)$")
 POWER_PREFIX = "Power "
 POWER_TOTAL = "Power TOT"
+INPUT_RAIL = INPUT_RAILS[0]  # an Orin's module input rail, VDD_IN
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,23 @@ class JtopReading:
             gpu_util=self.gpu_util,
             gpu_freq_hz=self.gpu_freq_hz,
             emc_util=self.emc_util,
-            power_mw=dict(self.power_mw),
+            power_mw=self.rails_with_input(),
             cpu_util=self.cpu_util,
         )
+
+    def rails_with_input(self) -> dict[str, float]:
+        """The rails, with the module's input rail put back where jtop took it out.
+
+        jtop moves an input rail (``VDD_IN`` on an Orin NX or Nano) out of its rails
+        into "Power TOT" (jtop/core/power.py, ``total_power``); without one, TOT is the
+        rails' sum (AGX Orin). Put back, the input rail is what the board's power is
+        read from (orin.telemetry.power), instead of the sum of the rails it feeds.
+        """
+        rails = dict(self.power_mw)
+        total = self.total_power_mw
+        if total is not None and rails and abs(total - sum(rails.values())) > 1.0:
+            rails[INPUT_RAIL] = total
+        return rails
 
 
 def _number(value: Any) -> float | None:

@@ -320,3 +320,10 @@ def test_a_server_without_telemetry_is_not_said_to_have_it_off(status: int, says
     ):
         fetch("http://127.0.0.1:8080", client)
     assert str(caught.value).startswith("http://127.0.0.1:8080") and says in str(caught.value)
+
+
+def test_power_of_an_orin_nx_is_its_input_rail() -> None:
+    snap = snapshot()
+    snap["latest"] = {"power_mw": {"VDD_IN": 6000.0, "VDD_CPU_GPU_CV": 1000.0, "VDD_SOC": 1500.0}}
+    power = next(x for x in text(snap).splitlines() if x.startswith("power"))
+    assert power.split() == ["power", "6.0", "W"]  # not 8.5 W: VDD_IN feeds the other two

@@ -177,6 +177,9 @@ def test_gpu_utilization_is_split_by_phase(board: FakeBoard) -> None:
     h.on_sample(sample, (Share("idle", 1.0),), 1.0)
     row = h.tick()
     assert row["power_w"] == 4.5
+    nx = {"VDD_IN": 6000.0, "VDD_CPU_GPU_CV": 1000.0, "VDD_SOC": 1500.0}  # VDD_IN feeds both
+    h.on_sample(Sample(t_ns=4, power_mw=nx), (Share("idle", 1.0),), 1.0)
+    assert h.tick()["power_w"] == 6.0
     assert row["gpu_util_prefill"] is None and row["gpu_util_decode"] is None
     assert row["gpu_util"] == 0.8
 

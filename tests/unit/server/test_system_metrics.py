@@ -165,3 +165,12 @@ def test_no_created_series(tmp_path: Path) -> None:
     text = m.render()[0].decode()
     assert "orin_llm_requests_total" in text and "orin_llm_energy_joules_total" in text
     assert "_created" not in text
+
+
+def test_energy_of_an_orin_nx_is_its_input_rails() -> None:
+    """VDD_IN feeds VDD_CPU_GPU_CV and VDD_SOC: the three summed would count those twice."""
+    m = ServerMetrics(2, 1024, "m")
+    phases = PhaseMetrics(m.registry, "jetson_sysfs")
+    rails = {"VDD_IN": 6000.0, "VDD_CPU_GPU_CV": 1000.0, "VDD_SOC": 1500.0}
+    phases.observe(Sample(t_ns=1, power_mw=rails), (Share("decode", 1.0),), 0.5)
+    assert samples(m)[("orin_llm_energy_joules_total", (("phase", "decode"),))] == 3.0
