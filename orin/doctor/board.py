@@ -308,14 +308,15 @@ def check_thermal(ctx: DoctorContext) -> Finding:
 
 
 def check_jtop(ctx: DoctorContext) -> Finding:
+    if not ctx.platform.is_jetson:  # jetson-stats is for Jetsons; telemetry has no sysfs GPU
+        return not_jetson("jtop", "jetson-stats does not apply")
     installed = any(ctx.root.exists(u) for u in JTOP_UNITS)
     if not installed:
-        what = "jetson-stats is not installed" if ctx.platform.is_jetson else "not a Jetson"
         return Finding(
             "jtop",
             "info",
-            f"{what}: telemetry reads the GPU load from sysfs",
-            fix="optional: sudo pip3 install -U jetson-stats" if ctx.platform.is_jetson else "",
+            "jetson-stats is not installed: telemetry reads the GPU load from sysfs",
+            fix="optional: sudo pip3 install -U jetson-stats",
         )
     state = unit_active_state(ctx.runner, "jtop.service") or "unknown"
     if state == "active":

@@ -136,6 +136,9 @@ def test_plain_x86_machine(tmp_path: Path, make_ctx: MakeCtx, llama2_q4: Path) -
     found = report.by_id()
     assert found["llama-build"].found == "llama-cpp-python 0.3.36, CPU build (no NVIDIA GPU)"
     assert found["swappiness"].found == "vm.swappiness = 60 (no unified memory here)"
+    # no iGPU load in sysfs here: telemetry falls back to the CPU, not to sysfs
+    assert found["jtop"].found == "not a Jetson: jetson-stats does not apply"
+    assert found["jtop"].fix == ""
     assert report.exit_code == 0
     assert runner.calls == []
 
