@@ -11,7 +11,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# L4T release -> JetPack release (NVIDIA's release notes; R35 = JetPack 5, R36 = JetPack 6).
+# L4T release -> JetPack release for the Orin's releases (R35 = JetPack 5, R36 = JetPack
+# 6), as jetson-stats lists them (jtop/core/jetson_variables.py, NVIDIA_JETPACK, from
+# NVIDIA's JetPack archive). A release not listed is named by its series ("6.x").
 JETPACK_BY_L4T = {
     "35.1.0": "5.0.2",
     "35.2.1": "5.1",
@@ -19,11 +21,18 @@ JETPACK_BY_L4T = {
     "35.4.1": "5.1.2",
     "35.5.0": "5.1.3",
     "35.6.0": "5.1.4",
+    "35.6.1": "5.1.5",
+    "35.6.2": "5.1.5",
+    "35.6.3": "5.1.5",
+    "35.6.4": "5.1.6",
     "36.2.0": "6.0 DP",
     "36.3.0": "6.0",
     "36.4.0": "6.1",
+    "36.4.2": "6.1 (rev1)",
     "36.4.3": "6.2",
     "36.4.4": "6.2.1",
+    "36.4.7": "6.2.1",
+    "36.5.0": "6.2.2",
 }
 JETPACK_MAJOR_BY_L4T_MAJOR = {32: "4", 34: "5", 35: "5", 36: "6", 38: "7", 39: "7"}
 

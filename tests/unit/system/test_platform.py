@@ -63,6 +63,16 @@ def test_jetpack_of_an_unlisted_release_is_its_series() -> None:
     assert L4TRelease(36, "9.9").jetpack == "6.x"
     assert L4TRelease(35, "6.0").jetpack == "5.1.4"
     assert L4TRelease(36, "4.4").jetpack == "6.2.1"
+
+
+@pytest.mark.parametrize(
+    ("l4t", "jetpack"),
+    [("35.6.1", "5.1.5"), ("35.6.4", "5.1.6"), ("36.4.7", "6.2.1"), ("36.5.0", "6.2.2")],
+)
+def test_later_point_releases_are_named_exactly(l4t: str, jetpack: str) -> None:
+    """As jetson-stats names them (NVIDIA_JETPACK), not only by their series."""
+    major, _, revision = l4t.partition(".")
+    assert L4TRelease(int(major), revision).jetpack == jetpack
     assert parse_tegra_release("garbage") is None
 
 
