@@ -204,7 +204,8 @@ def system(
     d = deps(ctx)
     sysroot = SysRoot(root)
     state = StateFile(sysroot, state_path)
-    info = _model_info(profile)
+    out = Output(as_json)
+    info = _model_info(profile, out, as_root=d.effective_uid() == 0)
     n_layer = info.n_layer if info is not None else None
     board = board_context(
         sysroot,
@@ -215,7 +216,6 @@ def system(
         gpu_offload=_gpu_offload(d),
     )
     plan = plan_revert(board, state) if revert else plan_apply(board, state)
-    out = Output(as_json)
     if not as_json:
         _show_plan(out, plan, profile, board.platform, apply or revert)
     done: tuple[str, ...] | None = None
@@ -240,11 +240,23 @@ def _gpu_offload(d: Deps) -> bool | None:
         return None
 
 
-def _model_info(profile: Profile) -> ModelInfo | None:
-    """The model's layer count decides the mmap report when only some layers offload."""
+def _model_info(profile: Profile, out: Output, as_root: bool) -> ModelInfo | None:
+    """The model's layer count decides the mmap report when only some layers offload.
+
+    As root (``--apply`` at every boot, from the tuning unit) a model file another user
+    could write is not parsed: the service user owns the models it is given, and the
+    count only refines a report."""
     path, _ = model_path_for(profile, None)
     if path is None or not path.is_file():
         return None
+    if as_root:
+        reason = SysRoot().untrusted_reason(str(path.absolute()))
+        if reason is not None:
+            out.note(
+                f"not reading {path} as root ({reason}): the mmap report goes without the "
+                "model's layer count"
+            )
+            return None
     try:
         return read_model_info(path)
     except OrinError:

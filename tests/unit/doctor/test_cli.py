@@ -273,3 +273,32 @@ def test_doctor_in_a_pipe_has_no_trailing_spaces(fake: FakeJetson) -> None:
         lines = result.stdout.splitlines()
         assert len(lines) > len(CHECKS)
         assert [line for line in lines if line != line.rstrip()] == []
+
+
+def test_tune_system_as_root_parses_no_model_another_user_could_write(
+    fake: FakeJetson, tmp_path: Path
+) -> None:
+    """The tuning unit runs --apply as root at every boot; the model (given to the
+    service user, here in a folder under the world-writable /tmp) is not parsed then,
+    only the mmap report loses the layer count."""
+    from tests.ggufutil import LLAMA2_7B, write_gguf
+
+    model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    profile = tmp_path / "partial.yaml"
+    profile.write_text(f"name: partial\nmodel: {{path: {model}}}\nengine: {{gpu_layers: 40}}\n")
+
+    def mmap_row(deps: Deps) -> tuple[dict[str, str], str]:
+        code, out, err = invoke(
+            fake, "tune", "system", "--profile", str(profile), "--json", deps=deps
+        )
+        assert code == 0, err
+        (row,) = [c for c in json.loads(out)["changes"] if c["setting"] == "mmap"]
+        return row, err
+
+    user, err = mmap_row(dataclasses.replace(board_deps(fake), effective_uid=lambda: 1000))
+    assert user["target"] == "load_mode=none" and err == ""  # 40 > 32 layers: all offloaded
+    root, err = mmap_row(board_deps(fake))
+    assert root["target"] == "load_mode=mmap"  # without the count, 40 layers may be some
+    note = " ".join(err.split())  # the reason names the first folder others could write
+    assert note.startswith(f"not reading {model} as root (")
+    assert note.endswith("): the mmap report goes without the model's layer count")
