@@ -301,6 +301,9 @@ def _summary(plan: Plan, done: tuple[str, ...] | None) -> str:
         return f"{len(pending)} change(s) planned ({planned}); nothing changed: run with --apply"
     if plan.mode == "revert":
         return f"restored: {', '.join(done)}"
+    saved = [c.setting for c in plan.pending if c.revertible and c.setting in done]
+    if not saved:  # drop-caches alone: a one-shot action, nothing recorded
+        return f"applied: {', '.join(done)}; nothing to restore, so nothing saved"
     return f"applied: {', '.join(done)}; previous values saved in {plan.state_file}"
 
 

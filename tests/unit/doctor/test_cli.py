@@ -302,3 +302,14 @@ def test_tune_system_as_root_parses_no_model_another_user_could_write(
     note = " ".join(err.split())  # the reason names the first folder others could write
     assert note.startswith(f"not reading {model} as root (")
     assert note.endswith("): the mmap report goes without the model's layer count")
+
+
+def test_tune_system_says_a_drop_caches_alone_saved_nothing(
+    fake: FakeJetson, tmp_path: Path
+) -> None:
+    profile = tmp_path / "drop.yaml"
+    profile.write_text("name: drop\nsystem: {swappiness: null, drop_caches: true}\n")
+    code, out, err = invoke(fake, "tune", "system", "--profile", str(profile), "--apply")
+    assert code == 0, err
+    assert out.splitlines()[-1] == "applied: drop-caches; nothing to restore, so nothing saved"
+    assert not fake.board.root.exists("/var/lib/orin-llm-root/state.json")
