@@ -13,8 +13,8 @@ from orin.doctor.context import DoctorContext
 from orin.doctor.findings import Finding
 from orin.profile.loader import builtin_profiles
 from orin.severity import Severity, worst
-from orin.system.services import unit_active_state
-from orin.system.settings import JETSON_CLOCKS, STATE_DIR, SWAPPINESS_FILE
+from orin.system.services import unit_active_state, unit_file_state
+from orin.system.settings import JETSON_CLOCKS, STATE_DIR, SWAPPINESS_FILE, ZRAM_SERVICE
 
 SWAPPINESS_MAX = 10
 THERMAL_MARGIN_C = 10.0
@@ -78,28 +78,55 @@ def check_swappiness(ctx: DoctorContext) -> Finding:
 
 
 def check_zram(ctx: DoctorContext) -> Finding:
+    """Compressed swap in RAM, now or at the next boot (JetPack's nvzramconfig).
+
+    nvzramconfig.service is a oneshot with no ExecStop: stopping or disabling it
+    leaves the swaps on until they are swapped off, and an enabled one sets them up
+    again at every boot, so a board without zram now may have it after a reboot."""
     devices = ctx.platform.zram_devices
+    jetson = ctx.platform.unified_memory
     if not devices:
         swaps = ", ".join(f"{s.path} ({s.kind})" for s in ctx.platform.swaps) or "no swap"
-        return Finding("zram", "ok", f"no zram swap; {swaps}")
+        service = unit_file_state(ctx.runner, ZRAM_SERVICE) if jetson else None
+        if service != "enabled":
+            return Finding("zram", "ok", f"no zram swap; {swaps}")
+        return Finding(
+            "zram",
+            "warn",
+            f"no zram swap now ({swaps}), but {ZRAM_SERVICE} is enabled: it sets zram swap "
+            "up again at the next boot",
+            why=ZRAM_WHY,
+            fix=tune_fix(
+                ctx,
+                "system.disable_zram: true",
+                ctx.profile.system.disable_zram,
+                f"sudo systemctl disable {ZRAM_SERVICE}",
+            ),
+        )
     size = sum(d.size_bytes for d in devices) / 2**30
     found = f"{len(devices)} zram swap device(s), {size:.1f} GiB of compressed swap in RAM"
-    if not ctx.platform.unified_memory:
+    if not jetson:
         return Finding("zram", "info", found)
+    swapoff = f"sudo swapoff {' '.join(d.path for d in devices)}"
     return Finding(
         "zram",
         "warn",
         found,
-        why="zram keeps swapped pages in the same DRAM the model and its KV cache need, and "
-        "compressing them costs CPU time exactly when memory is short",
+        why=ZRAM_WHY,
         fix=tune_fix(
             ctx,
             "system.disable_zram: true",
             ctx.profile.system.disable_zram,
-            "sudo systemctl disable --now nvzramconfig",
+            f"sudo systemctl disable {ZRAM_SERVICE} && {swapoff}",
         )
         + "; use an NVMe swap file if you want swap",
     )
+
+
+ZRAM_WHY = (
+    "zram keeps swapped pages in the same DRAM the model and its KV cache need, and "
+    "compressing them costs CPU time exactly when memory is short"
+)
 
 
 def check_numa(ctx: DoctorContext) -> Finding:

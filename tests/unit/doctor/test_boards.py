@@ -80,7 +80,8 @@ def test_stock_jetpack6_board(tmp_path: Path, make_ctx: MakeCtx, llama2_q4: Path
         "system.disable_zram: true in a copy of the built-in profile "
         f"(cp {source} my-llama2-7b-q4_k_m.yaml), then sudo orin-llm tune system "
         "--profile my-llama2-7b-q4_k_m.yaml --apply (or at once: sudo systemctl disable "
-        "--now nvzramconfig); use an NVMe swap file if you want swap"
+        "nvzramconfig && sudo swapoff /dev/zram0 /dev/zram1); use an NVMe swap file if you "
+        "want swap"
     )
     assert found["clocks"].found == "clocks not locked: CPU, GPU, EMC (jetson_clocks --show)"
     assert found["board"].found == (
@@ -290,3 +291,20 @@ def test_clocks_fix_without_jetson_clocks_installs_it_first(
     stock = agx_orin_64gb_jp6(tmp_path / "stock")
     fix = board_checks.check_clocks(make_ctx(stock.board.root, stock.runner)).fix
     assert fix.startswith("system.lock_clocks: true in the profile, then sudo orin-llm tune")
+
+
+def test_zram_that_returns_at_the_next_boot_is_found(tmp_path: Path, make_ctx: MakeCtx) -> None:
+    """Swapped off by hand, but nvzramconfig still enabled: it sets zram up again at boot."""
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    fake.zram.clear()
+    fake.write_swaps()
+    f = board_checks.check_zram(make_ctx(fake.board.root, fake.runner))
+    assert (f.severity, f.found) == (
+        "warn",
+        "no zram swap now (no swap), but nvzramconfig is enabled: it sets zram swap up again "
+        "at the next boot",
+    )
+    assert f.fix.endswith("(or at once: sudo systemctl disable nvzramconfig)")
+    fake.zram_service = "disabled"
+    f = board_checks.check_zram(make_ctx(fake.board.root, fake.runner))
+    assert (f.severity, f.found) == ("ok", "no zram swap; no swap")
