@@ -68,8 +68,8 @@ _NANO_8 = Datasheet("orin-nano-8gb", 68 * GB, "128-bit LPDDR5, 4266 MT/s")
 
 # Module part number -> NVIDIA's published peak memory bandwidth (the modules' data
 # sheets: AGX Orin series 204.8 GB/s, Orin NX series 102.4 GB/s, Orin Nano 8GB 68 GB/s,
-# Orin Nano 4GB 34 GB/s). The Orin Nano's "Super" power modes of JetPack 6.2 raise its
-# memory clock (102 and 51 GB/s); the table keeps the original figures.
+# Orin Nano 4GB 34 GB/s). JetPack 6.2's super configuration raises the Orin Nano's
+# memory clock: see SUPER_DATASHEETS.
 DATASHEETS: dict[str, Datasheet] = {
     "p3701-0000": _AGX,  # the developer kit's module when memory does not settle the SKU
     "p3701-0004": _AGX_32,
@@ -81,6 +81,20 @@ DATASHEETS: dict[str, Datasheet] = {
     "p3767-0004": Datasheet("orin-nano-4gb", 34 * GB, "64-bit LPDDR5, 4266 MT/s"),
     "p3767-0005": _NANO_8,  # the developer kit's module
 }
+
+
+# An Orin Nano flashed with JetPack 6.2's super configuration (its device tree then
+# names the module ``p3767-000N-super``) runs its LPDDR5 at 6400 MT/s instead of
+# 4266: NVIDIA's Orin Nano Super figures, 102 GB/s (8GB) and 51 GB/s (4GB); L4T's
+# nvpmodel_p3767_0003_super.conf lifts EMC's cap from 2133 MHz to 3199 MHz. The
+# Orin NX's memory already runs at 6400 MT/s, so its figure stays.
+_NANO_8_SUPER = Datasheet("orin-nano-8gb-super", 102 * GB, "128-bit LPDDR5, 6400 MT/s")
+SUPER_DATASHEETS: dict[str, Datasheet] = {
+    "p3767-0003": _NANO_8_SUPER,
+    "p3767-0004": Datasheet("orin-nano-4gb-super", 51 * GB, "64-bit LPDDR5, 6400 MT/s"),
+    "p3767-0005": _NANO_8_SUPER,
+}
+SUPER_SUFFIX = "-super"
 
 
 @dataclass(frozen=True)
@@ -143,7 +157,10 @@ def datasheet(root: SysRoot) -> Datasheet | None:
         parse_boardids(_device_tree(root, "nvidia,boardids") or ""),
         mem_total,
     )
-    return DATASHEETS.get(module.part or "")
+    part = module.part or ""
+    if part in SUPER_DATASHEETS and any(e.endswith(part + SUPER_SUFFIX) for e in compatible):
+        return SUPER_DATASHEETS[part]
+    return DATASHEETS.get(part)
 
 
 def _device_tree(root: SysRoot, prop: str) -> str | None:

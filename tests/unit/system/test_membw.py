@@ -54,12 +54,14 @@ def no_probe(nbytes: int, reps: int = 5, threads: int | None = None) -> float:
     raise AssertionError("a Jetson is not probed")
 
 
-def orin_nx_nano_tree(base: Path, module: str, total: int) -> FakeBoard:
-    """An Orin NX / Nano module on its developer-kit carrier (p3768), JetPack 6."""
+def orin_nx_nano_tree(base: Path, module: str, total: int, super_dt: bool = False) -> FakeBoard:
+    """An Orin NX / Nano module on its developer-kit carrier (p3768), JetPack 6;
+    ``super_dt``: flashed with JetPack 6.2's super configuration (``...-super``)."""
     board = FakeBoard(base).meminfo(total=total, available=total // 2)
+    suffix = "-super" if super_dt else ""
     board.write(
         "/proc/device-tree/compatible",
-        f"nvidia,p3768-0000+{module}\0nvidia,{module}\0nvidia,tegra234\0",
+        f"nvidia,p3768-0000+{module}{suffix}\0nvidia,{module}\0nvidia,tegra234\0",
     )
     board.write("/etc/nv_tegra_release", R36_LINE)
     return board
@@ -110,6 +112,31 @@ def test_orin_nx_and_nano_data_sheets(
 ) -> None:
     monkeypatch.setattr(membw, "copy_bandwidth", no_probe)
     root = orin_nx_nano_tree(tmp_path / "root", module, total).root
+    bw = memory_bandwidth(root, cache=tmp_path / "c.json")
+    assert (bw.source, bw.bytes_per_s) == (f"datasheet:{board}", pytest.approx(gbps * GB))
+
+
+@pytest.mark.parametrize(
+    ("module", "total", "board", "gbps"),
+    [
+        ("p3767-0005", 8 * GiB, "orin-nano-8gb-super", 102.0),
+        ("p3767-0003", 8 * GiB, "orin-nano-8gb-super", 102.0),
+        ("p3767-0004", 4 * GiB, "orin-nano-4gb-super", 51.0),
+        ("p3767-0000", 16 * GiB, "orin-nx-16gb", 102.4),  # its memory was at 6400 MT/s
+    ],
+)
+def test_super_configuration_raises_the_orin_nanos_bandwidth(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    module: str,
+    total: int,
+    board: str,
+    gbps: float,
+) -> None:
+    """JetPack 6.2's super configuration (device tree ...-super) runs an Orin Nano's
+    LPDDR5 at 6400 MT/s: 68 GB/s would understate its decode ceiling by a third."""
+    monkeypatch.setattr(membw, "copy_bandwidth", no_probe)
+    root = orin_nx_nano_tree(tmp_path / "root", module, total, super_dt=True).root
     bw = memory_bandwidth(root, cache=tmp_path / "c.json")
     assert (bw.source, bw.bytes_per_s) == (f"datasheet:{board}", pytest.approx(gbps * GB))
 
