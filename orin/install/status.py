@@ -117,7 +117,16 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
 
 
 def parse_latency(metrics_text: str) -> dict[str, Latency]:
-    """TTFT and TPOT summaries from a /metrics body; a histogram not exported is left out."""
+    """TTFT and TPOT summaries from a /metrics body; a histogram not exported is left out,
+    and a body that is not the Prometheus text format (another program on the port, a
+    proxy's error page) exports none."""
+    try:
+        return _latency(metrics_text)
+    except (ValueError, KeyError, TypeError):  # the parser's and float()'s complaints
+        return {}
+
+
+def _latency(metrics_text: str) -> dict[str, Latency]:
     wanted = {name: key for key, name in LATENCY_METRICS.items()}
     out: dict[str, Latency] = {}
     for family in text_string_to_metric_families(metrics_text):

@@ -144,3 +144,18 @@ def test_status_url_of_a_server_without_metrics_says_so_instead_of_an_empty_tabl
     assert code == 0, err
     assert "latency: none: /metrics exports no TTFT or TPOT histogram" in out
     assert "latency since the server started" not in out and "requests" not in out
+
+
+def test_a_metrics_page_that_is_not_prometheus_text_is_no_internal_error() -> None:
+    """Another program on the port, or a proxy's page, answering /metrics with JSON or
+    HTML: no latency, not exit 70."""
+    for body in ('{"status": "ok"}', "<html><body>502 Bad Gateway</body></html>"):
+
+        def other(url: str, timeout: float, headers: dict[str, str] | None = None) -> HttpResult:
+            if url.endswith("/metrics"):
+                return HttpResult(200, body)  # noqa: B023 (called within this iteration)
+            return serving(url, timeout)
+
+        code, out, err = invoke(other, "--url", "http://127.0.0.1:8080")
+        assert (code, err) == (0, ""), err
+        assert "latency: none: /metrics exports no TTFT or TPOT histogram" in out
