@@ -28,12 +28,13 @@ JTOP_UNITS = (
 )
 
 
-def tune_fix(ctx: DoctorContext, setting: str, asked: bool, direct: str) -> str:
+def tune_fix(ctx: DoctorContext, setting: str, asked: bool, direct: str | None) -> str:
     """The fix through tune system (with the profile field when it does not ask yet).
 
     A built-in profile is not the user's to edit (an installed one is inside the
     package, replaced at the next upgrade): a field it lacks goes into a copy, which
-    tune system is then given."""
+    tune system is then given. ``direct``: the command that fixes the board at once,
+    None where the board needs nothing now and only the profile does."""
     p = ctx.profile
     builtin = p.source is None or builtin_profiles().get(p.name) == p.source
     ref = p.name if builtin else str(p.source)
@@ -44,7 +45,8 @@ def tune_fix(ctx: DoctorContext, setting: str, asked: bool, direct: str) -> str:
         step = f"{setting} in a copy of the built-in profile (cp {p.source} {ref}), then "
     else:
         step = f"{setting} in the profile, then "
-    return f"{step}sudo orin-llm tune system --profile {ref} --apply (or at once: {direct})"
+    at_once = f" (or at once: {direct})" if direct is not None else ""
+    return f"{step}sudo orin-llm tune system --profile {ref} --apply{at_once}"
 
 
 def not_jetson(check_id: str, what: str) -> Finding:
@@ -168,6 +170,18 @@ def check_power_mode(ctx: DoctorContext) -> Finding:
     else:
         top_name = p.power_modes[top]
         fastest = mode.id == top if mode.id is not None else mode.name == top_name
+    asked = ctx.profile.system.power_mode
+    if fastest and asked is not None and asked != top and asked in p.power_modes:
+        # a profile written for an AGX Orin (0, MAXN there) would put an Orin Nano at 15W
+        return Finding(
+            "power-mode",
+            "warn",
+            f"power mode {mode.name} ({mode.id}), this board's fastest; the profile's "
+            f"system.power_mode: {asked} would switch it to {p.power_modes[asked]}",
+            why=f"below {top_name} the GPU and memory clocks are capped; decode is bound by "
+            "memory bandwidth, so TPOT rises with the cap",
+            fix=tune_fix(ctx, f"system.power_mode: {top}", False, None),
+        )
     if fastest:
         return Finding("power-mode", "ok", f"power mode {mode.name} ({mode.id})")
     return Finding(

@@ -308,3 +308,27 @@ def test_zram_that_returns_at_the_next_boot_is_found(tmp_path: Path, make_ctx: M
     fake.zram_service = "disabled"
     f = board_checks.check_zram(make_ctx(fake.board.root, fake.runner))
     assert (f.severity, f.found) == ("ok", "no zram swap; no swap")
+
+
+def test_a_profile_whose_power_mode_would_lower_the_board_is_found(
+    tmp_path: Path, make_ctx: MakeCtx
+) -> None:
+    """An Orin Nano in MAXN_SUPER under a profile written for an AGX Orin (power_mode: 0):
+    the board is fine now, but tune system with that profile, which the other findings'
+    fixes run, would put it at 15W."""
+    fake = orin_nano_8gb_jp6(tmp_path / "board", super_modes=True, mode=2)
+    mine = tmp_path / "agx.yaml"
+    mine.write_text("name: agx\nsystem: {power_mode: 0}\n")
+    f = board_checks.check_power_mode(make_ctx(fake.board.root, fake.runner, load_profile(mine)))
+    assert (f.severity, f.found) == (
+        "warn",
+        "power mode MAXN_SUPER (2), this board's fastest; the profile's system.power_mode: 0 "
+        "would switch it to 15W",
+    )
+    assert f.fix == (
+        f"system.power_mode: 2 in the profile, then sudo orin-llm tune system --profile {mine} "
+        "--apply"
+    )
+    mine.write_text("name: agx\nsystem: {power_mode: 2}\n")
+    f = board_checks.check_power_mode(make_ctx(fake.board.root, fake.runner, load_profile(mine)))
+    assert f.severity == "ok"
