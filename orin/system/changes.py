@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from orin.errors import OrinError
-from orin.system.actions import StepError, execute_all
+from orin.system.actions import Action, StepError, execute_all
 from orin.system.commands import CommandRunner
 from orin.system.platform import Platform, detect
 from orin.system.root import SysRoot
@@ -143,8 +143,13 @@ def require_root(plan: Plan, euid: int) -> None:
     """Name every setting that needs root, with its first step, before touching any."""
     if euid == 0 or not plan.pending:
         return
-    needs = "; ".join(f"{c.setting} ({c.actions[0].describe()})" for c in plan.pending)
+    needs = "; ".join(f"{c.setting} ({_first_change(c).describe()})" for c in plan.pending)
     raise RootRequiredError(f"tune system --{plan.mode} needs root for: {needs}; run it with sudo")
+
+
+def _first_change(change: Change) -> Action:
+    """The first step that changes the board (not the creation of root's folder)."""
+    return next((a for a in change.actions if a.kind != "mkdir"), change.actions[0])
 
 
 def apply_plan(

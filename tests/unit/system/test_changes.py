@@ -211,6 +211,8 @@ def test_refused_without_root_naming_the_settings(tmp_path: Path) -> None:
     message = str(err.value)
     assert "needs root for: swappiness (echo 10 > /proc/sys/vm/swappiness)" in message
     assert "power-mode (nvpmodel -m 0)" in message and "sudo" in message
+    store = fake.board.root.path(CLOCKS_STORE)
+    assert f"clocks (jetson_clocks --store {store}); run it with sudo" in message
     assert fake.changes() == []
     assert board_values(fake)["swappiness"] == "60"
 
