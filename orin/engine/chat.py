@@ -147,6 +147,21 @@ def _parsed_call(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": {**fn, "arguments": args}}
 
 
+def _up_to_final_text(prompt: str, text: Any) -> str:
+    """The rendered prompt up to the end of the final message's ``text``: as given, or
+    without its surrounding whitespace, which many templates trim."""
+    if isinstance(text, str):
+        for needle in (text, text.strip()):
+            at = prompt.rfind(needle) if needle else -1
+            if at >= 0:
+                return prompt[: at + len(needle)]
+    raise InvalidRequest(
+        "continue_final_message",
+        "the chat template does not write the final message's text as it was given, "
+        "so the answer cannot continue it",
+    )
+
+
 class ChatTemplate:
     """Renders messages with the GGUF metadata's template (or the profile's override)
     in a sandboxed Jinja2 environment; ``caps`` says what the template supports."""
@@ -168,11 +183,17 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final: bool = False,
     ) -> RenderedChat:
         """(prompt, whether the tokenizer should still add BOS). InvalidRequest when
         there is no template, tools are given to a template that cannot take them, a
         message's tool calls would not be rendered, or the template rejects the
-        messages."""
+        messages.
+
+        ``continue_final``: the prompt ends with the final message's text, so that the
+        answer continues it (an assistant's answer begun by the client): whatever the
+        template writes after that text (the end of the turn) is cut off, the end of
+        the last place the text appears in the rendered prompt."""
         if self._compiled is None:
             raise InvalidRequest(
                 "messages",
@@ -198,6 +219,8 @@ class ChatTemplate:
             prompt = self._render(template_messages(messages), tools, add_generation_prompt, extra)
         except Exception as exc:  # the template may raise on messages it does not accept
             raise InvalidRequest("messages", f"the chat template rejected them: {exc}") from exc
+        if continue_final:
+            prompt = _up_to_final_text(prompt, messages[-1].get("content"))
         # a template that writes the BOS token itself must not get a second one
         return RenderedChat(prompt, not (self.bos_token and prompt.startswith(self.bos_token)))
 

@@ -199,11 +199,15 @@ class EngineClient(Protocol):
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final: bool = False,
     ) -> RenderedChat:
         """(prompt, whether tokenizing should still add BOS) from the model's chat
         template, with the messages' tool calls and results, the request's ``tools``
-        and extra template variables (``chat_template_kwargs``); InvalidRequest when
-        there is no template, it rejects the messages, or it cannot take tools."""
+        and extra template variables (``chat_template_kwargs``); without the
+        template's generation prompt, or ending with the final message's text for the
+        answer to continue (``continue_final``). InvalidRequest when there is no
+        template, it rejects the messages, or it cannot take tools."""
         ...
 
     def chat_caps(self) -> TemplateCaps:

@@ -267,10 +267,14 @@ class Engine:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final: bool = False,
     ) -> RenderedChat:
         """(prompt, whether tokenizing should still add BOS), with the profile's chat
         template or else the model's (built when the model loads)."""
-        return self._chat_template().render(messages, tools, template_kwargs)
+        return self._chat_template().render(
+            messages, tools, template_kwargs, add_generation_prompt, continue_final
+        )
 
     def chat_caps(self) -> TemplateCaps:
         return self._chat_template().caps

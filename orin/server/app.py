@@ -76,13 +76,18 @@ def _register(app: FastAPI, state: ServerState) -> None:
     async def chat(body: protocol.ChatCompletionRequest, request: Request) -> Any:
         _check_model(state, body.model)
         protocol.check_message_order(body.messages)
+        protocol.check_continuation(body)
         pictures: list[RGBImage] | None = []
         if body.image_parts():  # a fetch from a listed host may take its 10 s
             pictures = await until_client_leaves(request, _images(state, body))
             if pictures is None:  # nobody to answer: the fetch was stopped
                 return Response(status_code=CLIENT_LEFT)
         text, add_bos = state.engine.render_chat(
-            body.template_messages(), body.offered_tools(), body.chat_template_kwargs
+            body.template_messages(),
+            body.offered_tools(),
+            body.chat_template_kwargs,
+            body.generation_prompt(),
+            body.continue_final_message,
         )
         media = None
         if pictures:  # tokenized with the images (preprocessing them) off the event loop

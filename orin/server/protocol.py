@@ -488,11 +488,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "audio": (lambda v: not v, "audio output is not implemented"),
     "web_search_options": (lambda v: not v, "web search is not available"),
     "lora": (lambda v: not v, "LoRA adapters are not loaded by this server"),
-    "continue_final_message": (
-        lambda v: v is False,
-        "a final assistant message is rendered as a finished turn, not continued",
-    ),
-    "add_generation_prompt": (lambda v: v is True, "the template always adds it"),
     "return_progress": (lambda v: v is False, "prompt progress chunks are not streamed"),
 }
 
@@ -505,6 +500,40 @@ def check_message_order(messages: Sequence[ChatMessage]) -> None:
             "messages",
             "the conversation ends with two assistant messages; merge them or "
             "end with a user message",
+        )
+
+
+def check_continuation(body: ChatCompletionRequest) -> None:
+    """``continue_final_message`` continues an assistant's text: the final message must
+    be the assistant's, with text and no tool calls, and no generation prompt may
+    follow it (vLLM refuses both flags together too)."""
+    if not body.continue_final_message:
+        return
+    if body.add_generation_prompt:
+        raise InvalidRequest(
+            "continue_final_message",
+            "continue_final_message and add_generation_prompt cannot both be true: the "
+            "final message is continued, so no new turn is opened after it",
+        )
+    last = len(body.messages) - 1
+    final = body.messages[last]
+    if final.role != "assistant":
+        raise InvalidRequest(
+            f"messages[{last}].role",
+            "continue_final_message continues the final message, which must be the "
+            f"assistant's; this one is the {final.role}'s",
+        )
+    if final.tool_calls:
+        raise InvalidRequest(
+            f"messages[{last}].tool_calls",
+            "continue_final_message continues the final message's text; one with tool "
+            "calls cannot be continued",
+        )
+    if not final.text().strip():
+        raise InvalidRequest(
+            f"messages[{last}].content",
+            "continue_final_message continues the final message's text, and this one has "
+            "none; leave the message out to start the answer afresh",
         )
 
 
@@ -598,6 +627,16 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template (enable_thinking, ...)."
     )
+    continue_final_message: bool = Field(
+        False,
+        description="vLLM's: the answer continues the final assistant message (text the "
+        "client began) instead of starting a turn after it.",
+    )
+    add_generation_prompt: bool | None = Field(
+        None,
+        description="vLLM's: whether the template opens the assistant's turn; true by "
+        "default, false with continue_final_message.",
+    )
     _tool_grammar: str | None = PrivateAttr(None)
 
     @field_validator("tools")
@@ -646,6 +685,12 @@ class ChatCompletionRequest(_Common):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
+
+    def generation_prompt(self) -> bool:
+        """Whether the template opens the assistant's turn after the messages."""
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
 
     def image_parts(self) -> list[tuple[str, ImagePart]]:
         """Every image part in prompt order, each with the param that names its URL

@@ -29,6 +29,7 @@ engine: {n_ctx: 512, slots: 4, n_batch: 128, n_ubatch: 128}
 server: {model_name: demo, max_tokens_limit: 200}
 """
 USER = [{"role": "user", "content": "Tell me about the board."}]
+BEGUN = {"role": "assistant", "content": "The board has"}  # an answer the client began
 
 
 @pytest.fixture(scope="module")
@@ -376,12 +377,22 @@ def test_llama_cpp_structured_output_forms(
         ("/v1/chat/completions", {"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
         (
             "/v1/chat/completions",
-            {"messages": USER, "continue_final_message": True},
+            {
+                "messages": [*USER, BEGUN],
+                "continue_final_message": True,
+                "add_generation_prompt": True,
+            },
             "continue_final_message",
+        ),
+        ("/v1/chat/completions", {"messages": USER, "continue_final_message": True}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [*USER, {**BEGUN, "content": " "}], "continue_final_message": True},
+            "messages",
         ),
         (
             "/v1/chat/completions",
-            {"messages": USER, "add_generation_prompt": False},
+            {"messages": USER, "add_generation_prompt": "no"},
             "add_generation_prompt",
         ),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
@@ -401,6 +412,56 @@ def test_each_bad_parameter_is_a_400_naming_it(
     assert err["type"] == "invalid_request_error"
     # the field itself or a part of it (`messages[0].role`, `response_format.type`)
     assert err["param"] is not None and re.split(r"[.\[]", err["param"])[0] == param, err
+
+
+def test_continue_final_message_continues_the_assistants_text(
+    server: tuple[str, ServerState], client: openai.OpenAI
+) -> None:
+    """vLLM's continue_final_message: the prompt ends with the final message's text
+    (the template's end of turn cut off), and the answer is the continuation alone, as
+    a completion of that prompt gives it."""
+    engine = server[1].engine
+    messages = [*USER, BEGUN]
+    whole = engine.render_chat(messages)  # the begun answer as a finished turn
+    begun = engine.render_chat(messages, add_generation_prompt=False, continue_final=True)
+    assert begun.prompt.endswith(BEGUN["content"])
+    assert whole.prompt.startswith(begun.prompt) and len(whole.prompt) > len(begun.prompt)
+    answer = client.chat.completions.create(
+        model="demo",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=12,
+        temperature=0,
+        extra_body={"continue_final_message": True},
+    )
+    tokens = engine.tokenize(begun.prompt, add_special=begun.add_bos)
+    expected = client.completions.create(model="demo", prompt=tokens, max_tokens=12, temperature=0)
+    assert answer.choices[0].message.content == expected.choices[0].text
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(tokens)
+    # not continued: the answer is a new turn, from another prompt
+    assert client.chat.completions.create(
+        model="demo",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,  # type: ignore[arg-type]
+    ).usage.prompt_tokens > len(tokens)  # type: ignore[union-attr]
+
+
+def test_add_generation_prompt_false_leaves_the_turn_unopened(
+    server: tuple[str, ServerState], client: openai.OpenAI
+) -> None:
+    engine = server[1].engine
+    opened = engine.render_chat(USER).prompt
+    closed = engine.render_chat(USER, add_generation_prompt=False).prompt
+    assert opened.startswith(closed) and len(opened) > len(closed)
+    answer = client.chat.completions.create(
+        model="demo",
+        messages=USER,  # type: ignore[arg-type]
+        max_tokens=4,
+        temperature=0,
+        extra_body={"add_generation_prompt": False},
+    )
+    tokens = engine.tokenize(closed, add_special=engine.render_chat(USER).add_bos)
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(tokens)
 
 
 def test_samplers_sent_switched_off_are_accepted(server: tuple[str, ServerState]) -> None:

@@ -132,6 +132,39 @@ def test_a_generation_prompt_that_opens_think() -> None:
     assert prompt.rstrip().endswith(THINK_OPEN)
 
 
+def test_a_final_message_continued_ends_the_prompt() -> None:
+    """continue_final: the prompt stops where the final message's text ends, also when
+    the template trims that text, and never after an earlier copy of it."""
+    begun = [
+        {"role": "user", "content": "Say: yes"},
+        {"role": "assistant", "content": "yes"},
+        {"role": "user", "content": "Again"},
+        {"role": "assistant", "content": "yes "},
+    ]
+    chatml = template("chatml_no_tools")
+    prompt, _ = chatml.render(begun, add_generation_prompt=False, continue_final=True)
+    assert prompt == (
+        "<|im_start|>user\nSay: yes<|im_end|>\n<|im_start|>assistant\nyes<|im_end|>\n"
+        "<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\nyes "
+    )
+    finished, _ = chatml.render(begun, add_generation_prompt=False)
+    assert finished == prompt + "<|im_end|>\n"
+    trims = ChatTemplate(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>{% endfor %}",
+        "",
+        "",
+    )
+    prompt, _ = trims.render(begun, add_generation_prompt=False, continue_final=True)
+    assert prompt.endswith("</assistant><user>Again</user><assistant>yes")
+
+
+def test_a_final_message_the_template_does_not_write_cannot_be_continued() -> None:
+    t = ChatTemplate("{% for m in messages %}[{{ m.role }}]{% endfor %}", "", "")
+    with pytest.raises(InvalidRequest, match="cannot continue it") as err:
+        t.render([{"role": "assistant", "content": "yes"}], continue_final=True)
+    assert err.value.param == "continue_final_message"
+
+
 def test_tools_for_a_template_without_them_are_refused_not_dropped() -> None:
     with pytest.raises(InvalidRequest, match="does not support tools") as err:
         template("chatml_no_tools").render([{"role": "user", "content": "hi"}], [WEATHER])
