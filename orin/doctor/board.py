@@ -14,7 +14,13 @@ from orin.doctor.findings import Finding
 from orin.profile.loader import builtin_profiles
 from orin.severity import Severity, worst
 from orin.system.services import unit_active_state, unit_file_state
-from orin.system.settings import JETSON_CLOCKS, STATE_DIR, SWAPPINESS_FILE, ZRAM_SERVICE
+from orin.system.settings import (
+    FASTEST,
+    JETSON_CLOCKS,
+    STATE_DIR,
+    SWAPPINESS_FILE,
+    ZRAM_SERVICE,
+)
 
 SWAPPINESS_MAX = 10
 THERMAL_MARGIN_C = 10.0
@@ -165,13 +171,16 @@ def check_power_mode(ctx: DoctorContext) -> Finding:
             "nvpmodel -q",
         )
     top = p.fastest_power_mode
-    if top is None:  # no mode table: MAXN by name, or mode 0
+    asked = ctx.profile.system.power_mode
+    if top is None:  # no mode table: MAXN by name, or mode 0 (and "fastest" is unknown)
         fastest, top, top_name = mode.is_maxn, 0, "MAXN"
+        setting, wants_top = f"system.power_mode: {top}", asked == top
     else:
         top_name = p.power_modes[top]
         fastest = mode.id == top if mode.id is not None else mode.name == top_name
-    asked = ctx.profile.system.power_mode
-    if fastest and asked is not None and asked != top and asked in p.power_modes:
+        # the board's fastest by name: the same profile then suits every Orin module
+        setting, wants_top = f"system.power_mode: {FASTEST}", asked in (FASTEST, top)
+    if fastest and isinstance(asked, int) and not wants_top and asked in p.power_modes:
         # a profile written for an AGX Orin (0, MAXN there) would put an Orin Nano at 15W
         return Finding(
             "power-mode",
@@ -180,7 +189,7 @@ def check_power_mode(ctx: DoctorContext) -> Finding:
             f"system.power_mode: {asked} would switch it to {p.power_modes[asked]}",
             why=f"below {top_name} the GPU and memory clocks are capped; decode is bound by "
             "memory bandwidth, so TPOT rises with the cap",
-            fix=tune_fix(ctx, f"system.power_mode: {top}", False, None),
+            fix=tune_fix(ctx, setting, False, None),
         )
     if fastest:
         return Finding("power-mode", "ok", f"power mode {mode.name} ({mode.id})")
@@ -190,12 +199,7 @@ def check_power_mode(ctx: DoctorContext) -> Finding:
         f"power mode {mode.name} ({mode.id}), not {top_name} ({top}), this board's fastest",
         why=f"below {top_name} the GPU and memory clocks are capped; decode is bound by "
         "memory bandwidth, so TPOT rises with the cap",
-        fix=tune_fix(
-            ctx,
-            f"system.power_mode: {top}",
-            ctx.profile.system.power_mode == top,
-            f"sudo nvpmodel -m {top}",
-        ),
+        fix=tune_fix(ctx, setting, wants_top, f"sudo nvpmodel -m {top}"),
     )
 
 

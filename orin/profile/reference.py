@@ -15,7 +15,7 @@ import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -84,6 +84,8 @@ def _table(rows: Iterator[tuple[str, ...]]) -> str:
 def describe_type(annotation: Any) -> str:
     """A type as a reader of YAML thinks of it: 'integer or null', 'one of `a`, `b`'."""
     origin = get_origin(annotation)
+    if origin is Annotated:  # a union member with bounds of its own (``_bounds``)
+        return describe_type(get_args(annotation)[0])
     if origin is Literal:
         return "one of " + ", ".join(f"`{v}`" for v in get_args(annotation))
     if origin in (Union, types.UnionType):
@@ -111,12 +113,16 @@ def _default(info: FieldInfo) -> str:
 
 
 def _bounds(info: FieldInfo) -> str:
+    """The field's bounds, and those of a union member (``Annotated[int, Field(ge=0)] |
+    Literal["fastest"]``)."""
     found = []
-    for meta in info.metadata:
-        for attr, fmt in _BOUNDS:
-            value = getattr(meta, attr, None)
-            if value is not None:
-                found.append(fmt.format(value))
+    members = [a for a in get_args(info.annotation) if get_origin(a) is Annotated]
+    for meta in [*info.metadata, *(m for a in members for m in get_args(a)[1:])]:
+        for inner in getattr(meta, "metadata", None) or [meta]:  # a Field() holds its own
+            for attr, fmt in _BOUNDS:
+                value = getattr(inner, attr, None)
+                if value is not None:
+                    found.append(fmt.format(value))
     return ", ".join(found)
 
 

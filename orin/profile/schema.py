@@ -426,12 +426,12 @@ class SystemSection(_Section):
         "auto",
         description="mmap policy: auto = off when every layer is on the GPU (unified memory).",
     )
-    power_mode: int | None = Field(
+    power_mode: Annotated[int, Field(ge=0, le=15)] | Literal["fastest"] | None = Field(
         None,
-        ge=0,
-        le=15,
-        description="nvpmodel mode id to set (0 = MAXN on the AGX Orin and the Orin NX; an "
-        "Orin Nano's fastest mode has another id: doctor names it); none = unchanged.",
+        description="nvpmodel mode to set: fastest = the board's fastest mode, from its own "
+        "nvpmodel table (MAXN on the AGX Orin and the Orin NX; an Orin Nano's has another "
+        "id), or a mode id (0 = MAXN on the AGX Orin and the Orin NX, 15W on an Orin "
+        "Nano); none = unchanged.",
     )
     lock_clocks: bool = Field(False, description="Run jetson_clocks to pin clocks at maximum.")
     drop_caches: bool = Field(False, description="Drop the page cache before loading the model.")

@@ -72,13 +72,20 @@ class Change:
         }
 
 
+FASTEST = "fastest"
+"""``system.power_mode``'s name for the board's fastest mode, whatever its id: MAXN (0)
+on an AGX Orin or an Orin NX, 15W (0) or MAXN_SUPER (2) on an Orin Nano."""
+
+
 @dataclass(frozen=True)
 class BoardSettings:
     """What a profile asks of the board, as plain values; the defaults change nothing."""
 
     swappiness: int | None = None  # system.swappiness; None = leave unchanged
     disable_zram: bool = False  # system.disable_zram
-    power_mode: int | None = None  # system.power_mode (nvpmodel id); None = unchanged
+    # system.power_mode: an nvpmodel id, FASTEST (the board's fastest mode, from its own
+    # nvpmodel table), or None = unchanged
+    power_mode: int | str | None = None
     lock_clocks: bool = False  # system.lock_clocks
     drop_caches: bool = False  # system.drop_caches
     numa: str = "disabled"  # engine.numa, reported against the NUMA nodes
@@ -256,15 +263,24 @@ class PowerModeSetting(Setting):
     id = "power-mode"
 
     def plan(self, ctx: BoardContext) -> Change:
-        p, target = ctx.platform, ctx.settings.power_mode
+        p, asked = ctx.platform, ctx.settings.power_mode
         mode = p.power_mode
         current = f"{mode.name} ({mode.id})" if mode else "unknown"
         if not p.is_jetson:
             return self.report("not a Jetson", "-", "no nvpmodel on this machine")
-        if target is None:
+        if asked is None:
             return self.report(current, current, "the profile leaves the power mode unchanged")
         if mode is None:
-            return self.report(current, str(target), "nvpmodel -q gave no answer: skipped")
+            return self.report(current, str(asked), "nvpmodel -q gave no answer: skipped")
+        target = _target(ctx)
+        if target is None:
+            return self.report(
+                current,
+                FASTEST,
+                "this board's fastest mode is unknown (its nvpmodel modes name neither "
+                "MAXN nor a wattage, and the module's table is not known): skipped; set "
+                "system.power_mode to a mode id",
+            )
         if p.power_modes and target not in p.power_modes:
             modes = ", ".join(f"{i} {n}" for i, n in sorted(p.power_modes.items()))
             raise SettingError(f"power-mode: this board has no mode {target} (modes: {modes})")
@@ -278,7 +294,9 @@ class PowerModeSetting(Setting):
             " and resets clocks that jetson_clocks locked"
         )
         top = p.fastest_power_mode
-        if top is not None and top != target:  # mode 0 is 15W on an Orin Nano
+        if asked == FASTEST:
+            note += "; system.power_mode: fastest"
+        elif top is not None and top != target:  # mode 0 is 15W on an Orin Nano
             note += (
                 f"; {name} ({target}) is not this board's fastest mode: that is "
                 f"{p.power_modes[top]} (system.power_mode: {top})"
@@ -294,7 +312,7 @@ class PowerModeSetting(Setting):
 
     def apply(self, ctx: BoardContext, change: Change) -> None:
         super().apply(ctx, change)
-        target = ctx.settings.power_mode
+        target = _target(ctx)
         now = query_power_mode(ctx.runner)
         if change.actions and (now is None or now.id != target):
             seen = f"{now.name} ({now.id})" if now else "no answer from nvpmodel -q"
@@ -314,6 +332,15 @@ class PowerModeSetting(Setting):
 
     def describe_saved(self, saved: Mapping[str, Any]) -> str:
         return f"{saved['name']} ({saved['mode_id']})"
+
+
+def _target(ctx: BoardContext) -> int | None:
+    """The mode id ``system.power_mode`` asks for: FASTEST is the board's fastest mode
+    (None where its nvpmodel table is unknown)."""
+    asked = ctx.settings.power_mode
+    if asked == FASTEST:
+        return ctx.platform.fastest_power_mode
+    return None if asked is None else int(asked)
 
 
 def power_mode_action(mode_id: int) -> Action:

@@ -267,7 +267,7 @@ def test_an_orin_nanos_fastest_mode_is_not_mode_0(
         assert f.severity == "ok"
         return
     assert (f.severity, f.found) == ("warn", found)
-    assert f.fix.startswith(f"system.power_mode: {top} in the profile, then sudo orin-llm tune")
+    assert f.fix.startswith("system.power_mode: fastest in the profile, then sudo orin-llm tune")
     assert f.fix.endswith(f"(or at once: sudo nvpmodel -m {top})")
 
 
@@ -326,9 +326,28 @@ def test_a_profile_whose_power_mode_would_lower_the_board_is_found(
         "would switch it to 15W",
     )
     assert f.fix == (
-        f"system.power_mode: 2 in the profile, then sudo orin-llm tune system --profile {mine} "
-        "--apply"
+        "system.power_mode: fastest in the profile, then sudo orin-llm tune system "
+        f"--profile {mine} --apply"
     )
-    mine.write_text("name: agx\nsystem: {power_mode: 2}\n")
+    for mode in ("2", "fastest"):
+        mine.write_text(f"name: agx\nsystem: {{power_mode: {mode}}}\n")
+        f = board_checks.check_power_mode(
+            make_ctx(fake.board.root, fake.runner, load_profile(mine))
+        )
+        assert f.severity == "ok"
+
+
+def test_a_profile_that_asks_for_the_fastest_mode_is_not_told_to(
+    tmp_path: Path, make_ctx: MakeCtx
+) -> None:
+    """A board below its fastest mode under a profile with power_mode: fastest: the fix
+    is tune system with that profile, nothing to add to it."""
+    fake = orin_nano_8gb_jp6(tmp_path / "board", super_modes=True, mode=1)
+    mine = tmp_path / "any.yaml"
+    mine.write_text("name: any\nsystem: {power_mode: fastest}\n")
     f = board_checks.check_power_mode(make_ctx(fake.board.root, fake.runner, load_profile(mine)))
-    assert f.severity == "ok"
+    assert f.severity == "warn"
+    assert (
+        f.fix
+        == f"sudo orin-llm tune system --profile {mine} --apply (or at once: sudo nvpmodel -m 2)"
+    )

@@ -13,6 +13,7 @@ from orin.system.actions import Action
 from orin.system.changes import board_context, plan_apply
 from orin.system.loadmode import LoadSettings, mmap_policy
 from orin.system.settings import (
+    FASTEST,
     SYSCTL_FILE,
     BoardSettings,
     Change,
@@ -22,8 +23,10 @@ from orin.system.settings import (
 from orin.system.statefile import CLOCKS_STORE, ROOT_STATE_DIR, StateFile
 from tests.fakes.boards_system import (
     FakeJetson,
+    agx_orin_32gb_devkit_tree_jp6,
     agx_orin_32gb_jp5_tuned,
     agx_orin_64gb_jp6,
+    nvpmodel_conf,
     orin_nano_8gb_jp6,
     x86_machine,
 )
@@ -231,3 +234,44 @@ def test_a_mode_0_that_is_not_the_boards_fastest_is_noted(tmp_path: Path) -> Non
         "; 15W (0) is not this board's fastest mode: that is MAXN_SUPER (system.power_mode: 2)"
     )
     assert "fastest" not in plan(fake, profile(power_mode=2))["power-mode"].note
+
+
+@pytest.mark.parametrize(
+    ("board", "mode", "target", "actions"),
+    [
+        (lambda p: orin_nano_8gb_jp6(p, super_modes=True, mode=1), 1, "MAXN_SUPER (2)", ["2"]),
+        (lambda p: orin_nano_8gb_jp6(p, super_modes=False, mode=1), 1, "15W (0)", ["0"]),
+        (lambda p: orin_nano_8gb_jp6(p, super_modes=True, mode=2), 2, "MAXN_SUPER (2)", []),
+        (agx_orin_64gb_jp6, None, "MAXN (0)", ["0"]),
+    ],
+)
+def test_fastest_is_the_boards_own_fastest_mode(
+    tmp_path: Path, board: Any, mode: int | None, target: str, actions: list[str]
+) -> None:
+    """power_mode: fastest plans the switch to the mode the board's nvpmodel table says is
+    fastest: one profile for an AGX Orin and an Orin Nano alike."""
+    fake = board(tmp_path)
+    change = plan(fake, profile(power_mode=FASTEST))["power-mode"]
+    assert change.target == target
+    assert describe(change) == [f"nvpmodel -m {m}" for m in actions]
+    assert "not this board's fastest" not in change.note
+
+
+def test_fastest_without_a_mode_table_is_skipped_not_guessed(tmp_path: Path) -> None:
+    fake = orin_nano_8gb_jp6(tmp_path, mode=1)
+    fake.board.write("/etc/nvpmodel.conf", nvpmodel_conf({0: "MODE_A", 1: "MODE_B"}, 1))
+    change = plan(fake, profile(power_mode=FASTEST))["power-mode"]
+    assert describe(change) == []
+    assert "fastest mode is unknown" in change.note
+    assert change.note.endswith("set system.power_mode to a mode id")
+    # without a table of its own, a known module's table is used
+    change = plan(agx_orin_32gb_devkit_tree_jp6(tmp_path / "devkit"), profile(power_mode=FASTEST))
+    assert describe(change["power-mode"]) == ["nvpmodel -m 0"]
+
+
+def test_a_profile_takes_fastest_and_refuses_other_words(tmp_path: Path) -> None:
+    assert board_settings(Profile(name="t", system={"power_mode": "fastest"})).power_mode == (
+        FASTEST
+    )
+    with pytest.raises(ValueError, match="power_mode"):
+        Profile(name="t", system={"power_mode": "maxn"})
