@@ -208,7 +208,9 @@ def read_server_status(get: HttpGet, url: str, with_key: bool = False) -> Servic
     listed = get(f"{url}/v1/models", HTTP_TIMEOUT_S)
     data = listed.json() if listed.status == 200 else None
     entries = data.get("data") if data is not None else None
-    models = tuple(str(m["id"]) for m in entries or () if isinstance(m, dict) and "id" in m)
+    if not isinstance(entries, list):  # not OpenAI's list: no models to name
+        entries = []
+    models = tuple(str(m["id"]) for m in entries if isinstance(m, dict) and "id" in m)
     metrics = get(f"{url}/metrics", HTTP_TIMEOUT_S)
     latency = parse_latency(metrics.body) if metrics.status == 200 else {}
     refused = 401 in (listed.status, metrics.status)

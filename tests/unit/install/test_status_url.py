@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from orin.cli.app import app
@@ -49,6 +50,21 @@ def test_status_url_reads_health_and_models(tmp_path: Path) -> None:
     assert code == 0
     assert "health: http://127.0.0.1:8080/health -> 200" in out
     assert "models: smollm2-135m-instruct" in out and "unit" not in out
+
+
+@pytest.mark.parametrize("data", ["5", '{"id": "x"}', '"x"', "null"])
+def test_a_models_list_that_is_not_openais_names_no_models(data: str) -> None:
+    """A server whose /v1/models has no list under "data" (a number, an object, text)
+    is reported without models, not as an internal error."""
+
+    def get(url: str, timeout: float, headers: dict[str, str] | None = None) -> HttpResult:
+        if url.endswith("/v1/models"):
+            return HttpResult(200, f'{{"object": "list", "data": {data}}}')
+        return serving(url, timeout, headers)
+
+    code, out, err = invoke(get, "--url", "http://127.0.0.1:8080", "--json")
+    assert code == 0, err
+    assert json.loads(out)["models"] == []
 
 
 def test_status_url_with_nothing_listening() -> None:
