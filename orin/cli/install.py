@@ -109,7 +109,7 @@ def install(
         out, profile, sysroot, runner, facts, dry_run or d.effective_uid() != 0
     )
     report = d.run_doctor(d.doctor_context(sysroot, profile, pulled))
-    _check_doctor(out, report, facts, force, dry_run)
+    refused = _check_doctor(out, report, facts, force, dry_run)
     model_path, info = service_model(profile, sysroot)
     config = unit_config(
         profile,
@@ -134,6 +134,11 @@ def install(
     _show_plan(out, plan)
     if dry_run:
         out.line("dry run: nothing was changed")
+        if refused:  # exit as the install itself would, so a script sees it
+            raise InstallError(
+                "install would refuse: doctor found the problems listed above; fix them "
+                "(orin-llm doctor explains each) or use --force"
+            )
         return
     if plan.noop:
         out.line("already installed and up to date: nothing to change")
@@ -258,7 +263,9 @@ def _wait_bar(timeout_s: float) -> Iterator[Callable[[float, str], None] | None]
 
 def _check_doctor(
     out: Output, report: Report, facts: HostFacts, force: bool, dry_run: bool
-) -> None:
+) -> bool:
+    """Doctor's summary; InstallError on a finding that blocks the install, unless
+    forced. True where a dry run goes on past such findings (install would refuse)."""
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items() if n)
     out.line(f"doctor: {counts}")
     for f in report.findings:
@@ -267,12 +274,12 @@ def _check_doctor(
     blockers = doctor_blockers(report.findings, facts.service_active)
     blockers += [f"{c}: the check itself failed" for c in report.crashed]
     if not blockers:
-        return
+        return False
     listed = "\n".join(f"  {b}" for b in blockers)
     if force or dry_run:
         verb = "ignoring (--force)" if force else "install would refuse"
         _raw(out, f"doctor found problems, {verb}:\n{listed}", err=True)
-        return
+        return not force
     raise InstallError(
         f"doctor found problems; fix them (orin-llm doctor explains each) or use --force:\n{listed}"
     )

@@ -169,6 +169,20 @@ def test_doctor_fail_refuses_unless_forced(
     assert "ignoring (--force)" in err
 
 
+def test_a_dry_run_install_would_refuse_shows_the_plan_and_exits_as_install_would(
+    root: Path, host: FakeHost, deps: Deps, report: list[Report]
+) -> None:
+    report[0] = doctor_report(Finding("llama-build", "fail", "CPU-only build", fix="rebuild"))
+    before = snapshot(root)
+    code, out, err = invoke(deps, root, "install", "--profile", PROFILE, "--dry-run")
+    assert code == 1
+    assert "install would refuse" in err and "llama-build: CPU-only build" in err
+    assert "dry run: nothing was changed" in out and "step 1: useradd --system" in out
+    assert host.changes() == [] and snapshot(root) == before
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE, "--dry-run", "--force")
+    assert code == 0, err
+
+
 def test_running_service_excuses_memory_fit_and_port(
     root: Path, host: FakeHost, deps: Deps, report: list[Report]
 ) -> None:
