@@ -20,6 +20,7 @@ from orin.engine.vision import MediaPrompt, RGBImage
 from orin.server import dashboard, errors, extras, images, protocol, tools
 from orin.server.auth import protect
 from orin.server.errors import GenerationFailed, Loading, ModelNotFound
+from orin.server.jsonbody import JsonRoute
 from orin.server.middleware import CLIENT_LEFT, RequestContext
 from orin.server.responses import (
     ChatFormatter,
@@ -35,6 +36,7 @@ from orin.server.state import ServerState
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="orin-llm", version=state.version, docs_url=None, redoc_url=None)
     app.state.orin = state
+    app.router.route_class = JsonRoute  # bodies read by jsonbody.loads: text must be Unicode
     app.add_exception_handler(RequestValidationError, errors.on_validation_error)
     app.add_exception_handler(HTTPException, errors.on_http_exception)
     # expected errors by type; Exception alone is the 500 path (Starlette logs those)
