@@ -66,6 +66,10 @@ def error_of(r: httpx.Response) -> dict[str, Any]:
         ({"prompt": ["a", ""]}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),  # one slot, no queue: never together
         ({"max_tokens": 3}, "prompt"),
+        # a schema of a few bytes whose grammar would take gigabytes, or nest so deep that
+        # llama.cpp's parser overflowed its stack and the process died
+        ({"prompt": "x", "json_schema": {"type": "string", "maxLength": 10**9}}, "json_schema"),
+        ({"prompt": "x", "json_schema": {"type": "string", "maxLength": 30_000}}, "json_schema"),
     ],
 )
 def test_invalid_parameters_name_the_parameter(
