@@ -70,6 +70,19 @@ def error_of(r: httpx.Response) -> dict[str, Any]:
         # llama.cpp's parser overflowed its stack and the process died
         ({"prompt": "x", "json_schema": {"type": "string", "maxLength": 10**9}}, "json_schema"),
         ({"prompt": "x", "json_schema": {"type": "string", "maxLength": 30_000}}, "json_schema"),
+        # a schema's grammar that llama.cpp refuses (too many repetitions) names the schema,
+        # not a grammar the client never sent
+        ({"prompt": "x", "json_schema": {"type": "string", "maxLength": 2000}}, "json_schema"),
+        (
+            {
+                "prompt": "x",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": {"type": "string", "maxLength": 2000}},
+                },
+            },
+            "response_format.json_schema.schema",
+        ),
     ],
 )
 def test_invalid_parameters_name_the_parameter(
