@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Sequence
+import re
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -19,12 +22,176 @@ from typing import Any
 from orin.engine.errors import InvalidRequest
 from orin.llamacpp import llama
 
+MAX_NESTING = 2048
+"""Groups nested in one another in a grammar, at most. llama.cpp's parser recurses
+once per group on the calling thread's stack, and a process whose stack overflows
+dies with every request it serves (measured with llama-cpp-python 0.3.36 on
+x86-64: 4,000 groups overflow a 1 MiB stack, some 15,000 the 8 MiB of a default
+thread; a JSON schema's ``maxLength: 20000`` nests 20,000)."""
+
+MAX_CHAIN = 8192
+"""Rules a chain of rule references may pass through, at most, a group counting as
+a rule as llama.cpp makes it one. llama.cpp follows such chains recursively when it
+checks a grammar for left recursion and when it advances the grammar's stacks
+(measured: a chain of 100,000 rules, 1.6 MB of text, overflows an 8 MiB stack)."""
+
+MAX_SCHEMA_GRAMMAR = 1 << 20
+"""Characters of grammar that the repetitions of one JSON schema (``minLength``,
+``maxLength``, ``minItems``, ``maxItems``, a pattern's ``{m,n}``) may write, in all.
+llama-cpp-python's converter writes a repetition out item by item, so a schema of a
+few bytes (``"maxLength": 1000000000``) would take gigabytes of memory before
+llama.cpp saw the grammar; 1 MiB leaves a flat ``minLength`` of 100,000 characters."""
+
+_budget = threading.local()  # characters the conversion running on this thread may write
+
 
 def _converter() -> ModuleType:
     llama()  # llama_cpp imported once, with its log routed (LlamaCppError when missing)
     from llama_cpp import llama_grammar
 
+    if not getattr(llama_grammar, "_orin_bounded", False):
+        llama_grammar._build_repetition = _bounded(llama_grammar._build_repetition)
+        llama_grammar._orin_bounded = True  # type: ignore[attr-defined]
     return llama_grammar
+
+
+def _bounded(build: Callable[..., str]) -> Callable[..., str]:
+    """The converter's repetition builder, charging what it would write to the
+    budget of the conversion running on this thread (``_schema_budget``): a
+    ValueError, which the callers turn into a 400, before it writes past it."""
+
+    def repetition(
+        item_rule: str, min_items: int, max_items: int | None, *args: Any, **kwargs: Any
+    ) -> str:
+        left = getattr(_budget, "left", None)
+        if left is not None:
+            items = max(min_items, max_items or 0)
+            if items * (len(item_rule) + 4) > left:
+                raise ValueError(
+                    f"a repetition of {items} items (minLength, maxLength, minItems, "
+                    "maxItems or a pattern's {m,n}) makes the grammar longer than the "
+                    f"{MAX_SCHEMA_GRAMMAR} characters a schema may take here"
+                )
+        out = build(item_rule, min_items, max_items, *args, **kwargs)
+        if left is not None:
+            _budget.left = left - len(out)
+        return out
+
+    return repetition
+
+
+@contextmanager
+def _schema_budget() -> Iterator[None]:
+    _budget.left = MAX_SCHEMA_GRAMMAR
+    try:
+        yield
+    finally:
+        _budget.left = None
+
+
+# the parts of GBNF text that matter to its depth; anything else is skipped
+_GBNF_TOKEN = re.compile(
+    r"""\#[^\r\n]*"""  # a comment
+    r"""|"(?:\\.|[^"\\])*"?"""  # a literal (an unterminated one runs to the end)
+    r"""|\[(?:\\.|[^\]\\])*\]?"""  # a character class
+    r"""|<[^>\s]*>"""  # a token
+    r"""|\{[^}]*\}"""  # a repetition count
+    r"""|::="""
+    r"""|[A-Za-z0-9_-]+"""  # a rule's name
+    r"""|[()]""",
+    re.DOTALL,
+)
+
+
+def depth_problem(gbnf: str) -> str | None:
+    """Why llama.cpp cannot be given ``gbnf`` without risking its stack: groups
+    nested deeper than ``MAX_NESTING``, or a chain of rule references that may pass
+    through more than ``MAX_CHAIN`` rules; None when neither. The chain is bounded
+    from above: each rule counts as one plus the depth of its groups, and rules that
+    refer to one another in a cycle count all together."""
+    names: list[str] = []  # rules in order of definition
+    cost: dict[str, int] = {}  # 1 + the deepest group of each rule
+    refs: dict[str, set[str]] = {}
+    tokens = [t for t in _GBNF_TOKEN.findall(gbnf) if t[0] != "#"]
+    rule, depth, deepest = "", 0, 0
+    for i, tok in enumerate(tokens):
+        if tok == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+            if rule:
+                cost[rule] = max(cost[rule], depth + 1)
+        elif tok == ")":
+            depth = max(depth - 1, 0)
+        elif tok[0].isalnum() or tok[0] in "_-":
+            if i + 1 < len(tokens) and tokens[i + 1] == "::=":
+                rule = tok
+                if rule not in cost:
+                    names.append(rule)
+                    cost[rule], refs[rule] = 1, set()
+            elif rule:
+                refs[rule].add(tok)
+    if deepest > MAX_NESTING:
+        return f"nests groups {deepest} deep; at most {MAX_NESTING} are taken here"
+    longest = _longest_chain(names, cost, refs)
+    if longest > MAX_CHAIN:
+        return (
+            f"has chains of rule references through up to {longest} rules; "
+            f"at most {MAX_CHAIN} are taken here"
+        )
+    return None
+
+
+def _longest_chain(names: list[str], cost: dict[str, int], refs: dict[str, set[str]]) -> int:
+    """The largest sum of ``cost`` along a path of references, each group of rules
+    that refer to one another in a cycle counted whole (Tarjan's strongly connected
+    components, iteratively: the grammar may have a hundred thousand rules)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    comp: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    comps: list[list[str]] = []  # in reverse topological order: referred-to ones first
+    for start in names:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(refs[start] & cost.keys())))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(refs[child] & cost.keys()))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                members = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    comp[member] = len(comps)
+                    members.append(member)
+                    if member == node:
+                        break
+                comps.append(members)
+    best: list[int] = []
+    for c, members in enumerate(comps):  # every component it refers to comes before it
+        after = max(
+            (best[comp[r]] for m in members for r in refs[m] if r in comp and comp[r] != c),
+            default=0,
+        )
+        best.append(sum(cost[m] for m in members) + after)
+    return max(best, default=0)
 
 
 def json_grammar() -> str:
@@ -37,10 +204,16 @@ def json_schema_grammar(schema: dict[str, Any], param: str = "response_format") 
     converter cannot turn it into a grammar."""
     if not schema:
         raise InvalidRequest(param, "a json_schema needs a schema")
+    mod = _converter()
     try:
-        return str(_converter().json_schema_to_gbnf(json.dumps(schema)))
+        with _schema_budget():
+            out = str(mod.json_schema_to_gbnf(json.dumps(schema)))
     except Exception as exc:  # the converter raises plain exceptions on bad schemas
         raise InvalidRequest(param, f"cannot turn the schema into a grammar: {exc}") from exc
+    problem = depth_problem(out)
+    if problem is not None:
+        raise InvalidRequest(param, f"the schema's grammar {problem}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -91,8 +264,9 @@ def tool_call_grammar(
     for i, (name, parameters) in enumerate(functions):
         schema = copy.deepcopy(parameters) if parameters else {"type": "object"}
         try:
-            schema = conv.resolve_refs(schema, f"tool{i}")
-            args = conv.visit(schema, f"{name}-args")
+            with _schema_budget():
+                schema = conv.resolve_refs(schema, f"tool{i}")
+                args = conv.visit(schema, f"{name}-args")
         except Exception as exc:  # the converter raises plain exceptions on bad schemas
             raise InvalidRequest(
                 params[i] if params is not None else "tools",
@@ -119,7 +293,11 @@ def tool_call_grammar(
         block = f"reasoning-body {lit(reasoning.end)} [ \\n]? [ \\n]?"
         root = f"{block} {root}" if reasoning.open else f"({lit(reasoning.start)} {block})? {root}"
     conv._add_rule("root", root)
-    return str(conv.format_grammar())
+    out = str(conv.format_grammar())
+    problem = depth_problem(out)
+    if problem is not None:
+        raise InvalidRequest("tools", f"the grammar of the tools' parameters {problem}")
+    return out
 
 
 def _opt_lit(lit: Any, text: str) -> str:

@@ -10,6 +10,7 @@ import numpy.typing as npt
 
 from orin.engine.backend import Backend
 from orin.engine.errors import InvalidRequest
+from orin.engine.grammar import depth_problem
 from orin.engine.types import SamplingParams, TokenLogprob, TopLogprob
 from orin.llamacpp import capture_log, client_input, pass_on, with_stderr
 
@@ -53,6 +54,10 @@ class SlotSampler:
             add(lib.llama_sampler_init_logit_bias(self.backend.n_vocab, len(self.bias), arr))
         if p.grammar:
             source = p.grammar
+            too_deep = depth_problem(source)  # llama.cpp would overflow its stack on it
+            if too_deep is not None:
+                lib.llama_sampler_free(chain)
+                raise InvalidRequest(p.grammar_field, f"the grammar {too_deep}")
             with client_input(), capture_log() as logged:
                 grammar, printed = with_stderr(
                     lambda: lib.llama_sampler_init_grammar(
@@ -66,7 +71,7 @@ class SlotSampler:
                 if why is None:  # a check after parsing says why in llama.cpp's log
                     why = next((ln for ln in map(str.strip, logged) if ln not in NOT_WHY), "")
                 said = f": {_short(why)}" if why else ""
-                raise InvalidRequest("grammar", f"the grammar does not parse{said}")
+                raise InvalidRequest(p.grammar_field, f"the grammar does not parse{said}")
             add(grammar)
         if p.penalized:
             self._penalties = lib.llama_sampler_init_penalties(

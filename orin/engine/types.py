@@ -35,6 +35,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     grammar: str | None = None
+    # the request's field the grammar came from, for the error that refuses it (a schema's
+    # grammar that llama.cpp refuses names the schema, not a grammar the client never sent)
+    grammar_field: str = "grammar"
     logprobs: int | None = params.LOGPROBS.default  # top-N log-probabilities per token
     # the log-probability of every prompt token after the first, given the tokens before
     # it, with ``logprobs`` alternatives (completions' echo): the prompt is computed with

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -20,6 +20,7 @@ from orin.engine.vision import MediaPrompt, RGBImage
 from orin.server import dashboard, errors, extras, images, protocol, tools
 from orin.server.auth import protect
 from orin.server.errors import GenerationFailed, Loading, ModelNotFound
+from orin.server.jsonbody import JsonRoute
 from orin.server.middleware import CLIENT_LEFT, RequestContext
 from orin.server.responses import (
     ChatFormatter,
@@ -35,6 +36,7 @@ from orin.server.state import ServerState
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="orin-llm", version=state.version, docs_url=None, redoc_url=None)
     app.state.orin = state
+    app.router.route_class = JsonRoute  # bodies read by jsonbody.loads: text must be Unicode
     app.add_exception_handler(RequestValidationError, errors.on_validation_error)
     app.add_exception_handler(HTTPException, errors.on_http_exception)
     # expected errors by type; Exception alone is the 500 path (Starlette logs those)
@@ -82,19 +84,23 @@ def _register(app: FastAPI, state: ServerState) -> None:
             pictures = await until_client_leaves(request, _images(state, body))
             if pictures is None:  # nobody to answer: the fetch was stopped
                 return Response(status_code=CLIENT_LEFT)
-        text, add_bos = state.engine.render_chat(
-            body.template_messages(),
-            body.offered_tools(),
-            body.chat_template_kwargs,
-            body.generation_prompt(),
-            body.continue_final_message,
-        )
+
+        def render() -> tuple[str, bool, list[int]]:
+            text, add_bos = state.engine.render_chat(
+                body.template_messages(),
+                body.offered_tools(),
+                body.chat_template_kwargs,
+                body.generation_prompt(),
+                body.continue_final_message,
+            )
+            tokens = [] if pictures else state.engine.tokenize(text, add_special=add_bos)
+            return text, add_bos, tokens
+
+        text, add_bos, prompt = await off_loop_if_large(request, render)
         media = None
         if pictures:  # tokenized with the images (preprocessing them) off the event loop
             media = await asyncio.to_thread(state.engine.tokenize_media, text, pictures, add_bos)
             prompt = media.tokens
-        else:
-            prompt = state.engine.tokenize(text, add_special=add_bos)
         caps = state.engine.chat_caps()
         output = tools.output_spec(body, caps, text)
         body.constrain(tools.required_grammar(body, output))
@@ -106,10 +112,17 @@ def _register(app: FastAPI, state: ServerState) -> None:
     async def completions(body: protocol.CompletionRequest, request: Request) -> Any:
         _check_model(state, body.model)
         given = body.prompts()
-        prompts = [state.engine.tokenize(p) if isinstance(p, str) else p for p in given]
-        pieces = None
-        if body.scores_prompt():  # the echo's logprobs: each token's text as echoed
-            pieces = [echo_pieces(state.engine, g, p) for g, p in zip(given, prompts, strict=True)]
+
+        def tokenize() -> tuple[list[list[int]], list[list[bytes]] | None]:
+            prompts = [state.engine.tokenize(p) if isinstance(p, str) else p for p in given]
+            if not body.scores_prompt():
+                return prompts, None
+            # the echo's logprobs: each token's text as echoed
+            return prompts, [
+                echo_pieces(state.engine, g, p) for g, p in zip(given, prompts, strict=True)
+            ]
+
+        prompts, pieces = await off_loop_if_large(request, tokenize)
         fmt = CompletionFormatter(state, body, _rid(request), prompts, pieces)
         return await _run(state, request, body, prompts, fmt)
 
@@ -140,6 +153,23 @@ async def _images(state: ServerState, body: protocol.ChatCompletionRequest) -> l
 
 
 T = TypeVar("T")
+
+INLINE_BODY_BYTES = 4096
+"""A chat or completion request whose body is at most this large renders and
+tokenizes its prompt on the event loop, which takes well under a millisecond; a
+larger one on a worker thread. A body of up to server.max_body_bytes (2 MiB) of
+messages takes seconds to render and tokenize, and on the loop every other
+client's stream would stop for as long; the hop to a worker thread costs a short
+request more than the work (it waits for a core that llama.cpp's threads hold)."""
+
+
+async def off_loop_if_large(request: Request, work: Callable[[], T]) -> T:
+    """``work()``, on a worker thread when the request's body is larger than
+    ``INLINE_BODY_BYTES`` (or of unknown size), else right here on the loop."""
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) <= INLINE_BODY_BYTES:
+        return work()
+    return await asyncio.to_thread(work)
 
 
 async def until_client_leaves(request: Request, work: Awaitable[T]) -> T | None:

@@ -24,6 +24,7 @@ from orin.engine.errors import (
     InvalidRequest,
     QueueFull,
 )
+from orin.server.jsonbody import LoneSurrogate
 
 log = logging.getLogger("orin.server")
 
@@ -149,7 +150,9 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     errors = list(exc.errors())
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [p for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
+    if isinstance(exc.__cause__, LoneSurrogate):  # JSON that parses, text that is not Unicode
+        param, message = exc.__cause__.param, exc.__cause__.msg
+    elif first.get("type") == "json_invalid":
         param, message = None, "the request body is not valid JSON"
     elif not loc:  # the body as a whole: empty, or not read as JSON
         param = None

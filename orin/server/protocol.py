@@ -400,6 +400,7 @@ class _Common(_Lenient):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             grammar=self._grammar(),
+            grammar_field=self._grammar_field(),
             logprobs=self.top_n_logprobs(),
             prompt_logprobs=self.scores_prompt(),
         )
@@ -433,6 +434,17 @@ class _Common(_Lenient):
             return grammar.json_grammar()
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else {}
         return grammar.json_schema_grammar(schema, "response_format.json_schema.schema")
+
+    def _grammar_field(self) -> str:
+        """The field ``_grammar`` took the grammar from, which an error about it names."""
+        fmt = self.response_format
+        if self.json_schema is not None:
+            return "json_schema"
+        if fmt is None or fmt.type == "text":
+            return "grammar"
+        if fmt.type == "json_object":
+            return "response_format.schema" if fmt.schema_ else "response_format"
+        return "response_format.json_schema.schema"
 
 
 # Fields of OpenAI's, llama.cpp's or vLLM's APIs that change the output and that this
@@ -709,6 +721,9 @@ class ChatCompletionRequest(_Common):
         if self._tool_grammar is not None:  # the validator refused any other grammar
             return self._tool_grammar
         return super()._grammar()
+
+    def _grammar_field(self) -> str:
+        return "tools" if self._tool_grammar is not None else super()._grammar_field()
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -664,6 +664,31 @@ def test_a_grammar_that_does_not_parse_is_no_server_error(
 
 
 @pytest.mark.parametrize(
+    ("source", "why"),
+    [
+        ("root ::= " + "(" * 30_000 + '"a"' + ")" * 30_000, "nests groups 30000 deep"),
+        (
+            "\n".join(["root ::= r0", *(f"r{i} ::= r{i + 1}" for i in range(100_000))])
+            + '\nr100000 ::= "a"',
+            "chains of rule references through up to 100002 rules",
+        ),
+    ],
+)
+def test_a_grammar_that_would_overflow_llama_cpps_stack_is_refused(
+    engine: Engine, source: str, why: str
+) -> None:
+    """llama.cpp's parser recurses once per nested group and follows chains of rule
+    references recursively: grammars like these (a few hundred kilobytes, well within
+    a request body) overflowed the thread's stack and killed the process. They are
+    refused before llama.cpp sees them, and the engine serves on."""
+    with pytest.raises(InvalidRequest) as bad:
+        engine.submit("x", SamplingParams(grammar=source))
+    assert bad.value.param == "grammar" and why in str(bad.value)
+    out = engine.generate("x", SamplingParams(max_tokens=4, grammar='root ::= "ok"', **GREEDY))
+    assert out.text == "ok"
+
+
+@pytest.mark.parametrize(
     ("grammar", "why"),
     [
         ("root ::= x", "Undefined rule identifier 'x'"),  # the parser's message (stderr)

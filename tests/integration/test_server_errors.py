@@ -66,6 +66,23 @@ def error_of(r: httpx.Response) -> dict[str, Any]:
         ({"prompt": ["a", ""]}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),  # one slot, no queue: never together
         ({"max_tokens": 3}, "prompt"),
+        # a schema of a few bytes whose grammar would take gigabytes, or nest so deep that
+        # llama.cpp's parser overflowed its stack and the process died
+        ({"prompt": "x", "json_schema": {"type": "string", "maxLength": 10**9}}, "json_schema"),
+        ({"prompt": "x", "json_schema": {"type": "string", "maxLength": 30_000}}, "json_schema"),
+        # a schema's grammar that llama.cpp refuses (too many repetitions) names the schema,
+        # not a grammar the client never sent
+        ({"prompt": "x", "json_schema": {"type": "string", "maxLength": 2000}}, "json_schema"),
+        (
+            {
+                "prompt": "x",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": {"type": "string", "maxLength": 2000}},
+                },
+            },
+            "response_format.json_schema.schema",
+        ),
     ],
 )
 def test_invalid_parameters_name_the_parameter(
@@ -99,6 +116,61 @@ def test_malformed_json_and_invalid_utf8(server: tuple[str, ServerState]) -> Non
     r = post(server[0], "/v1/completions", b'{"prompt": "\xff\xfe"}')
     assert r.status_code == 400
     error_of(r)
+
+
+# half of a UTF-16 surrogate pair, as JSON escapes it: valid JSON syntax, but no character
+HALF = r"\ud83d"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", '{"prompt": "a %s b"}', "prompt"),
+        ("/v1/completions", '{"prompt": ["a", "%s"]}', "prompt[1]"),
+        ("/v1/completions", '{"prompt": "x", "grammar": "root ::= \\"%s\\""}', "grammar"),
+        ("/v1/completions", '{"prompt": "x", "stop": ["%s"]}', "stop[0]"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "%s"}]}',
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
+            "messages[0].content[0].text",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "x"}], "model": "%s"}',
+            "model",
+        ),
+        ("/tokenize", '{"content": "%s"}', "content"),
+        ("/v1/embeddings", '{"input": ["ok", "%s"]}', "input[1]"),
+    ],
+)
+def test_half_a_surrogate_pair_is_a_400_naming_the_field_not_a_500(
+    server: tuple[str, ServerState], path: str, body: str, param: str
+) -> None:
+    """JSON may escape half of a surrogate pair alone; Python reads it into a string
+    that UTF-8 cannot encode, which failed in the tokenizer, the grammar parser or
+    the error response (a 500). It is refused as the body is read."""
+    r = post(server[0], path, (body % HALF).encode())
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert (err["param"], err["code"]) == (param, "invalid_value")
+    assert "\\ud83d" in err["message"] and "surrogate" in err["message"]
+
+
+def test_a_whole_surrogate_pair_and_an_escaped_backslash_are_text(
+    server: tuple[str, ServerState],
+) -> None:
+    """A whole pair is one character (an emoji), and an escaped backslash followed by
+    ``ud83d`` is plain text: both are served."""
+    body = r'{"content": "\ud83d\ude00 and \\ud83d"}'
+    r = post(server[0], "/tokenize", body.encode())
+    assert r.status_code == 200, r.text
+    text = post(server[0], "/detokenize", {"tokens": r.json()["tokens"]}).json()["content"]
+    assert text.lstrip(" ") == "\U0001f600 and \\ud83d"  # less the SentencePiece space
 
 
 def test_a_body_that_is_no_json_object_says_what_it_needs(server: tuple[str, ServerState]) -> None:

@@ -115,3 +115,40 @@ def test_stop_strings_say_what_is_wrong(stop: list[str], message: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
         SamplingParams(stop=tuple(stop)).validate(1000)
     assert caught.value.param == "stop" and message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"grammar": 'root ::= "a"'}, "grammar"),
+        ({"json_schema": {"type": "string"}}, "json_schema"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_object", "schema": {"type": "string"}}},
+            "response_format.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": {"type": "string"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+    ],
+)
+def test_the_engine_names_the_field_a_grammar_came_from(
+    extra: dict[str, object], field: str
+) -> None:
+    """A grammar llama.cpp refuses is reported under the field the client sent, not
+    under ``grammar`` when it came from a schema."""
+    from orin.profile.schema import SamplingSection
+
+    for body in (CHAT, TEXT):
+        model = protocol.ChatCompletionRequest if body is CHAT else protocol.CompletionRequest
+        request = model.model_validate({**body, **extra})
+        assert request.to_sampling(SamplingSection(), 4096).grammar_field == field
+    chat = protocol.ChatCompletionRequest.model_validate(CHAT)
+    chat.constrain('root ::= "call"')  # a required tool call's grammar
+    assert chat.to_sampling(SamplingSection(), 4096).grammar_field == "tools"
