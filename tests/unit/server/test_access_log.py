@@ -11,21 +11,7 @@ import pytest
 from orin.engine.types import RequestTimings
 from orin.server.middleware import RequestContext
 from orin.server.state import ServerState
-
-
-def timings(generated: int, ttft_ms: float) -> RequestTimings:
-    return RequestTimings(
-        queue_ms=ttft_ms,
-        prefill_ms=0.0,
-        ttft_ms=ttft_ms,
-        tpot_ms=None,
-        e2e_ms=ttft_ms,
-        itl_ms=(),
-        prompt_tokens=36,
-        cached_tokens=0,
-        generated_tokens=generated,
-        context_shifts=0,
-    )
+from tests.timings import finished
 
 
 def logged(t: RequestTimings, caplog: pytest.LogCaptureFixture) -> dict[str, Any]:
@@ -44,8 +30,8 @@ def test_a_request_without_a_token_is_logged_without_a_ttft(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Cancelled while queued: its ttft_ms would be only the time it ended."""
-    gone = logged(timings(0, 1109.97), caplog)
+    gone = logged(finished(0, 1109.97), caplog)
     assert gone["generated_tokens"] == 0 and gone["ttft_ms"] is None
     assert "ttft_ms=None" in caplog.records[-1].getMessage()
-    served = logged(timings(27, 289.57), caplog)
+    served = logged(finished(27, 289.57), caplog)
     assert served["ttft_ms"] == 289.6

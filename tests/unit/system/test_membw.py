@@ -93,13 +93,19 @@ def test_agx_orin_data_sheet(
 
 
 @pytest.mark.parametrize(
-    ("module", "total", "board", "gbps"),
+    ("module", "total", "super_dt", "board", "gbps"),
     [
-        ("p3767-0000", 16 * GiB, "orin-nx-16gb", 102.4),
-        ("p3767-0001", 8 * GiB, "orin-nx-8gb", 102.4),
-        ("p3767-0003", 8 * GiB, "orin-nano-8gb", 68.0),
-        ("p3767-0005", 8 * GiB, "orin-nano-8gb", 68.0),
-        ("p3767-0004", 4 * GiB, "orin-nano-4gb", 34.0),
+        ("p3767-0000", 16 * GiB, False, "orin-nx-16gb", 102.4),
+        ("p3767-0001", 8 * GiB, False, "orin-nx-8gb", 102.4),
+        ("p3767-0003", 8 * GiB, False, "orin-nano-8gb", 68.0),
+        ("p3767-0005", 8 * GiB, False, "orin-nano-8gb", 68.0),
+        ("p3767-0004", 4 * GiB, False, "orin-nano-4gb", 34.0),
+        # JetPack 6.2's super configuration (device tree ...-super) runs an Orin Nano's
+        # LPDDR5 at 6400 MT/s: 68 GB/s would understate its decode ceiling by a third
+        ("p3767-0005", 8 * GiB, True, "orin-nano-8gb-super", 102.0),
+        ("p3767-0003", 8 * GiB, True, "orin-nano-8gb-super", 102.0),
+        ("p3767-0004", 4 * GiB, True, "orin-nano-4gb-super", 51.0),
+        ("p3767-0000", 16 * GiB, True, "orin-nx-16gb", 102.4),  # its memory was at 6400 MT/s
     ],
 )
 def test_orin_nx_and_nano_data_sheets(
@@ -107,36 +113,12 @@ def test_orin_nx_and_nano_data_sheets(
     monkeypatch: pytest.MonkeyPatch,
     module: str,
     total: int,
+    super_dt: bool,
     board: str,
     gbps: float,
 ) -> None:
     monkeypatch.setattr(membw, "copy_bandwidth", no_probe)
-    root = orin_nx_nano_tree(tmp_path / "root", module, total).root
-    bw = memory_bandwidth(root, cache=tmp_path / "c.json")
-    assert (bw.source, bw.bytes_per_s) == (f"datasheet:{board}", pytest.approx(gbps * GB))
-
-
-@pytest.mark.parametrize(
-    ("module", "total", "board", "gbps"),
-    [
-        ("p3767-0005", 8 * GiB, "orin-nano-8gb-super", 102.0),
-        ("p3767-0003", 8 * GiB, "orin-nano-8gb-super", 102.0),
-        ("p3767-0004", 4 * GiB, "orin-nano-4gb-super", 51.0),
-        ("p3767-0000", 16 * GiB, "orin-nx-16gb", 102.4),  # its memory was at 6400 MT/s
-    ],
-)
-def test_super_configuration_raises_the_orin_nanos_bandwidth(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    module: str,
-    total: int,
-    board: str,
-    gbps: float,
-) -> None:
-    """JetPack 6.2's super configuration (device tree ...-super) runs an Orin Nano's
-    LPDDR5 at 6400 MT/s: 68 GB/s would understate its decode ceiling by a third."""
-    monkeypatch.setattr(membw, "copy_bandwidth", no_probe)
-    root = orin_nx_nano_tree(tmp_path / "root", module, total, super_dt=True).root
+    root = orin_nx_nano_tree(tmp_path / "root", module, total, super_dt=super_dt).root
     bw = memory_bandwidth(root, cache=tmp_path / "c.json")
     assert (bw.source, bw.bytes_per_s) == (f"datasheet:{board}", pytest.approx(gbps * GB))
 

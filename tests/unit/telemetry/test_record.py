@@ -5,31 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from orin.engine.types import RequestTimings
 from orin.telemetry.record import Recorder, read_recording
-
-
-def timings(generated: int, ttft_ms: float) -> RequestTimings:
-    return RequestTimings(
-        queue_ms=ttft_ms,
-        prefill_ms=0.0,
-        ttft_ms=ttft_ms,
-        tpot_ms=None,
-        e2e_ms=ttft_ms + generated,
-        itl_ms=(1.0,) * max(generated - 1, 0),
-        prompt_tokens=36,
-        cached_tokens=0,
-        generated_tokens=generated,
-        context_shifts=0,
-    )
+from tests.timings import finished
 
 
 def test_a_request_that_produced_no_token_is_recorded_without_a_ttft(tmp_path: Path) -> None:
     """A request cancelled while queued has a ``ttft_ms`` that is only the time it
     ended: its line says null, as /telemetry and the metrics leave it out."""
     recorder = Recorder(tmp_path / "run.jsonl", {"source": "cpu"})
-    recorder.on_finish("req-gone", "cancelled", timings(0, 1109.97))
-    recorder.on_finish("req-served", "stop", timings(27, 289.57))
+    recorder.on_finish("req-gone", "cancelled", finished(0, 1109.97))
+    recorder.on_finish("req-served", "stop", finished(27, 289.57))
     recorder.close()
     gone, served = read_recording(tmp_path / "run.jsonl")["request"]
     assert (gone["id"], gone["ttft_ms"], gone["generated_tokens"]) == ("req-gone", None, 0)
