@@ -89,6 +89,6 @@ class JsonRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
-            return await handler(_CheckedRequest(request.scope, request.receive))
+            return await handler(_CheckedRequest(request.scope, request.receive, request._send))
 
         return route
