@@ -36,8 +36,9 @@ checks a grammar for left recursion and when it advances the grammar's stacks
 (measured: a chain of 100,000 rules, 1.6 MB of text, overflows an 8 MiB stack)."""
 
 MAX_SCHEMA_GRAMMAR = 1 << 20
-"""Characters of grammar that the repetitions of one JSON schema (``minLength``,
-``maxLength``, ``minItems``, ``maxItems``, a pattern's ``{m,n}``) may write, in all.
+"""Characters of grammar that the repetitions (``minLength``, ``maxLength``,
+``minItems``, ``maxItems``, a pattern's ``{m,n}``) of one JSON schema, or of all the
+tools of one request, may write in all.
 llama-cpp-python's converter writes a repetition out item by item, so a schema of a
 few bytes (``"maxLength": 1000000000``) would take gigabytes of memory before
 llama.cpp saw the grammar; 1 MiB leaves a flat ``minLength`` of 100,000 characters."""
@@ -261,25 +262,25 @@ def tool_call_grammar(
     conv = mod.SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     lit = conv._format_literal
     alternatives = []
-    for i, (name, parameters) in enumerate(functions):
-        schema = copy.deepcopy(parameters) if parameters else {"type": "object"}
-        try:
-            with _schema_budget():
+    with _schema_budget():  # one budget for all the tools together
+        for i, (name, parameters) in enumerate(functions):
+            schema = copy.deepcopy(parameters) if parameters else {"type": "object"}
+            try:
                 schema = conv.resolve_refs(schema, f"tool{i}")
                 args = conv.visit(schema, f"{name}-args")
-        except Exception as exc:  # the converter raises plain exceptions on bad schemas
-            raise InvalidRequest(
-                params[i] if params is not None else "tools",
-                f"cannot turn the parameters of {name!r} into a grammar: {exc}",
-            ) from exc
-        if syntax.name_args is not None:
-            body = f"{lit(name)} {lit(syntax.name_args)} {args}"
-        else:
-            head = '{"name": ' + json.dumps(name) + ', "' + syntax.args_key + '": '
-            body = f'{lit(head)} {args} "}}"'
-        call = " ".join(p for p in (_opt_lit(lit, syntax.call_open), body) if p)
-        close = _opt_lit(lit, syntax.call_close)
-        alternatives.append(conv._add_rule(f"call-{i}", f"{call} {close}".strip()))
+            except Exception as exc:  # the converter raises plain exceptions on bad schemas
+                raise InvalidRequest(
+                    params[i] if params is not None else "tools",
+                    f"cannot turn the parameters of {name!r} into a grammar: {exc}",
+                ) from exc
+            if syntax.name_args is not None:
+                body = f"{lit(name)} {lit(syntax.name_args)} {args}"
+            else:
+                head = '{"name": ' + json.dumps(name) + ', "' + syntax.args_key + '": '
+                body = f'{lit(head)} {args} "}}"'
+            call = " ".join(p for p in (_opt_lit(lit, syntax.call_open), body) if p)
+            close = _opt_lit(lit, syntax.call_close)
+            alternatives.append(conv._add_rule(f"call-{i}", f"{call} {close}".strip()))
     conv._add_rule("tool-call", " | ".join(alternatives))
     calls = "tool-call"
     if parallel:

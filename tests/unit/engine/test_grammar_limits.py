@@ -89,3 +89,15 @@ def test_tool_parameters_are_bounded_as_a_schema_is() -> None:
     assert caught.value.param == "tools[0].function.parameters"
     fine = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 100}}}
     assert depth_problem(tool_call_grammar([("f", fine)], CallSyntax(), True)) is None
+
+
+def test_the_tools_of_one_request_share_one_budget() -> None:
+    """Each tool alone within the budget, all of them together not: a request of many
+    tools cannot take the budget once per tool."""
+    each = {"type": "object", "properties": {"a": {"type": "string", "minLength": 40_000}}}
+    assert tool_call_grammar([("f", each)], CallSyntax(), False)
+    tools = [(f"f{i}", each) for i in range(40)]
+    params = [f"tools[{i}].function.parameters" for i in range(40)]
+    with pytest.raises(InvalidRequest) as caught:
+        tool_call_grammar(tools, CallSyntax(), False, params=params)
+    assert caught.value.param.startswith("tools[") and "repetition" in str(caught.value)
