@@ -969,7 +969,7 @@ def timings(t: RequestTimings | None) -> dict[str, Any] | None:
     return {
         "queue_ms": t.queue_ms,
         "prefill_ms": t.prefill_ms,
-        "ttft_ms": t.ttft_ms,
+        "ttft_ms": t.first_token_ms,  # null for an answer with no token (echo only)
         "tpot_ms": t.tpot_ms,
         "e2e_ms": t.e2e_ms,
         "context_shifts": t.context_shifts,

@@ -275,6 +275,7 @@ def test_echo_without_logprobs_and_max_tokens_0(server: tuple[TestClient, Engine
         "length",
     )
     assert out["usage"]["completion_tokens"] == 0
+    assert out["timings"]["ttft_ms"] is None  # no token: no time to the first
     r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 

@@ -170,6 +170,15 @@ def test_full_responses() -> None:
     assert json.loads(json.dumps(text)) == text  # plain JSON all through
 
 
+def test_an_answer_with_no_token_has_no_time_to_first_token() -> None:
+    """An echo with ``max_tokens: 0`` ends without a token: its TTFT is null, as in
+    the access log and the metrics, not the time it ended."""
+    assert protocol.timings(TIMINGS)["ttft_ms"] == 5.0  # type: ignore[index]
+    none = dataclasses.replace(TIMINGS, generated_tokens=0, tpot_ms=None, itl_ms=())
+    figures = protocol.timings(none)
+    assert figures is not None and figures["ttft_ms"] is None and figures["e2e_ms"] == 9.0
+
+
 @pytest.mark.parametrize("kind", ["chat", "text"])
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_final_and_usage_chunks(kind: str, include_usage: bool) -> None:
