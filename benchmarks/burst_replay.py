@@ -34,6 +34,7 @@ BURSTS = ((2, 8), (4, 64), (8, 64))  # (users, tokens each), as peers' warm-up a
 class Req:
     id: str
     prompt_tokens: list[int]
+    all_logits: bool = False
 
 
 @dataclass

@@ -26,10 +26,7 @@ from orin.engine.ubatch import micro_batches
 
 
 class SchedRequest(Protocol):
-    """What the scheduler needs from a request. A request may also have ``all_logits``
-    (``_all_logits``): true when it needs the logits of every prompt position (its
-    prompt's log-probabilities), so none of its prompt may come from cached or copied
-    cells."""
+    """What the scheduler needs from a request."""
 
     @property
     def id(self) -> str: ...
@@ -37,9 +34,16 @@ class SchedRequest(Protocol):
     @property
     def prompt_tokens(self) -> list[int]: ...
 
+    @property
+    def all_logits(self) -> bool:
+        """True when the request needs the logits of every prompt position (its
+        prompt's log-probabilities), so none of its prompt may come from cached or
+        copied cells."""
+        ...
+
 
 def _all_logits(request: SchedRequest | None) -> bool:
-    return bool(getattr(request, "all_logits", False))
+    return request is not None and request.all_logits
 
 
 class SlotState(enum.Enum):

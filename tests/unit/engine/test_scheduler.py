@@ -30,6 +30,7 @@ from orin.engine.scheduler import (
 class Req:
     id: str
     prompt_tokens: list[int]
+    all_logits: bool = False
 
 
 @dataclass

@@ -27,6 +27,7 @@ from orin.engine.ubatch import micro_batches
 class Req:
     id: str
     prompt_tokens: list[int]
+    all_logits: bool = False
 
 
 def sched(n_slots: int = 4, n_batch: int = 64, **kw: object) -> Scheduler:

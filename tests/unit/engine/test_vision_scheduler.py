@@ -14,6 +14,7 @@ from orin.engine.vision import RGBImage, image_ids, is_image
 class Req:
     id: str
     prompt_tokens: list[int]
+    all_logits: bool = False
 
 
 def sched(n_batch: int = 64, chunk: int | None = None) -> Scheduler:

@@ -30,6 +30,7 @@ from tests.fakes.boards_system import thermal_zone
 class _Req:
     id: str
     prompt_tokens: list[int]
+    all_logits: bool = False
 
 
 class FakeEngine:
