@@ -38,6 +38,7 @@ from orin.install.plan import (
     installed_user,
     plan_install,
     plan_uninstall,
+    root_program_blockers,
     service_model,
 )
 from orin.install.status import ServiceStatus, read_server_status, read_status
@@ -80,7 +81,11 @@ NoStartOpt = Annotated[
 ]
 ForceOpt = Annotated[
     bool,
-    typer.Option("--force", help="Install despite doctor fails or a failed CUDA probe."),
+    typer.Option(
+        "--force",
+        help="Install despite doctor fails, a program another user can write, or a failed "
+        "CUDA probe.",
+    ),
 ]
 
 
@@ -109,12 +114,14 @@ def install(
         out, profile, sysroot, runner, facts, dry_run or d.effective_uid() != 0
     )
     report = d.run_doctor(d.doctor_context(sysroot, profile, pulled))
-    refused = _check_doctor(out, report, facts, force, dry_run)
+    executable = d.orin_executable()
+    program = root_program_blockers(sysroot, (executable, d.orin_package()))
+    refused = _check_doctor(out, report, facts, force, dry_run, program)
     model_path, info = service_model(profile, sysroot)
     config = unit_config(
         profile,
         service_plan(profile, info),
-        d.orin_executable(),
+        executable,
         user,
         facts.groups_present,
         find_gpu_devices(sysroot),
@@ -262,10 +269,16 @@ def _wait_bar(timeout_s: float) -> Iterator[Callable[[float, str], None] | None]
 
 
 def _check_doctor(
-    out: Output, report: Report, facts: HostFacts, force: bool, dry_run: bool
+    out: Output,
+    report: Report,
+    facts: HostFacts,
+    force: bool,
+    dry_run: bool,
+    program: list[str],
 ) -> bool:
-    """Doctor's summary; InstallError on a finding that blocks the install, unless
-    forced. True where a dry run goes on past such findings (install would refuse)."""
+    """Doctor's summary; InstallError on a finding that blocks the install, or on a
+    ``program`` problem (root_program_blockers), unless forced. True where a dry run
+    goes on past such findings (install would refuse)."""
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items() if n)
     out.line(f"doctor: {counts}")
     for f in report.findings:
@@ -273,15 +286,18 @@ def _check_doctor(
             _raw(out, f"  {f.severity} {f.id}: {f.found}")
     blockers = doctor_blockers(report.findings, facts.service_active)
     blockers += [f"{c}: the check itself failed" for c in report.crashed]
+    who = "doctor" if blockers else "install"
+    blockers += program
     if not blockers:
         return False
     listed = "\n".join(f"  {b}" for b in blockers)
     if force or dry_run:
         verb = "ignoring (--force)" if force else "install would refuse"
-        _raw(out, f"doctor found problems, {verb}:\n{listed}", err=True)
+        _raw(out, f"{who} found problems, {verb}:\n{listed}", err=True)
         return not force
     raise InstallError(
-        f"doctor found problems; fix them (orin-llm doctor explains each) or use --force:\n{listed}"
+        f"{who} found problems; fix them (each says how; orin-llm doctor explains its "
+        f"checks) or use --force:\n{listed}"
     )
 
 

@@ -27,6 +27,7 @@ from orin.install.layout import (
     PROFILE_FILE,
     SERVICE,
     STATE_DIR,
+    TUNE_SERVICE,
     TUNE_STATE_DIR,
     TUNE_STATE_FILE,
     UNITS,
@@ -360,4 +361,22 @@ def doctor_blockers(findings: Iterable[Finding], service_active: bool) -> list[s
         f"{f.id}: {f.found}" + (f" (fix: {f.fix})" if f.fix else "")
         for f in findings
         if f.severity == "fail" and f.id not in ignored
+    ]
+
+
+def root_program_blockers(root: SysRoot, program: Iterable[str]) -> list[str]:
+    """The files of the orin-llm program that another user could write.
+
+    orin-llm-tune.service runs the program as root at every boot (the executable,
+    and the ``orin`` package it imports): whoever can change those files gets root.
+    Each must pass the check root's own state passes (``SysRoot.untrusted_reason``:
+    owned by root up to ``/``, not writable by group or others, no symbolic link),
+    which a venv or an editable install under a user's home fails.
+    """
+    return [
+        f"root-program: {TUNE_SERVICE} would run {path} as root at every boot, but {why} "
+        "(fix: install orin-llm into a venv only root can write, as scripts/setup-orin.sh "
+        "does in /opt/orin-llm/venv, not editable, and run install from there)"
+        for path in program
+        if (why := root.untrusted_reason(path)) is not None
     ]

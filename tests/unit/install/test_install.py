@@ -15,7 +15,7 @@ from orin.install.probe import HttpResult
 from orin.system.commands import CommandResult
 from tests.fakes.board import FakeBoard
 from tests.fakes.host import FakeHost
-from tests.unit.install.conftest import doctor_report, invoke
+from tests.unit.install.conftest import EXECUTABLE, doctor_report, invoke
 
 PROFILE = "llama3.1-8b-q4_k_m"
 UNIT_DIR = "/etc/systemd/system"
@@ -181,6 +181,35 @@ def test_a_dry_run_install_would_refuse_shows_the_plan_and_exits_as_install_woul
     assert host.changes() == [] and snapshot(root) == before
     code, _, err = invoke(deps, root, "install", "--profile", PROFILE, "--dry-run", "--force")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("writable", ["venv", "package"])
+def test_a_program_another_user_can_write_is_not_run_as_root_at_boot(
+    root: Path, host: FakeHost, deps: Deps, writable: str
+) -> None:
+    """orin-llm-tune.service runs the program as root at every boot: a venv, or the
+    checkout of an editable install, that another user can write would give that
+    user root. Install refuses it unless forced, as a doctor fail."""
+    package = "/home/dev/orin-llm/orin"
+    deps = dataclasses.replace(deps, orin_package=lambda: package)
+    folder = root / (EXECUTABLE.rsplit("/", 1)[0] if writable == "venv" else package).lstrip("/")
+    folder.mkdir(parents=True)
+    (folder / "orin-llm").write_text("#!/bin/sh\n")
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE, "--dry-run")
+    assert code == 0, err  # only root (here: the tree's owner) can write it
+    folder.chmod(0o777)
+    before = snapshot(root)
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
+    assert code == 1
+    assert "install found problems" in err
+    assert f"root-program: {TUNE_SERVICE} would run" in err
+    assert f"{folder.relative_to(root)} is writable by group or others (mode 0777)" in err
+    assert host.changes() == [] and snapshot(root) == before
+    code, out, err = invoke(deps, root, "install", "--profile", PROFILE, "--dry-run")
+    assert code == 1 and "install would refuse" in err and "step 1: useradd" in out
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE, "--force")
+    assert code == 0, err
+    assert "ignoring (--force)" in err
 
 
 def test_running_service_excuses_memory_fit_and_port(
