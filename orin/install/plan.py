@@ -311,6 +311,13 @@ def _notes(config: UnitConfig, facts: HostFacts) -> tuple[str, ...]:
             "the service reads files under a home folder, so homes stay visible to it "
             "read-only (ProtectHome=read-only); a venv under /opt keeps them hidden"
         )
+    for folder in config.writable:
+        notes.append(
+            f"prompt_cache.directory {folder} is outside the service's own folders: the "
+            f"unit makes it writable (ReadWritePaths=), and it must belong to {config.user} "
+            f"(sudo install -d -o {config.user} -g {config.user} -m 0700 {folder}), else "
+            "the prompts are computed at every start instead of restored"
+        )
     return tuple(notes)
 
 

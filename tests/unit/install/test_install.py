@@ -212,6 +212,22 @@ def test_a_program_another_user_can_write_is_not_run_as_root_at_boot(
     assert "ignoring (--force)" in err
 
 
+def test_a_prompt_cache_folder_of_its_own_is_writable_and_said(
+    tmp_path: Path, root: Path, host: FakeHost, deps: Deps
+) -> None:
+    profile = tmp_path / "pc.yaml"
+    model = "/var/lib/orin-llm/models/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf"
+    profile.write_text(
+        f"name: pc\nmodel: {{path: {model}, quantization: Q4_K_M}}\n"
+        "prompt_cache: {prompts: [You are a helpful assistant.], directory: /srv/prompts}\n"
+    )
+    code, out, err = invoke(deps, root, "install", "--profile", str(profile), "--dry-run")
+    assert code == 0, err
+    assert "+ReadWritePaths=-/srv/prompts" in out
+    assert "note: prompt_cache.directory /srv/prompts is outside the service's own" in err
+    assert "sudo install -d -o orin-llm -g orin-llm -m 0700 /srv/prompts" in err
+
+
 def test_running_service_excuses_memory_fit_and_port(
     root: Path, host: FakeHost, deps: Deps, report: list[Report]
 ) -> None:
