@@ -26,6 +26,7 @@ from rich.progress import (
 from orin.cli.deps import HttpGet, deps
 from orin.cli.errors import fail, handle_errors
 from orin.cli.options import ApiKeyOpt, JsonOpt, RootOpt, bearer, check_url, service_user
+from orin.cli.options import unit_dir as unit_dir_option
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.doctor.report import Report
 from orin.install import probe
@@ -54,7 +55,11 @@ EXIT_UNHEALTHY = 1
 
 UnitDirOpt = Annotated[
     str,
-    typer.Option("--unit-dir", help="Folder for the unit files (a path systemd loads units from)."),
+    typer.Option(
+        "--unit-dir",
+        callback=unit_dir_option,
+        help="Folder for the unit files (a path systemd loads units from).",
+    ),
 ]
 DryRunOpt = Annotated[
     bool, typer.Option("--dry-run", help="Print every step and diff; change nothing.")

@@ -278,6 +278,24 @@ def test_a_user_the_unit_cannot_run_as_is_a_usage_error(
     assert host.changes() == [] and snapshot(root) == before
 
 
+@pytest.mark.parametrize("command", ["install", "uninstall", "status", "install-rpc-worker"])
+@pytest.mark.parametrize("folder", ["/tmp/units", "etc/systemd/system", "/etc/systemd"])
+def test_a_unit_dir_systemd_does_not_load_units_from_is_a_usage_error(
+    root: Path, host: FakeHost, deps: Deps, command: str, folder: str
+) -> None:
+    """A unit written elsewhere is not found by `systemctl enable`, and a relative
+    folder would be taken from wherever the command runs: refused before anything
+    is read or written."""
+    before = snapshot(root)
+    args = ("--host", "10.0.0.2") if command == "install-rpc-worker" else ()
+    code, _, err = invoke(deps, root, command, *args, "--unit-dir", folder)
+    assert code == 2
+    assert "not a folder systemd loads units from" in err and "/etc/systemd/system" in err
+    assert host.calls == [] and snapshot(root) == before
+    code, _, err = invoke(deps, root, "status", "--unit-dir", "/etc/systemd/system/")
+    assert "--unit-dir" not in err
+
+
 def test_existing_user_missing_a_group_is_added(root: Path, host: FakeHost, deps: Deps) -> None:
     host.users["orin-llm"] = {"video"}
     assert invoke(deps, root, "install", "--profile", PROFILE)[0] == 0
