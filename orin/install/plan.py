@@ -53,6 +53,7 @@ ENV_TEMPLATE = """\
 #ORIN_LLM_TELEMETRY=auto
 """
 ENV_MODE = "0640"
+ENV_LAX = 0o037  # what ENV_MODE leaves out: group write or execute, anything for others
 NOLOGIN = "/usr/sbin/nologin"
 
 
@@ -63,7 +64,7 @@ class InstallPlan:
     url: str
     files: tuple[FileChange, ...]
     prepare: tuple[Step, ...]  # user, groups, folders: kept on a rollback
-    secure: tuple[Step, ...]  # ownership and mode of a new environment file
+    secure: tuple[Step, ...]  # owner and mode of a new or exposed environment file
     probe: tuple[CudaProbe, ...]  # CUDA in the service's sandbox, before enabling it
     activate: tuple[Step, ...]  # systemctl
     notes: tuple[str, ...] = ()
@@ -226,7 +227,7 @@ def plan_install(
     )
     group = facts.primary_group or facts.user
     secure: tuple[Step, ...] = ()
-    if env_old is None:
+    if env_old is None or _env_file_exposed(root):
         secure = (
             Action.run("chown", f"root:{group}", ENV_FILE),
             Action.run("chmod", ENV_MODE, ENV_FILE),
@@ -243,6 +244,16 @@ def plan_install(
         activate=_activate(files, facts, unit_dir, start),
         notes=_notes(config, facts),
     )
+
+
+def _env_file_exposed(root: SysRoot) -> bool:
+    """Whether the environment file already there (the API key is in it) can be read
+    by others or written by anyone but root (the service's environment, LD_PRELOAD
+    among it): install then gives it the owner and mode of a new one."""
+    st = root.stat(ENV_FILE)
+    if st is None:
+        return False
+    return st.st_uid not in (0, root.trusted_uid) or bool(st.st_mode & ENV_LAX)
 
 
 def _probe(

@@ -83,6 +83,28 @@ def test_second_install_is_a_noop(root: Path, host: FakeHost, deps: Deps) -> Non
     assert "already installed and up to date" in out
 
 
+@pytest.mark.parametrize("mode", [0o644, 0o660, 0o600])
+def test_an_environment_file_others_can_read_gets_the_mode_of_a_new_one(
+    root: Path, host: FakeHost, deps: Deps, mode: int
+) -> None:
+    """The environment file holds the API key and is kept as it is, but one made by
+    hand (`sudo tee`: 0644) would leave the key readable by every user: install gives
+    it root:orin-llm 0640, and a second install then plans nothing."""
+    env = root / ENV_FILE.lstrip("/")
+    env.parent.mkdir(parents=True)
+    env.write_text("ORIN_LLM_API_KEY=secret\n")
+    env.chmod(mode)
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
+    assert code == 0, err
+    secured = [("chown", "root:orin-llm", ENV_FILE), ("chmod", "0640", ENV_FILE)]
+    assert all((c in host.changes()) == (mode != 0o600) for c in secured)
+    assert env.read_text() == "ORIN_LLM_API_KEY=secret\n"  # the key is kept
+    assert env.stat().st_mode & 0o777 == (0o640 if mode != 0o600 else 0o600)
+    host.calls.clear()
+    assert invoke(deps, root, "install", "--profile", PROFILE)[0] == 0
+    assert host.changes() == []
+
+
 def test_a_changed_port_rewrites_the_unit_and_restarts_both(
     root: Path, host: FakeHost, deps: Deps
 ) -> None:
