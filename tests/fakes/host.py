@@ -58,9 +58,9 @@ class FakeHost:
         self.active.add(unit)
 
     def _answer(self, argv: tuple[str, ...]) -> CommandResult:
-        for prefix, result in self.fail_on.items():
+        for prefix, failed in self.fail_on.items():
             if argv[: len(prefix)] == prefix:
-                return CommandResult(argv, result.returncode, result.stdout, result.stderr)
+                return CommandResult(argv, failed.returncode, failed.stdout, failed.stderr)
         handler = getattr(self, "_" + argv[0].replace("-", "_"))
         result: CommandResult = handler(argv)
         return result
