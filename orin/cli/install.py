@@ -114,13 +114,15 @@ def install(
     if not dry_run and d.effective_uid() == 0:
         require_systemd(sysroot)  # before the model is pulled or anything written
     profile = load_profile(profile_name or "demo")
+    executable = d.orin_executable()
+    program = root_program_blockers(sysroot, (executable, d.orin_package()))
+    if program and not (force or dry_run):  # before gigabytes of model are pulled
+        raise InstallError(_refusal("install", program))
     facts = gather(runner, user)
     pulled, pulled_now = _pull_model(
         out, profile, sysroot, runner, facts, dry_run or d.effective_uid() != 0
     )
     report = d.run_doctor(d.doctor_context(sysroot, profile, pulled))
-    executable = d.orin_executable()
-    program = root_program_blockers(sysroot, (executable, d.orin_package()))
     refused = _check_doctor(out, report, facts, force, dry_run, program)
     model_path, info = service_model(profile, sysroot)
     config = unit_config(
@@ -300,7 +302,12 @@ def _check_doctor(
         verb = "ignoring (--force)" if force else "install would refuse"
         _raw(out, f"{who} found problems, {verb}:\n{listed}", err=True)
         return not force
-    raise InstallError(
+    raise InstallError(_refusal(who, blockers))
+
+
+def _refusal(who: str, blockers: list[str]) -> str:
+    listed = "\n".join(f"  {b}" for b in blockers)
+    return (
         f"{who} found problems; fix them (each says how; orin-llm doctor explains its "
         f"checks) or use --force:\n{listed}"
     )

@@ -213,7 +213,13 @@ def test_a_program_another_user_can_write_is_not_run_as_root_at_boot(
     checkout of an editable install, that another user can write would give that
     user root. Install refuses it unless forced, as a doctor fail."""
     package = "/home/dev/orin-llm/orin"
-    deps = dataclasses.replace(deps, orin_package=lambda: package)
+    doctored: list[object] = []
+
+    def doctor(context: object) -> Report:
+        doctored.append(context)
+        return doctor_report()
+
+    deps = dataclasses.replace(deps, orin_package=lambda: package, run_doctor=doctor)
     folder = root / (EXECUTABLE.rsplit("/", 1)[0] if writable == "venv" else package).lstrip("/")
     folder.mkdir(parents=True)
     (folder / "orin-llm").write_text("#!/bin/sh\n")
@@ -227,6 +233,9 @@ def test_a_program_another_user_can_write_is_not_run_as_root_at_boot(
     assert f"root-program: {TUNE_SERVICE} would run" in err
     assert f"{folder.relative_to(root)} is writable by group or others (mode 0777)" in err
     assert host.changes() == [] and snapshot(root) == before
+    doctored.clear()
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
+    assert code == 1 and doctored == []  # refused before a model is pulled or checked
     code, out, err = invoke(deps, root, "install", "--profile", PROFILE, "--dry-run")
     assert code == 1 and "install would refuse" in err and "step 1: useradd" in out
     code, _, err = invoke(deps, root, "install", "--profile", PROFILE, "--force")
