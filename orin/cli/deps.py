@@ -40,6 +40,12 @@ def find_orin_executable() -> str:
     return str(Path(found).absolute())
 
 
+def find_orin_package() -> str:
+    """The folder of the ``orin`` package this process runs (that venv's, or the
+    checkout of an editable install): the code the units' program imports."""
+    return str(Path(__file__).absolute().parent.parent)
+
+
 @dataclass(frozen=True)
 class Deps:
     runner: CommandRunner = field(default_factory=SubprocessRunner)  # external programs
@@ -49,6 +55,7 @@ class Deps:
     disk_free: DiskFree = free_bytes  # free bytes on the filesystem holding a path
     http_get: HttpGet = probe.http_get  # one HTTP GET (install waits for /health)
     orin_executable: Callable[[], str] = find_orin_executable
+    orin_package: Callable[[], str] = find_orin_package
     run_doctor: Callable[[DoctorContext], Report] = run_checks  # doctor's checks
 
     def doctor_context(self, root: SysRoot, profile: Profile, model: Path | None) -> DoctorContext:

@@ -26,6 +26,7 @@ from rich.progress import (
 from orin.cli.deps import HttpGet, deps
 from orin.cli.errors import fail, handle_errors
 from orin.cli.options import ApiKeyOpt, JsonOpt, RootOpt, bearer, check_url, service_user
+from orin.cli.options import unit_dir as unit_dir_option
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.doctor.report import Report
 from orin.install import probe
@@ -38,6 +39,7 @@ from orin.install.plan import (
     installed_user,
     plan_install,
     plan_uninstall,
+    root_program_blockers,
     service_model,
 )
 from orin.install.status import ServiceStatus, read_server_status, read_status
@@ -53,7 +55,11 @@ EXIT_UNHEALTHY = 1
 
 UnitDirOpt = Annotated[
     str,
-    typer.Option("--unit-dir", help="Folder for the unit files (a path systemd loads units from)."),
+    typer.Option(
+        "--unit-dir",
+        callback=unit_dir_option,
+        help="Folder for the unit files (a path systemd loads units from).",
+    ),
 ]
 DryRunOpt = Annotated[
     bool, typer.Option("--dry-run", help="Print every step and diff; change nothing.")
@@ -80,7 +86,11 @@ NoStartOpt = Annotated[
 ]
 ForceOpt = Annotated[
     bool,
-    typer.Option("--force", help="Install despite doctor fails or a failed CUDA probe."),
+    typer.Option(
+        "--force",
+        help="Install despite doctor fails, a program another user can write, or a failed "
+        "CUDA probe.",
+    ),
 ]
 
 
@@ -104,17 +114,21 @@ def install(
     if not dry_run and d.effective_uid() == 0:
         require_systemd(sysroot)  # before the model is pulled or anything written
     profile = load_profile(profile_name or "demo")
+    executable = d.orin_executable()
+    program = root_program_blockers(sysroot, (executable, d.orin_package()))
+    if program and not (force or dry_run):  # before gigabytes of model are pulled
+        raise InstallError(_refusal("install", program))
     facts = gather(runner, user)
     pulled, pulled_now = _pull_model(
         out, profile, sysroot, runner, facts, dry_run or d.effective_uid() != 0
     )
     report = d.run_doctor(d.doctor_context(sysroot, profile, pulled))
-    refused = _check_doctor(out, report, facts, force, dry_run)
+    refused = _check_doctor(out, report, facts, force, dry_run, program)
     model_path, info = service_model(profile, sysroot)
     config = unit_config(
         profile,
         service_plan(profile, info),
-        d.orin_executable(),
+        executable,
         user,
         facts.groups_present,
         find_gpu_devices(sysroot),
@@ -262,10 +276,16 @@ def _wait_bar(timeout_s: float) -> Iterator[Callable[[float, str], None] | None]
 
 
 def _check_doctor(
-    out: Output, report: Report, facts: HostFacts, force: bool, dry_run: bool
+    out: Output,
+    report: Report,
+    facts: HostFacts,
+    force: bool,
+    dry_run: bool,
+    program: list[str],
 ) -> bool:
-    """Doctor's summary; InstallError on a finding that blocks the install, unless
-    forced. True where a dry run goes on past such findings (install would refuse)."""
+    """Doctor's summary; InstallError on a finding that blocks the install, or on a
+    ``program`` problem (root_program_blockers), unless forced. True where a dry run
+    goes on past such findings (install would refuse)."""
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items() if n)
     out.line(f"doctor: {counts}")
     for f in report.findings:
@@ -273,15 +293,23 @@ def _check_doctor(
             _raw(out, f"  {f.severity} {f.id}: {f.found}")
     blockers = doctor_blockers(report.findings, facts.service_active)
     blockers += [f"{c}: the check itself failed" for c in report.crashed]
+    who = "doctor" if blockers else "install"
+    blockers += program
     if not blockers:
         return False
     listed = "\n".join(f"  {b}" for b in blockers)
     if force or dry_run:
         verb = "ignoring (--force)" if force else "install would refuse"
-        _raw(out, f"doctor found problems, {verb}:\n{listed}", err=True)
+        _raw(out, f"{who} found problems, {verb}:\n{listed}", err=True)
         return not force
-    raise InstallError(
-        f"doctor found problems; fix them (orin-llm doctor explains each) or use --force:\n{listed}"
+    raise InstallError(_refusal(who, blockers))
+
+
+def _refusal(who: str, blockers: list[str]) -> str:
+    listed = "\n".join(f"  {b}" for b in blockers)
+    return (
+        f"{who} found problems; fix them (each says how; orin-llm doctor explains its "
+        f"checks) or use --force:\n{listed}"
     )
 
 

@@ -1,11 +1,12 @@
 """Log output for long-running commands: text for people, JSON lines for collectors.
 
 Under systemd (``JOURNAL_STREAM`` names the stderr it connected to the journal),
-each text line starts with its syslog priority, ``<3>`` for an error down to
-``<7>`` for debug (sd-daemon(3)): journald strips the prefix and files the line
-at that priority, so ``journalctl -u orin-llm -p err`` shows the errors alone.
-JSON lines keep their shape (a collector reads ``level``); journald files them
-at its default priority.
+each line starts with its syslog priority, ``<3>`` for an error down to ``<7>``
+for debug (sd-daemon(3)): journald strips the prefix and files the line at that
+priority, so ``journalctl -u orin-llm -p err`` shows the errors alone. A JSON
+line gets the prefix too: journald keeps the JSON object as the message, which
+a collector reads ``level`` from, and without the prefix would file every line,
+errors included, at its default priority (info).
 """
 
 from __future__ import annotations
@@ -63,9 +64,18 @@ _TERMINAL_ONLY = frozenset({"message", "color_message"})  # uvicorn's ANSI-colou
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line; an ``extra={"fields": {...}}`` dict is merged in."""
+    """One JSON object per line; an ``extra={"fields": {...}}`` dict is merged in.
+    ``journal``: each line starts with its syslog priority (journald strips it)."""
+
+    def __init__(self, journal: bool = False) -> None:
+        super().__init__()
+        self.journal = journal
 
     def format(self, record: logging.LogRecord) -> str:
+        line = self._object(record)
+        return f"<{syslog_priority(record.levelno)}>{line}" if self.journal else line
+
+    def _object(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": round(record.created, 3),
             "level": record.levelname.lower(),
@@ -116,7 +126,7 @@ def setup_logging(fmt: str = "text", journal: bool | None = None) -> None:
         raise ValueError(f"log format must be text or json, not {fmt!r}")
     handler = StderrHandler()
     if fmt == "json":
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(JsonFormatter(journal_stderr() if journal is None else journal))
     else:
         handler.setFormatter(text_formatter(journal=journal))
     root = logging.getLogger()

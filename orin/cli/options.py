@@ -11,7 +11,7 @@ import typer
 from pydantic import BaseModel, ValidationError
 
 from orin.cli.errors import usage_error
-from orin.install.layout import check_service_user
+from orin.install.layout import check_service_user, check_unit_dir
 from orin.profile.loader import describe_error
 from orin.profile.schema import EngineSection, Profile
 
@@ -187,6 +187,15 @@ def service_user(value: str) -> str:
     name the units can run as, not root (a usage error, found before anything runs)."""
     try:
         return check_service_user(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def unit_dir(value: str) -> str:
+    """Option callback: ``--unit-dir`` is a folder systemd loads units from (a usage
+    error otherwise, before anything is read or written)."""
+    try:
+        return check_unit_dir(value)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
 

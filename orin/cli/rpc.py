@@ -23,6 +23,7 @@ import typer
 from orin.cli.errors import handle_errors
 from orin.cli.logs import setup_logging
 from orin.cli.options import service_user
+from orin.cli.options import unit_dir as unit_dir_option
 from orin.errors import LlamaCppError
 from orin.install.steps import InstallError
 
@@ -189,7 +190,12 @@ def install_rpc_worker(
         str, typer.Option(callback=service_user, help="System user the worker runs as (not root).")
     ] = "orin-llm",
     unit_dir: Annotated[
-        str, typer.Option("--unit-dir", help="Folder for the unit file.")
+        str,
+        typer.Option(
+            "--unit-dir",
+            callback=unit_dir_option,
+            help="Folder for the unit file (a path systemd loads units from).",
+        ),
     ] = "/etc/systemd/system",
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the unit; change nothing.")

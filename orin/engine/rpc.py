@@ -338,11 +338,35 @@ def lost_message(reason: str, endpoints: Sequence[str]) -> str:
     )
 
 
+def handshake_message(reason: str, endpoint: str) -> str:
+    """The line the server prints when llama.cpp aborts while it connects to a worker
+    (``ggml_backend_rpc_add_server``, before any weights moved): what answered at the
+    address is not a worker this build can speak to, which a restart does not mend."""
+    return (
+        f"RPC worker {endpoint} failed llama.cpp's RPC handshake (llama.cpp: {reason}): "
+        "what answers there is not an `orin-llm rpc-worker`, or one built from another "
+        "llama.cpp whose RPC protocol differs (the line above then says `RPC server "
+        "version mismatch`): check the address, and install the same orin-llm and "
+        f"llama-cpp-python on both boards; exiting with code {RPC_LOST_EXIT}"
+    )
+
+
+def abort_message(reason: str) -> str:
+    """What the abort callback prints: a failed handshake where it came while a worker
+    was being connected (``waiting_for``) and that worker still accepts connections,
+    else a lost worker (``lost_message``)."""
+    reason = reason.rpartition(": ")[2] or reason
+    connecting = _waiting_for
+    if connecting is not None and probe(connecting, timeout=LOST_PROBE_S) is None:
+        return handshake_message(reason, connecting)
+    return lost_message(reason, _endpoints)
+
+
 def _on_abort(message: bytes | None) -> None:
     """ggml's abort callback: runs on the thread that hit GGML_ABORT; never returns."""
     reason = (message or b"").decode("utf-8", errors="replace").strip()
     try:
-        text = lost_message(reason.rpartition(": ")[2] or reason, _endpoints)
+        text = abort_message(reason)
         prefix = "<3>orin-llm: " if os.environ.get("JOURNAL_STREAM") else "orin-llm: "
         sys.stderr.write(prefix + text + "\n")
         sys.stderr.flush()

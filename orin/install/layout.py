@@ -7,6 +7,7 @@ All are system paths, reached through SysRoot.
 
 from __future__ import annotations
 
+import os
 import re
 
 from orin.model.store import SYSTEM_MODELS_DIR
@@ -36,6 +37,29 @@ GPU_GROUPS = ("video", "render")  # the Jetson GPU nodes belong to these groups
 # Homes are hidden from the service (ProtectHome=yes) unless something it must
 # read lives under one of these.
 HOME_PREFIXES = ("/home/", "/root/", "/run/user/")
+
+
+# systemd.unit(5), "System Unit Search Path": the folders an administrator puts unit
+# files in (Debian's /lib/systemd/system too), where `systemctl enable` finds them
+UNIT_DIRS = (
+    "/etc/systemd/system",
+    "/run/systemd/system",
+    "/usr/local/lib/systemd/system",
+    "/usr/lib/systemd/system",
+    "/lib/systemd/system",
+)
+
+
+def check_unit_dir(path: str) -> str:
+    """A ``--unit-dir`` systemd loads units from (without a trailing ``/``). A ValueError
+    says why not: a unit written anywhere else is not found by `systemctl enable`, and a
+    relative path would be taken from wherever the command runs."""
+    folder = os.path.normpath(path) if path.startswith("/") else path
+    if folder not in UNIT_DIRS:
+        raise ValueError(
+            f"{path}: not a folder systemd loads units from; give one of {', '.join(UNIT_DIRS)}"
+        )
+    return folder
 
 
 def check_service_user(name: str) -> str:

@@ -27,6 +27,7 @@ from orin.install.layout import (
     PROFILE_FILE,
     SERVICE,
     STATE_DIR,
+    TUNE_SERVICE,
     TUNE_STATE_DIR,
     TUNE_STATE_FILE,
     UNITS,
@@ -52,6 +53,7 @@ ENV_TEMPLATE = """\
 #ORIN_LLM_TELEMETRY=auto
 """
 ENV_MODE = "0640"
+ENV_LAX = 0o037  # what ENV_MODE leaves out: group write or execute, anything for others
 NOLOGIN = "/usr/sbin/nologin"
 
 
@@ -62,7 +64,7 @@ class InstallPlan:
     url: str
     files: tuple[FileChange, ...]
     prepare: tuple[Step, ...]  # user, groups, folders: kept on a rollback
-    secure: tuple[Step, ...]  # ownership and mode of a new environment file
+    secure: tuple[Step, ...]  # owner and mode of a new or exposed environment file
     probe: tuple[CudaProbe, ...]  # CUDA in the service's sandbox, before enabling it
     activate: tuple[Step, ...]  # systemctl
     notes: tuple[str, ...] = ()
@@ -225,7 +227,7 @@ def plan_install(
     )
     group = facts.primary_group or facts.user
     secure: tuple[Step, ...] = ()
-    if env_old is None:
+    if env_old is None or _env_file_exposed(root):
         secure = (
             Action.run("chown", f"root:{group}", ENV_FILE),
             Action.run("chmod", ENV_MODE, ENV_FILE),
@@ -242,6 +244,16 @@ def plan_install(
         activate=_activate(files, facts, unit_dir, start),
         notes=_notes(config, facts),
     )
+
+
+def _env_file_exposed(root: SysRoot) -> bool:
+    """Whether the environment file already there (the API key is in it) can be read
+    by others or written by anyone but root (the service's environment, LD_PRELOAD
+    among it): install then gives it the owner and mode of a new one."""
+    st = root.stat(ENV_FILE)
+    if st is None:
+        return False
+    return st.st_uid not in (0, root.trusted_uid) or bool(st.st_mode & ENV_LAX)
 
 
 def _probe(
@@ -310,6 +322,13 @@ def _notes(config: UnitConfig, facts: HostFacts) -> tuple[str, ...]:
             "the service reads files under a home folder, so homes stay visible to it "
             "read-only (ProtectHome=read-only); a venv under /opt keeps them hidden"
         )
+    for folder in config.writable:
+        notes.append(
+            f"prompt_cache.directory {folder} is outside the service's own folders: the "
+            f"unit makes it writable (ReadWritePaths=), and it must belong to {config.user} "
+            f"(sudo install -d -o {config.user} -g {config.user} -m 0700 {folder}), else "
+            "the prompts are computed at every start instead of restored"
+        )
     return tuple(notes)
 
 
@@ -360,4 +379,22 @@ def doctor_blockers(findings: Iterable[Finding], service_active: bool) -> list[s
         f"{f.id}: {f.found}" + (f" (fix: {f.fix})" if f.fix else "")
         for f in findings
         if f.severity == "fail" and f.id not in ignored
+    ]
+
+
+def root_program_blockers(root: SysRoot, program: Iterable[str]) -> list[str]:
+    """The files of the orin-llm program that another user could write.
+
+    orin-llm-tune.service runs the program as root at every boot (the executable,
+    and the ``orin`` package it imports): whoever can change those files gets root.
+    Each must pass the check root's own state passes (``SysRoot.untrusted_reason``:
+    owned by root up to ``/``, not writable by group or others, no symbolic link),
+    which a venv or an editable install under a user's home fails.
+    """
+    return [
+        f"root-program: {TUNE_SERVICE} would run {path} as root at every boot, but {why} "
+        "(fix: install orin-llm into a venv only root can write, as scripts/setup-orin.sh "
+        "does in /opt/orin-llm/venv, not editable, and run install from there)"
+        for path in program
+        if (why := root.untrusted_reason(path)) is not None
     ]

@@ -165,19 +165,43 @@ def service_url(root: SysRoot, unit_dir: str) -> str | None:
     except OrinError:
         return None
     host, port = profile.server.host, str(profile.server.port)
-    env = env_values(root.read_text(ENV_FILE) or "")  # root-only: unreadable for users
+    exec_start, env = _service_settings(root, unit_dir)
+    # the environment file's variables override Environment='s (systemd.exec(5))
+    env.update(env_values(root.read_text(ENV_FILE) or ""))  # root-only: unreadable for users
     host, port = env.get("ORIN_LLM_HOST", host), env.get("ORIN_LLM_PORT", port)
-    flags = _exec_flags(read_file(root, unit_path(unit_dir, SERVICE)) or "")
+    flags = _exec_flags(exec_start)
     host, port = flags.get("--host", host), flags.get("--port", port)
     return probe_url(host, int(port)) if port.isdigit() else None
 
 
-def _exec_flags(unit_text: str) -> dict[str, str]:
-    for line in unit_text.splitlines():
-        if line.startswith("ExecStart="):
-            words = shlex.split(line.partition("=")[2])
-            return {w: v for w, v in itertools.pairwise(words) if w.startswith("--")}
-    return {}
+def _service_settings(root: SysRoot, unit_dir: str) -> tuple[str, dict[str, str]]:
+    """The server unit's ExecStart= and its Environment= variables, with the drop-ins
+    in ``orin-llm.service.d/`` (``systemctl edit orin-llm``, where docs/install.md
+    sends local changes) applied in the order systemd applies them: by file name,
+    after the unit; an empty assignment resets the setting."""
+    unit = unit_path(unit_dir, SERVICE)
+    texts = [read_file(root, unit) or ""]
+    dropins = root.path(f"{unit}.d")
+    if dropins.is_dir():
+        names = sorted(p.name for p in dropins.glob("*.conf"))
+        texts += [read_file(root, f"{unit}.d/{name}") or "" for name in names]
+    exec_start, env = "", dict[str, str]()
+    for line in "\n".join(texts).splitlines():
+        key, _, value = line.strip().partition("=")
+        if key == "ExecStart":
+            exec_start = value
+        elif key == "Environment" and not value:
+            env.clear()
+        elif key == "Environment":
+            env.update(w.partition("=")[::2] for w in shlex.split(value) if "=" in w)
+    return exec_start, env
+
+
+def _exec_flags(exec_start: str) -> dict[str, str]:
+    words = shlex.split(exec_start)
+    flags = {w: v for w, v in itertools.pairwise(words) if w.startswith("--")}
+    flags.update(w.partition("=")[::2] for w in words if w.startswith("--") and "=" in w)
+    return flags
 
 
 def read_status(

@@ -11,6 +11,7 @@ against what is installed.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -18,7 +19,14 @@ from pathlib import Path
 from typing import Literal
 
 from orin.errors import KVConfigError, OrinError
-from orin.install.layout import HOME_PREFIXES, PROFILE_FILE, SERVICE, TUNE_SERVICE
+from orin.install.layout import (
+    CACHE_DIR,
+    HOME_PREFIXES,
+    PROFILE_FILE,
+    SERVICE,
+    STATE_DIR,
+    TUNE_SERVICE,
+)
 from orin.model.gguf import ModelInfo
 from orin.model.memplan import MemoryPlan, plan_memory
 from orin.profile.fit import projector_bytes
@@ -113,6 +121,10 @@ class UnitConfig:
     # engine.rpc: a worker that is down makes the server exit until it returns, so
     # systemd must go on restarting it however often (no start limit)
     rpc_workers: bool = False
+    # folders the profile has the server write besides its own StateDirectory and
+    # CacheDirectory (prompt_cache.directory): ProtectSystem=strict makes every other
+    # path read-only, so each is a ReadWritePaths= of its own
+    writable: tuple[str, ...] = ()
 
     @property
     def memory_high(self) -> int:
@@ -183,7 +195,20 @@ def unit_config(
         port=port,
         devices_found=bool(found),
         rpc_workers=bool(profile.engine.rpc),
+        writable=writable_folders(profile),
     )
+
+
+def writable_folders(profile: Profile) -> tuple[str, ...]:
+    """Where the profile has the server save its prompts (prompt_cache.directory), when
+    it keeps prompts and that folder is outside the service's own writable folders."""
+    pc = profile.prompt_cache
+    if pc.directory is None or not (pc.prompts or pc.prompt_dir):
+        return ()
+    folder = os.path.normpath(profile.path_from(pc.directory))
+    if any(folder == own or folder.startswith(own + "/") for own in (STATE_DIR, CACHE_DIR)):
+        return ()
+    return (folder,)
 
 
 def _other_files(profile: Profile) -> tuple[str, ...]:
@@ -246,6 +271,11 @@ def _values(cfg: UnitConfig) -> dict[str, str]:
         "memory_high": f"{cfg.memory_high // MiB}M",
         "memory_max": f"{cfg.memory_max // MiB}M",
         "protect_home": cfg.protect_home,
+        # "-": a folder that is missing does not stop the start (serve says why it
+        # cannot save the prompts there)
+        "read_write_paths": "\n".join(
+            f"ReadWritePaths={_path_word('-' + d)}" for d in cfg.writable
+        ),
         "device_allow": "\n".join(f"DeviceAllow={_escape(d)} rw" for d in cfg.devices),
     }
 
@@ -308,6 +338,14 @@ def _quote(arg: str) -> str:
     if arg and not re.search(r"[\s\"'\\;]", arg):
         return arg
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _path_word(path: str) -> str:
+    """A path as one word of a unit setting's list, quoted where it has to be."""
+    path = _escape(path)
+    if path and not re.search(r"[\s\"'\\]", path):
+        return path
+    return '"' + path.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _escape(text: str) -> str:

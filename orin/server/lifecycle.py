@@ -1,7 +1,8 @@
 """Start-up and shutdown: readiness, the systemd watchdog, and the drain.
 
-The first SIGTERM/SIGINT starts the drain: the server stops admitting (/health
-and /v1/* answer 503) and running requests get the grace period
+The first SIGTERM/SIGINT (or SIGHUP: a closed terminal, which would otherwise end
+the process at once and cut every stream mid-answer) starts the drain: the server
+stops admitting (/health and /v1/* answer 503) and running requests get the grace period
 (``server.grace_seconds``) to finish; those still running then are cancelled (a
 stream ends with an error event and ``[DONE]``, a whole answer is a 503). Then
 uvicorn stops listening and the responses go out: a client that reads slowly
@@ -32,9 +33,11 @@ import asyncio
 import contextlib
 import logging
 import math
+import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
@@ -87,10 +90,29 @@ class OrinServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()  # the drain schedules work on it
         await super().startup(sockets=sockets)
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's SIGTERM and SIGINT handlers, and SIGHUP's: by default a hangup
+        (the terminal of a `serve` closed, `systemctl kill -s HUP`) ends the process
+        at once, each stream cut without its last event. There is nothing to reload,
+        so it drains as SIGTERM does."""
+        with super().capture_signals():
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = signal.signal(signal.SIGHUP, self.handle_exit)
+            try:
+                yield
+            finally:
+                signal.signal(signal.SIGHUP, previous)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """SIGTERM/SIGINT: the first drains, the second cuts the drain short, the
-        third exits at once. (A signal handler: it only starts threads and sets flags.)"""
+        """SIGTERM/SIGINT/SIGHUP: the first drains, the second cuts the drain short,
+        the third exits at once. (A signal handler: it only starts threads and sets
+        flags.)"""
         self._signals += 1
+        if self._signals == 1 and sig == signal.SIGHUP:
+            log.info("SIGHUP: the profile is not reloaded; stopping as for SIGTERM")
         if self._signals == 1:
             self._drain_thread = threading.Thread(target=self.drain, name="orin-drain", daemon=True)
             self._drain_thread.start()

@@ -1,6 +1,6 @@
 """The composition root of the server: builds the engine, the HTTP app and the
 telemetry from a resolved profile, chooses the HTTP stack and the API key, and runs
-the lifecycle (load, serve until SIGTERM/SIGINT, drain). ``orin-llm serve`` parses
+the lifecycle (load, serve until SIGTERM/SIGINT/SIGHUP, drain). ``orin-llm serve`` parses
 its options and calls ``run_server``; tests call ``build_server`` and start it
 themselves."""
 
@@ -38,7 +38,7 @@ def run_server(
     record: Path | None = None,
     telemetry_hz: float | None = None,
 ) -> int:
-    """Bind, load, serve until SIGTERM/SIGINT, drain; the process exit code.
+    """Bind, load, serve until SIGTERM/SIGINT/SIGHUP, drain; the process exit code.
 
     The listening socket is bound first, before the model file is even read: a
     port in use or an address this host does not have is a ``BindError`` (exit 8)

@@ -39,6 +39,13 @@ from orin.engine.types import FinishReason, RequestTimings, StepStats
 from orin.system.root import SysRoot
 from orin.telemetry.metrics import PREFIX, PhaseMetrics, SystemMetrics
 
+# the method label's values: RFC 9110's methods and PATCH; any other is OTHER_METHOD,
+# as OpenTelemetry's HTTP conventions name it
+HTTP_METHODS = frozenset(
+    ("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH")
+)
+OTHER_METHOD = "_OTHER"
+
 __all__ = ["PREFIX", "PhaseMetrics", "ServerMetrics"]
 
 # Text exposition format 0.0.4: what generate_latest writes for names that are
@@ -429,7 +436,11 @@ class ServerMetrics:
             self.decode_time.observe(timings.decode_ms * _MS)
 
     def observe_http(self, method: str, route: str, status: int, seconds: float) -> None:
-        """Count one HTTP request; ``route`` must be the template (``/v1/models/{model}``)."""
+        """Count one HTTP request; ``route`` must be the template (``/v1/models/{model}``).
+        A method outside HTTP_METHODS counts as ``_OTHER``: the parser passes on every
+        method it knows (PROPFIND, MKCOL, PURGE, ... some thirty), each a series of
+        its own per route, and any client may send them."""
+        method = method if method in HTTP_METHODS else OTHER_METHOD
         self.http_requests.labels(method, route, str(status)).inc()
         self.http_duration.labels(method, route).observe(seconds)
 

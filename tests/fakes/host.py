@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from orin.system.commands import CommandResult
@@ -35,6 +36,7 @@ class FakeHost:
     fail_on: dict[tuple[str, ...], CommandResult] = field(default_factory=dict)
     journal: str = "orin-llm[42]: model loaded\n"
     probe_report: dict[str, Any] = field(default_factory=lambda: dict(PROBE_OK))
+    root: Path | None = None  # the fake root chmod acts on (chown changes nothing)
     runner: FakeRunner = field(init=False)
 
     def __post_init__(self) -> None:
@@ -56,9 +58,9 @@ class FakeHost:
         self.active.add(unit)
 
     def _answer(self, argv: tuple[str, ...]) -> CommandResult:
-        for prefix, result in self.fail_on.items():
+        for prefix, failed in self.fail_on.items():
             if argv[: len(prefix)] == prefix:
-                return CommandResult(argv, result.returncode, result.stdout, result.stderr)
+                return CommandResult(argv, failed.returncode, failed.stdout, failed.stderr)
         handler = getattr(self, "_" + argv[0].replace("-", "_"))
         result: CommandResult = handler(argv)
         return result
@@ -90,7 +92,11 @@ class FakeHost:
     def _chown(self, argv: tuple[str, ...]) -> CommandResult:
         return CommandResult(argv, 0)
 
-    _chmod = _chown
+    def _chmod(self, argv: tuple[str, ...]) -> CommandResult:
+        target = self.root / argv[-1].lstrip("/") if self.root is not None else None
+        if target is not None and target.exists():
+            target.chmod(int(argv[1], 8))
+        return CommandResult(argv, 0)
 
     def _systemd_run(self, argv: tuple[str, ...]) -> CommandResult:
         """The CUDA probe as systemd-run --wait --pipe returns it: the probe's exit status."""

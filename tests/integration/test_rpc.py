@@ -304,6 +304,37 @@ def test_a_stop_while_the_load_waits_for_a_busy_worker_exits_6_naming_it(
     assert "drained; exiting" not in err and "Traceback" not in err
 
 
+class HttpOnThePort(SilentWorker):
+    """Another program on the worker's address (a web server): it answers llama.cpp's
+    hello with an HTTP error and closes the connection."""
+
+    def _read(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            if conn.recv(64):
+                self.asked.set()
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+            conn.close()
+
+
+def test_a_program_that_is_no_worker_is_named_as_a_failed_handshake(tiny_f16: Path) -> None:
+    """A wrong address (or a worker of another RPC protocol version) fails llama.cpp's
+    handshake: exit 6 with a line that says so and what to check, not a lost worker
+    that a restart would bring back."""
+    other, port = HttpOnThePort(), free_port()
+    try:
+        proc = serve(tiny_f16, port, [other.port])
+        try:
+            code = proc.wait(timeout=RPC_LOAD_S)
+        finally:
+            err = stop(proc)
+    finally:
+        other.close()
+    assert other.asked.is_set()
+    assert code == RPC_LOST_EXIT, err
+    assert f"RPC worker 127.0.0.1:{other.port} failed llama.cpp's RPC handshake" in err
+    assert "lost RPC worker" not in err and "Traceback" not in err
+
+
 def traffic(
     model: Path,
     n_workers: int,

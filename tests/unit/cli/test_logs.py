@@ -1,5 +1,5 @@
 """Logs under systemd: text lines carry sd-daemon(3) priority prefixes when stderr is
-the journal stream; JSON lines keep their shape."""
+the journal stream, JSON lines too (journald strips it and keeps the object)."""
 
 from __future__ import annotations
 
@@ -83,12 +83,18 @@ def test_setup_logging_under_systemd(
         (handler,) = root.handlers
         assert isinstance(handler.formatter, JournalFormatter)
         assert handler.format(record(logging.ERROR, "x")).startswith("<3>")
-        logs.setup_logging("json")  # JSON keeps its shape: no prefix
+        # JSON lines get the prefix too: journald strips it and keeps the object as the
+        # message, filed at its priority (without it, every line is info)
+        logs.setup_logging("json")
         (handler,) = root.handlers
         assert isinstance(handler.formatter, JsonFormatter)
         line = handler.format(record(logging.ERROR, "x"))
-        assert json.loads(line)["level"] == "error" and line.startswith("{")
+        assert line.startswith("<3>{") and json.loads(line[3:])["level"] == "error"
+        assert handler.format(record(logging.INFO, "x")).startswith("<6>{")
         monkeypatch.delenv("JOURNAL_STREAM")
+        logs.setup_logging("json")  # a terminal or a pipe: the bare object
+        (handler,) = root.handlers
+        assert json.loads(handler.format(record(logging.ERROR, "x")))["level"] == "error"
         logs.setup_logging("text")  # a terminal: plain text
         (handler,) = root.handlers
         assert not isinstance(handler.formatter, JournalFormatter)

@@ -345,3 +345,28 @@ def test_the_lost_worker_line_names_the_worker_whose_connection_closed() -> None
         finally:
             for s in (to_a, to_b, peer_a):
                 s.close()
+
+
+def test_an_abort_while_connecting_to_a_worker_is_a_failed_handshake(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What answers at a worker's address but fails llama.cpp's handshake (another
+    program on the port, a worker of another RPC protocol version) is not a lost
+    worker, and a restart does not mend it: the line says what to check."""
+    from orin.engine import rpc
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        endpoint = f"127.0.0.1:{other.getsockname()[1]}"
+        monkeypatch.setattr(rpc, "_endpoints", (endpoint,))
+        monkeypatch.setattr(rpc, "_waiting_for", endpoint)  # inside add_server
+        text = rpc.abort_message("ggml-rpc.cpp:123: RPC handshake failed")
+        assert text.startswith(f"RPC worker {endpoint} failed llama.cpp's RPC handshake")
+        assert "RPC server version mismatch" in text and "same orin-llm and llama-cpp" in text
+        assert "lost" not in text and f"exiting with code {RPC_LOST_EXIT}" in text
+        monkeypatch.setattr(rpc, "_waiting_for", None)  # the model loaded: a lost worker
+        assert "handshake" not in rpc.abort_message("Remote RPC server crashed")
+    # a worker that went away during the handshake is lost, not the wrong program
+    monkeypatch.setattr(rpc, "_waiting_for", endpoint)
+    assert rpc.abort_message("Remote RPC server crashed").startswith(f"lost RPC worker {endpoint}")

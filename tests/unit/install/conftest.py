@@ -70,8 +70,8 @@ def doctor_report(*findings: Finding) -> Report:
 
 
 @pytest.fixture
-def host() -> FakeHost:
-    return FakeHost()
+def host(tmp_path: Path) -> FakeHost:
+    return FakeHost(root=tmp_path / "root")  # the root fixture's and board_with_profile's
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from orin.install.probe import HttpResult
 from orin.system.commands import CommandResult
 from tests.fakes.board import FakeBoard
 from tests.fakes.host import FakeHost
-from tests.unit.install.conftest import doctor_report, invoke
+from tests.unit.install.conftest import EXECUTABLE, doctor_report, invoke
 
 PROFILE = "llama3.1-8b-q4_k_m"
 UNIT_DIR = "/etc/systemd/system"
@@ -81,6 +81,28 @@ def test_second_install_is_a_noop(root: Path, host: FakeHost, deps: Deps) -> Non
     assert host.changes() == []
     assert snapshot(root) == before
     assert "already installed and up to date" in out
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o660, 0o600])
+def test_an_environment_file_others_can_read_gets_the_mode_of_a_new_one(
+    root: Path, host: FakeHost, deps: Deps, mode: int
+) -> None:
+    """The environment file holds the API key and is kept as it is, but one made by
+    hand (`sudo tee`: 0644) would leave the key readable by every user: install gives
+    it root:orin-llm 0640, and a second install then plans nothing."""
+    env = root / ENV_FILE.lstrip("/")
+    env.parent.mkdir(parents=True)
+    env.write_text("ORIN_LLM_API_KEY=secret\n")
+    env.chmod(mode)
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
+    assert code == 0, err
+    secured = [("chown", "root:orin-llm", ENV_FILE), ("chmod", "0640", ENV_FILE)]
+    assert all((c in host.changes()) == (mode != 0o600) for c in secured)
+    assert env.read_text() == "ORIN_LLM_API_KEY=secret\n"  # the key is kept
+    assert env.stat().st_mode & 0o777 == (0o640 if mode != 0o600 else 0o600)
+    host.calls.clear()
+    assert invoke(deps, root, "install", "--profile", PROFILE)[0] == 0
+    assert host.changes() == []
 
 
 def test_a_changed_port_rewrites_the_unit_and_restarts_both(
@@ -183,6 +205,60 @@ def test_a_dry_run_install_would_refuse_shows_the_plan_and_exits_as_install_woul
     assert code == 0, err
 
 
+@pytest.mark.parametrize("writable", ["venv", "package"])
+def test_a_program_another_user_can_write_is_not_run_as_root_at_boot(
+    root: Path, host: FakeHost, deps: Deps, writable: str
+) -> None:
+    """orin-llm-tune.service runs the program as root at every boot: a venv, or the
+    checkout of an editable install, that another user can write would give that
+    user root. Install refuses it unless forced, as a doctor fail."""
+    package = "/home/dev/orin-llm/orin"
+    doctored: list[object] = []
+
+    def doctor(context: object) -> Report:
+        doctored.append(context)
+        return doctor_report()
+
+    deps = dataclasses.replace(deps, orin_package=lambda: package, run_doctor=doctor)
+    folder = root / (EXECUTABLE.rsplit("/", 1)[0] if writable == "venv" else package).lstrip("/")
+    folder.mkdir(parents=True)
+    (folder / "orin-llm").write_text("#!/bin/sh\n")
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE, "--dry-run")
+    assert code == 0, err  # only root (here: the tree's owner) can write it
+    folder.chmod(0o777)
+    before = snapshot(root)
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
+    assert code == 1
+    assert "install found problems" in err
+    assert f"root-program: {TUNE_SERVICE} would run" in err
+    assert f"{folder.relative_to(root)} is writable by group or others (mode 0777)" in err
+    assert host.changes() == [] and snapshot(root) == before
+    doctored.clear()
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
+    assert code == 1 and doctored == []  # refused before a model is pulled or checked
+    code, out, err = invoke(deps, root, "install", "--profile", PROFILE, "--dry-run")
+    assert code == 1 and "install would refuse" in err and "step 1: useradd" in out
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE, "--force")
+    assert code == 0, err
+    assert "ignoring (--force)" in err
+
+
+def test_a_prompt_cache_folder_of_its_own_is_writable_and_said(
+    tmp_path: Path, root: Path, host: FakeHost, deps: Deps
+) -> None:
+    profile = tmp_path / "pc.yaml"
+    model = "/var/lib/orin-llm/models/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf"
+    profile.write_text(
+        f"name: pc\nmodel: {{path: {model}, quantization: Q4_K_M}}\n"
+        "prompt_cache: {prompts: [You are a helpful assistant.], directory: /srv/prompts}\n"
+    )
+    code, out, err = invoke(deps, root, "install", "--profile", str(profile), "--dry-run")
+    assert code == 0, err
+    assert "+ReadWritePaths=-/srv/prompts" in out
+    assert "note: prompt_cache.directory /srv/prompts is outside the service's own" in err
+    assert "sudo install -d -o orin-llm -g orin-llm -m 0700 /srv/prompts" in err
+
+
 def test_running_service_excuses_memory_fit_and_port(
     root: Path, host: FakeHost, deps: Deps, report: list[Report]
 ) -> None:
@@ -231,6 +307,24 @@ def test_a_user_the_unit_cannot_run_as_is_a_usage_error(
         code, out, err = invoke(deps, root, "install", "--profile", PROFILE, "--user", user, *extra)
         assert code == 2 and says in err and out == ""
     assert host.changes() == [] and snapshot(root) == before
+
+
+@pytest.mark.parametrize("command", ["install", "uninstall", "status", "install-rpc-worker"])
+@pytest.mark.parametrize("folder", ["/tmp/units", "etc/systemd/system", "/etc/systemd"])
+def test_a_unit_dir_systemd_does_not_load_units_from_is_a_usage_error(
+    root: Path, host: FakeHost, deps: Deps, command: str, folder: str
+) -> None:
+    """A unit written elsewhere is not found by `systemctl enable`, and a relative
+    folder would be taken from wherever the command runs: refused before anything
+    is read or written."""
+    before = snapshot(root)
+    args = ("--host", "10.0.0.2") if command == "install-rpc-worker" else ()
+    code, _, err = invoke(deps, root, command, *args, "--unit-dir", folder)
+    assert code == 2
+    assert "not a folder systemd loads units from" in err and "/etc/systemd/system" in err
+    assert host.calls == [] and snapshot(root) == before
+    code, _, err = invoke(deps, root, "status", "--unit-dir", "/etc/systemd/system/")
+    assert "--unit-dir" not in err
 
 
 def test_existing_user_missing_a_group_is_added(root: Path, host: FakeHost, deps: Deps) -> None:

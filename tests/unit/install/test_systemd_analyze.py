@@ -39,8 +39,8 @@ def analyze(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([ANALYZE, *args], capture_output=True, text=True, timeout=60, check=False)
 
 
-def unit_root(tmp_path: Path, profile_name: str) -> Path:
-    units = render_units(config_for(tmp_path / "board", profile_name))
+def unit_root(tmp_path: Path, profile_name: str, **overrides: object) -> Path:
+    units = render_units(config_for(tmp_path / "board", profile_name, **overrides))
     root = tmp_path / "sysroot"
     assert SYSTEM_UNITS is not None
     shutil.copytree(SYSTEM_UNITS, root / "usr/lib/systemd/system", symlinks=True)
@@ -59,6 +59,16 @@ def unit_root(tmp_path: Path, profile_name: str) -> Path:
 def test_verify_passes_without_a_warning(tmp_path: Path, profile_name: str) -> None:
     root = unit_root(tmp_path, profile_name)
     r = analyze("verify", f"--root={root}", SERVICE, TUNE_SERVICE)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "" and r.stderr.strip() == "", r.stdout + r.stderr
+
+
+def test_verify_passes_with_a_prompt_cache_folder_of_its_own(tmp_path: Path) -> None:
+    root = unit_root(tmp_path, PROFILES[0], writable=("/srv/prompt cache",))
+    assert (
+        'ReadWritePaths="-/srv/prompt cache"' in (root / "etc/systemd/system" / SERVICE).read_text()
+    )
+    r = analyze("verify", f"--root={root}", SERVICE)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "" and r.stderr.strip() == "", r.stdout + r.stderr
 

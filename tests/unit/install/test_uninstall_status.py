@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from orin.cli.deps import Deps
@@ -183,6 +184,48 @@ def test_status_reads_the_port_with_serves_precedence(
     assert code == 1
     assert seen == ["http://127.0.0.1:8181/health"]
     assert "health: nothing answers at http://127.0.0.1:8181: connection refused" in out
+
+
+@pytest.mark.parametrize(
+    ("dropins", "port"),
+    [
+        ({"override.conf": "[Service]\nEnvironment=ORIN_LLM_PORT=8282\n"}, 8282),
+        (
+            {
+                "override.conf": "[Service]\n"
+                'Environment="ORIN_LLM_HOST=0.0.0.0" ORIN_LLM_PORT=8282\n'
+            },
+            8282,
+        ),
+        (
+            {
+                "10-port.conf": "[Service]\nEnvironment=ORIN_LLM_PORT=8282\n",
+                "override.conf": "[Service]\nExecStart=\nExecStart=/opt/orin-llm/venv/bin/orin-llm "
+                "serve --profile /etc/orin-llm/profile.yaml --port=8383\n",
+            },
+            8383,
+        ),
+        ({"override.conf": "[Service]\nEnvironment=\n", "notes.txt": "Environment=X=1"}, 8080),
+    ],
+)
+def test_status_follows_the_drop_ins_systemctl_edit_writes(
+    root: Path, host: FakeHost, deps: Deps, dropins: dict[str, str], port: int
+) -> None:
+    """Local changes belong in a drop-in (docs/install.md): a port set there is where
+    the service listens, and where status must ask."""
+    installed(deps, root, host)
+    folder = root / "etc/systemd/system/orin-llm.service.d"
+    folder.mkdir()
+    for name, text in dropins.items():
+        (folder / name).write_text(text)
+    seen: list[str] = []
+
+    def get(url: str, timeout: float, headers: dict[str, str] | None = None) -> HttpResult:
+        seen.append(url)
+        return HttpResult(None, error="connection refused")
+
+    assert invoke(dataclasses.replace(deps, http_get=get), root, "status")[0] == 1
+    assert seen == [f"http://127.0.0.1:{port}/health"]
 
 
 def test_status_when_not_installed(tmp_path: Path, host: FakeHost, deps: Deps) -> None:

@@ -143,6 +143,33 @@ def test_home_paths_make_homes_read_only(tmp_path: Path) -> None:
         assert config.protect_home == "read-only", named.name
 
 
+def test_a_prompt_cache_folder_outside_the_services_own_is_made_writable(
+    tmp_path: Path,
+) -> None:
+    """ProtectSystem=strict leaves only the service's own folders writable: without a
+    ReadWritePaths= of its own, a prompt_cache.directory elsewhere could not be
+    written, and the prompts would be computed at every start, without a word."""
+    root = SysRoot(make_root(tmp_path, "llama3.1-8b-q4_k_m"))
+    profile = load_profile("llama3.1-8b-q4_k_m")
+    _, info = service_model(profile, root)
+    plan = service_plan(profile, info)
+
+    def unit(**prompt_cache: object) -> str:
+        data = profile.model_dump(mode="json", exclude_unset=True)
+        data["prompt_cache"] = prompt_cache
+        config = unit_config(Profile.model_validate(data), plan, EXECUTABLE, "u", (), ())
+        return render_units(config)[SERVICE]
+
+    prompts = ["You are a helpful assistant."]
+    assert "ReadWritePaths=-/srv/prompt cache" not in unit(directory="/srv/prompt cache")
+    elsewhere = unit(prompts=prompts, directory="/srv/prompt cache")
+    assert 'ReadWritePaths="-/srv/prompt cache"\n' in elsewhere
+    assert "ReadWritePaths=/var/lib/orin-llm /var/cache/orin-llm\n" in elsewhere
+    assert unit(prompts=prompts, directory="/srv/a/../b").count("ReadWritePaths=-/srv/b\n") == 1
+    for own in ("/var/cache/orin-llm/prompts", "/var/lib/orin-llm", None):
+        assert unit(prompts=prompts, directory=own).count("ReadWritePaths=") == 1, own
+
+
 def test_gpu_devices_found_on_the_board(tmp_path: Path) -> None:
     assert find_gpu_devices(SysRoot(tmp_path)) == ()
     assert (

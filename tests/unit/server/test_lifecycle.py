@@ -108,3 +108,20 @@ def test_a_stop_while_the_load_waits_for_an_rpc_worker_exits_6_naming_it(
         "server is probably using it); exiting with code 6 without waiting for it"
     ]
     assert "drained" not in caplog.text and "generation finished" not in caplog.text
+
+
+def test_sighup_drains_as_sigterm_does(caplog: pytest.LogCaptureFixture) -> None:
+    """By default SIGHUP (a closed terminal) ends the process at once, cutting every
+    stream mid-answer; the server drains on it instead, then restores the handler."""
+    srv, engine, state = server(300.0)
+    engine.cancelled.set()  # the running requests finish at once
+    before = signal.getsignal(signal.SIGHUP)
+    with caplog.at_level(logging.INFO, logger="orin.server"), srv.capture_signals():
+        assert signal.getsignal(signal.SIGHUP) == srv.handle_exit  # else it would end pytest
+        signal.raise_signal(signal.SIGHUP)
+        assert srv._drain_thread is not None
+        srv._drain_thread.join(timeout=60)
+    assert signal.getsignal(signal.SIGHUP) == before
+    assert state.draining and srv.should_exit and not srv.cut_short
+    assert engine.calls == [(True, 300.0)]
+    assert "SIGHUP: the profile is not reloaded; stopping as for SIGTERM" in caplog.text

@@ -275,6 +275,20 @@ def test_observe_http(metrics: ServerMetrics) -> None:
     assert value(metrics, "http_request_duration_seconds_bucket", le="0.5", **labels) == 2
 
 
+def test_an_unknown_http_method_is_one_label_value(metrics: ServerMetrics) -> None:
+    """Any client can send the methods the HTTP parser knows (PROPFIND, MKCOL, PURGE,
+    ...): each must not add series of its own to every route."""
+    for method in ("PROPFIND", "MKCOL", "PURGE", "LOCK", "SEARCH"):
+        metrics.observe_http(method, "/health", 405, 0.001)
+    metrics.observe_http("DELETE", "/health", 405, 0.001)
+    other = {"method": "_OTHER", "route": "/health"}
+    assert value(metrics, "http_requests_total", status="405", **other) == 5
+    assert value(metrics, "http_request_duration_seconds_count", **other) == 5
+    assert value(metrics, "http_requests_total", status="405", method="DELETE", route="/health")
+    body = metrics.render()[0].decode()
+    assert "PROPFIND" not in body and "PURGE" not in body
+
+
 # -- exposition ------------------------------------------------------------------------
 
 
