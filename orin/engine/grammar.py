@@ -43,6 +43,13 @@ llama-cpp-python's converter writes a repetition out item by item, so a schema o
 few bytes (``"maxLength": 1000000000``) would take gigabytes of memory before
 llama.cpp saw the grammar; 1 MiB leaves a flat ``minLength`` of 100,000 characters."""
 
+_JSON_CHAR = (
+    r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] '
+    r"[0-9a-fA-F])"
+)
+"""A character of a JSON string, in GBNF: any but '"', '\\' and the control
+characters, or one of JSON's escapes."""
+
 _budget = threading.local()  # characters the conversion running on this thread may write
 
 
@@ -52,6 +59,11 @@ def _converter() -> ModuleType:
 
     if not getattr(llama_grammar, "_orin_bounded", False):
         llama_grammar._build_repetition = _bounded(llama_grammar._build_repetition)
+        # the converter's character of a string takes any but '"' and '\', so a
+        # schema's string could hold a raw newline or tab, which no JSON parser
+        # takes; llama.cpp's own converter (and the module's JSON_GBNF) leave out the
+        # control characters JSON refuses unescaped
+        llama_grammar.PRIMITIVE_RULES["char"] = llama_grammar.BuiltinRule(_JSON_CHAR, [])
         llama_grammar._orin_bounded = True  # type: ignore[attr-defined]
     return llama_grammar
 

@@ -395,3 +395,34 @@ def test_smollm2_reasoning_is_split_from_the_content(smol: Path) -> None:
         "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == reasoning
     )
     assert "".join(d.content or "" for d in deltas) == msg.content
+
+
+def test_strings_of_a_schema_hold_no_raw_control_characters(
+    hermes: tuple[str, ServerState],
+) -> None:
+    """A newline the model would rather write inside a string is escaped or left out:
+    the schema's answer and a forced call's arguments stay JSON."""
+    base, state = hermes
+    newline = state.engine.tokenize("a\n", add_special=False)[-1]
+    text = {"type": "string", "maxLength": 8}
+    note: Any = {"type": "object", "properties": {"text": text}, "required": ["text"]}
+    bias: Any = {"logit_bias": {str(newline): 50}, "temperature": 0, "max_tokens": 120}
+    c = client(base)
+    r = c.chat.completions.create(
+        model="demo",
+        messages=ASK,
+        response_format={"type": "json_schema", "json_schema": {"name": "note", "schema": note}},
+        **bias,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content or "")["text"], str)
+    r = c.chat.completions.create(
+        model="demo",
+        messages=ASK,
+        tools=[{"type": "function", "function": {"name": "note", "parameters": note}}],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        **bias,
+    )
+    (call,) = r.choices[0].message.tool_calls or []
+    assert isinstance(json.loads(call.function.arguments)["text"], str)
