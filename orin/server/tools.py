@@ -124,9 +124,11 @@ def output_spec(body: ChatCompletionRequest, caps: TemplateCaps, prompt: str) ->
     if body.offered_tools() is not None and caps.tool_format is not None:
         fmt = FORMATS[caps.tool_format]
     end = prompt.rstrip()
+    # a named tool_choice forces exactly one call of that function, as OpenAI's does
+    named = isinstance(body.effective_tool_choice(), NamedToolChoice)
     return OutputSpec(
         format=fmt,
-        max_calls=None if body.parallel_tool_calls else 1,
+        max_calls=1 if named or not body.parallel_tool_calls else None,
         reasoning=caps.thinking and body.reasoning_format != "none",
         opens_thinking=caps.thinking and end.endswith(THINK_OPEN),
         # a generation prompt that closed the block (enable_thinking false) leaves none
@@ -135,8 +137,8 @@ def output_spec(body: ChatCompletionRequest, caps: TemplateCaps, prompt: str) ->
 
 
 def required_grammar(body: ChatCompletionRequest, spec: OutputSpec) -> str | None:
-    """The grammar of a required or named ``tool_choice``: one call (or one or more
-    with parallel calls) of the tools, in the format's syntax, each call's arguments
+    """The grammar of a required or named ``tool_choice``: one call (or, required with
+    parallel calls, one or more) of the tools, in the format's syntax, each call's arguments
     following its function's schema; None when the choice forces nothing."""
     choice = body.effective_tool_choice()
     if choice in ("none", "auto") or spec.format is None:
@@ -150,7 +152,7 @@ def required_grammar(body: ChatCompletionRequest, spec: OutputSpec) -> str | Non
     return tool_call_grammar(
         [(f.name, f.parameters) for _, f in tools],
         spec.format.syntax,
-        parallel=body.parallel_tool_calls and spec.format.parallel,
+        parallel=spec.max_calls is None and spec.format.parallel,
         reasoning=reasoning,
         params=[f"tools[{i}].function.parameters" for i, _ in tools],
     )

@@ -488,9 +488,12 @@ def test_the_grammar_of_required_and_named_choices() -> None:
     assert '"<tool_call>\\n" "{\\"name\\": \\"get_weather\\", \\"arguments\\": "' in g
     assert '"\\"c\\"" | "\\"f\\""' in g  # the enum of the schema
     named = {"type": "function", "function": {"name": "get_time"}}
-    body = request(tool_choice=named, parallel_tool_calls=False)
-    g = required_grammar(body, output_spec(body, CAPS, "p"))
-    assert g is not None and "get_weather" not in g and "root ::= tool-call\n" in g + "\n"
+    for parallel in (False, True):  # a named function is called exactly once
+        body = request(tool_choice=named, parallel_tool_calls=parallel)
+        spec = output_spec(body, CAPS, "p")
+        g = required_grammar(body, spec)
+        assert g is not None and "get_weather" not in g and "root ::= tool-call\n" in g + "\n"
+        assert spec.max_calls == 1
     body = request(tool_choice="required")
     g = required_grammar(body, output_spec(body, THINKING_CAPS, "<think>\n"))
     assert g is not None and 'root ::= reasoning-body "</think>"' in g  # inside the block
