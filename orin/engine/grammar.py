@@ -10,6 +10,7 @@ where the server gets them, so that nothing above the engine imports llama_cpp.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import threading
@@ -91,6 +92,38 @@ def _bounded(build: Callable[..., str]) -> Callable[..., str]:
         return out
 
     return repetition
+
+
+@functools.cache
+def _schema_converter() -> Any:
+    """llama-cpp-python's SchemaConverter with two of its gaps closed, as
+    llama.cpp's own converter closes them."""
+    base: Any = _converter().SchemaConverter
+
+    class Converter(base):  # type: ignore[misc,valid-type]
+        def resolve_refs(self, schema: Any, url: str) -> Any:
+            # the converter looks no further into an object once it finds a $ref
+            # there, so the $defs beside a root $ref (pydantic's schema of a
+            # recursive model) kept references it could not follow
+            if isinstance(schema, dict) and "$ref" in schema:
+                super().resolve_refs({k: v for k, v in schema.items() if k != "$ref"}, url)
+            return super().resolve_refs(schema, url)
+
+        def visit(self, schema: dict[str, Any], name: str) -> str:
+            # the converter turns a list of types into those bare types, so
+            # {"type": ["string", "null"], "maxLength": 5} lost its maxLength (and
+            # an object or null its properties): each type keeps the other keywords
+            kinds = schema.get("type")
+            if isinstance(kinds, list) and not {"$ref", "oneOf", "anyOf"} & schema.keys():
+                rest = {k: v for k, v in schema.items() if k != "type"}
+                return str(super().visit({"anyOf": [{**rest, "type": t} for t in kinds]}, name))
+            return str(super().visit(schema, name))
+
+    return Converter
+
+
+def _new_converter() -> Any:
+    return _schema_converter()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
 @contextmanager
@@ -217,10 +250,11 @@ def json_schema_grammar(schema: dict[str, Any], param: str = "response_format") 
     converter cannot turn it into a grammar."""
     if not schema:
         raise InvalidRequest(param, "a json_schema needs a schema")
-    mod = _converter()
+    conv = _new_converter()
     try:
         with _schema_budget():
-            out = str(mod.json_schema_to_gbnf(json.dumps(schema)))
+            conv.visit(conv.resolve_refs(copy.deepcopy(schema), "schema"), "")
+            out = str(conv.format_grammar())
     except Exception as exc:  # the converter raises plain exceptions on bad schemas
         raise InvalidRequest(param, f"cannot turn the schema into a grammar: {exc}") from exc
     problem = depth_problem(out)
@@ -270,8 +304,7 @@ def tool_call_grammar(
     converter expresses it. InvalidRequest when a schema cannot be converted,
     naming that function's entry of ``params`` (the request's field, such as
     ``tools[2].function.parameters``), or ``tools`` without them."""
-    mod = _converter()
-    conv = mod.SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    conv = _new_converter()
     lit = conv._format_literal
     alternatives = []
     with _schema_budget():  # one budget for all the tools together

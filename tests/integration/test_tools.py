@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -426,3 +427,56 @@ def test_strings_of_a_schema_hold_no_raw_control_characters(
     )
     (call,) = r.choices[0].message.tool_calls or []
     assert isinstance(json.loads(call.function.arguments)["text"], str)
+
+
+TREE: dict[str, Any] = {  # pydantic's schema of a recursive model: a $ref at the root
+    "$defs": {
+        "Node": {
+            "type": "object",
+            "properties": {
+                "name": {"type": ["string", "null"], "maxLength": 3},
+                "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}, "maxItems": 2},
+            },
+            "required": ["name", "kids"],
+            "additionalProperties": False,
+        }
+    },
+    "$ref": "#/$defs/Node",
+}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_recursive_schema_with_a_root_ref_is_followed(
+    hermes: tuple[str, ServerState], seed: int
+) -> None:
+    """The $defs beside a root $ref are found: the answer validates against the
+    schema."""
+    r = client(hermes[0]).chat.completions.create(
+        model="demo",
+        messages=ASK,
+        response_format={"type": "json_schema", "json_schema": {"name": "tree", "schema": TREE}},
+        temperature=1,
+        seed=seed,
+        max_tokens=300,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content or ""), TREE)
+
+
+def test_a_list_of_types_keeps_the_other_keywords(hermes: tuple[str, ServerState]) -> None:
+    """``{"type": ["string", "integer"], "maxLength": 3}`` takes a string of 3
+    characters at most, even from a model that would rather go on writing."""
+    base, state = hermes
+    name = {"type": ["string", "integer"], "maxLength": 3}
+    schema: Any = {"type": "object", "properties": {"name": name}, "required": ["name"]}
+    bias = {str(t): 40 for t in state.engine.tokenize("aaaa", add_special=False)}
+    r = client(base).chat.completions.create(
+        model="demo",
+        messages=ASK,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        logit_bias=bias,
+        temperature=0,
+        max_tokens=60,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
