@@ -51,6 +51,59 @@ _JSON_CHAR = (
 """A character of a JSON string, in GBNF: any but '"', '\\' and the control
 characters, or one of JSON's escapes."""
 
+_NOT_IN_JSON = r'"\\\x00-\x1F\x7F'
+"""What a character class of a JSON string's raw text leaves out, in GBNF: '"',
+'\\' and the control characters (which the string may hold only escaped)."""
+
+# a pattern's class escapes, as the ranges they mean (\s: a space, the only blank
+# a JSON string holds unescaped)
+_CLASS_ESCAPES = {"d": "0-9", "w": "A-Za-z0-9_", "s": " "}
+_ESCAPES = {
+    **{k: f"[{v}]" for k, v in _CLASS_ESCAPES.items()},
+    **{k.upper(): f"[^{v}{_NOT_IN_JSON}]" for k, v in _CLASS_ESCAPES.items()},
+}
+_IN_CLASS = {"-": r"\x2D", "^": r"\x5E"}  # what GBNF takes for the escapes it does not know
+
+
+def _json_pattern(pattern: str) -> str:
+    """``pattern`` in the part of regex syntax the converter reads. It copies
+    ``\\d``, ``\\w``, ``\\s`` and an escaped ``.``, ``-`` or ``/`` into the grammar
+    as they are, which llama.cpp refuses ("unknown escape"), and its negated classes
+    would take a '"' that ends the JSON string: each becomes a class or a character
+    that means the same and that a JSON string holds as it is."""
+    out: list[str] = []
+    negated: bool | None = None  # in a class: whether it is negated; outside: None
+    i = 0
+    while i < len(pattern):
+        c, escaped = pattern[i], pattern[i + 1 : i + 2]
+        i += 2 if c == "\\" and escaped else 1
+        if c == "\\" and escaped:
+            out.append(_escape(escaped, negated is not None))
+        elif negated is None and c == "[":
+            negated = pattern[i : i + 1] == "^"
+            out.append(c)
+        elif negated is not None and c == "]":
+            out.append(_NOT_IN_JSON + c if negated else c)
+            negated = None
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+def _escape(c: str, in_class: bool) -> str:
+    """The escape ``\\c`` of a pattern as the converter reads it, in a class or
+    outside one."""
+    if in_class and c in _CLASS_ESCAPES:
+        return _CLASS_ESCAPES[c]
+    if not in_class and c in _ESCAPES:
+        return _ESCAPES[c]
+    if c.isalnum() or c in '\\"[]' or (not in_class and c in "(){}|*+?"):
+        return "\\" + c  # the converter's own, or GBNF's (\n, \t, \\)
+    if in_class:
+        return _IN_CLASS.get(c, c)
+    return "[.]" if c == "." else c
+
+
 _budget = threading.local()  # characters the conversion running on this thread may write
 
 
@@ -65,6 +118,7 @@ def _converter() -> ModuleType:
         # takes; llama.cpp's own converter (and the module's JSON_GBNF) leave out the
         # control characters JSON refuses unescaped
         llama_grammar.PRIMITIVE_RULES["char"] = llama_grammar.BuiltinRule(_JSON_CHAR, [])
+        llama_grammar.DOT = f"[^{_NOT_IN_JSON}]"  # a pattern's "." likewise
         llama_grammar._orin_bounded = True  # type: ignore[attr-defined]
     return llama_grammar
 
@@ -100,7 +154,7 @@ def _schema_converter() -> Any:
     llama.cpp's own converter closes them."""
     base: Any = _converter().SchemaConverter
 
-    class Converter(base):  # type: ignore[misc,valid-type]
+    class Converter(base):
         def resolve_refs(self, schema: Any, url: str) -> Any:
             # the converter looks no further into an object once it finds a $ref
             # there, so the $defs beside a root $ref (pydantic's schema of a
@@ -118,6 +172,9 @@ def _schema_converter() -> Any:
                 rest = {k: v for k, v in schema.items() if k != "type"}
                 return str(super().visit({"anyOf": [{**rest, "type": t} for t in kinds]}, name))
             return str(super().visit(schema, name))
+
+        def _visit_pattern(self, pattern: str, name: str) -> str:
+            return str(super()._visit_pattern(_json_pattern(pattern), name))
 
     return Converter
 

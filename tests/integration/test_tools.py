@@ -10,6 +10,7 @@ into the profile as ``model.chat_template``.
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -480,3 +481,36 @@ def test_a_list_of_types_keeps_the_other_keywords(hermes: tuple[str, ServerState
     )
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"^\d{3}-\d{4}$",
+        r"^[\w.\-]{1,6}@\w{1,6}\.com$",
+        r"^\S{1,6}\s\S{1,6}$",
+        r"^.{3}$",
+        r"^[^a]{3}$",
+    ],
+)
+def test_a_pattern_is_followed_and_its_string_stays_json(
+    hermes: tuple[str, ServerState], pattern: str
+) -> None:
+    """Escapes such as ``\\d`` and ``\\.`` mean what they mean in a regex, and ``.`` or
+    a negated class never writes the '"' that would end the JSON string, even for a
+    model that would rather write one."""
+    base, state = hermes
+    schema: Any = {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
+    schema["required"] = ["p"]
+    bias = {str(t): 40 for t in state.engine.tokenize('a""', add_special=False)[1:]}
+    r = client(base).chat.completions.create(
+        model="demo",
+        messages=ASK,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        logit_bias=bias,
+        temperature=0,
+        max_tokens=80,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    value = json.loads(r.choices[0].message.content or "")["p"]
+    assert re.fullmatch(pattern, value), value
