@@ -81,6 +81,19 @@ class ResponseFormat(_Lenient):
     # llama.cpp's form: {"type": "json_object", "schema": {...}}
     schema_: dict[str, Any] | None = Field(None, alias="schema")
 
+    @field_validator("json_schema", "schema_")
+    @classmethod
+    def _schema_of_its_type(cls, schema: Any, info: ValidationInfo) -> Any:
+        """A schema beside a type that does not read it would be ignored, and the
+        answer not held to it: ``json_schema`` goes with ``json_schema``, llama.cpp's
+        ``schema`` with ``json_object``."""
+        kind = info.data.get("type")
+        wants = "json_schema" if info.field_name == "json_schema" else "json_object"
+        if schema is not None and kind is not None and kind != wants:
+            name = "json_schema" if wants == "json_schema" else "schema"
+            raise ValueError(f"a {name} is read with type {wants!r}, not with {kind!r}")
+        return schema
+
 
 class TextPart(_Lenient):
     type: Literal["text"] = "text"

@@ -84,6 +84,41 @@ def test_param_names_the_field_without_union_members(
     assert says in err["message"]
 
 
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    ("response_format", "param", "says"),
+    [
+        (
+            {"type": "json_object", "json_schema": {"name": "a", "schema": SCHEMA}},
+            "response_format.json_schema",
+            "with type 'json_schema', not with 'json_object'",
+        ),
+        (
+            {"json_schema": {"name": "a", "schema": SCHEMA}},
+            "response_format.json_schema",
+            "not with 'text'",
+        ),
+        (
+            {"type": "json_schema", "schema": SCHEMA},
+            "response_format.schema",
+            "with type 'json_object', not with 'json_schema'",
+        ),
+        ({"type": "text", "schema": SCHEMA}, "response_format.schema", "not with 'text'"),
+    ],
+)
+def test_a_schema_beside_a_type_that_does_not_read_it_is_refused(
+    client: TestClient, response_format: dict[str, Any], param: str, says: str
+) -> None:
+    """Served, the answer would not be held to the schema the client sent."""
+    body = {"messages": USER, "response_format": response_format}
+    err = refused(client, "/v1/chat/completions", body)
+    assert err["param"] == param and says in err["message"]
+    ok = {"type": "text", "json_schema": None, "schema": None}
+    assert ChatCompletionRequest.model_validate({"messages": USER, "response_format": ok})
+
+
 @pytest.mark.parametrize(
     "part",
     [
