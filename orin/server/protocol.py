@@ -519,13 +519,33 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 def check_message_order(messages: Sequence[ChatMessage]) -> None:
     """A conversation may not end with two assistant messages (llama-server refuses
-    it too): which one would the model be continuing?"""
+    it too): which one would the model be continuing? And, as OpenAI's rule, a tool
+    message answers a call of the assistant message before it (tool messages between
+    them answering its other calls): the template would render a result of no call."""
     if len(messages) >= 2 and messages[-1].role == messages[-2].role == "assistant":
         raise InvalidRequest(
             "messages",
             "the conversation ends with two assistant messages; merge them or "
             "end with a user message",
         )
+    calls: list[ToolCallIn] | None = None  # of the assistant message the results answer
+    for i, m in enumerate(messages):
+        if m.role != "tool":
+            calls = m.tool_calls if m.role == "assistant" else None
+            continue
+        if not calls:
+            raise InvalidRequest(
+                f"messages[{i}]",
+                "a tool message must answer a call of the assistant message before it "
+                "(a message with tool_calls)",
+            )
+        ids = [c.id for c in calls]
+        if all(ids) and m.tool_call_id not in ids:
+            raise InvalidRequest(
+                f"messages[{i}].tool_call_id",
+                f"tool_call_id {m.tool_call_id!r} is not among the ids of the tool calls "
+                f"of the assistant message before it: {ids}",
+            )
 
 
 def check_continuation(body: ChatCompletionRequest) -> None:
