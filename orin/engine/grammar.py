@@ -150,8 +150,9 @@ def _bounded(build: Callable[..., str]) -> Callable[..., str]:
 
 @functools.cache
 def _schema_converter() -> Any:
-    """llama-cpp-python's SchemaConverter with two of its gaps closed, as
-    llama.cpp's own converter closes them."""
+    """llama-cpp-python's SchemaConverter with three of its gaps closed, as
+    llama.cpp's own converter closes them: a root $ref's $defs, the keywords beside
+    a list of types, and a pattern's escapes."""
     base: Any = _converter().SchemaConverter
 
     class Converter(base):
@@ -159,24 +160,48 @@ def _schema_converter() -> Any:
             # the converter looks no further into an object once it finds a $ref
             # there, so the $defs beside a root $ref (pydantic's schema of a
             # recursive model) kept references it could not follow
+            schema = _split_type_lists(schema)
             if isinstance(schema, dict) and "$ref" in schema:
                 super().resolve_refs({k: v for k, v in schema.items() if k != "$ref"}, url)
             return super().resolve_refs(schema, url)
-
-        def visit(self, schema: dict[str, Any], name: str) -> str:
-            # the converter turns a list of types into those bare types, so
-            # {"type": ["string", "null"], "maxLength": 5} lost its maxLength (and
-            # an object or null its properties): each type keeps the other keywords
-            kinds = schema.get("type")
-            if isinstance(kinds, list) and not {"$ref", "oneOf", "anyOf"} & schema.keys():
-                rest = {k: v for k, v in schema.items() if k != "type"}
-                return str(super().visit({"anyOf": [{**rest, "type": t} for t in kinds]}, name))
-            return str(super().visit(schema, name))
 
         def _visit_pattern(self, pattern: str, name: str) -> str:
             return str(super()._visit_pattern(_json_pattern(pattern), name))
 
     return Converter
+
+
+# the keywords whose values are schemas: one, a list of them, or a map of names to them
+_SUBSCHEMA = frozenset(
+    {"items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames"}
+)
+_SUBSCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"})
+_SUBSCHEMA_MAPS = frozenset(
+    {"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"}
+)
+
+
+def _split_type_lists(schema: Any) -> Any:
+    """``schema`` with each list of types written as a choice of one type each, the
+    keywords beside the list kept in every choice: the converter turns a list into
+    the bare types, so ``{"type": ["string", "null"], "maxLength": 5}`` lost its
+    ``maxLength`` (and an object or null its properties)."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _split_type_lists(v) for name, v in value.items()}
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            value = [_split_type_lists(v) for v in value]
+        elif key in _SUBSCHEMA:
+            value = _split_type_lists(value)
+        out[key] = value
+    kinds = out.get("type")
+    if isinstance(kinds, list) and not {"$ref", "oneOf", "anyOf"} & out.keys():
+        rest = {k: v for k, v in out.items() if k != "type"}
+        return {"anyOf": [{**rest, "type": t} for t in kinds]}
+    return out
 
 
 def _new_converter() -> Any:
@@ -310,7 +335,7 @@ def json_schema_grammar(schema: dict[str, Any], param: str = "response_format") 
     conv = _new_converter()
     try:
         with _schema_budget():
-            conv.visit(conv.resolve_refs(copy.deepcopy(schema), "schema"), "")
+            conv.visit(conv.resolve_refs(json.loads(json.dumps(schema)), "schema"), "")
             out = str(conv.format_grammar())
     except Exception as exc:  # the converter raises plain exceptions on bad schemas
         raise InvalidRequest(param, f"cannot turn the schema into a grammar: {exc}") from exc
