@@ -70,7 +70,8 @@ def _json_pattern(pattern: str) -> str:
     ``\\d``, ``\\w``, ``\\s`` and an escaped ``.``, ``-`` or ``/`` into the grammar
     as they are, which llama.cpp refuses ("unknown escape"), and its negated classes
     would take a '"' that ends the JSON string: each becomes a class or a character
-    that means the same and that a JSON string holds as it is."""
+    that means the same and that a JSON string holds as it is. It refuses ``(?:``,
+    which is a plain group here."""
     out: list[str] = []
     negated: bool | None = None  # in a class: whether it is negated; outside: None
     i = 0
@@ -79,6 +80,9 @@ def _json_pattern(pattern: str) -> str:
         i += 2 if c == "\\" and escaped else 1
         if c == "\\" and escaped:
             out.append(_escape(escaped, negated is not None))
+        elif negated is None and c == "(" and pattern.startswith("?:", i):
+            i += 2  # a non-capturing group is a group to a grammar
+            out.append(c)
         elif negated is None and c == "[":
             negated = pattern[i : i + 1] == "^"
             out.append(c)

@@ -491,6 +491,7 @@ def test_a_list_of_types_keeps_the_other_keywords(hermes: tuple[str, ServerState
         r"^\S{1,6}\s\S{1,6}$",
         r"^.{3}$",
         r"^[^a]{3}$",
+        r"^(?:ab){2}$",
     ],
 )
 def test_a_pattern_is_followed_and_its_string_stays_json(
