@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from orin.engine import schemafix
 from orin.engine.errors import InvalidRequest
 from orin.llamacpp import llama
 
@@ -44,70 +45,6 @@ llama-cpp-python's converter writes a repetition out item by item, so a schema o
 few bytes (``"maxLength": 1000000000``) would take gigabytes of memory before
 llama.cpp saw the grammar; 1 MiB leaves a flat ``minLength`` of 100,000 characters."""
 
-_JSON_CHAR = (
-    r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] '
-    r"[0-9a-fA-F])"
-)
-"""A character of a JSON string, in GBNF: any but '"', '\\' and the control
-characters, or one of JSON's escapes."""
-
-_NOT_IN_JSON = r'"\\\x00-\x1F\x7F'
-"""What a character class of a JSON string's raw text leaves out, in GBNF: '"',
-'\\' and the control characters (which the string may hold only escaped)."""
-
-# a pattern's class escapes, as the ranges they mean (\s: a space, the only blank
-# a JSON string holds unescaped)
-_CLASS_ESCAPES = {"d": "0-9", "w": "A-Za-z0-9_", "s": " "}
-_ESCAPES = {
-    **{k: f"[{v}]" for k, v in _CLASS_ESCAPES.items()},
-    **{k.upper(): f"[^{v}{_NOT_IN_JSON}]" for k, v in _CLASS_ESCAPES.items()},
-}
-_IN_CLASS = {"-": r"\x2D", "^": r"\x5E"}  # what GBNF takes for the escapes it does not know
-
-
-def _json_pattern(pattern: str) -> str:
-    """``pattern`` in the part of regex syntax the converter reads. It copies
-    ``\\d``, ``\\w``, ``\\s`` and an escaped ``.``, ``-`` or ``/`` into the grammar
-    as they are, which llama.cpp refuses ("unknown escape"), and its negated classes
-    would take a '"' that ends the JSON string: each becomes a class or a character
-    that means the same and that a JSON string holds as it is. It refuses ``(?:``,
-    which is a plain group here."""
-    out: list[str] = []
-    negated: bool | None = None  # in a class: whether it is negated; outside: None
-    i = 0
-    while i < len(pattern):
-        c, escaped = pattern[i], pattern[i + 1 : i + 2]
-        i += 2 if c == "\\" and escaped else 1
-        if c == "\\" and escaped:
-            out.append(_escape(escaped, negated is not None))
-        elif negated is None and c == "(" and pattern.startswith("?:", i):
-            i += 2  # a non-capturing group is a group to a grammar
-            out.append(c)
-        elif negated is None and c == "[":
-            negated = pattern[i : i + 1] == "^"
-            out.append(c)
-        elif negated is not None and c == "]":
-            out.append(_NOT_IN_JSON + c if negated else c)
-            negated = None
-        else:
-            out.append(c)
-    return "".join(out)
-
-
-def _escape(c: str, in_class: bool) -> str:
-    """The escape ``\\c`` of a pattern as the converter reads it, in a class or
-    outside one."""
-    if in_class and c in _CLASS_ESCAPES:
-        return _CLASS_ESCAPES[c]
-    if not in_class and c in _ESCAPES:
-        return _ESCAPES[c]
-    if c.isalnum() or c in '\\"[]' or (not in_class and c in "(){}|*+?"):
-        return "\\" + c  # the converter's own, or GBNF's (\n, \t, \\)
-    if in_class:
-        return _IN_CLASS.get(c, c)
-    return "[.]" if c == "." else c
-
-
 _budget = threading.local()  # characters the conversion running on this thread may write
 
 
@@ -121,8 +58,8 @@ def _converter() -> ModuleType:
         # schema's string could hold a raw newline or tab, which no JSON parser
         # takes; llama.cpp's own converter (and the module's JSON_GBNF) leave out the
         # control characters JSON refuses unescaped
-        llama_grammar.PRIMITIVE_RULES["char"] = llama_grammar.BuiltinRule(_JSON_CHAR, [])
-        llama_grammar.DOT = f"[^{_NOT_IN_JSON}]"  # a pattern's "." likewise
+        llama_grammar.PRIMITIVE_RULES["char"] = llama_grammar.BuiltinRule(schemafix.JSON_CHAR, [])
+        llama_grammar.DOT = f"[^{schemafix.NOT_IN_JSON}]"  # a pattern's "." likewise
         llama_grammar._orin_bounded = True  # type: ignore[attr-defined]
     return llama_grammar
 
@@ -161,51 +98,18 @@ def _schema_converter() -> Any:
 
     class Converter(base):
         def resolve_refs(self, schema: Any, url: str) -> Any:
+            schema = schemafix.split_type_lists(schema)
             # the converter looks no further into an object once it finds a $ref
             # there, so the $defs beside a root $ref (pydantic's schema of a
             # recursive model) kept references it could not follow
-            schema = _split_type_lists(schema)
             if isinstance(schema, dict) and "$ref" in schema:
                 super().resolve_refs({k: v for k, v in schema.items() if k != "$ref"}, url)
             return super().resolve_refs(schema, url)
 
         def _visit_pattern(self, pattern: str, name: str) -> str:
-            return str(super()._visit_pattern(_json_pattern(pattern), name))
+            return str(super()._visit_pattern(schemafix.json_pattern(pattern), name))
 
     return Converter
-
-
-# the keywords whose values are schemas: one, a list of them, or a map of names to them
-_SUBSCHEMA = frozenset(
-    {"items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames"}
-)
-_SUBSCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"})
-_SUBSCHEMA_MAPS = frozenset(
-    {"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"}
-)
-
-
-def _split_type_lists(schema: Any) -> Any:
-    """``schema`` with each list of types written as a choice of one type each, the
-    keywords beside the list kept in every choice: the converter turns a list into
-    the bare types, so ``{"type": ["string", "null"], "maxLength": 5}`` lost its
-    ``maxLength`` (and an object or null its properties)."""
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            value = {name: _split_type_lists(v) for name, v in value.items()}
-        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            value = [_split_type_lists(v) for v in value]
-        elif key in _SUBSCHEMA:
-            value = _split_type_lists(value)
-        out[key] = value
-    kinds = out.get("type")
-    if isinstance(kinds, list) and not {"$ref", "oneOf", "anyOf"} & out.keys():
-        rest = {k: v for k, v in out.items() if k != "type"}
-        return {"anyOf": [{**rest, "type": t} for t in kinds]}
-    return out
 
 
 def _new_converter() -> Any:
