@@ -10,6 +10,7 @@ where the server gets them, so that nothing above the engine imports llama_cpp.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import threading
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from orin.engine import schemafix
 from orin.engine.errors import InvalidRequest
 from orin.llamacpp import llama
 
@@ -52,6 +54,12 @@ def _converter() -> ModuleType:
 
     if not getattr(llama_grammar, "_orin_bounded", False):
         llama_grammar._build_repetition = _bounded(llama_grammar._build_repetition)
+        # the converter's character of a string takes any but '"' and '\', so a
+        # schema's string could hold a raw newline or tab, which no JSON parser
+        # takes; llama.cpp's own converter (and the module's JSON_GBNF) leave out the
+        # control characters JSON refuses unescaped
+        llama_grammar.PRIMITIVE_RULES["char"] = llama_grammar.BuiltinRule(schemafix.JSON_CHAR, [])
+        llama_grammar.DOT = f"[^{schemafix.NOT_IN_JSON}]"  # a pattern's "." likewise
         llama_grammar._orin_bounded = True  # type: ignore[attr-defined]
     return llama_grammar
 
@@ -79,6 +87,33 @@ def _bounded(build: Callable[..., str]) -> Callable[..., str]:
         return out
 
     return repetition
+
+
+@functools.cache
+def _schema_converter() -> Any:
+    """llama-cpp-python's SchemaConverter with three of its gaps closed, as
+    llama.cpp's own converter closes them: a root $ref's $defs, the keywords beside
+    a list of types, and a pattern's escapes."""
+    base: Any = _converter().SchemaConverter
+
+    class Converter(base):
+        def resolve_refs(self, schema: Any, url: str) -> Any:
+            schema = schemafix.split_type_lists(schema)
+            # the converter looks no further into an object once it finds a $ref
+            # there, so the $defs beside a root $ref (pydantic's schema of a
+            # recursive model) kept references it could not follow
+            if isinstance(schema, dict) and "$ref" in schema:
+                super().resolve_refs({k: v for k, v in schema.items() if k != "$ref"}, url)
+            return super().resolve_refs(schema, url)
+
+        def _visit_pattern(self, pattern: str, name: str) -> str:
+            return str(super()._visit_pattern(schemafix.json_pattern(pattern), name))
+
+    return Converter
+
+
+def _new_converter() -> Any:
+    return _schema_converter()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
 @contextmanager
@@ -205,10 +240,11 @@ def json_schema_grammar(schema: dict[str, Any], param: str = "response_format") 
     converter cannot turn it into a grammar."""
     if not schema:
         raise InvalidRequest(param, "a json_schema needs a schema")
-    mod = _converter()
+    conv = _new_converter()
     try:
         with _schema_budget():
-            out = str(mod.json_schema_to_gbnf(json.dumps(schema)))
+            conv.visit(conv.resolve_refs(json.loads(json.dumps(schema)), "schema"), "")
+            out = str(conv.format_grammar())
     except Exception as exc:  # the converter raises plain exceptions on bad schemas
         raise InvalidRequest(param, f"cannot turn the schema into a grammar: {exc}") from exc
     problem = depth_problem(out)
@@ -258,8 +294,7 @@ def tool_call_grammar(
     converter expresses it. InvalidRequest when a schema cannot be converted,
     naming that function's entry of ``params`` (the request's field, such as
     ``tools[2].function.parameters``), or ``tools`` without them."""
-    mod = _converter()
-    conv = mod.SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    conv = _new_converter()
     lit = conv._format_literal
     alternatives = []
     with _schema_budget():  # one budget for all the tools together

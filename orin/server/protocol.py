@@ -81,6 +81,19 @@ class ResponseFormat(_Lenient):
     # llama.cpp's form: {"type": "json_object", "schema": {...}}
     schema_: dict[str, Any] | None = Field(None, alias="schema")
 
+    @field_validator("json_schema", "schema_")
+    @classmethod
+    def _schema_of_its_type(cls, schema: Any, info: ValidationInfo) -> Any:
+        """A schema beside a type that does not read it would be ignored, and the
+        answer not held to it: ``json_schema`` goes with ``json_schema``, llama.cpp's
+        ``schema`` with ``json_object``."""
+        kind = info.data.get("type")
+        wants = "json_schema" if info.field_name == "json_schema" else "json_object"
+        if schema is not None and kind is not None and kind != wants:
+            name = "json_schema" if wants == "json_schema" else "schema"
+            raise ValueError(f"a {name} is read with type {wants!r}, not with {kind!r}")
+        return schema
+
 
 class TextPart(_Lenient):
     type: Literal["text"] = "text"
@@ -506,13 +519,33 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 def check_message_order(messages: Sequence[ChatMessage]) -> None:
     """A conversation may not end with two assistant messages (llama-server refuses
-    it too): which one would the model be continuing?"""
+    it too): which one would the model be continuing? And, as OpenAI's rule, a tool
+    message answers a call of the assistant message before it (tool messages between
+    them answering its other calls): the template would render a result of no call."""
     if len(messages) >= 2 and messages[-1].role == messages[-2].role == "assistant":
         raise InvalidRequest(
             "messages",
             "the conversation ends with two assistant messages; merge them or "
             "end with a user message",
         )
+    calls: list[ToolCallIn] | None = None  # of the assistant message the results answer
+    for i, m in enumerate(messages):
+        if m.role != "tool":
+            calls = m.tool_calls if m.role == "assistant" else None
+            continue
+        if not calls:
+            raise InvalidRequest(
+                f"messages[{i}]",
+                "a tool message must answer a call of the assistant message before it "
+                "(a message with tool_calls)",
+            )
+        ids = [c.id for c in calls]
+        if all(ids) and m.tool_call_id not in ids:
+            raise InvalidRequest(
+                f"messages[{i}].tool_call_id",
+                f"tool_call_id {m.tool_call_id!r} is not among the ids of the tool calls "
+                f"of the assistant message before it: {ids}",
+            )
 
 
 def check_continuation(body: ChatCompletionRequest) -> None:

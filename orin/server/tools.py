@@ -87,6 +87,9 @@ class OutputSpec:
 
     format: Format | None = None  # tool calls in this format; None: no tool parsing
     max_calls: int | None = None  # 1 with parallel_tool_calls false
+    # the offered tools' names: an answer that starts with "{" (Llama 3.x writes its
+    # calls without a marker) is a call only if it names one; None: any name
+    names: frozenset[str] | None = None
     reasoning: bool = False  # split a <think> block into reasoning_content
     opens_thinking: bool = False  # the prompt ended inside <think>: so does the answer start
     may_think: bool = False  # the template has a <think> block the prompt did not close
@@ -124,9 +127,12 @@ def output_spec(body: ChatCompletionRequest, caps: TemplateCaps, prompt: str) ->
     if body.offered_tools() is not None and caps.tool_format is not None:
         fmt = FORMATS[caps.tool_format]
     end = prompt.rstrip()
+    # a named tool_choice forces exactly one call of that function, as OpenAI's does
+    named = isinstance(body.effective_tool_choice(), NamedToolChoice)
     return OutputSpec(
         format=fmt,
-        max_calls=None if body.parallel_tool_calls else 1,
+        max_calls=1 if named or not body.parallel_tool_calls else None,
+        names=frozenset(t.function.name for t in body.tools or []),
         reasoning=caps.thinking and body.reasoning_format != "none",
         opens_thinking=caps.thinking and end.endswith(THINK_OPEN),
         # a generation prompt that closed the block (enable_thinking false) leaves none
@@ -135,8 +141,8 @@ def output_spec(body: ChatCompletionRequest, caps: TemplateCaps, prompt: str) ->
 
 
 def required_grammar(body: ChatCompletionRequest, spec: OutputSpec) -> str | None:
-    """The grammar of a required or named ``tool_choice``: one call (or one or more
-    with parallel calls) of the tools, in the format's syntax, each call's arguments
+    """The grammar of a required or named ``tool_choice``: one call (or, required with
+    parallel calls, one or more) of the tools, in the format's syntax, each call's arguments
     following its function's schema; None when the choice forces nothing."""
     choice = body.effective_tool_choice()
     if choice in ("none", "auto") or spec.format is None:
@@ -150,7 +156,7 @@ def required_grammar(body: ChatCompletionRequest, spec: OutputSpec) -> str | Non
     return tool_call_grammar(
         [(f.name, f.parameters) for _, f in tools],
         spec.format.syntax,
-        parallel=body.parallel_tool_calls and spec.format.parallel,
+        parallel=spec.max_calls is None and spec.format.parallel,
         reasoning=reasoning,
         params=[f"tools[{i}].function.parameters" for i, _ in tools],
     )
@@ -570,6 +576,7 @@ class OutputParser:
         self._strip = self._state == "reasoning"  # whitespace after <think> is dropped
         self._seen_content = False  # any content other than whitespace
         self._marker = ""  # the marker that opened the current call region
+        self._bare = False  # the region opened without a marker (an answer's "{")
         # content after a call keeps a separator: the whitespace before the call, else
         # the whitespace after it ("Sure! <call> done" is "Sure! done", not
         # "Sure!done"); nothing when no content came before the call or none follows
@@ -680,7 +687,7 @@ class OutputParser:
             if not s and not final:
                 return False
             if s.startswith("{"):
-                return self._open_region(self._buf[: len(self._buf) - len(s)], s)
+                return self._open_region(self._buf[: len(self._buf) - len(s)], s, bare=True)
         hits = [(i, m) for m in fmt.markers if (i := self._buf.find(m)) >= 0]
         if hits:
             i, marker = min(hits)
@@ -699,10 +706,12 @@ class OutputParser:
         self._buf = self._buf[cut:]
         return False
 
-    def _open_region(self, opening: str, text: str) -> bool:
+    def _open_region(self, opening: str, text: str, bare: bool = False) -> bool:
         """Parse ``text`` as calls; ``opening`` (the marker and the whitespace before
-        it) is content again if they turn out not to be."""
+        it) is content again if they turn out not to be. A ``bare`` region (JSON
+        without a marker) holds calls only of the offered tools."""
         self._marker, self._region, self._buf = opening, text, ""
+        self._bare = bare
         self._sent = {}
         self._state = "calls"
         return True
@@ -713,6 +722,11 @@ class OutputParser:
         self._region += self._buf
         self._buf = ""
         region = _SCANNERS[fmt.name](self._region)
+        names = self.spec.names
+        if self._bare and names is not None:  # {"name": "Bob", "age": 30} is an answer
+            for call in region.calls:
+                if call.name is not None and call.name not in names:
+                    call.bad = region.bad = True
         self._report(out, region.calls)
         if region.end is not None and not region.bad:
             self._buf = self._region[region.end :]

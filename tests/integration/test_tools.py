@@ -10,12 +10,14 @@ into the profile as ``model.chat_template``.
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -395,3 +397,121 @@ def test_smollm2_reasoning_is_split_from_the_content(smol: Path) -> None:
         "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == reasoning
     )
     assert "".join(d.content or "" for d in deltas) == msg.content
+
+
+def test_strings_of_a_schema_hold_no_raw_control_characters(
+    hermes: tuple[str, ServerState],
+) -> None:
+    """A newline the model would rather write inside a string is escaped or left out:
+    the schema's answer and a forced call's arguments stay JSON."""
+    base, state = hermes
+    newline = state.engine.tokenize("a\n", add_special=False)[-1]
+    text = {"type": "string", "maxLength": 8}
+    note: Any = {"type": "object", "properties": {"text": text}, "required": ["text"]}
+    bias: Any = {"logit_bias": {str(newline): 50}, "temperature": 0, "max_tokens": 120}
+    c = client(base)
+    r = c.chat.completions.create(
+        model="demo",
+        messages=ASK,
+        response_format={"type": "json_schema", "json_schema": {"name": "note", "schema": note}},
+        **bias,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content or "")["text"], str)
+    r = c.chat.completions.create(
+        model="demo",
+        messages=ASK,
+        tools=[{"type": "function", "function": {"name": "note", "parameters": note}}],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        **bias,
+    )
+    (call,) = r.choices[0].message.tool_calls or []
+    assert isinstance(json.loads(call.function.arguments)["text"], str)
+
+
+TREE: dict[str, Any] = {  # pydantic's schema of a recursive model: a $ref at the root
+    "$defs": {
+        "Node": {
+            "type": "object",
+            "properties": {
+                "name": {"type": ["string", "null"], "maxLength": 3},
+                "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}, "maxItems": 2},
+            },
+            "required": ["name", "kids"],
+            "additionalProperties": False,
+        }
+    },
+    "$ref": "#/$defs/Node",
+}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_recursive_schema_with_a_root_ref_is_followed(
+    hermes: tuple[str, ServerState], seed: int
+) -> None:
+    """The $defs beside a root $ref are found: the answer validates against the
+    schema."""
+    r = client(hermes[0]).chat.completions.create(
+        model="demo",
+        messages=ASK,
+        response_format={"type": "json_schema", "json_schema": {"name": "tree", "schema": TREE}},
+        temperature=1,
+        seed=seed,
+        max_tokens=300,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content or ""), TREE)
+
+
+def test_a_list_of_types_keeps_the_other_keywords(hermes: tuple[str, ServerState]) -> None:
+    """``{"type": ["string", "integer"], "maxLength": 3}`` takes a string of 3
+    characters at most, even from a model that would rather go on writing."""
+    base, state = hermes
+    name = {"type": ["string", "integer"], "maxLength": 3}
+    schema: Any = {"type": "object", "properties": {"name": name}, "required": ["name"]}
+    bias = {str(t): 40 for t in state.engine.tokenize("aaaa", add_special=False)}
+    r = client(base).chat.completions.create(
+        model="demo",
+        messages=ASK,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        logit_bias=bias,
+        temperature=0,
+        max_tokens=60,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"^\d{3}-\d{4}$",
+        r"^[\w.\-]{1,6}@\w{1,6}\.com$",
+        r"^\S{1,6}\s\S{1,6}$",
+        r"^.{3}$",
+        r"^[^a]{3}$",
+        r"^(?:ab){2}$",
+    ],
+)
+def test_a_pattern_is_followed_and_its_string_stays_json(
+    hermes: tuple[str, ServerState], pattern: str
+) -> None:
+    """Escapes such as ``\\d`` and ``\\.`` mean what they mean in a regex, and ``.`` or
+    a negated class never writes the '"' that would end the JSON string, even for a
+    model that would rather write one."""
+    base, state = hermes
+    schema: Any = {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
+    schema["required"] = ["p"]
+    bias = {str(t): 40 for t in state.engine.tokenize('a""', add_special=False)[1:]}
+    r = client(base).chat.completions.create(
+        model="demo",
+        messages=ASK,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        logit_bias=bias,
+        temperature=0,
+        max_tokens=80,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    value = json.loads(r.choices[0].message.content or "")["p"]
+    assert re.fullmatch(pattern, value), value

@@ -101,3 +101,12 @@ def test_the_tools_of_one_request_share_one_budget() -> None:
     with pytest.raises(InvalidRequest) as caught:
         tool_call_grammar(tools, CallSyntax(), False, params=params)
     assert caught.value.param.startswith("tools[") and "repetition" in str(caught.value)
+
+
+def test_a_deeply_nested_schema_still_converts() -> None:
+    """What closes the converter's gaps adds no Python frames to each level it
+    recurses through: 400 nested objects convert as they did."""
+    schema: dict[str, object] = {"type": ["integer", "null"]}
+    for _ in range(400):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    assert json_schema_grammar(schema, "json_schema").count("-kv ::=") == 400

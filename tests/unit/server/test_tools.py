@@ -32,6 +32,7 @@ from orin.server.tools import (
 
 HERMES = OutputSpec(FORMATS["hermes"])
 LLAMA3 = OutputSpec(FORMATS["llama3"])
+LLAMA3_TOOLS = OutputSpec(FORMATS["llama3"], names=frozenset({"get_weather", "f"}))
 MISTRAL = OutputSpec(FORMATS["mistral"])
 MISTRAL_ARGS = OutputSpec(FORMATS["mistral_args"])
 THINKING = OutputSpec(FORMATS["hermes"], reasoning=True)
@@ -121,6 +122,24 @@ CASES: list[tuple[str, OutputSpec, str, Message]] = [
         LLAMA3,
         '{"answer": 42, "name": "x"}',
         ('{"answer": 42, "name": "x"}', "", []),
+    ),
+    (
+        "llama3 JSON whose name is no offered tool is the answer, not a call",
+        LLAMA3_TOOLS,
+        '{"name": "Bob", "age": 30}',
+        ('{"name": "Bob", "age": 30}', "", []),
+    ),
+    (
+        "llama3 a call of an offered tool, then one of no tool",
+        LLAMA3_TOOLS,
+        '{"name": "f", "parameters": {}}; {"name": "Bob", "parameters": {}}',
+        ('; {"name": "Bob", "parameters": {}}', "", [("f", "{}")]),
+    ),
+    (
+        "llama3 after the python tag any name is a call",
+        LLAMA3_TOOLS,
+        '<|python_tag|>{"name": "Bob", "parameters": {}}',
+        ("", "", [("Bob", "{}")]),
     ),
     (
         "llama3 a call in the middle of text is content",
@@ -468,6 +487,7 @@ def test_the_output_spec_follows_tool_choice_and_reasoning_format() -> None:
     spec = output_spec(request(), CAPS, "prompt")
     assert spec.format is FORMATS["hermes"] and spec.max_calls is None and not spec.reasoning
     assert output_spec(request(parallel_tool_calls=False), CAPS, "p").max_calls == 1
+    assert spec.names == {"get_weather", "get_time"}  # the offered tools'
     none = output_spec(request(tool_choice="none"), CAPS, "p")
     assert (
         none.format is None and none.plain and request(tool_choice="none").offered_tools() is None
@@ -488,9 +508,12 @@ def test_the_grammar_of_required_and_named_choices() -> None:
     assert '"<tool_call>\\n" "{\\"name\\": \\"get_weather\\", \\"arguments\\": "' in g
     assert '"\\"c\\"" | "\\"f\\""' in g  # the enum of the schema
     named = {"type": "function", "function": {"name": "get_time"}}
-    body = request(tool_choice=named, parallel_tool_calls=False)
-    g = required_grammar(body, output_spec(body, CAPS, "p"))
-    assert g is not None and "get_weather" not in g and "root ::= tool-call\n" in g + "\n"
+    for parallel in (False, True):  # a named function is called exactly once
+        body = request(tool_choice=named, parallel_tool_calls=parallel)
+        spec = output_spec(body, CAPS, "p")
+        g = required_grammar(body, spec)
+        assert g is not None and "get_weather" not in g and "root ::= tool-call\n" in g + "\n"
+        assert spec.max_calls == 1
     body = request(tool_choice="required")
     g = required_grammar(body, output_spec(body, THINKING_CAPS, "<think>\n"))
     assert g is not None and 'root ::= reasoning-body "</think>"' in g  # inside the block

@@ -84,6 +84,41 @@ def test_param_names_the_field_without_union_members(
     assert says in err["message"]
 
 
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    ("response_format", "param", "says"),
+    [
+        (
+            {"type": "json_object", "json_schema": {"name": "a", "schema": SCHEMA}},
+            "response_format.json_schema",
+            "with type 'json_schema', not with 'json_object'",
+        ),
+        (
+            {"json_schema": {"name": "a", "schema": SCHEMA}},
+            "response_format.json_schema",
+            "not with 'text'",
+        ),
+        (
+            {"type": "json_schema", "schema": SCHEMA},
+            "response_format.schema",
+            "with type 'json_object', not with 'json_schema'",
+        ),
+        ({"type": "text", "schema": SCHEMA}, "response_format.schema", "not with 'text'"),
+    ],
+)
+def test_a_schema_beside_a_type_that_does_not_read_it_is_refused(
+    client: TestClient, response_format: dict[str, Any], param: str, says: str
+) -> None:
+    """Served, the answer would not be held to the schema the client sent."""
+    body = {"messages": USER, "response_format": response_format}
+    err = refused(client, "/v1/chat/completions", body)
+    assert err["param"] == param and says in err["message"]
+    ok = {"type": "text", "json_schema": None, "schema": None}
+    assert ChatCompletionRequest.model_validate({"messages": USER, "response_format": ok})
+
+
 @pytest.mark.parametrize(
     "part",
     [
@@ -187,6 +222,48 @@ def test_a_tool_message_without_its_call_id_is_refused(
     err = refused(client, "/v1/chat/completions", {"messages": messages})
     assert err["param"] == "messages[2].tool_call_id"
     assert "a tool message needs tool_call_id" in err["message"]
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+CALLED = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "says"),
+    [
+        ([*USER, RESULT], "messages[1]", "must answer a call of the assistant message"),
+        ([RESULT], "messages[0]", "must answer a call"),
+        (
+            [*USER, {"role": "assistant", "content": "hi"}, RESULT],
+            "messages[2]",
+            "must answer a call",
+        ),
+        ([*USER, CALLED, *USER, RESULT], "messages[3]", "must answer a call"),
+        (
+            [*USER, CALLED, {**RESULT, "tool_call_id": "call_2"}],
+            "messages[2].tool_call_id",
+            "'call_2' is not among the ids",
+        ),
+    ],
+)
+def test_a_tool_message_that_answers_no_call_is_refused(
+    client: TestClient, messages: list[dict[str, Any]], param: str, says: str
+) -> None:
+    """OpenAI's rule: a tool message answers a call of the assistant message before it."""
+    err = refused(client, "/v1/chat/completions", {"messages": messages})
+    assert err["param"] == param and says in err["message"]
+
+
+def test_tool_messages_answering_the_calls_before_them_pass() -> None:
+    from orin.server.protocol import check_message_order
+
+    second = {**CALL, "id": "call_2"}
+    both = {**CALLED, "tool_calls": [CALL, second]}
+    answers = [RESULT, {**RESULT, "tool_call_id": "call_2"}]
+    no_ids = {**CALLED, "tool_calls": [{**CALL, "id": None}]}
+    for messages in ([*USER, both, *answers], [*USER, no_ids, {**RESULT, "tool_call_id": "x"}]):
+        check_message_order(ChatCompletionRequest.model_validate({"messages": messages}).messages)
 
 
 def test_only_a_tool_message_needs_a_call_id() -> None:
