@@ -146,6 +146,8 @@ def pull(
     name = local_name(remote.path)
     target = models_dir / name
     prov = Provenance(ref.repo, remote.path, commit, remote.sha256, remote.size or 0)
+    if target.exists() and not target.is_file():  # os.replace could not put it there
+        raise HubError(f"{target} is a folder or another non-file; move it away, then pull again")
     if target.is_file() and _already_here(models_dir, target, prov, force):
         _record(models_dir, name, prov, chown, target)
         return PullResult(ref, remote, target, commit, downloaded=False)

@@ -213,6 +213,17 @@ def test_another_file_of_the_same_name_is_not_replaced(fake_hub: FakeHub, models
     assert hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models, force=True).downloaded
 
 
+def test_a_folder_of_the_files_name_is_refused_before_downloading(
+    fake_hub: FakeHub, models: Path
+) -> None:
+    """os.replace cannot put the file there: that was an internal error (exit 70) after
+    the whole download."""
+    (models / Q4).mkdir(parents=True)
+    with pytest.raises(HubError, match=f"{Q4} is a folder or another non-file; move it away"):
+        hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models, force=True)
+    assert fake_hub.gets() == [] and (models / Q4).is_dir()
+
+
 def test_a_file_fetched_by_hand_is_adopted(fake_hub: FakeHub, models: Path) -> None:
     models.mkdir()
     (models / Q4).write_bytes(fake_hub.repos[REPO][Q4])
