@@ -22,7 +22,7 @@ from orin.cli.help import Typer
 from orin.cli.options import BoardRootOpt, CtxOpt, JsonOpt, apply_ctx
 from orin.cli.output import Output
 from orin.doctor.context import model_path_for
-from orin.engine.config import draft_model_problem, prompt_file_problems
+from orin.engine.config import draft_model_problem, mmproj_problem, prompt_file_problems
 from orin.errors import LlamaCppError, ModelFileError, OrinError, ProfileError
 from orin.llamacpp import BuildInfo
 from orin.profile.kvmatch import KVFinding
@@ -105,6 +105,7 @@ def validate(
         report = _with_own_model(profile, build, root)
     report = _with_prompt_dir(report, profile)
     report = _with_draft_model(report, profile)
+    report = _with_mmproj(report, profile)
     out = Output(as_json)
     if as_json:
         out.json(report.to_dict())
@@ -178,6 +179,17 @@ def _with_draft_model(report: ValidationReport, profile: Profile) -> ValidationR
     finding = KVFinding(
         "draft-model", "fail", f"speculative.draft_model: {draft[1]}: serve would stop (exit 3)"
     )
+    return dataclasses.replace(report, findings=(*report.findings, finding))
+
+
+def _with_mmproj(report: ValidationReport, profile: Profile) -> ValidationReport:
+    """model.mmproj must read as a projector GGUF, or serve stops at start (doctor's
+    mmproj check)."""
+    problem = mmproj_problem(profile)
+    if problem is None:
+        return report
+    message = f"model.mmproj: {problem[1]}: serve would stop (exit 3)"
+    finding = KVFinding("mmproj", "fail", message)
     return dataclasses.replace(report, findings=(*report.findings, finding))
 
 
