@@ -55,9 +55,17 @@ def find_profile(name_or_path: str | Path) -> Path:
 def load_profile(name_or_path: str | Path) -> Profile:
     path = find_profile(name_or_path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"{path}: cannot read: {exc}") from exc
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:  # the line, as for every other profile error
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ProfileError(
+            f"{path}:{line}: not UTF-8 text: byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}: {exc.reason} (save the file as UTF-8)"
+        ) from exc
     profile = parse_profile(text, str(path))
     profile.source = path.resolve()
     return profile

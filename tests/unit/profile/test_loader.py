@@ -193,6 +193,17 @@ def test_missing_profile_file(tmp_path: Path) -> None:
         find_profile(tmp_path / "nope.yaml")
 
 
+def test_a_profile_that_is_not_utf8_names_the_line(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_bytes("name: x\nengine:\n  # Größe\n".encode("latin-1"))
+    with pytest.raises(ProfileError) as exc:
+        load_profile(f)
+    assert str(exc.value) == (
+        f"{f}:3: not UTF-8 text: byte 0xf6 at offset 22: invalid start byte "
+        "(save the file as UTF-8)"
+    )
+
+
 def test_a_fifo_is_not_a_profile_file(tmp_path: Path) -> None:
     """It is there ('no such profile file' said it was not), and reading it would wait."""
     fifo = tmp_path / "p.yaml"
