@@ -341,6 +341,30 @@ def test_cli_corrupted_pull_exits_9(fake_hub: FakeHub, models: Path) -> None:
     assert files_under(models) == []
 
 
+def test_a_file_the_disk_cannot_hold_is_refused_before_a_byte_is_fetched(
+    fake_hub: FakeHub, models: Path
+) -> None:
+    """It was fetched until the disk was full, leaving a part file that kept it full."""
+    size = len(fake_hub.repos[REPO][Q8])
+    asked: list[Path] = []
+
+    def free(folder: Path) -> int:
+        asked.append(folder)
+        return size - 1
+
+    with pytest.raises(HubError, match=f"{REPO}/{Q8} needs 0.00 GiB more, and the filesystem"):
+        hub.pull(store.parse_ref(f"{REPO}:Q8_0"), models, disk_free=free)
+    assert asked == [models / store.PARTIAL_DIR] and fake_hub.gets() == []
+    assert files_under(models) == [] and not (models / store.PARTIAL_DIR).exists()
+    assert hub.pull(store.parse_ref(f"{REPO}:Q8_0"), models, disk_free=lambda _: size).downloaded
+
+
+def test_cli_pull_asks_the_disk_it_writes_to(fake_hub: FakeHub, models: Path) -> None:
+    deps = Deps(runner=FakeRunner(), effective_uid=lambda: 1000, disk_free=lambda _: 0)
+    r = CliRunner().invoke(app, ["model", "pull", f"{REPO}:Q8_0", "--dir", str(models)], obj=deps)
+    assert r.exit_code == 9 and "or pull into a folder on another disk with --dir" in r.stderr
+
+
 def test_cli_bad_reference_is_a_usage_error(fake_hub: FakeHub) -> None:
     code, _, err = cli("model", "pull", "not-a-repo")
     assert code == 2 and "owner/repo" in err
