@@ -528,6 +528,7 @@ def pull(
         progress=progress,
         chown=chown,
         force=force,
+        disk_free=d.disk_free,
     )
     out = Output(as_json)
     if as_json:

@@ -22,8 +22,8 @@ from orin.cli.help import Typer
 from orin.cli.options import BoardRootOpt, CtxOpt, JsonOpt, apply_ctx
 from orin.cli.output import Output
 from orin.doctor.context import model_path_for
-from orin.engine.config import draft_model_problem, prompt_file_problems
-from orin.errors import LlamaCppError, OrinError, ProfileError
+from orin.engine.config import draft_model_problem, mmproj_problem, prompt_file_problems
+from orin.errors import LlamaCppError, ModelFileError, OrinError, ProfileError
 from orin.llamacpp import BuildInfo
 from orin.profile.kvmatch import KVFinding
 from orin.profile.loader import builtin_profiles, load_profile
@@ -99,11 +99,13 @@ def validate(
     """Check a profile (and optionally the model it will serve) against the KV rules."""
     profile = apply_ctx(load_profile(file), n_ctx)
     build = _build_info_or_none(deps(ctx))
-    report = validate_profile(profile, model, build, root)
-    if model is None:
-        report = _with_model_file(report, profile)
+    if model is not None:
+        report = validate_profile(profile, model, build, root)
+    else:
+        report = _with_own_model(profile, build, root)
     report = _with_prompt_dir(report, profile)
     report = _with_draft_model(report, profile)
+    report = _with_mmproj(report, profile)
     out = Output(as_json)
     if as_json:
         out.json(report.to_dict())
@@ -124,27 +126,34 @@ def validate(
         raise typer.Exit(EXIT_FAILED)
 
 
-def _with_model_file(report: ValidationReport, profile: Profile) -> ValidationReport:
-    """The profile's own model.path must exist, and its hub model (model.hf) must be
-    pulled (doctor's model-file check). A demo or packaged model is made or fetched
-    when serve starts, so it is not required here."""
+def _with_own_model(profile: Profile, build: BuildInfo | None, root: Path) -> ValidationReport:
+    """The profile against the file serve would load: its model.path, or its hub model
+    (model.hf) once pulled, read as --model reads a file, so that ``auto`` resolves to
+    the KV types serve picks for that file's quantization. A file that is missing, not
+    pulled or unreadable fails the model-file rule (doctor's check), as it stops serve
+    with exit 3. A demo or packaged model is made or fetched when serve starts, so it
+    is not required here."""
     path, source = model_path_for(profile, None)
+    problem = None
     if source == "hf" and path is None:
-        finding = KVFinding(
-            "model-file",
-            "fail",
+        problem = (
             f"model.hf {profile.model.hf} is not pulled yet: serve would stop (exit 3); "
-            f"run: orin-llm model pull {profile.model.hf}",
+            f"run: orin-llm model pull {profile.model.hf}"
         )
-        return dataclasses.replace(report, findings=(*report.findings, finding))
-    if source != "profile" or path is None or path.is_file():
+    elif source in ("profile", "hf") and path is not None and not path.exists():
+        problem = (
+            f"model.path {path} does not exist: serve would stop (exit 3); put the file "
+            "there, or check the profile against another file with --model PATH"
+        )
+    elif source in ("profile", "hf") and path is not None:
+        try:
+            return validate_profile(profile, path, build, root)
+        except ModelFileError as exc:
+            problem = f"{exc}: serve would stop (exit 3)"
+    report = validate_profile(profile, None, build, root)
+    if problem is None:
         return report
-    finding = KVFinding(
-        "model-file",
-        "fail",
-        f"model.path {path} does not exist: serve would stop (exit 3); put the file "
-        "there, or check the profile against another file with --model PATH",
-    )
+    finding = KVFinding("model-file", "fail", problem)
     return dataclasses.replace(report, findings=(*report.findings, finding))
 
 
@@ -170,6 +179,17 @@ def _with_draft_model(report: ValidationReport, profile: Profile) -> ValidationR
     finding = KVFinding(
         "draft-model", "fail", f"speculative.draft_model: {draft[1]}: serve would stop (exit 3)"
     )
+    return dataclasses.replace(report, findings=(*report.findings, finding))
+
+
+def _with_mmproj(report: ValidationReport, profile: Profile) -> ValidationReport:
+    """model.mmproj must read as a projector GGUF, or serve stops at start (doctor's
+    mmproj check)."""
+    problem = mmproj_problem(profile)
+    if problem is None:
+        return report
+    message = f"model.mmproj: {problem[1]}: serve would stop (exit 3)"
+    finding = KVFinding("mmproj", "fail", message)
     return dataclasses.replace(report, findings=(*report.findings, finding))
 
 

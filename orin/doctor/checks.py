@@ -301,7 +301,7 @@ def check_mmproj(ctx: DoctorContext) -> Finding:
     path = projector_path(ctx.profile)
     if path is None:
         return Finding("mmproj", "ok", "no vision projector: the server takes text only")
-    if not path.is_file():
+    if not path.exists():
         if ctx.profile.model.mmproj_demo:
             return Finding(
                 "mmproj", "info", f"the demo projector {path.name} is generated on first use"

@@ -227,6 +227,26 @@ def mmproj_path(profile: Profile) -> Path | None:
     return projector_path(profile)
 
 
+def mmproj_problem(profile: Profile) -> tuple[Path, str] | None:
+    """The profile's model.mmproj and why serve could not load it (missing, a folder or
+    FIFO, not a projector GGUF, corrupt), or None when it reads or there is none (a demo
+    projector is generated at start). Doctor, ``profile validate`` and serve ask before
+    the model loads: llama.cpp's clip loader would fail only after it, and wait forever
+    on a FIFO."""
+    from orin.model import mmproj
+
+    if profile.model.mmproj is None:
+        return None
+    path = profile.path_from(profile.model.mmproj)
+    if not path.exists():
+        return path, f"{path} does not exist"
+    try:
+        mmproj.read_projector_info(path)
+    except (OSError, ValueError) as exc:
+        return path, f"{path}: {exc}"
+    return None
+
+
 def draft_model_problem(profile: Profile) -> tuple[Path, str | None] | None:
     """With ``speculative.mode: draft``, the draft model's file and why serve could not
     load it (missing, unreadable, not GGUF, truncated: its header is read), or None for

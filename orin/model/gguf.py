@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from orin.model.ggufread import GGUFContents
 
 GGUF_MAGIC = b"GGUF"
+MAX_LAYERS = 512  # LLAMA_MAX_LAYERS: llama.cpp refuses per-layer metadata for more
 
 # How llama.cpp keeps the context of an architecture (llama-model.cpp create_memory and
 # llama-arch.cpp llm_arch_is_recurrent / llm_arch_is_hybrid). Every architecture is read;
@@ -374,7 +375,7 @@ def read_model_info(path: str | Path) -> ModelInfo:
         if str(p) in str(exc):
             raise
         raise ModelFileError(f"{p}: {exc}") from exc  # which file, for every message
-    except (KeyError, ValueError, TypeError, IndexError) as exc:
+    except (KeyError, ValueError, TypeError, IndexError, OverflowError) as exc:
         raise ModelFileError(f"{p}: malformed GGUF metadata: {exc}") from exc
 
 
@@ -383,6 +384,8 @@ def _check_file(p: Path) -> None:
         raise ModelFileError(f"{p}: no such file")
     if p.is_dir():
         raise ModelFileError(f"{p}: is a directory, not a GGUF file")
+    if not p.is_file():  # opening a FIFO would wait for a writer; llama.cpp maps a file
+        raise ModelFileError(f"{p}: not a regular file (a FIFO, socket or device), not a GGUF file")
     try:
         with p.open("rb") as fh:
             magic = fh.read(4)
@@ -415,9 +418,9 @@ class _Meta:
         value = self.get(key)
         if value is None:
             raise ModelFileError(f"missing metadata key {key}")
-        if isinstance(value, list):
-            raise ModelFileError(f"metadata key {key} must be a number")
-        return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):  # llama.cpp: "wrong type"
+            raise ModelFileError(f"metadata key {key} must be an integer, not {value!r}")
+        return value
 
 
 def _per_layer(meta: _Meta, key: str, n_layer: int, default: int) -> tuple[int, ...]:
@@ -473,6 +476,10 @@ def _build_info(p: Path, contents: GGUFContents) -> ModelInfo:
     quant = quantization_name(file_type) or _guess_quantization(shares)
 
     n_layer = meta.require_int(f"{arch}.block_count")
+    if not 0 < n_layer <= MAX_LAYERS:
+        raise ModelFileError(
+            f"{p}: {arch}.block_count is {n_layer}; llama.cpp loads 1 to {MAX_LAYERS} layers"
+        )
     n_embd = meta.require_int(f"{arch}.embedding_length")
     n_head = _per_layer(meta, f"{arch}.attention.head_count", n_layer, 0)
     if not any(n_head) and arch in EXACT_KV_ARCHITECTURES:

@@ -12,7 +12,13 @@ metadata"). gguf-py still names the value and tensor types and gives the tensor
 types' sizes, and tests hold this reader's output equal to ``GGUFReader``'s.
 
 Any inconsistency (a length past the end of the file, an unknown type) raises
-``GGUFFormatError``; the caller turns it into a one-line message.
+``GGUFFormatError``; the caller turns it into a one-line message. So does what
+llama.cpp's own reader (gguf.cpp, gguf_init_from_file) refuses in a file whose bytes
+all parse: a key or a tensor name given twice, an array of arrays, a
+general.alignment that is not a u32, a tensor with more than four dimensions, a
+name of 64 bytes or more, rows that are not whole blocks, tensor data that does
+not follow the table in order at padded offsets. Such a file would pass
+``model inspect`` and doctor and stop serve only once llama.cpp opens it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 ALIGNMENT = 32  # general.alignment's default (gguf.GGUF_DEFAULT_ALIGNMENT)
+MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses a tensor with more
+MAX_NAME = 64  # GGML_MAX_NAME: a tensor name takes at most 63 bytes
 
 _SCALARS: dict[int, str] = {
     GGUFValueType.UINT8: "B",
@@ -93,6 +101,8 @@ class GGUFContents:
 def open_gguf(path: Path) -> Iterator[GGUFContents]:
     """The file's metadata and tensor table; its string arrays read from the file
     while the block runs."""
+    if path.exists() and not path.is_file():  # a FIFO's open would wait for a writer
+        raise GGUFFormatError("not a regular file (a folder, FIFO, socket or device)")
     with path.open("rb") as fh:
         if path.stat().st_size == 0:
             raise GGUFFormatError("the file is empty")
@@ -143,13 +153,21 @@ class _Parser:
         fields: dict[str, Any] = {}
         for _ in range(n_kv):
             key = self._string()
-            fields[key] = self._value(self._type())
+            if key in fields:
+                raise GGUFFormatError(f"key {key} is given twice")
+            vtype = self._type()
+            if key == "general.alignment" and vtype != GGUFValueType.UINT32:
+                raise GGUFFormatError(
+                    f"general.alignment is a {GGUFValueType(vtype).name}; it must be a UINT32"
+                )
+            fields[key] = self._value(vtype, key)
         tensors = [self._tensor_info() for _ in range(n_tensors)]
         alignment = fields.get("general.alignment", ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        if alignment <= 0 or alignment & (alignment - 1):
             raise GGUFFormatError(f"general.alignment {alignment!r} is not a power of two")
         start = -(-self.pos // alignment) * alignment
         entries = tuple(self._entry(start, *t) for t in tensors)
+        _check_layout(entries, start, alignment)
         return GGUFContents(self.version, fields, entries, start)
 
     def _type(self) -> int:
@@ -158,15 +176,17 @@ class _Parser:
             raise GGUFFormatError(f"unknown value type {raw}")
         return int(raw)
 
-    def _value(self, vtype: int) -> Any:
+    def _value(self, vtype: int, key: str) -> Any:
         if vtype == GGUFValueType.STRING:
             return self._string()
         if vtype == GGUFValueType.ARRAY:
-            return self._array()
+            return self._array(key)
         return self._unpack(self.order + _SCALARS[vtype])
 
-    def _array(self) -> Any:
+    def _array(self, key: str) -> Any:
         itype = self._type()
+        if itype == GGUFValueType.ARRAY:  # gguf.cpp: "has invalid GGUF type 9"
+            raise GGUFFormatError(f"key {key} is an array of arrays, which llama.cpp cannot read")
         if itype == GGUFValueType.STRING:
             n = self._count("a string array", 8)
             offsets, lengths = [0] * n, [0] * n
@@ -183,8 +203,6 @@ class _Parser:
                 raise GGUFFormatError(f"the file ends at byte {end}, inside a string array")
             self.pos = pos
             return StringArray(buf, offsets, lengths)
-        if itype == GGUFValueType.ARRAY:
-            return [self._array() for _ in range(self._count("an array of arrays", 12))]
         fmt = self.order + _SCALARS[itype]
         width = struct.calcsize(fmt)
         n = self._count("an array", width)
@@ -193,10 +211,13 @@ class _Parser:
         return values.tolist() if n <= 4096 else values.copy()  # big ones (scores): arrays
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
+        at = self.pos
         name = self._string()
+        if self.pos - at - 8 >= MAX_NAME:
+            raise GGUFFormatError(f"tensor {name[:40]}...: a name of {MAX_NAME} bytes or more")
         n_dims = self._unpack(self.order + "I")
-        if n_dims > 8:
-            raise GGUFFormatError(f"tensor {name}: {n_dims} dimensions")
+        if n_dims > MAX_DIMS:
+            raise GGUFFormatError(f"tensor {name}: {n_dims} dimensions (at most {MAX_DIMS})")
         shape = tuple(int(self._unpack(self.order + "Q")) for _ in range(n_dims))
         raw_type = self._unpack(self.order + "I")
         offset = self._unpack(self.order + "Q")
@@ -213,6 +234,27 @@ class _Parser:
         n = 1
         for d in shape:
             n *= d
-        if n % block:
-            raise GGUFFormatError(f"tensor {name}: {n} elements are not whole blocks of {block}")
+        if n >= 1 << 63 or any(d >= 1 << 63 for d in shape):  # int64_t in llama.cpp
+            raise GGUFFormatError(f"tensor {name}: {list(shape)} is too many elements")
+        row = shape[0] if shape else 1
+        if row % block:  # gguf.cpp: a row is whole blocks
+            raise GGUFFormatError(
+                f"tensor {name}: rows of {row} values are not whole blocks of {block}"
+            )
         return TensorEntry(name, ttype, shape, n, n // block * type_size, start + offset)
+
+
+def _check_layout(entries: Sequence[TensorEntry], start: int, alignment: int) -> None:
+    """Each tensor's data where llama.cpp expects it: right after the one before,
+    padded to the alignment, in the order of the table; no name twice."""
+    names: set[str] = set()
+    expected = 0
+    for t in entries:
+        if t.name in names:
+            raise GGUFFormatError(f"tensor {t.name} is given twice")
+        names.add(t.name)
+        if t.data_offset - start != expected:
+            raise GGUFFormatError(
+                f"tensor {t.name}: data at offset {t.data_offset - start}, expected {expected}"
+            )
+        expected += -(-t.n_bytes // alignment) * alignment

@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,11 @@ class ProgressBar(Protocol):
 # (description, total bytes or None, bytes already there) -> a bar
 ProgressFactory = Callable[[str, "int | None", int], ProgressBar]
 Chown = Callable[[Path], None]  # give a pulled file or folder to the service user
+DiskFree = Callable[[Path], int]  # free bytes on the filesystem holding a folder
+
+
+def free_bytes(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,7 @@ def pull(
     progress: ProgressFactory | None = None,
     chown: Chown | None = None,
     force: bool = False,
+    disk_free: DiskFree = free_bytes,
 ) -> PullResult:
     """Fetch the file ``ref`` selects into ``models_dir``, checked against its SHA-256.
 
@@ -146,12 +153,14 @@ def pull(
     name = local_name(remote.path)
     target = models_dir / name
     prov = Provenance(ref.repo, remote.path, commit, remote.sha256, remote.size or 0)
+    if target.exists() and not target.is_file():  # os.replace could not put it there
+        raise HubError(f"{target} is a folder or another non-file; move it away, then pull again")
     if target.is_file() and _already_here(models_dir, target, prov, force):
         _record(models_dir, name, prov, chown, target)
         return PullResult(ref, remote, target, commit, downloaded=False)
     part = models_dir / PARTIAL_DIR / f"{name}.{remote.sha256[:16]}.part"
     _log_once()
-    resumed = _download(ref, remote, commit, part, ep, progress)
+    resumed = _download(ref, remote, commit, part, ep, progress, disk_free)
     digest = sha256_file(part)
     if digest != remote.sha256:
         part.unlink(missing_ok=True)
@@ -201,8 +210,11 @@ def _download(
     part: Path,
     endpoint: str,
     progress: ProgressFactory | None,
+    disk_free: DiskFree,
 ) -> int:
-    """Fetch ``remote`` into ``part``, resuming from what is there; the bytes resumed."""
+    """Fetch ``remote`` into ``part``, resuming from what is there; the bytes resumed.
+    A file the disk cannot hold is refused before a byte is fetched: a download that
+    stops at a full disk leaves the disk full of a part file."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
@@ -217,6 +229,15 @@ def _download(
     if expected is not None and have > expected:
         part.unlink()  # not a prefix of this file
         have = 0
+    free = disk_free(part.parent)
+    if expected is not None and expected - have > free:
+        gib = 1 << 30
+        _prune(part.parent)
+        raise HubError(
+            f"{ref.repo}/{remote.path} needs {(expected - have) / gib:.2f} GiB more, and the "
+            f"filesystem of {part.parent.parent} has {free / gib:.2f} GiB free: free space, "
+            "or pull into a folder on another disk with --dir"
+        )
     headers = build_hf_headers()
     headers["Accept-Encoding"] = "identity"  # the bytes as stored, so Range offsets hold
     if urlparse(meta.location).netloc != urlparse(url).netloc:

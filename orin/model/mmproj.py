@@ -18,6 +18,7 @@ text does, without deciding it: greedy output stays stable across batching.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,28 +229,28 @@ class ProjectorInfo:
 def read_projector_info(path: Path) -> ProjectorInfo:
     """The metadata of a projector GGUF; ValueError when it is not one (the callers
     name the file). The output width comes from the last projector matrix where the
-    type's layout is known (LLaVA's mm.2)."""
-    reader = gguf.GGUFReader(str(path))
+    type's layout is known (LLaVA's mm.2). Read as the language models are
+    (orin.model.ggufread): a FIFO, an array of arrays or a broken tensor table is a
+    GGUFFormatError (a ValueError), not a wait or a RecursionError."""
+    from orin.model.ggufread import open_gguf
 
-    def value(key: str, default: object = None) -> object:
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
-
-    arch = value("general.architecture", "")
+    with open_gguf(Path(path)) as contents:
+        fields, tensors = contents.fields, contents.tensors
+    arch = fields.get("general.architecture", "")
     if arch != ARCH:
         raise ValueError(f"general.architecture is {arch!r}, not 'clip': not a projector")
-    proj = value("clip.projector_type") or value("clip.vision.projector_type") or ""
+    proj = fields.get("clip.projector_type") or fields.get("clip.vision.projector_type") or ""
 
     def u(key: str) -> int:
-        v = value(f"clip.vision.{key}", 0)
-        return int(v) if isinstance(v, (int, float)) else 0
+        v = fields.get(f"clip.vision.{key}", 0)
+        return int(v) if isinstance(v, (int, float)) and math.isfinite(v) else 0
 
-    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    shapes = {t.name: list(t.shape) for t in tensors}
     last = shapes.get("mm.2.weight")  # ggml order: [n_in, n_out]
     return ProjectorInfo(
         path=Path(path),
         projector_type=str(proj),
-        has_vision=bool(value("clip.has_vision_encoder", False)),
+        has_vision=bool(fields.get("clip.has_vision_encoder", False)),
         n_embd=u("embedding_length"),
         n_ff=u("feed_forward_length"),
         n_head=u("attention.head_count"),
@@ -258,7 +259,7 @@ def read_projector_info(path: Path) -> ProjectorInfo:
         patch_size=u("patch_size"),
         projection_dim=u("projection_dim"),
         output_width=last[1] if last and len(last) == 2 else 0,
-        weights_bytes=sum(int(t.n_bytes) for t in reader.tensors),
+        weights_bytes=sum(t.n_bytes for t in tensors),
     )
 
 

@@ -73,7 +73,7 @@ def auto_kv_type(
     """The cache type for ``auto`` and why.
 
     Full-precision weights keep an f16 cache; 8- and 6-bit weights take q8_0
-    (half the memory, error well below the weights'); 5- and 4-bit weights
+    (half the memory, error well below the weights'); weights of 5 bits and fewer
     take q8_0 too, or q4_0 when the planned context does not fit with q8_0.
     """
     bits = weight_bits(quantization) if quantization else None

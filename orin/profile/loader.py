@@ -37,8 +37,10 @@ def find_profile(name_or_path: str | Path) -> Path:
     if p.suffix in (".yaml", ".yml") or p.exists():
         if p.is_dir():
             raise ProfileError(f"{p}: a folder, not a profile file")
-        if not p.is_file():
+        if not p.exists():
             raise ProfileError(f"{p}: no such profile file")
+        if not p.is_file():  # reading a FIFO would wait for a writer
+            raise ProfileError(f"{p}: not a regular file (a FIFO, socket or device)")
         return p
     builtins = builtin_profiles()
     if str(name_or_path) in builtins:
@@ -53,9 +55,17 @@ def find_profile(name_or_path: str | Path) -> Path:
 def load_profile(name_or_path: str | Path) -> Profile:
     path = find_profile(name_or_path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"{path}: cannot read: {exc}") from exc
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:  # the line, as for every other profile error
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ProfileError(
+            f"{path}:{line}: not UTF-8 text: byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}: {exc.reason} (save the file as UTF-8)"
+        ) from exc
     profile = parse_profile(text, str(path))
     profile.source = path.resolve()
     return profile
@@ -65,11 +75,14 @@ def parse_profile(text: str, filename: str = "<profile>") -> Profile:
     """Parse and validate profile YAML; every problem becomes 'file:line: field: message'."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        _check_aliases(node, filename)
         data = yaml.safe_load(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 1
         raise ProfileError(f"{filename}:{line}: YAML syntax error: {exc.problem}") from exc
+    except RecursionError as exc:  # PyYAML composes nested collections recursively
+        raise ProfileError(f"{filename}: YAML nested too deeply to read") from exc
     if not isinstance(data, dict):
         raise ProfileError(f"{filename}:1: a profile must be a YAML mapping of sections")
     twice = _given_twice(node)
@@ -81,6 +94,39 @@ def parse_profile(text: str, filename: str = "<profile>") -> Profile:
     except ValidationError as exc:
         messages = [_describe(e, filename, lines) for e in exc.errors()]
         raise ProfileError("\n".join(messages)) from exc
+
+
+MAX_NODES = 100_000  # values in a profile with its aliases expanded; real ones have hundreds
+
+
+def _check_aliases(root: yaml.Node | None, filename: str) -> None:
+    """Refuse an alias inside the node it names (a cycle: a RecursionError later) and
+    aliases that expand to more values than any profile has (a few lines of nested
+    aliases make billions: the walks below and validation would never end)."""
+    seen = 0
+    stack: list[tuple[yaml.Node, tuple[int, ...]]] = [(root, ())] if root is not None else []
+    while stack:
+        node, above = stack.pop()
+        seen += 1
+        if seen > MAX_NODES:
+            raise ProfileError(
+                f"{filename}:{node.start_mark.line + 1}: its YAML aliases expand to more "
+                f"than {MAX_NODES:,} values"
+            )
+        if isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        else:
+            continue
+        path = (*above, id(node))
+        for child in children:
+            if id(child) in path:
+                raise ProfileError(
+                    f"{filename}:{node.start_mark.line + 1}: a YAML alias refers to the "
+                    "value that contains it"
+                )
+            stack.append((child, path))
 
 
 def _given_twice(node: yaml.Node | None, prefix: Loc = ()) -> list[str]:

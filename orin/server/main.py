@@ -77,7 +77,7 @@ def build_server(
     """Everything ``serve`` runs, wired but not started (tests start it themselves)."""
     import uvicorn
 
-    from orin.engine.config import draft_model_problem, engine_config
+    from orin.engine.config import draft_model_problem, engine_config, mmproj_problem
     from orin.engine.engine import Engine
     from orin.llamacpp import build_info
     from orin.model.gguf import read_model_info
@@ -93,6 +93,9 @@ def build_server(
     draft = draft_model_problem(profile)
     if draft is not None and draft[1] is not None:  # before minutes of loading, exit 3
         raise ModelFileError(f"speculative.draft_model: {draft[1]}")
+    projector = mmproj_problem(profile)
+    if projector is not None:
+        raise ModelFileError(f"model.mmproj: {projector[1]}")
     build = build_info()
     cfg = engine_config(profile, path, info, build, _available())
     engine = Engine(cfg)

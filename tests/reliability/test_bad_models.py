@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,32 @@ def test_serve_exits_with_a_clear_error(models: dict[str, Path], kind: str) -> N
     assert r.returncode not in (0, -11, 139), r.stderr  # no success, no segfault
     assert "Traceback" not in r.stderr
     assert str(models[kind]) in r.stderr
+
+
+def misplaced_and_fifo(tmp: Path) -> dict[str, Path]:
+    """A real model whose second tensor's data offset is 32 bytes off (llama.cpp: 'has
+    offset X, expected Y'), and a FIFO where the model belongs."""
+    from orin.model.ggufread import open_gguf
+
+    good = demo.ensure("tiny", "f16")
+    with open_gguf(good) as contents:
+        second = contents.tensors[1]
+        relative = second.data_offset - contents.data_start
+    raw = bytearray(good.read_bytes())
+    at = raw.find(relative.to_bytes(8, "little"), 0, contents.data_start)
+    raw[at : at + 8] = (relative + 32).to_bytes(8, "little")
+    misplaced = tmp / "misplaced.gguf"
+    misplaced.write_bytes(bytes(raw))
+    fifo = tmp / "fifo.gguf"
+    os.mkfifo(fifo)
+    return {"misplaced-tensor": misplaced, "fifo": fifo}
+
+
+@pytest.mark.parametrize("kind", ["misplaced-tensor", "fifo"])
+def test_serve_refuses_what_llama_cpp_would_before_starting(tmp_path: Path, kind: str) -> None:
+    path = misplaced_and_fifo(tmp_path)[kind]
+    r = run("serve", "--model", str(path), "--port", str(free_port()), "--telemetry", "off")
+    assert r.returncode == 3, r.stderr
+    assert r.stderr.count("\n") == 1 and str(path) in r.stderr
+    r = run("model", "inspect", str(path))
+    assert r.returncode == 3 and r.stderr.count("\n") == 1, r.stderr

@@ -241,6 +241,25 @@ def test_validate_a_profile_whose_model_file_exists(tmp_path: Path) -> None:
     assert code == 1 and "model-file" in out and "INVALID" in out
 
 
+def test_validate_reads_the_profiles_own_model_as_serve_does(tmp_path: Path) -> None:
+    """Without --model, the file of model.path decides 'auto' as it does for serve (it
+    was left unread: f16 for a Q4_K_M file that serve runs with q8_0), and a file serve
+    would refuse fails the model-file rule instead of passing."""
+    model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    f = tmp_path / "p.yaml"
+    f.write_text("name: here\nmodel: {path: m.gguf}\n")
+    code, out, err = invoke("profile", "validate", str(f), "--json")
+    data = json.loads(out)
+    assert code == 0, err
+    assert (data["type_k"], data["type_v"], data["flash_attn"]) == ("q8_0", "q8_0", "on")
+    assert data["model"] == str(model)
+    model.write_bytes(model.read_bytes()[:100])
+    code, out, _ = invoke("profile", "validate", str(f), "--json")
+    failed = [x for x in json.loads(out)["findings"] if x["severity"] == "fail"]
+    assert code == 1 and [x["rule"] for x in failed] == ["model-file"]
+    assert failed[0]["message"].startswith(f"{model}: truncated or corrupt GGUF file")
+
+
 def test_validate_names_the_pull_for_a_hub_model_not_pulled_yet(tmp_path: Path) -> None:
     f = tmp_path / "p.yaml"
     f.write_text("name: hub\nmodel: {hf: 'owner/repo:never-pulled-7f3a.gguf'}\n")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,30 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_directory(tmp_path: Path) -> None:
     with pytest.raises(ModelFileError, match="is a directory"):
         read_model_info(tmp_path)
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    fifo = tmp_path / "m.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelFileError, match="not a regular file"):
+        read_model_info(fifo)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"block_count": 2**31}, "block_count is 2147483648; llama.cpp loads 1 to 512"),
+        ({"block_count": 0}, "block_count is 0"),
+        ({"context_length": float("inf")}, "context_length must be an integer, not inf"),
+        ({"embedding_length": 4096.0}, "embedding_length must be an integer, not 4096.0"),
+    ],
+)
+def test_absurd_or_mistyped_sizes_are_refused_by_name(
+    tmp_path: Path, params: dict[str, float], message: str
+) -> None:
+    p = write_gguf(tmp_path / "m.gguf", params={**LLAMA2_7B, **params})
+    with pytest.raises(ModelFileError, match=message):
+        read_model_info(p)
 
 
 def test_not_gguf(tmp_path: Path) -> None:

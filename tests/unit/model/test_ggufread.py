@@ -4,6 +4,8 @@ cut anywhere in its metadata is a GGUFFormatError, never another exception."""
 
 from __future__ import annotations
 
+import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,6 @@ def write(path: Path, endian: GGUFEndian = GGUFEndian.LITTLE, alignment: int | N
     w.add_array("t.ints", [1, -2, 3])
     w.add_array("t.floats", [0.5, 1.5])
     w.add_array("t.bools", [True, False])
-    w.add_array("t.nested", [[1, 2], [3]])
     w.add_array("tokenizer.ggml.tokens", TOKENS)
     w.add_key_value(
         "t.scores",
@@ -78,8 +79,6 @@ def test_the_same_as_gguf_pys_reader(
             k: plain(f.contents()) for k, f in want.fields.items() if not k.startswith("GGUF.")
         }
         ours = {k: plain(v) for k, v in got.fields.items()}
-        # GGUFReader flattens an array of arrays; this reader keeps what was written
-        assert ours.pop("t.nested") == [[1, 2], [3]] and theirs.pop("t.nested") == [1, 2, 3]
         assert ours == theirs
         assert isinstance(got.fields["tokenizer.ggml.tokens"], StringArray)
         assert [
@@ -133,4 +132,106 @@ def test_impossible_counts_are_format_errors(tmp_path: Path, offset: int, value:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(bytes(data))
     with pytest.raises(GGUFFormatError), open_gguf(bad):
+        pass
+
+
+def _s(text: str | bytes) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _kv(key: str, vtype: GGUFValueType, value: bytes) -> bytes:
+    return _s(key) + struct.pack("<I", vtype) + value
+
+
+def _tensor(name: str, dims: list[int], ttype: int = 0, offset: int = 0) -> bytes:
+    shape = b"".join(struct.pack("<Q", d) for d in dims)
+    return _s(name) + struct.pack("<I", len(dims)) + shape + struct.pack("<IQ", ttype, offset)
+
+
+ARCH = _kv("general.architecture", GGUFValueType.STRING, _s("llama"))
+ROW = _tensor("a", [32, 4])  # f32: 512 bytes at offset 0
+NESTED = struct.pack("<IQ", GGUFValueType.ARRAY, 1)
+
+
+def raw_gguf(path: Path, kvs: list[bytes], tensors: list[bytes], alignment: int = 32) -> Path:
+    """A GGUF file byte by byte, for the layouts GGUFWriter will not write."""
+    body = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kvs) + 1)
+    body += ARCH + b"".join(kvs) + b"".join(tensors)
+    path.write_bytes(body + bytes(-len(body) % alignment) + bytes(4096))
+    return path
+
+
+# What llama.cpp's gguf_init_from_file refuses, each in a file whose bytes all parse.
+REFUSED = {
+    "a key twice": ([_kv("x", GGUFValueType.UINT32, b"\0" * 4)] * 2, [ROW], "key x is given twice"),
+    "an array of arrays": (
+        [_kv("x", GGUFValueType.ARRAY, NESTED + struct.pack("<IQ", GGUFValueType.UINT8, 0))],
+        [],
+        "array of arrays",
+    ),
+    "arrays nested 100,000 deep": (
+        [_kv("x", GGUFValueType.ARRAY, NESTED * 100_000 + struct.pack("<IQ", 4, 0))],
+        [],
+        "array of arrays",
+    ),
+    "a u8 alignment": (
+        [_kv("general.alignment", GGUFValueType.UINT8, b"\x20")],
+        [ROW],
+        "general.alignment is a UINT8",
+    ),
+    "a bool alignment": (
+        [_kv("general.alignment", GGUFValueType.BOOL, b"\x01")],
+        [ROW],
+        "general.alignment is a BOOL",
+    ),
+    "a tensor twice": ([], [ROW, _tensor("a", [32, 4], offset=512)], "tensor a is given twice"),
+    "five dimensions": ([], [_tensor("a", [32, 1, 1, 1, 4])], "5 dimensions"),
+    "a 64-byte name": ([], [_tensor("n" * 64, [32, 4])], "64 bytes or more"),
+    "rows not whole blocks": (
+        [],
+        [_tensor("a", [16, 4], GGMLQuantizationType.Q8_0)],  # 64 values: two blocks
+        "rows of 16 values are not whole blocks of 32",
+    ),
+    "a misaligned offset": ([], [_tensor("a", [32, 4], offset=3)], "offset 3, expected 0"),
+    "overlapping data": (
+        [],
+        [ROW, _tensor("b", [32, 4], offset=0)],
+        "tensor b: data at offset 0, expected 512",
+    ),
+    "a gap before a tensor": (
+        [],
+        [ROW, _tensor("b", [32, 4], offset=544)],
+        "tensor b: data at offset 544, expected 512",
+    ),
+    "too many elements": ([], [_tensor("a", [2**32, 2**32])], "too many elements"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_what_llama_cpp_refuses_is_a_format_error(tmp_path: Path, case: str) -> None:
+    kvs, tensors, message = REFUSED[case]
+    bad = raw_gguf(tmp_path / "bad.gguf", kvs, tensors)
+    with pytest.raises(GGUFFormatError, match=message), open_gguf(bad):
+        pass
+
+
+def test_what_llama_cpp_accepts_at_the_limits_is_read(tmp_path: Path) -> None:
+    good = raw_gguf(
+        tmp_path / "m.gguf",
+        [_kv("general.alignment", GGUFValueType.UINT32, struct.pack("<I", 64))],
+        [_tensor("n" * 63, [32, 1, 1, 4]), _tensor("b", [32], offset=512)],
+        alignment=64,
+    )
+    with open_gguf(good) as got:
+        assert [(t.name[:2], t.shape, t.data_offset - got.data_start) for t in got.tensors] == [
+            ("nn", (32, 1, 1, 4), 0),
+            ("b", (32,), 512),
+        ]
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    fifo = tmp_path / "m.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(GGUFFormatError, match="not a regular file"), open_gguf(fifo):
         pass

@@ -213,6 +213,17 @@ def test_another_file_of_the_same_name_is_not_replaced(fake_hub: FakeHub, models
     assert hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models, force=True).downloaded
 
 
+def test_a_folder_of_the_files_name_is_refused_before_downloading(
+    fake_hub: FakeHub, models: Path
+) -> None:
+    """os.replace cannot put the file there: that was an internal error (exit 70) after
+    the whole download."""
+    (models / Q4).mkdir(parents=True)
+    with pytest.raises(HubError, match=f"{Q4} is a folder or another non-file; move it away"):
+        hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models, force=True)
+    assert fake_hub.gets() == [] and (models / Q4).is_dir()
+
+
 def test_a_file_fetched_by_hand_is_adopted(fake_hub: FakeHub, models: Path) -> None:
     models.mkdir()
     (models / Q4).write_bytes(fake_hub.repos[REPO][Q4])
@@ -328,6 +339,30 @@ def test_cli_corrupted_pull_exits_9(fake_hub: FakeHub, models: Path) -> None:
     assert code == 9 and out == ""
     assert err.startswith("orin-llm: ") and "refused and deleted" in err
     assert files_under(models) == []
+
+
+def test_a_file_the_disk_cannot_hold_is_refused_before_a_byte_is_fetched(
+    fake_hub: FakeHub, models: Path
+) -> None:
+    """It was fetched until the disk was full, leaving a part file that kept it full."""
+    size = len(fake_hub.repos[REPO][Q8])
+    asked: list[Path] = []
+
+    def free(folder: Path) -> int:
+        asked.append(folder)
+        return size - 1
+
+    with pytest.raises(HubError, match=f"{REPO}/{Q8} needs 0.00 GiB more, and the filesystem"):
+        hub.pull(store.parse_ref(f"{REPO}:Q8_0"), models, disk_free=free)
+    assert asked == [models / store.PARTIAL_DIR] and fake_hub.gets() == []
+    assert files_under(models) == [] and not (models / store.PARTIAL_DIR).exists()
+    assert hub.pull(store.parse_ref(f"{REPO}:Q8_0"), models, disk_free=lambda _: size).downloaded
+
+
+def test_cli_pull_asks_the_disk_it_writes_to(fake_hub: FakeHub, models: Path) -> None:
+    deps = Deps(runner=FakeRunner(), effective_uid=lambda: 1000, disk_free=lambda _: 0)
+    r = CliRunner().invoke(app, ["model", "pull", f"{REPO}:Q8_0", "--dir", str(models)], obj=deps)
+    assert r.exit_code == 9 and "or pull into a folder on another disk with --dir" in r.stderr
 
 
 def test_cli_bad_reference_is_a_usage_error(fake_hub: FakeHub) -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,33 @@ def test_yaml_syntax_error_line() -> None:
         parse_profile("name: x\nengine:\n  slots: 2\n   n_ctx: 5\n", "p.yaml")
 
 
+def test_an_alias_inside_the_value_it_names_is_an_error_with_its_line() -> None:
+    with pytest.raises(ProfileError, match=r"^p.yaml:3: a YAML alias refers to the value"):
+        parse_profile("name: x\nserver:\n  cors_origins: &a [*a]\n", "p.yaml")
+
+
+def test_aliases_that_expand_to_billions_of_values_are_refused_at_once() -> None:
+    lines = ["name: x", "l0: &l0 [a, a, a, a, a, a, a, a, a, a]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 9)]
+    with pytest.raises(ProfileError, match=r"^p.yaml:\d+: its YAML aliases expand to more than"):
+        parse_profile("\n".join(lines) + "\n", "p.yaml")
+
+
+def test_yaml_nested_past_the_parsers_depth_is_a_profile_error() -> None:
+    with pytest.raises(ProfileError, match=r"^p.yaml: YAML nested too deeply"):
+        parse_profile("name: [" + "[" * 5000 + "]" * 5001 + "\n", "p.yaml")
+
+
+def test_anchors_aliases_and_merge_keys_still_load() -> None:
+    text = (
+        "name: x\nengine: &e {n_ctx: 512, slots: 2}\n"
+        "server:\n  cors_origins: &o [http://a, http://b]\n  image_url_hosts: *o\n"
+    )
+    profile = parse_profile(text, "p.yaml")
+    assert (profile.engine.n_ctx, profile.engine.slots) == (512, 2)
+    assert profile.server.image_url_hosts == profile.server.cors_origins == ["http://a", "http://b"]
+
+
 def test_a_key_given_twice_is_an_error_naming_both_lines() -> None:
     """YAML itself keeps the last value: the first section would be dropped silently."""
     text = "name: x\nengine:\n  n_ctx: 512\nserver:\n  port: 9000\nengine:\n  slots: 3\n"
@@ -163,6 +191,25 @@ def test_unknown_profile_name_suggests() -> None:
 def test_missing_profile_file(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match="no such profile file"):
         find_profile(tmp_path / "nope.yaml")
+
+
+def test_a_profile_that_is_not_utf8_names_the_line(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_bytes("name: x\nengine:\n  # Größe\n".encode("latin-1"))
+    with pytest.raises(ProfileError) as exc:
+        load_profile(f)
+    assert str(exc.value) == (
+        f"{f}:3: not UTF-8 text: byte 0xf6 at offset 22: invalid start byte "
+        "(save the file as UTF-8)"
+    )
+
+
+def test_a_fifo_is_not_a_profile_file(tmp_path: Path) -> None:
+    """It is there ('no such profile file' said it was not), and reading it would wait."""
+    fifo = tmp_path / "p.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ProfileError, match=r"p\.yaml: not a regular file"):
+        find_profile(fifo)
 
 
 def test_a_folder_is_not_a_profile_file(tmp_path: Path) -> None:
