@@ -127,7 +127,12 @@ PENALTY_LAST_N = Param(
     "Tokens the penalties look back over; -1 = the whole context, 0 disables the penalties.",
 )
 SEED: Param[int | None] = Param(
-    "seed", None, 0, (1 << 32) - 1, "Sampling seed; none = a random seed for each request."
+    "seed",
+    None,
+    0,
+    (1 << 32) - 2,
+    "Sampling seed; none = a random seed for each request. 4294967295 is llama.cpp's "
+    "'pick a random seed' (LLAMA_DEFAULT_SEED), so the largest seed is one below it.",
 )
 LOGPROBS: Param[int | None] = Param(
     "logprobs",
