@@ -88,7 +88,14 @@ TOP_P = Param(
     "1 disables it, 0 is refused (it would keep no token).",
     lo_open=True,
 )
-TOP_K = Param("top_k", 40, 0, 1000, "Keep only the k most likely tokens; 0 disables it.")
+TOP_K = Param(
+    "top_k",
+    40,
+    -1,
+    1000,
+    "Keep only the k most likely tokens; 0 disables it, and so does -1 (llama-server's "
+    "and vLLM's way to say all tokens).",
+)
 MIN_P = Param(
     "min_p",
     0.05,

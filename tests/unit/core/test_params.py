@@ -142,6 +142,13 @@ def test_no_seed_is_llamacpps_random_seed() -> None:
     assert seeds == [top - 1, top, 0, 1]
 
 
+def test_top_k_minus_one_means_all_tokens_as_in_llama_server_and_vllm() -> None:
+    """Clients written for vLLM send top_k -1 (its default) and llama-server takes any
+    top_k <= 0 as off; both were a 400 here."""
+    for accepts in (engine_accepts, profile_accepts, request_accepts):
+        assert accepts("top_k", -1) and not accepts("top_k", -2)
+
+
 def test_top_k_above_the_vocabulary_is_no_error() -> None:
     # llama.cpp keeps every candidate then; a profile's top_k must not depend on the model
     SamplingParams(top_k=1000).validate(n_vocab=256)
