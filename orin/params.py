@@ -88,7 +88,14 @@ TOP_P = Param(
     "1 disables it, 0 is refused (it would keep no token).",
     lo_open=True,
 )
-TOP_K = Param("top_k", 40, 0, 1000, "Keep only the k most likely tokens; 0 disables it.")
+TOP_K = Param(
+    "top_k",
+    40,
+    -1,
+    1000,
+    "Keep only the k most likely tokens; 0 disables it, and so does -1 (llama-server's "
+    "and vLLM's way to say all tokens).",
+)
 MIN_P = Param(
     "min_p",
     0.05,
@@ -127,7 +134,12 @@ PENALTY_LAST_N = Param(
     "Tokens the penalties look back over; -1 = the whole context, 0 disables the penalties.",
 )
 SEED: Param[int | None] = Param(
-    "seed", None, 0, (1 << 32) - 1, "Sampling seed; none = a random seed for each request."
+    "seed",
+    None,
+    0,
+    (1 << 32) - 2,
+    "Sampling seed; none = a random seed for each request. 4294967295 is llama.cpp's "
+    "'pick a random seed' (LLAMA_DEFAULT_SEED), so the largest seed is one below it.",
 )
 LOGPROBS: Param[int | None] = Param(
     "logprobs",

@@ -510,8 +510,9 @@ class Engine:
         if dimensions is not None and dimensions != width:
             raise InvalidRequest(
                 "dimensions",
-                f"this model's embeddings have {width} dimensions and cannot be shortened "
-                f"to {dimensions}; leave dimensions out or set it to {width}",
+                f"this model's embeddings have {width} dimensions, not {dimensions} (this "
+                f"server does not {'shorten' if dimensions < width else 'pad'} them); leave "
+                f"dimensions out or set it to {width}",
             )
         if not inputs:
             raise InvalidRequest("input", "no input given")

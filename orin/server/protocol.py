@@ -479,6 +479,7 @@ def _neutral_samplers(value: Any) -> bool:
 
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "mirostat": (lambda v: v == 0, _SAMPLER),
+    "mirostat_mode": (lambda v: v == 0, _SAMPLER),  # llama-cpp-python's server's name
     "typical_p": (lambda v: v == 1, _SAMPLER),
     "tfs_z": (lambda v: v == 1, _SAMPLER),
     "dynatemp_range": (lambda v: v == 0, _SAMPLER),
@@ -488,6 +489,24 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "samplers": (_neutral_samplers, "the samplers run in a fixed order: " + ", ".join(_OUR_ORDER)),
     "min_keep": (lambda v: v in (0, 1), _SAMPLER),
     "min_tokens": (lambda v: v == 0, "a minimum length is not implemented"),
+    "repetition_penalty": (lambda v: v == 1, "use repeat_penalty"),  # vLLM's and TGI's name
+    "include_stop_str_in_output": (
+        lambda v: v is False,
+        "the stop string that ends an answer is never part of its text",
+    ),
+    "skip_special_tokens": (lambda v: v is True, "control tokens are not written as text"),
+    "truncate_prompt_tokens": (
+        lambda v: False,
+        "a prompt longer than the window is refused or cut as the profile's context.overflow says",
+    ),
+    "t_max_predict_ms": (
+        lambda v: isinstance(v, (int, float)) and v <= 0,
+        "a time limit on the answer is not implemented; use max_tokens",
+    ),
+    "logit_bias_type": (
+        lambda v: v == "input_ids",
+        "logit_bias keys are token ids (/tokenize gives a text's ids)",
+    ),
     "use_beam_search": (lambda v: v is False, "beam search is not implemented"),
     "bad_words": (lambda v: not v, "use logit_bias"),
     "allowed_token_ids": (lambda v: not v, "use logit_bias"),

@@ -349,7 +349,8 @@ def test_every_input_shape_over_http(server: tuple[str, ServerState]) -> None:
         ({"input": [[1, 99_999]]}, "input", "99999"),
         ({"input": [[5] * 65]}, "input", "64"),
         ({"input": ["x"] * (MAX_INPUTS + 1)}, "input", str(MAX_INPUTS)),
-        ({"input": "x", "dimensions": 128}, "dimensions", "256"),
+        ({"input": "x", "dimensions": 128}, "dimensions", "256 dimensions, not 128"),
+        ({"input": "x", "dimensions": 512}, "dimensions", "does not pad them"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format", ""),
     ],
 )

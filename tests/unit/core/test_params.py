@@ -125,7 +125,28 @@ def test_one_temperature_cap() -> None:
 
 def test_a_profile_seed_fits_the_engine() -> None:
     assert not profile_accepts("seed", 1 << 32)
-    assert profile_accepts("seed", (1 << 32) - 1) and engine_accepts("seed", (1 << 32) - 1)
+    assert profile_accepts("seed", (1 << 32) - 2) and engine_accepts("seed", (1 << 32) - 2)
+
+
+def test_no_seed_is_llamacpps_random_seed() -> None:
+    """llama.cpp's dist sampler takes 0xFFFFFFFF (LLAMA_DEFAULT_SEED) as 'pick a random
+    seed': a request with that seed, or the choice of an n > 1 request that reached
+    it by seed + i, got a different answer on every call."""
+    from orin.engine.sampling import DEFAULT_SEED
+
+    for accepts in (engine_accepts, profile_accepts, request_accepts):
+        assert not accepts("seed", DEFAULT_SEED)
+    top = int(params.SEED.hi)
+    body = CompletionRequest(prompt="x", seed=top - 1, n=4, temperature=1)
+    seeds = [p.seed for p in body.choice_params(SamplingSection(), 100)]
+    assert seeds == [top - 1, top, 0, 1]
+
+
+def test_top_k_minus_one_means_all_tokens_as_in_llama_server_and_vllm() -> None:
+    """Clients written for vLLM send top_k -1 (its default) and llama-server takes any
+    top_k <= 0 as off; both were a 400 here."""
+    for accepts in (engine_accepts, profile_accepts, request_accepts):
+        assert accepts("top_k", -1) and not accepts("top_k", -2)
 
 
 def test_top_k_above_the_vocabulary_is_no_error() -> None:

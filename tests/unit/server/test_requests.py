@@ -152,3 +152,30 @@ def test_the_engine_names_the_field_a_grammar_came_from(
     chat = protocol.ChatCompletionRequest.model_validate(CHAT)
     chat.constrain('root ::= "call"')  # a required tool call's grammar
     assert chat.to_sampling(SamplingSection(), 4096).grammar_field == "tools"
+
+
+@pytest.mark.parametrize(
+    ("field", "on", "off"),
+    [
+        ("mirostat_mode", 2, 0),  # llama-cpp-python's server
+        ("logit_bias_type", "tokens", "input_ids"),  # llama-cpp-python's server
+        ("repetition_penalty", 1.3, 1.0),  # vLLM, TGI
+        ("include_stop_str_in_output", True, False),  # vLLM
+        ("skip_special_tokens", False, True),  # vLLM
+        ("truncate_prompt_tokens", 8, None),  # vLLM
+        ("t_max_predict_ms", 500, -1),  # llama-server
+    ],
+)
+def test_other_servers_output_fields_are_refused_not_ignored(
+    field: str, on: object, off: object
+) -> None:
+    """A client written for vLLM or llama-cpp-python's server sends these under their
+    own names; served as if they were absent, the answer silently differs from the
+    one asked for (a repetition penalty not applied, the stop string left out)."""
+    from orin.engine.errors import InvalidRequest
+
+    for model, body in ((protocol.CompletionRequest, TEXT), (protocol.ChatCompletionRequest, CHAT)):
+        with pytest.raises(InvalidRequest) as caught:
+            model.model_validate({**body, field: on}).refuse_unsupported()
+        assert caught.value.param == field
+        model.model_validate({**body, field: off}).refuse_unsupported()
