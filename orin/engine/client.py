@@ -191,7 +191,8 @@ class EngineClient(Protocol):
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The raw bytes of one token (``special``: control tokens as their text);
-        empty once the model is unloaded."""
+        empty once the model is unloaded; an id outside the vocabulary is an
+        InvalidRequest naming ``tokens``."""
         ...
 
     def render_chat(

@@ -251,16 +251,15 @@ class Engine:
         return text.decode("utf-8", errors="replace")
 
     def piece(self, token: int, special: bool = False) -> bytes:
-        """The raw bytes of one token (``special``: a control token as its text, and an
-        id outside the vocabulary an InvalidRequest); empty once the model is unloaded."""
+        """The raw bytes of one token (``special``: a control token as its text); empty
+        once the model is unloaded. An id outside the vocabulary is an InvalidRequest
+        naming ``tokens``: llama.cpp aborts the process on one."""
         backend = self.backend
         if backend is None:
             return b""
-        if not special:
-            return backend.piece(token)
         if not 0 <= token < backend.n_vocab:
             raise InvalidRequest("tokens", f"token id {token} is not in the vocabulary")
-        return backend.special_piece(token)
+        return backend.special_piece(token) if special else backend.piece(token)
 
     def render_chat(
         self,

@@ -118,9 +118,12 @@ def _register(app: FastAPI, state: ServerState) -> None:
             if not body.scores_prompt():
                 return prompts, None
             # the echo's logprobs: each token's text as echoed
-            return prompts, [
-                echo_pieces(state.engine, g, p) for g, p in zip(given, prompts, strict=True)
-            ]
+            try:
+                return prompts, [
+                    echo_pieces(state.engine, g, p) for g, p in zip(given, prompts, strict=True)
+                ]
+            except InvalidRequest as exc:  # a token id outside the vocabulary
+                raise InvalidRequest("prompt", str(exc).removeprefix(f"{exc.param}: ")) from None
 
         prompts, pieces = await off_loop_if_large(request, tokenize)
         fmt = CompletionFormatter(state, body, _rid(request), prompts, pieces)

@@ -15,6 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from orin.engine.engine import Engine
+from orin.engine.errors import InvalidRequest
 from orin.engine.types import SamplingParams
 from orin.model import demo
 from orin.profile.loader import parse_profile
@@ -262,6 +263,24 @@ def test_a_streamed_echo_carries_the_prompts_logprobs(server: tuple[TestClient, 
     np.testing.assert_allclose(
         joined["token_logprobs"][1:], whole["logprobs"]["token_logprobs"][1:], atol=ATOL
     )
+
+
+def test_a_token_outside_the_vocabulary_is_a_400_not_an_abort(
+    server: tuple[TestClient, Engine],
+) -> None:
+    """llama.cpp aborts the process on a token id it has no piece for: the echo's
+    pieces are read before the request reaches the engine's own check."""
+    client, engine = server
+    n_vocab = engine.backend.n_vocab  # type: ignore[union-attr]
+    for bad in (n_vocab, -1):
+        for stream in (False, True):
+            body = {"prompt": [1, bad], "echo": True, "logprobs": 1, "max_tokens": 0}
+            r = client.post("/v1/completions", json={**body, "stream": stream})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            assert str(bad) in r.json()["error"]["message"]
+    with pytest.raises(InvalidRequest):
+        engine.piece(n_vocab)
+    assert post(client, {"prompt": [1, 2], "echo": True, "logprobs": 1, "max_tokens": 0})
 
 
 def test_echo_without_logprobs_and_max_tokens_0(server: tuple[TestClient, Engine]) -> None:
