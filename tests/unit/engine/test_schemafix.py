@@ -19,7 +19,12 @@ from orin.engine.schemafix import NOT_IN_JSON, json_pattern, split_type_lists
         (r"^[\w.\-]$", r"^[A-Za-z0-9_.\x2D]$"),
         (r"^[^a]$", f"^[^a{NOT_IN_JSON}]$"),
         (r"^(?:ab)+\$$", "^(ab)+$$"),
-        (r"^\(a\)\n$", r"^\(a\)\n$"),  # the converter's own escapes and GBNF's stay
+        (r"^\(a\)\d$", r"^\(a\)[0-9]$"),  # the converter's own escapes stay
+        # what JSON writes escaped is written escaped, in a class a choice
+        (r'^a"\\\n$', r'^a(\\")(\\\\)(\\n)$'),
+        (r'^[a"]+$', r'^([a]|(\\"))+$'),
+        (r"^[ -~]$", r'^([ -!#-[\]-~]|(\\")|(\\\\))$'),
+        (r"^[\S ]$", f"^([ ]|[^ {NOT_IN_JSON}])$"),
     ],
 )
 def test_a_pattern_becomes_the_syntax_the_converter_reads(pattern: str, rewritten: str) -> None:
