@@ -135,6 +135,7 @@ _SUBSCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"}
 _SUBSCHEMA_MAPS = frozenset(
     {"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"}
 )
+_DEFINITIONS = frozenset({"$defs", "definitions"})
 
 
 def split_type_lists(schema: Any) -> Any:
@@ -155,6 +156,8 @@ def split_type_lists(schema: Any) -> Any:
         out[key] = value
     kinds = out.get("type")
     if isinstance(kinds, list) and not {"$ref", "oneOf", "anyOf"} & out.keys():
-        rest = {k: v for k, v in out.items() if k != "type"}
-        return {"anyOf": [{**rest, "type": t} for t in kinds]}
+        # the definitions stay where a $ref's path ("#/$defs/A") finds them
+        defs = {k: v for k, v in out.items() if k in _DEFINITIONS}
+        rest = {k: v for k, v in out.items() if k != "type" and k not in _DEFINITIONS}
+        return {**defs, "anyOf": [{**rest, "type": t} for t in kinds]}
     return out
