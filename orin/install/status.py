@@ -192,13 +192,24 @@ def _service_settings(root: SysRoot, unit_dir: str) -> tuple[str, dict[str, str]
     exec_start, env = "", dict[str, str]()
     for line in "\n".join(texts).splitlines():
         key, _, value = line.strip().partition("=")
+        words = _words(value)
+        if words is None:  # systemd, too, passes over a line it cannot split
+            continue
         if key == "ExecStart":
             exec_start = value
         elif key == "Environment" and not value:
             env.clear()
         elif key == "Environment":
-            env.update(w.partition("=")[::2] for w in shlex.split(value) if "=" in w)
+            env.update(w.partition("=")[::2] for w in words if "=" in w)
     return exec_start, env
+
+
+def _words(value: str) -> list[str] | None:
+    """A setting's value split as a shell would, or None where a quote is not closed."""
+    try:
+        return shlex.split(value)
+    except ValueError:
+        return None
 
 
 def _dropins(root: SysRoot, unit: str) -> list[str]:
@@ -216,7 +227,7 @@ def _dropins(root: SysRoot, unit: str) -> list[str]:
 
 
 def _exec_flags(exec_start: str) -> dict[str, str]:
-    words = shlex.split(exec_start)
+    words = _words(exec_start) or []
     flags = {w: v for w, v in itertools.pairwise(words) if w.startswith("--")}
     flags.update(w.partition("=")[::2] for w in words if w.startswith("--") and "=" in w)
     return flags

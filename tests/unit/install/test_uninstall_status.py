@@ -206,6 +206,9 @@ def test_status_reads_the_port_with_serves_precedence(
             8383,
         ),
         ({"override.conf": "[Service]\nEnvironment=\n", "notes.txt": "Environment=X=1"}, 8080),
+        # what systemd would not parse either is passed over, not a traceback
+        ({"override.conf": '[Service]\nEnvironment="ORIN_LLM_PORT=8282\n'}, 8080),
+        ({"override.conf": "[Service]\nExecStart=\nExecStart=/x serve '--port 8383\n"}, 8080),
     ],
 )
 def test_status_follows_the_drop_ins_systemctl_edit_writes(
