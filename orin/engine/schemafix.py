@@ -2,9 +2,10 @@
 turns into a correct grammar (orin/engine/grammar.py applies them).
 
 The converter lets a string hold raw control characters, copies a pattern's
-escapes (``\\d``, ``\\.``) into the grammar where llama.cpp refuses them, and
-drops the keywords beside a list of types, where llama.cpp's own converter
-does not. The rewrites here close those gaps in front of the converter that
+escapes (``\\d``, ``\\.``) into the grammar where llama.cpp refuses them and a
+pattern's quotes, backslashes and control characters into the JSON text
+unescaped, and drops the keywords beside a list of types, where llama.cpp's
+own converter does not. The rewrites here close those gaps in front of the converter that
 llama-cpp-python ships, as plain functions of dicts and strings.
 """
 
