@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from pathlib import Path
 from orin.errors import OrinError
 from orin.llamacpp import BuildInfo, build_info
 from orin.model.gguf import ModelInfo, read_model_info
+from orin.model.hub import DiskFree, free_bytes
 from orin.profile.kvmatch import KVDecision, resolve_kv
 from orin.profile.loader import resolve_model_path
 from orin.profile.schema import Profile
@@ -30,7 +30,6 @@ from orin.system.platform import Platform, detect
 from orin.system.root import SysRoot
 
 PortProbe = Callable[[str, int], str | None]  # None when the port can be bound
-DiskFree = Callable[[Path], int]
 
 
 def probe_port(host: str, port: int) -> str | None:
@@ -45,10 +44,6 @@ def probe_port(host: str, port: int) -> str | None:
                 return "already in use"
             return exc.strerror or str(exc)
     return None
-
-
-def free_bytes(path: Path) -> int:
-    return shutil.disk_usage(path).free
 
 
 def model_path_for(profile: Profile, override: Path | None) -> tuple[Path | None, str]:

@@ -2,9 +2,10 @@
 turns into a correct grammar (orin/engine/grammar.py applies them).
 
 The converter lets a string hold raw control characters, copies a pattern's
-escapes (``\\d``, ``\\.``) into the grammar where llama.cpp refuses them, and
-drops the keywords beside a list of types, where llama.cpp's own converter
-does not. The rewrites here close those gaps in front of the converter that
+escapes (``\\d``, ``\\.``) into the grammar where llama.cpp refuses them and a
+pattern's quotes, backslashes and control characters into the JSON text
+unescaped, and drops the keywords beside a list of types, where llama.cpp's
+own converter does not. The rewrites here close those gaps in front of the converter that
 llama-cpp-python ships, as plain functions of dicts and strings.
 """
 
@@ -36,30 +37,81 @@ _IN_CLASS = {"-": r"\x2D", "^": r"\x5E"}  # what GBNF takes for the escapes it d
 def json_pattern(pattern: str) -> str:
     """``pattern`` in the part of regex syntax the converter reads. It copies
     ``\\d``, ``\\w``, ``\\s`` and an escaped ``.``, ``-`` or ``/`` into the grammar
-    as they are, which llama.cpp refuses ("unknown escape"), and its negated classes
-    would take a '"' that ends the JSON string: each becomes a class or a character
-    that means the same and that a JSON string holds as it is. A non-capturing
-    group ``(?:…)``, which the converter refuses, is a plain group."""
+    as they are, which llama.cpp refuses ("unknown escape"); its negated classes
+    would take a '"' that ends the JSON string; and it writes a '"', a backslash or
+    a control character of the pattern raw, where JSON writes it escaped: each
+    becomes a class, a character or a choice that means the same in the JSON text.
+    A non-capturing group ``(?:…)``, which the converter refuses, is a plain group."""
     out: list[str] = []
     negated: bool | None = None  # in a class: whether it is negated; outside: None
+    start = 0  # where the class began in ``out``
+    alts: list[str] = []  # what a class holds that no class of the JSON text can
     i = 0
     while i < len(pattern):
         c, escaped = pattern[i], pattern[i + 1 : i + 2]
         i += 2 if c == "\\" and escaped else 1
-        if c == "\\" and escaped:
+        char = _LITERAL_ESCAPES.get(escaped) if c == "\\" else c
+        if negated is not True and char is not None and _escaped_in_json(char):
+            (alts if negated is False else out).append(_json_escape(char))
+        elif negated is False and c == "\\" and escaped in _NEGATED:
+            alts.append(_ESCAPES[escaped])
+        elif c == "\\" and escaped:
             out.append(_escape(escaped, negated is not None))
         elif negated is None and c == "(" and pattern.startswith("?:", i):
             i += 2  # a non-capturing group is a group to a grammar
             out.append(c)
         elif negated is None and c == "[":
-            negated = pattern[i : i + 1] == "^"
+            negated, start, alts = pattern[i : i + 1] == "^", len(out), []
             out.append(c)
+        elif negated is False and pattern[i : i + 1] == "-" and pattern[i + 1 : i + 2] not in "]\\":
+            out.append(_range(c, pattern[i + 1], alts))
+            i += 2
         elif negated is not None and c == "]":
             out.append(NOT_IN_JSON + c if negated else c)
+            if alts:  # [a"] is a choice: [a] or the escaped '"'
+                body = "".join(out[start + 1 : -1])
+                out[start:] = ["(" + "|".join([f"[{body}]"] * bool(body) + alts) + ")"]
             negated = None
         else:
             out.append(c)
     return "".join(out)
+
+
+# a pattern's escapes of one character that a JSON string holds only escaped
+_LITERAL_ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "t": "\t", "r": "\r", "f": "\f"}
+_NEGATED = frozenset(k.upper() for k in _CLASS_ESCAPES)
+_JSON_SHORT = {'"': '"', "\\": "\\\\", "\n": "n", "\t": "t", "\r": "r", "\f": "f", "\b": "b"}
+
+
+def _escaped_in_json(c: str) -> bool:
+    return c in '"\\' or c < " " or c == "\x7f"
+
+
+def _json_escape(c: str) -> str:
+    """The pattern the converter turns into ``c`` as a JSON string writes it
+    (``\\"``, ``\\n``, ``\\u001b``), a group for the quantifier after it."""
+    return "(\\\\" + _JSON_SHORT.get(c, f"u{ord(c):04x}") + ")"
+
+
+def _range(lo: str, hi: str, alts: list[str]) -> str:
+    """The range ``lo-hi`` of a class without what a JSON string holds only escaped,
+    each of those added to ``alts`` in its escaped form."""
+    parts: list[str] = []
+    first = ord(lo)
+    for code in range(ord(lo), ord(hi) + 1) if ord(hi) < 0x80 else range(ord(lo), 0x80):
+        if _escaped_in_json(chr(code)):
+            alts.append(_json_escape(chr(code)))
+            if first < code:
+                parts.append(_span(first, code - 1))
+            first = code + 1
+    if first <= ord(hi):
+        parts.append(_span(first, ord(hi)))
+    return "".join(parts)
+
+
+def _span(lo: int, hi: int) -> str:
+    ends = [_IN_CLASS.get(chr(c), "\\]" if chr(c) == "]" else chr(c)) for c in (lo, hi)]
+    return ends[0] if lo == hi else f"{ends[0]}-{ends[1]}"
 
 
 def _escape(c: str, in_class: bool) -> str:
@@ -84,6 +136,7 @@ _SUBSCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"}
 _SUBSCHEMA_MAPS = frozenset(
     {"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"}
 )
+_DEFINITIONS = frozenset({"$defs", "definitions"})
 
 
 def split_type_lists(schema: Any) -> Any:
@@ -104,6 +157,8 @@ def split_type_lists(schema: Any) -> Any:
         out[key] = value
     kinds = out.get("type")
     if isinstance(kinds, list) and not {"$ref", "oneOf", "anyOf"} & out.keys():
-        rest = {k: v for k, v in out.items() if k != "type"}
-        return {"anyOf": [{**rest, "type": t} for t in kinds]}
+        # the definitions stay where a $ref's path ("#/$defs/A") finds them
+        defs = {k: v for k, v in out.items() if k in _DEFINITIONS}
+        rest = {k: v for k, v in out.items() if k != "type" and k not in _DEFINITIONS}
+        return {**defs, "anyOf": [{**rest, "type": t} for t in kinds]}
     return out

@@ -9,6 +9,7 @@ units it affects.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -326,7 +327,8 @@ def _notes(config: UnitConfig, facts: HostFacts) -> tuple[str, ...]:
         notes.append(
             f"prompt_cache.directory {folder} is outside the service's own folders: the "
             f"unit makes it writable (ReadWritePaths=), and it must belong to {config.user} "
-            f"(sudo install -d -o {config.user} -g {config.user} -m 0700 {folder}), else "
+            f"(sudo install -d -o {config.user} -g {config.user} -m 0700 {shlex.quote(folder)}), "
+            "else "
             "the prompts are computed at every start instead of restored"
         )
     return tuple(notes)

@@ -20,7 +20,15 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from orin.errors import OrinError, unreachable
-from orin.install.layout import ENV_FILE, PROFILE_FILE, SERVICE, UNITS, env_values, unit_path
+from orin.install.layout import (
+    ENV_FILE,
+    PROFILE_FILE,
+    SERVICE,
+    UNIT_DIRS,
+    UNITS,
+    env_values,
+    unit_path,
+)
 from orin.install.plan import probe_url
 from orin.install.probe import HttpGet
 from orin.install.steps import read_file
@@ -176,29 +184,50 @@ def service_url(root: SysRoot, unit_dir: str) -> str | None:
 
 def _service_settings(root: SysRoot, unit_dir: str) -> tuple[str, dict[str, str]]:
     """The server unit's ExecStart= and its Environment= variables, with the drop-ins
-    in ``orin-llm.service.d/`` (``systemctl edit orin-llm``, where docs/install.md
-    sends local changes) applied in the order systemd applies them: by file name,
+    in ``orin-llm.service.d/`` folders (``systemctl edit orin-llm``, where
+    docs/install.md sends local changes) applied in the order systemd applies them: by file name,
     after the unit; an empty assignment resets the setting."""
-    unit = unit_path(unit_dir, SERVICE)
-    texts = [read_file(root, unit) or ""]
-    dropins = root.path(f"{unit}.d")
-    if dropins.is_dir():
-        names = sorted(p.name for p in dropins.glob("*.conf"))
-        texts += [read_file(root, f"{unit}.d/{name}") or "" for name in names]
+    texts = [read_file(root, unit_path(unit_dir, SERVICE)) or ""]
+    texts += [read_file(root, path) or "" for path in _dropins(root, SERVICE)]
     exec_start, env = "", dict[str, str]()
     for line in "\n".join(texts).splitlines():
         key, _, value = line.strip().partition("=")
+        words = _words(value)
+        if words is None:  # systemd, too, passes over a line it cannot split
+            continue
         if key == "ExecStart":
             exec_start = value
         elif key == "Environment" and not value:
             env.clear()
         elif key == "Environment":
-            env.update(w.partition("=")[::2] for w in shlex.split(value) if "=" in w)
+            env.update(w.partition("=")[::2] for w in words if "=" in w)
     return exec_start, env
 
 
+def _words(value: str) -> list[str] | None:
+    """A setting's value split as a shell would, or None where a quote is not closed."""
+    try:
+        return shlex.split(value)
+    except ValueError:
+        return None
+
+
+def _dropins(root: SysRoot, unit: str) -> list[str]:
+    """The drop-ins of ``unit`` in the order systemd applies them (systemd.unit(5)):
+    those of every unit folder, whichever holds the unit (``systemctl edit`` writes
+    to /etc/systemd/system), sorted by file name; of two with one name, the one in
+    the folder first in UNIT_DIRS."""
+    found: dict[str, str] = {}
+    for folder in UNIT_DIRS:
+        dropins = root.path(f"{folder}/{unit}.d")
+        if dropins.is_dir():
+            for p in dropins.glob("*.conf"):
+                found.setdefault(p.name, f"{folder}/{unit}.d/{p.name}")
+    return [found[name] for name in sorted(found)]
+
+
 def _exec_flags(exec_start: str) -> dict[str, str]:
-    words = shlex.split(exec_start)
+    words = _words(exec_start) or []
     flags = {w: v for w, v in itertools.pairwise(words) if w.startswith("--")}
     flags.update(w.partition("=")[::2] for w in words if w.startswith("--") and "=" in w)
     return flags

@@ -61,6 +61,7 @@ DiskFree = Callable[[Path], int]  # free bytes on the filesystem holding a folde
 
 
 def free_bytes(folder: Path) -> int:
+    """The free bytes on the filesystem holding ``folder`` (pull and doctor ask it)."""
     return shutil.disk_usage(folder).free
 
 

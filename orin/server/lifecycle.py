@@ -95,9 +95,11 @@ class OrinServer(uvicorn.Server):
         """uvicorn's SIGTERM and SIGINT handlers, and SIGHUP's: by default a hangup
         (the terminal of a `serve` closed, `systemctl kill -s HUP`) ends the process
         at once, each stream cut without its last event. There is nothing to reload,
-        so it drains as SIGTERM does."""
+        so it drains as SIGTERM does. A SIGHUP that came in ignored (``nohup``) stays
+        ignored: whoever started the server asked it to outlive the terminal."""
         with super().capture_signals():
-            if threading.current_thread() is not threading.main_thread():
+            ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            if ignored or threading.current_thread() is not threading.main_thread():
                 yield
                 return
             previous = signal.signal(signal.SIGHUP, self.handle_exit)

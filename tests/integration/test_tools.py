@@ -492,6 +492,10 @@ def test_a_list_of_types_keeps_the_other_keywords(hermes: tuple[str, ServerState
         r"^.{3}$",
         r"^[^a]{3}$",
         r"^(?:ab){2}$",
+        r'^a"b$',  # a quote, a backslash or a newline is escaped in the JSON text
+        r"^a\\b$",
+        r"^a\nb$",
+        r'^[a"\\]{3}$',
     ],
 )
 def test_a_pattern_is_followed_and_its_string_stays_json(

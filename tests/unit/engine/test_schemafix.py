@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from orin.engine.grammar import json_schema_grammar
 from orin.engine.schemafix import NOT_IN_JSON, json_pattern, split_type_lists
 
 
@@ -19,7 +20,12 @@ from orin.engine.schemafix import NOT_IN_JSON, json_pattern, split_type_lists
         (r"^[\w.\-]$", r"^[A-Za-z0-9_.\x2D]$"),
         (r"^[^a]$", f"^[^a{NOT_IN_JSON}]$"),
         (r"^(?:ab)+\$$", "^(ab)+$$"),
-        (r"^\(a\)\n$", r"^\(a\)\n$"),  # the converter's own escapes and GBNF's stay
+        (r"^\(a\)\d$", r"^\(a\)[0-9]$"),  # the converter's own escapes stay
+        # what JSON writes escaped is written escaped, in a class a choice
+        (r'^a"\\\n$', r'^a(\\")(\\\\)(\\n)$'),
+        (r'^[a"]+$', r'^([a]|(\\"))+$'),
+        (r"^[ -~]$", r'^([ -!#-[\]-~]|(\\")|(\\\\))$'),
+        (r"^[\S ]$", f"^([ ]|[^ {NOT_IN_JSON}])$"),
     ],
 )
 def test_a_pattern_becomes_the_syntax_the_converter_reads(pattern: str, rewritten: str) -> None:
@@ -43,3 +49,16 @@ def test_a_list_of_types_keeps_its_keywords_wherever_a_schema_may_be() -> None:
     }
     values = {"const": name, "enum": [name], "default": name}  # values, not schemas
     assert split_type_lists(values) == values
+
+
+def test_a_list_of_types_leaves_the_definitions_where_a_ref_finds_them() -> None:
+    """``#/$defs/A`` beside a list of types still names A: the definitions are not
+    moved into each choice."""
+    defs = {"A": {"type": "integer"}}
+    schema = {"type": ["object", "null"], "properties": {"a": {"$ref": "#/$defs/A"}}}
+    assert split_type_lists({**schema, "$defs": defs}) == {
+        "$defs": defs,
+        "anyOf": [{"properties": schema["properties"], "type": t} for t in ("object", "null")],
+    }
+    grammar = json_schema_grammar({**schema, "$defs": defs})
+    assert "integer" in grammar and "null" in grammar

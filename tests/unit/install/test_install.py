@@ -243,20 +243,27 @@ def test_a_program_another_user_can_write_is_not_run_as_root_at_boot(
     assert "ignoring (--force)" in err
 
 
+@pytest.mark.parametrize(
+    ("folder", "setting", "command"),
+    [
+        ("/srv/prompts", "-/srv/prompts", "/srv/prompts"),
+        ("/srv/my prompts", '"-/srv/my prompts"', "'/srv/my prompts'"),  # pasted as it is
+    ],
+)
 def test_a_prompt_cache_folder_of_its_own_is_writable_and_said(
-    tmp_path: Path, root: Path, host: FakeHost, deps: Deps
+    tmp_path: Path, root: Path, host: FakeHost, deps: Deps, folder: str, setting: str, command: str
 ) -> None:
     profile = tmp_path / "pc.yaml"
     model = "/var/lib/orin-llm/models/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf"
     profile.write_text(
         f"name: pc\nmodel: {{path: {model}, quantization: Q4_K_M}}\n"
-        "prompt_cache: {prompts: [You are a helpful assistant.], directory: /srv/prompts}\n"
+        f"prompt_cache: {{prompts: [You are a helpful assistant.], directory: {folder}}}\n"
     )
     code, out, err = invoke(deps, root, "install", "--profile", str(profile), "--dry-run")
     assert code == 0, err
-    assert "+ReadWritePaths=-/srv/prompts" in out
-    assert "note: prompt_cache.directory /srv/prompts is outside the service's own" in err
-    assert "sudo install -d -o orin-llm -g orin-llm -m 0700 /srv/prompts" in err
+    assert f"+ReadWritePaths={setting}" in out
+    assert f"note: prompt_cache.directory {folder} is outside the service's own" in err
+    assert f"sudo install -d -o orin-llm -g orin-llm -m 0700 {command})" in " ".join(err.split())
 
 
 def test_running_service_excuses_memory_fit_and_port(

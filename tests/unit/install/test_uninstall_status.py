@@ -206,6 +206,9 @@ def test_status_reads_the_port_with_serves_precedence(
             8383,
         ),
         ({"override.conf": "[Service]\nEnvironment=\n", "notes.txt": "Environment=X=1"}, 8080),
+        # what systemd would not parse either is passed over, not a traceback
+        ({"override.conf": '[Service]\nEnvironment="ORIN_LLM_PORT=8282\n'}, 8080),
+        ({"override.conf": "[Service]\nExecStart=\nExecStart=/x serve '--port 8383\n"}, 8080),
     ],
 )
 def test_status_follows_the_drop_ins_systemctl_edit_writes(
@@ -226,6 +229,30 @@ def test_status_follows_the_drop_ins_systemctl_edit_writes(
 
     assert invoke(dataclasses.replace(deps, http_get=get), root, "status")[0] == 1
     assert seen == [f"http://127.0.0.1:{port}/health"]
+
+
+def test_status_follows_the_drop_ins_of_every_unit_folder(
+    root: Path, host: FakeHost, deps: Deps
+) -> None:
+    """``systemctl edit`` writes its drop-in under /etc/systemd/system whatever folder
+    holds the unit, and a drop-in of the same name there hides one of /usr/lib's."""
+    code, _, err = invoke(
+        deps, root, "install", "--profile", PROFILE, "--unit-dir", "/usr/lib/systemd/system"
+    )
+    assert code == 0, err
+    for folder, port in (("usr/lib", 8282), ("etc", 8383)):
+        dropins = root / folder / "systemd/system/orin-llm.service.d"
+        dropins.mkdir(parents=True)
+        (dropins / "override.conf").write_text(f"[Service]\nEnvironment=ORIN_LLM_PORT={port}\n")
+    seen: list[str] = []
+
+    def get(url: str, timeout: float, headers: dict[str, str] | None = None) -> HttpResult:
+        seen.append(url)
+        return HttpResult(None, error="connection refused")
+
+    args = ("status", "--unit-dir", "/usr/lib/systemd/system")
+    assert invoke(dataclasses.replace(deps, http_get=get), root, *args)[0] == 1
+    assert seen == ["http://127.0.0.1:8383/health"]
 
 
 def test_status_when_not_installed(tmp_path: Path, host: FakeHost, deps: Deps) -> None:

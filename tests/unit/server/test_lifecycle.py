@@ -125,3 +125,18 @@ def test_sighup_drains_as_sigterm_does(caplog: pytest.LogCaptureFixture) -> None
     assert state.draining and srv.should_exit and not srv.cut_short
     assert engine.calls == [(True, 300.0)]
     assert "SIGHUP: the profile is not reloaded; stopping as for SIGTERM" in caplog.text
+
+
+def test_an_ignored_sighup_stays_ignored() -> None:
+    """Under ``nohup`` (or a supervisor that ignores the hangup) SIGHUP comes in
+    ignored: a closed terminal must not stop the server then."""
+    srv, _, state = server(300.0)
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with srv.capture_signals():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            signal.raise_signal(signal.SIGHUP)
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert srv._drain_thread is None and not state.draining
