@@ -130,8 +130,8 @@ CtxOpt = Annotated[
 
 def file_to_write(value: Path | None) -> Path | None:
     """Option callback: a file a command writes at its end, checked at its start (a
-    long run never ends on a path it cannot write): its folder exists, and it is not
-    itself a folder."""
+    long run never ends on a path it cannot write): its folder exists and this user may
+    write in it (or the file, when it is there), and it is not itself a folder."""
     if value is not None:
         if value.is_dir():
             raise typer.BadParameter(f"{value} is a folder; give a file name in it")
@@ -139,6 +139,10 @@ def file_to_write(value: Path | None) -> Path | None:
             raise typer.BadParameter(f"{value.parent} is a file, not a folder")
         if not value.parent.is_dir():
             raise typer.BadParameter(f"no folder {value.parent}: create it first")
+        if value.exists() and not os.access(value, os.W_OK):
+            raise typer.BadParameter(f"cannot write {value}")
+        if not value.exists() and not os.access(value.parent, os.W_OK | os.X_OK):
+            raise typer.BadParameter(f"cannot write in {value.parent}")
     return value
 
 

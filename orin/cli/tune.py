@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -325,14 +325,15 @@ def _run_measured(
     from orin.tune import tuned
     from orin.tune.run import tune
 
+    out_path, report_dir = _outputs(profile, out_path, report_dir)
     out = Output(as_json)
     if chosen_for_you is not None and not quiet:  # which profile a bare `tune run` tunes
         out.note(f"no --profile given: tuning {profile.name}, the profile serve runs without one")
     with TuneProgress.open(out, settings.budget_s, quiet) as bar:
         result = tune(profile, model, settings, progress=bar.say)
         bar.stage("writing the tuned profile and the report")
-        written = tuned.write(result, out_path or Path(f"{profile.name}-tuned.yaml"))
-        folder = tune_report.write(result, report_dir or Path(f"{profile.name}-tune-report"))
+        written = tuned.write(result, out_path)
+        folder = tune_report.write(result, report_dir)
     changes = [{"field": k, "profile": a, "tuned": b} for k, a, b in tuned.profile_changes(result)]
     if as_json:
         out.json(
@@ -351,6 +352,26 @@ def _run_measured(
     out.line(f"tuned profile: {written}")
     plots = "plots skipped: matplotlib is not installed" if folder["plots"] is None else "plots"
     out.line(f"report: {folder['folder']}/report.md ({plots})")
+
+
+def _outputs(profile: Profile, out: Path | None, report: Path | None) -> tuple[Path, Path]:
+    """The tuned profile's file and the report's folder, defaults included, checked as
+    --out and --report are: a search that takes the whole budget never ends on a path
+    it cannot write (a folder named like the profile file, a file named like the
+    report's folder, a working directory this user cannot write in)."""
+    if out is None:
+        out = _check(file_to_write, Path(f"{profile.name}-tuned.yaml"), "--out")
+    if report is None:
+        report = _check(folder_to_write, Path(f"{profile.name}-tune-report"), "--report")
+    return out, report
+
+
+def _check(callback: Callable[[Path], Path | None], default: Path, option: str) -> Path:
+    try:
+        callback(default)
+    except typer.BadParameter as exc:
+        raise usage_error(f"{option} (default {default}): {exc.message}") from None
+    return default
 
 
 class TuneProgress:

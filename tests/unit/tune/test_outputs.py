@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -303,3 +304,45 @@ def test_tune_without_a_profile_says_which_profile_it_tunes(
     assert "not a GGUF file" in r.stderr
     quiet = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r"), "-q"])
     assert quiet.exit_code == 3 and "no --profile given" not in quiet.stderr
+
+
+@pytest.mark.parametrize(
+    ("make", "option"),
+    [("unit-tuned.yaml/", "--out"), ("unit-tune-report", "--report")],
+)
+def test_default_outputs_are_checked_before_measuring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make: str, option: str
+) -> None:
+    """Without --out or --report, tune writes NAME-tuned.yaml and NAME-tune-report/
+    in the working directory; a folder or a file already in their way is a usage error
+    at the start (exit 2), as with the options given, not an internal error (exit 70)
+    after the whole budget was spent measuring."""
+
+    def measuring(*args: object, **kwargs: object) -> TuneResult:
+        raise AssertionError("tune measured before checking where it writes")
+
+    monkeypatch.setattr(run_mod, "tune", measuring)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    if make.endswith("/"):
+        (tmp_path / make).mkdir()
+    else:
+        (tmp_path / make).write_text("in the way")
+    r = CliRunner().invoke(tune_cli.app, ["run", "--profile", "p.yaml", "--budget", "0.1"])
+    assert r.exit_code == 2, r.output
+    assert f"{option} (default {make.rstrip('/')})" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["p.yaml", make.rstrip("/")])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write in any folder")
+def test_an_out_in_a_folder_this_user_cannot_write_is_refused_at_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: pytest.fail("measured"))
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    args = ["run", "--profile", str(tmp_path / "p.yaml"), "--out", str(locked / "t.yaml")]
+    r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r")])
+    assert r.exit_code == 2, r.output
+    assert "cannot write in" in r.stderr
