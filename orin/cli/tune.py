@@ -13,6 +13,7 @@ with the same options would. The group's callback and ``run`` share one signatur
 from __future__ import annotations
 
 import functools
+import math
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -75,6 +76,14 @@ ProfileOpt = Annotated[
 ]
 
 
+def _finite(value: float) -> float:
+    """Option callback: the budget bounds the run, and the measurements' cut-offs and the
+    telemetry sampler are sized from it, so ``inf`` is not "no limit" but a usage error."""
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a number of minutes")
+    return value
+
+
 @handle_errors
 def run(
     ctx: typer.Context,
@@ -92,7 +101,8 @@ def run(
     ] = None,
     n_ctx: CtxOpt = None,
     budget: Annotated[
-        float, typer.Option(min=0.1, help="Minutes for the whole run, report included.")
+        float,
+        typer.Option(min=0.1, callback=_finite, help="Minutes for the whole run, report included."),
     ] = 10.0,
     out: Annotated[
         Path | None,

@@ -346,3 +346,16 @@ def test_an_out_in_a_folder_this_user_cannot_write_is_refused_at_the_start(
     r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r")])
     assert r.exit_code == 2, r.output
     assert "cannot write in" in r.stderr
+
+
+@pytest.mark.parametrize("budget", ["inf", "nan"])
+def test_a_budget_that_is_not_a_number_of_minutes_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: str
+) -> None:
+    """--budget inf ended in an internal error (exit 70) sizing the telemetry sampler."""
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: pytest.fail("measured"))
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    args = ["run", "--profile", str(tmp_path / "p.yaml"), "--budget", budget]
+    r = CliRunner().invoke(tune_cli.app, [*args, "--out", str(tmp_path / "t.yaml")])
+    assert r.exit_code == 2, r.output
+    assert "Invalid value for '--budget'" in r.stderr
