@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -143,6 +144,15 @@ def file_to_write(value: Path | None) -> Path | None:
             raise typer.BadParameter(f"cannot write {value}")
         if not value.exists() and not os.access(value.parent, os.W_OK | os.X_OK):
             raise typer.BadParameter(f"cannot write in {value.parent}")
+    return value
+
+
+def finite(value: float | None) -> float | None:
+    """Option callback for a float with a minimum: ``inf`` passes the minimum, but a
+    budget, a timeout or a bandwidth that is infinite sizes nothing (timers and
+    deadlines overflow, a share of it is 0 %), so it is a usage error."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
     return value
 
 

@@ -13,7 +13,6 @@ with the same options would. The group's callback and ``run`` share one signatur
 from __future__ import annotations
 
 import functools
-import math
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +34,7 @@ from orin.cli.options import (
     apply_ctx,
     check_telemetry,
     file_to_write,
+    finite,
     folder_to_write,
 )
 from orin.cli.output import Output, progress_wanted
@@ -76,14 +76,6 @@ ProfileOpt = Annotated[
 ]
 
 
-def _finite(value: float) -> float:
-    """Option callback: the budget bounds the run, and the measurements' cut-offs and the
-    telemetry sampler are sized from it, so ``inf`` is not "no limit" but a usage error."""
-    if not math.isfinite(value):
-        raise typer.BadParameter(f"{value} is not a number of minutes")
-    return value
-
-
 @handle_errors
 def run(
     ctx: typer.Context,
@@ -102,7 +94,7 @@ def run(
     n_ctx: CtxOpt = None,
     budget: Annotated[
         float,
-        typer.Option(min=0.1, callback=_finite, help="Minutes for the whole run, report included."),
+        typer.Option(min=0.1, callback=finite, help="Minutes for the whole run, report included."),
     ] = 10.0,
     out: Annotated[
         Path | None,
