@@ -359,3 +359,24 @@ def test_a_budget_that_is_not_a_number_of_minutes_is_a_usage_error(
     r = CliRunner().invoke(tune_cli.app, [*args, "--out", str(tmp_path / "t.yaml")])
     assert r.exit_code == 2, r.output
     assert "Invalid value for '--budget'" in r.stderr
+
+
+def test_a_failed_measurement_keeps_the_json_strict(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed trial's distance to the targets is infinite; report.json and `tune
+    --json` write it as null, not as Infinity, which strict JSON parsers refuse."""
+    from orin.tune.search import Score
+
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    r = result(tiny_f16)
+    failed = Score(False, 0.0, float("inf"), failed=True)
+    r.search.trials.append(dataclasses.replace(r.search.trials[-1], score=failed))
+    report.write(r, tmp_path / "rep")
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    data = json.loads((tmp_path / "rep" / "report.json").read_text(), parse_constant=refuse)
+    assert data["trials"][-1]["failed"] is True and data["trials"][-1]["excess"] is None
+    json.dumps(r.to_dict(), allow_nan=False)
