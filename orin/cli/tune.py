@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -39,7 +39,7 @@ from orin.cli.options import (
 )
 from orin.cli.output import Output, progress_wanted
 from orin.doctor.context import model_path_for
-from orin.errors import OrinError
+from orin.errors import OrinError, ProfileError
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.profile.board import board_settings
 from orin.profile.loader import load_profile
@@ -145,7 +145,9 @@ def run(
     settings = TuneSettings(
         budget * 60, output_len, seed, telemetry, allow_fewer_slots=allow_fewer_slots, n_ctx=n_ctx
     )
-    _run_measured(profile_name, model, settings, out, report, as_json, quiet)
+    given = [f"--{name.replace('_', '-')}" for name in ("ctx", "output_len")
+             if _source(ctx, "n_ctx" if name == "ctx" else name) == "COMMANDLINE"]  # fmt: skip
+    _run_measured(profile_name, model, settings, out, report, as_json, quiet, given)
 
 
 app.command("run")(run)
@@ -320,12 +322,20 @@ def _run_measured(
     report_dir: Path | None,
     as_json: bool,
     quiet: bool = False,
+    given: Sequence[str] = (),
 ) -> None:
     profile, chosen_for_you = serve_profile(profile_name, model)  # the profile serve would run
     apply_ctx(profile, settings.n_ctx)  # a --ctx its rules refuse: a usage error, now
     from orin.tune import report as tune_report
     from orin.tune import tuned
-    from orin.tune.run import tune
+    from orin.tune.run import grid_for, tune, with_ctx
+
+    try:  # the SLO's longest prompt and --output-len must fit a slot's context
+        grid_for(with_ctx(profile, settings.n_ctx), settings.output_tokens)
+    except ProfileError as exc:
+        if given:  # a value the profile's rules refuse with its other settings: exit 2
+            raise usage_error(f"{', '.join(given)}: {exc}") from None
+        raise
 
     out_path, report_dir = _outputs(profile, out_path, report_dir)
     out = Output(as_json)

@@ -380,3 +380,34 @@ def test_a_failed_measurement_keeps_the_json_strict(
     data = json.loads((tmp_path / "rep" / "report.json").read_text(), parse_constant=refuse)
     assert data["trials"][-1]["failed"] is True and data["trials"][-1]["excess"] is None
     json.dumps(r.to_dict(), allow_nan=False)
+
+
+@pytest.mark.parametrize(
+    ("args", "slo_prompt", "code", "named"),
+    [
+        (["--output-len", "1000"], 64, 2, "--output-len: "),
+        (["--ctx", "256", "--output-len", "300"], 64, 2, "--ctx, --output-len: "),
+        ([], 500, 4, "orin-llm: engine.n_ctx (512 per slot)"),
+    ],
+)
+def test_an_slo_grid_that_does_not_fit_a_slot_names_its_cause(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    slo_prompt: int,
+    code: int,
+    named: str,
+) -> None:
+    """--ctx or --output-len that leave no room for the SLO's longest prompt plus the
+    generated tokens are a usage error naming the options (exit 2, as cli.md says of
+    a value the profile's rules refuse with its other settings); a profile whose own
+    SLO does not fit stays a profile error (exit 4)."""
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: pytest.fail("measured"))
+    text = PROFILE.replace("prompt_tokens: [16, 64]", f"prompt_tokens: [16, {slo_prompt}]")
+    (tmp_path / "p.yaml").write_text(text)
+    out = ["--out", str(tmp_path / "t.yaml"), "--report", str(tmp_path / "r")]
+    r = CliRunner().invoke(
+        tune_cli.app, ["run", "--profile", str(tmp_path / "p.yaml"), *args, *out]
+    )
+    assert r.exit_code == code, r.output
+    assert named in r.stderr and "cannot hold the SLO's" in r.stderr
