@@ -116,7 +116,8 @@ def successive_halving(
     on_trial: Callable[[Trial[C]], None] | None = None,
 ) -> SearchResult[C]:
     """Search ``candidates``; ``first`` (e.g. the current configuration) is always in the
-    first round. Returns the best of the highest round that completed."""
+    first round. Returns the best of the last round measured (of the candidates it reached, when
+    the budget cut it short)."""
     levels = fidelity_levels(min_fidelity, max_fidelity, eta)
     order = list(candidates)
     random.Random(seed).shuffle(order)
