@@ -122,7 +122,7 @@ def header(r: TuneResult) -> list[str]:
 
 def profile_data(r: TuneResult) -> dict[str, Any]:
     """The tuned profile as plain data: the input profile, the chosen engine and
-    speculation settings (KV types and flash attention explicit) and absolute model
+    speculation settings (KV types explicit; flash attention as measured) and absolute model
     paths (the file may be written elsewhere than the profile's directory)."""
     p = r.chosen.apply(r.profile)
     data = p.model_dump(mode="json")
