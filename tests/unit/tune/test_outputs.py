@@ -411,3 +411,19 @@ def test_an_slo_grid_that_does_not_fit_a_slot_names_its_cause(
     )
     assert r.exit_code == code, r.output
     assert named in r.stderr and "cannot hold the SLO's" in r.stderr
+
+
+def test_the_tuned_profile_is_written_for_the_file_it_was_measured_on(
+    tiny_f16: Path, tmp_path: Path
+) -> None:
+    """`tune --model x-f16.gguf` on a profile written for Q4_K_M measured the F16 file;
+    the tuned profile names that file and says F16, so `profile validate` and serve do
+    not warn that it was written for another quantization, and the header says so."""
+    text = PROFILE.replace("{demo: {size: tiny, quant: f16}}", "{quantization: Q4_K_M}")
+    r = dataclasses.replace(result(tiny_f16, text=text), model_given=True)
+    rendered = tuned.render(r)
+    assert yaml.safe_load(rendered)["model"]["quantization"] == "F16"
+    assert "#   model.quantization: Q4_K_M -> F16" in rendered.splitlines()
+    path = tuned.write(r, tmp_path / "t.yaml")
+    out = CliRunner().invoke(profile_cli.app, ["validate", str(path)])
+    assert out.exit_code == 0 and "model-quantization" not in out.output, out.output
