@@ -417,7 +417,7 @@ def test_the_tuned_profile_is_written_for_the_file_it_was_measured_on(
     tiny_f16: Path, tmp_path: Path
 ) -> None:
     """`tune --model x-f16.gguf` on a profile written for Q4_K_M measured the F16 file;
-    the tuned profile names that file and says F16, so `profile validate` and serve do
+    the tuned profile names that file and says F16, so `profile validate` does
     not warn that it was written for another quantization, and the header says so."""
     text = PROFILE.replace("{demo: {size: tiny, quant: f16}}", "{quantization: Q4_K_M}")
     r = dataclasses.replace(result(tiny_f16, text=text), model_given=True)
