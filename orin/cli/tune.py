@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orin.cli.deps import Deps, deps
-from orin.cli.errors import handle_errors, no_args_is_help, usage_error
+from orin.cli.errors import fail, handle_errors, no_args_is_help, usage_error
 from orin.cli.help import Typer
 from orin.cli.options import (
     BoardRootOpt,
@@ -344,8 +344,19 @@ def _run_measured(
     with TuneProgress.open(out, settings.budget_s, quiet) as bar:
         result = tune(profile, model, settings, progress=bar.say)
         bar.stage("writing the tuned profile and the report")
-        written = tuned.write(result, out_path)
-        folder = tune_report.write(result, report_dir)
+        try:  # checked at the start; what changed since is said, not an internal error
+            written = tuned.write(result, out_path)
+        except OSError as exc:
+            message = f"cannot write the tuned profile {out_path}: {exc.strerror or exc}"
+            raise fail(message, 1) from None
+        try:
+            folder = tune_report.write(result, report_dir)
+        except OSError as exc:
+            raise fail(
+                f"cannot write the report into {report_dir}: {exc.strerror or exc} "
+                f"(the tuned profile is written: {written})",
+                1,
+            ) from None
     changes = [{"field": k, "profile": a, "tuned": b} for k, a, b in tuned.profile_changes(result)]
     if as_json:
         out.json(

@@ -427,3 +427,25 @@ def test_the_tuned_profile_is_written_for_the_file_it_was_measured_on(
     path = tuned.write(r, tmp_path / "t.yaml")
     out = CliRunner().invoke(profile_cli.app, ["validate", str(path)])
     assert out.exit_code == 0 and "model-quantization" not in out.output, out.output
+
+
+def test_a_folder_that_went_away_during_the_run_is_said_not_an_internal_error(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The paths are checked at the start; when the folder of --out is replaced by a
+    file while tune measures, the end says what it could not write (exit 1), not
+    "internal error" (exit 70, a bug)."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+
+    def measuring(*args: object, **kwargs: object) -> TuneResult:
+        folder.rmdir()
+        folder.write_text("now a file")
+        return result(tiny_f16)
+
+    monkeypatch.setattr(run_mod, "tune", measuring)
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    args = ["run", "--profile", str(tmp_path / "p.yaml"), "--out", str(folder / "t.yaml")]
+    r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r"), "-q"])
+    assert r.exit_code == 1, r.output
+    assert r.stderr.startswith(f"orin-llm: cannot write the tuned profile {folder / 't.yaml'}: ")
