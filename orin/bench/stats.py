@@ -9,6 +9,7 @@ default) and the JSON keys follow vLLM's saved benchmark results
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -90,9 +91,14 @@ class SLO:
             key, sep, value = item.strip().partition("=")
             if not sep or key.strip() not in SLO_KEYS:
                 raise ValueError(f"{item!r}: expected one of {', '.join(SLO_KEYS)} as key=ms")
-            number = float(value)
-            if number <= 0:
-                raise ValueError(f"{key}: a target must be positive")
+            try:
+                number = float(value)
+            except ValueError:
+                raise ValueError(f"{item.strip()!r}: the target is a number of ms") from None
+            if not 0 < number < math.inf:  # nan too: it would meet and miss at once
+                raise ValueError(f"{key}: a target must be positive and finite")
+            if key.strip() in values:
+                raise ValueError(f"{key.strip()} is given twice")
             values[key.strip()] = number
         return cls(**values)
 

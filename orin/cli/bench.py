@@ -11,9 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from orin.bench.bandwidth import BandwidthRequest
 from orin.bench.stats import SLO, RequestResult, by_bucket
-from orin.cli.errors import handle_errors, usage_error
+from orin.cli.errors import fail, handle_errors, usage_error
 from orin.cli.help import Typer
-from orin.cli.options import ApiKeyOpt, JsonOpt, OutputOpt, check_url
+from orin.cli.options import ApiKeyOpt, JsonOpt, OutputOpt, check_url, finite
 from orin.cli.output import Output, human_bytes, progress_wanted
 
 if TYPE_CHECKING:  # the HTTP client stack loads only when a benchmark runs
@@ -101,7 +101,9 @@ def bench(
     as_json: JsonOpt = False,
     output: OutputOpt = None,
     api_key: ApiKeyOpt = None,
-    timeout: Annotated[float, typer.Option(min=1, help="Seconds per request.")] = 600.0,
+    timeout: Annotated[
+        float, typer.Option(min=1, callback=finite, help="Seconds per request.")
+    ] = 600.0,
     model_file: Annotated[
         Path | None,
         typer.Option(
@@ -126,6 +128,7 @@ def bench(
         float | None,
         typer.Option(
             min=0.001,
+            callback=finite,
             help="The server machine's memory bandwidth in GB/s (default: this machine's, "
             "from the Jetson data sheet or a cached copy probe, for a server on this machine).",
         ),
@@ -170,7 +173,10 @@ def bench(
     else:
         show(out, result)
     if output is not None:
-        output.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+        try:  # checked at the start; a folder that changed since is said, not a bug
+            output.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise fail(f"cannot write {output}: {exc.strerror or exc}", 1) from None
         out.note(f"wrote {output}")
     if not any(r.ok for r in result.results):
         raise typer.Exit(EXIT_ALL_FAILED)

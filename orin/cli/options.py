@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -130,8 +131,8 @@ CtxOpt = Annotated[
 
 def file_to_write(value: Path | None) -> Path | None:
     """Option callback: a file a command writes at its end, checked at its start (a
-    long run never ends on a path it cannot write): its folder exists, and it is not
-    itself a folder."""
+    long run never ends on a path it cannot write): its folder exists and this user may
+    write in it (or the file, when it is there), and it is not itself a folder."""
     if value is not None:
         if value.is_dir():
             raise typer.BadParameter(f"{value} is a folder; give a file name in it")
@@ -139,6 +140,19 @@ def file_to_write(value: Path | None) -> Path | None:
             raise typer.BadParameter(f"{value.parent} is a file, not a folder")
         if not value.parent.is_dir():
             raise typer.BadParameter(f"no folder {value.parent}: create it first")
+        if value.exists() and not os.access(value, os.W_OK):
+            raise typer.BadParameter(f"cannot write {value}")
+        if not value.exists() and not os.access(value.parent, os.W_OK | os.X_OK):
+            raise typer.BadParameter(f"cannot write in {value.parent}")
+    return value
+
+
+def finite(value: float | None) -> float | None:
+    """Option callback for a float with a minimum: ``inf`` passes the minimum, but a
+    budget, a timeout or a bandwidth that is infinite sizes nothing (timers and
+    deadlines overflow, a share of it is 0 %), so it is a usage error."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
     return value
 
 

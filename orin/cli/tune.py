@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orin.cli.deps import Deps, deps
-from orin.cli.errors import handle_errors, no_args_is_help, usage_error
+from orin.cli.errors import fail, handle_errors, no_args_is_help, usage_error
 from orin.cli.help import Typer
 from orin.cli.options import (
     BoardRootOpt,
@@ -34,11 +34,12 @@ from orin.cli.options import (
     apply_ctx,
     check_telemetry,
     file_to_write,
+    finite,
     folder_to_write,
 )
 from orin.cli.output import Output, progress_wanted
 from orin.doctor.context import model_path_for
-from orin.errors import OrinError
+from orin.errors import OrinError, ProfileError
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.profile.board import board_settings
 from orin.profile.loader import load_profile
@@ -92,7 +93,8 @@ def run(
     ] = None,
     n_ctx: CtxOpt = None,
     budget: Annotated[
-        float, typer.Option(min=0.1, help="Minutes for the whole run, report included.")
+        float,
+        typer.Option(min=0.1, callback=finite, help="Minutes for the whole run, report included."),
     ] = 10.0,
     out: Annotated[
         Path | None,
@@ -143,7 +145,9 @@ def run(
     settings = TuneSettings(
         budget * 60, output_len, seed, telemetry, allow_fewer_slots=allow_fewer_slots, n_ctx=n_ctx
     )
-    _run_measured(profile_name, model, settings, out, report, as_json, quiet)
+    given = [f"--{name.replace('_', '-')}" for name in ("ctx", "output_len")
+             if _source(ctx, "n_ctx" if name == "ctx" else name) == "COMMANDLINE"]  # fmt: skip
+    _run_measured(profile_name, model, settings, out, report, as_json, quiet, given)
 
 
 app.command("run")(run)
@@ -318,21 +322,41 @@ def _run_measured(
     report_dir: Path | None,
     as_json: bool,
     quiet: bool = False,
+    given: Sequence[str] = (),
 ) -> None:
     profile, chosen_for_you = serve_profile(profile_name, model)  # the profile serve would run
     apply_ctx(profile, settings.n_ctx)  # a --ctx its rules refuse: a usage error, now
     from orin.tune import report as tune_report
     from orin.tune import tuned
-    from orin.tune.run import tune
+    from orin.tune.run import grid_for, tune, with_ctx
 
+    try:  # the SLO's longest prompt and --output-len must fit a slot's context
+        grid_for(with_ctx(profile, settings.n_ctx), settings.output_tokens)
+    except ProfileError as exc:
+        if given:  # a value the profile's rules refuse with its other settings: exit 2
+            raise usage_error(f"{', '.join(given)}: {exc}") from None
+        raise
+
+    out_path, report_dir = _outputs(profile, out_path, report_dir)
     out = Output(as_json)
     if chosen_for_you is not None and not quiet:  # which profile a bare `tune run` tunes
         out.note(f"no --profile given: tuning {profile.name}, the profile serve runs without one")
     with TuneProgress.open(out, settings.budget_s, quiet) as bar:
         result = tune(profile, model, settings, progress=bar.say)
         bar.stage("writing the tuned profile and the report")
-        written = tuned.write(result, out_path or Path(f"{profile.name}-tuned.yaml"))
-        folder = tune_report.write(result, report_dir or Path(f"{profile.name}-tune-report"))
+        try:  # checked at the start; what changed since is said, not an internal error
+            written = tuned.write(result, out_path)
+        except OSError as exc:
+            message = f"cannot write the tuned profile {out_path}: {exc.strerror or exc}"
+            raise fail(message, 1) from None
+        try:
+            folder = tune_report.write(result, report_dir)
+        except OSError as exc:
+            raise fail(
+                f"cannot write the report into {report_dir}: {exc.strerror or exc} "
+                f"(the tuned profile is written: {written})",
+                1,
+            ) from None
     changes = [{"field": k, "profile": a, "tuned": b} for k, a, b in tuned.profile_changes(result)]
     if as_json:
         out.json(
@@ -351,6 +375,26 @@ def _run_measured(
     out.line(f"tuned profile: {written}")
     plots = "plots skipped: matplotlib is not installed" if folder["plots"] is None else "plots"
     out.line(f"report: {folder['folder']}/report.md ({plots})")
+
+
+def _outputs(profile: Profile, out: Path | None, report: Path | None) -> tuple[Path, Path]:
+    """The tuned profile's file and the report's folder, defaults included, checked as
+    --out and --report are: a search that takes the whole budget never ends on a path
+    it cannot write (a folder named like the profile file, a file named like the
+    report's folder, a working directory this user cannot write in)."""
+    if out is None:
+        out = _check(file_to_write, Path(f"{profile.name}-tuned.yaml"), "--out")
+    if report is None:
+        report = _check(folder_to_write, Path(f"{profile.name}-tune-report"), "--report")
+    return out, report
+
+
+def _check(callback: Callable[[Path], Path | None], default: Path, option: str) -> Path:
+    try:
+        callback(default)
+    except typer.BadParameter as exc:
+        raise usage_error(f"{option} (default {default}): {exc.message}") from None
+    return default
 
 
 class TuneProgress:

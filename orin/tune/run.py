@@ -122,7 +122,7 @@ class TuneResult:
 
 def _trial(t: Trial[Candidate]) -> dict[str, Any]:
     return {"label": t.candidate.label, "round": t.round, "fidelity": t.fidelity,
-            "cost_s": t.cost_s, **vars(t.score)}  # fmt: skip
+            "cost_s": t.cost_s, **t.score.to_dict()}  # fmt: skip
 
 
 def grid_for(profile: Profile, output_tokens: int) -> Grid:

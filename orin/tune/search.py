@@ -21,7 +21,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 C = TypeVar("C")
 
@@ -35,6 +35,13 @@ class Score:
     throughput: float  # generated tokens/s
     excess: float  # worst measured/target ratio minus 1; <= 0 when every target is met
     failed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON takes them: a failed measurement's excess is infinite,
+        which JSON has no number for (``Infinity`` is refused by strict parsers)."""
+        excess = self.excess if math.isfinite(self.excess) else None
+        return {"meets_slo": self.meets_slo, "throughput": self.throughput,
+                "excess": excess, "failed": self.failed}  # fmt: skip
 
     def key(self) -> tuple[int, float]:
         if self.failed:
@@ -109,7 +116,8 @@ def successive_halving(
     on_trial: Callable[[Trial[C]], None] | None = None,
 ) -> SearchResult[C]:
     """Search ``candidates``; ``first`` (e.g. the current configuration) is always in the
-    first round. Returns the best of the highest round that completed."""
+    first round. Returns the best of the last round measured (of the candidates it reached, when
+    the budget cut it short)."""
     levels = fidelity_levels(min_fidelity, max_fidelity, eta)
     order = list(candidates)
     random.Random(seed).shuffle(order)

@@ -97,7 +97,7 @@ class SpecChoice:
 
 def _tried(t: Trial[Candidate]) -> dict[str, Any]:
     return {"speculation": t.candidate.speculation.label, "fidelity": t.fidelity,
-            "cost_s": t.cost_s, **vars(t.score)}  # fmt: skip
+            "cost_s": t.cost_s, **t.score.to_dict()}  # fmt: skip
 
 
 def median_tpot(m: Measurement) -> float | None:

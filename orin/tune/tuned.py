@@ -122,7 +122,7 @@ def header(r: TuneResult) -> list[str]:
 
 def profile_data(r: TuneResult) -> dict[str, Any]:
     """The tuned profile as plain data: the input profile, the chosen engine and
-    speculation settings (KV types and flash attention explicit) and absolute model
+    speculation settings (KV types explicit; flash attention as measured) and absolute model
     paths (the file may be written elsewhere than the profile's directory)."""
     p = r.chosen.apply(r.profile)
     data = p.model_dump(mode="json")
@@ -134,6 +134,11 @@ def profile_data(r: TuneResult) -> dict[str, Any]:
         data["model"]["demo"] = None  # model stays named as it was unless --model
         data["model"]["packaged"] = None  # replaced it
         data["model"]["hf"] = None
+    written_for = data["model"]["quantization"]
+    if written_for is not None and written_for.upper() != r.info.quantization.upper():
+        # the settings were measured on this file (--model, or a file the profile's
+        # quantization did not describe): the tuned profile is written for it
+        data["model"]["quantization"] = r.info.quantization
     draft = p.speculative.draft_model
     if draft is not None and not draft.expanduser().is_absolute() and p.source is not None:
         data["speculative"]["draft_model"] = str((p.source.parent / draft).resolve())

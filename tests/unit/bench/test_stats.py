@@ -77,7 +77,8 @@ def test_slo_parse_and_check() -> None:
     check = slo.check({"p95_ttft_ms": 180.0, "p90_tpot_ms": 55.0})
     assert check["ttft_p95_ms"]["met"] and not check["tpot_p90_ms"]["met"]
     assert SLO.parse(None).empty
-    for bad in ("ttft=200", "ttft_p95_ms", "tpot_p90_ms=-1", "p99=3"):
+    bad_values = ("tpot_p90_ms=nan", "ttft_p95_ms=inf", "ttft_p95_ms=1,ttft_p95_ms=2")
+    for bad in ("ttft=200", "ttft_p95_ms", "tpot_p90_ms=-1", "p99=3", *bad_values):
         with pytest.raises(ValueError):
             SLO.parse(bad)
 

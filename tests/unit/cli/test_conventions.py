@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import typer.main
@@ -74,6 +75,33 @@ def test_bench_json_prints_and_output_writes(tmp_path: Path) -> None:
         assert "latency (ms)" in out
 
 
+def test_bench_output_that_cannot_be_written_at_the_end_is_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--output is checked at the start; a folder replaced by a file during the run is
+    reported with the path (exit 1) after the tables, not as an internal error (70)."""
+    from orin.cli import bench as bench_cli
+
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    measure = bench_cli._run_with_progress
+
+    def run_then_lose_the_folder(*args: Any) -> Any:
+        done = measure(*args)
+        folder.rmdir()
+        folder.write_text("now a file")
+        return done
+
+    monkeypatch.setattr(bench_cli, "_run_with_progress", run_then_lose_the_folder)
+    with serving(FakeServer(usage=True)) as url:
+        args = ["bench", "--url", url, "--num-requests", "1", "--input-len", "8",
+                "--output-len", "4", "--concurrency", "1", "--warmup", "0"]  # fmt: skip
+        code, out, err = invoke(*args, "--output", str(folder / "run.json"))
+    assert code == 1, err
+    assert "latency (ms)" in out
+    assert f"orin-llm: cannot write {folder / 'run.json'}: " in err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -84,6 +112,9 @@ def test_bench_json_prints_and_output_writes(tmp_path: Path) -> None:
         (("--request-rate", "0"), "the request rate must be positive"),
         (("--concurrency", "1", "--burstiness", "nan"), "burstiness must be positive and finite"),
         (("--concurrency", "1", "--burstiness", "inf"), "burstiness must be positive and finite"),
+        (("--concurrency", "1", "--timeout", "inf"), "inf is not a finite number"),
+        (("--concurrency", "1", "--mem-bandwidth", "inf"), "inf is not a finite number"),
+        (("--concurrency", "1", "--slo", "tpot_p90_ms=nan"), "positive and finite"),
     ],
 )
 def test_bench_usage_mistakes_exit_2(args: tuple[str, ...], message: str) -> None:

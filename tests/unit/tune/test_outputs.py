@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -303,3 +304,148 @@ def test_tune_without_a_profile_says_which_profile_it_tunes(
     assert "not a GGUF file" in r.stderr
     quiet = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r"), "-q"])
     assert quiet.exit_code == 3 and "no --profile given" not in quiet.stderr
+
+
+@pytest.mark.parametrize(
+    ("make", "option"),
+    [("unit-tuned.yaml/", "--out"), ("unit-tune-report", "--report")],
+)
+def test_default_outputs_are_checked_before_measuring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make: str, option: str
+) -> None:
+    """Without --out or --report, tune writes NAME-tuned.yaml and NAME-tune-report/
+    in the working directory; a folder or a file already in their way is a usage error
+    at the start (exit 2), as with the options given, not an internal error (exit 70)
+    after the whole budget was spent measuring."""
+
+    def measuring(*args: object, **kwargs: object) -> TuneResult:
+        raise AssertionError("tune measured before checking where it writes")
+
+    monkeypatch.setattr(run_mod, "tune", measuring)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    if make.endswith("/"):
+        (tmp_path / make).mkdir()
+    else:
+        (tmp_path / make).write_text("in the way")
+    r = CliRunner().invoke(tune_cli.app, ["run", "--profile", "p.yaml", "--budget", "0.1"])
+    assert r.exit_code == 2, r.output
+    assert f"{option} (default {make.rstrip('/')})" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["p.yaml", make.rstrip("/")])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write in any folder")
+def test_an_out_in_a_folder_this_user_cannot_write_is_refused_at_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: pytest.fail("measured"))
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    args = ["run", "--profile", str(tmp_path / "p.yaml"), "--out", str(locked / "t.yaml")]
+    r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r")])
+    assert r.exit_code == 2, r.output
+    assert "cannot write in" in r.stderr
+
+
+@pytest.mark.parametrize("budget", ["inf", "nan"])
+def test_a_budget_that_is_not_a_number_of_minutes_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: str
+) -> None:
+    """--budget inf ended in an internal error (exit 70) sizing the telemetry sampler."""
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: pytest.fail("measured"))
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    args = ["run", "--profile", str(tmp_path / "p.yaml"), "--budget", budget]
+    r = CliRunner().invoke(tune_cli.app, [*args, "--out", str(tmp_path / "t.yaml")])
+    assert r.exit_code == 2, r.output
+    assert "Invalid value for '--budget'" in r.stderr
+
+
+def test_a_failed_measurement_keeps_the_json_strict(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed trial's distance to the targets is infinite; report.json and `tune
+    --json` write it as null, not as Infinity, which strict JSON parsers refuse."""
+    from orin.tune.search import Score
+
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    r = result(tiny_f16)
+    failed = Score(False, 0.0, float("inf"), failed=True)
+    r.search.trials.append(dataclasses.replace(r.search.trials[-1], score=failed))
+    report.write(r, tmp_path / "rep")
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    data = json.loads((tmp_path / "rep" / "report.json").read_text(), parse_constant=refuse)
+    assert data["trials"][-1]["failed"] is True and data["trials"][-1]["excess"] is None
+    json.dumps(r.to_dict(), allow_nan=False)
+
+
+@pytest.mark.parametrize(
+    ("args", "slo_prompt", "code", "named"),
+    [
+        (["--output-len", "1000"], 64, 2, "--output-len: "),
+        (["--ctx", "256", "--output-len", "300"], 64, 2, "--ctx, --output-len: "),
+        ([], 500, 4, "orin-llm: engine.n_ctx (512 per slot)"),
+    ],
+)
+def test_an_slo_grid_that_does_not_fit_a_slot_names_its_cause(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    slo_prompt: int,
+    code: int,
+    named: str,
+) -> None:
+    """--ctx or --output-len that leave no room for the SLO's longest prompt plus the
+    generated tokens are a usage error naming the options (exit 2, as cli.md says of
+    a value the profile's rules refuse with its other settings); a profile whose own
+    SLO does not fit stays a profile error (exit 4)."""
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: pytest.fail("measured"))
+    text = PROFILE.replace("prompt_tokens: [16, 64]", f"prompt_tokens: [16, {slo_prompt}]")
+    (tmp_path / "p.yaml").write_text(text)
+    out = ["--out", str(tmp_path / "t.yaml"), "--report", str(tmp_path / "r")]
+    r = CliRunner().invoke(
+        tune_cli.app, ["run", "--profile", str(tmp_path / "p.yaml"), *args, *out]
+    )
+    assert r.exit_code == code, r.output
+    assert named in r.stderr and "cannot hold the SLO's" in r.stderr
+
+
+def test_the_tuned_profile_is_written_for_the_file_it_was_measured_on(
+    tiny_f16: Path, tmp_path: Path
+) -> None:
+    """`tune --model x-f16.gguf` on a profile written for Q4_K_M measured the F16 file;
+    the tuned profile names that file and says F16, so `profile validate` does
+    not warn that it was written for another quantization, and the header says so."""
+    text = PROFILE.replace("{demo: {size: tiny, quant: f16}}", "{quantization: Q4_K_M}")
+    r = dataclasses.replace(result(tiny_f16, text=text), model_given=True)
+    rendered = tuned.render(r)
+    assert yaml.safe_load(rendered)["model"]["quantization"] == "F16"
+    assert "#   model.quantization: Q4_K_M -> F16" in rendered.splitlines()
+    path = tuned.write(r, tmp_path / "t.yaml")
+    out = CliRunner().invoke(profile_cli.app, ["validate", str(path)])
+    assert out.exit_code == 0 and "model-quantization" not in out.output, out.output
+
+
+def test_a_folder_that_went_away_during_the_run_is_said_not_an_internal_error(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The paths are checked at the start; when the folder of --out is replaced by a
+    file while tune measures, the end says what it could not write (exit 1), not
+    "internal error" (exit 70, a bug)."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+
+    def measuring(*args: object, **kwargs: object) -> TuneResult:
+        folder.rmdir()
+        folder.write_text("now a file")
+        return result(tiny_f16)
+
+    monkeypatch.setattr(run_mod, "tune", measuring)
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    args = ["run", "--profile", str(tmp_path / "p.yaml"), "--out", str(folder / "t.yaml")]
+    r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r"), "-q"])
+    assert r.exit_code == 1, r.output
+    assert r.stderr.startswith(f"orin-llm: cannot write the tuned profile {folder / 't.yaml'}: ")
