@@ -196,6 +196,13 @@ def test_tune_options_before_a_subcommand_are_a_usage_error() -> None:
     assert code == 2 and "--budget: after `tune run`, not before it" in said
 
 
+def test_tune_options_before_a_subcommand_are_named_as_typed() -> None:
+    """The message names the options the user gave, not their parameters' names."""
+    code, _, err = invoke("tune", "--profile", "demo", "-q", "system")
+    said = " ".join(err.replace("│", " ").split())
+    assert code == 2 and "--profile, --quiet: with `tune run`" in said
+
+
 def test_tune_progress_only_on_a_terminal_without_quiet() -> None:
     class Tty(io.StringIO):
         def isatty(self) -> bool:
