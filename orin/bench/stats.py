@@ -9,6 +9,7 @@ default) and the JSON keys follow vLLM's saved benchmark results
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -91,8 +92,8 @@ class SLO:
             if not sep or key.strip() not in SLO_KEYS:
                 raise ValueError(f"{item!r}: expected one of {', '.join(SLO_KEYS)} as key=ms")
             number = float(value)
-            if number <= 0:
-                raise ValueError(f"{key}: a target must be positive")
+            if not 0 < number < math.inf:  # nan too: no request would ever meet it
+                raise ValueError(f"{key}: a target must be positive and finite")
             values[key.strip()] = number
         return cls(**values)
 

@@ -84,6 +84,10 @@ def test_bench_json_prints_and_output_writes(tmp_path: Path) -> None:
         (("--request-rate", "0"), "the request rate must be positive"),
         (("--concurrency", "1", "--burstiness", "nan"), "burstiness must be positive and finite"),
         (("--concurrency", "1", "--burstiness", "inf"), "burstiness must be positive and finite"),
+        (("--concurrency", "1", "--slo", "ttft_p95_ms=nan"), "a target must be positive and"),
+        (("--concurrency", "1", "--slo", "tpot_p90_ms=inf"), "a target must be positive and"),
+        (("--concurrency", "1", "--timeout", "inf"), "the timeout must be a finite number"),
+        (("--concurrency", "1", "--mem-bandwidth", "inf"), "bandwidth must be positive and"),
     ],
 )
 def test_bench_usage_mistakes_exit_2(args: tuple[str, ...], message: str) -> None:
