@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -84,6 +85,14 @@ def in_range(low: N, high: N) -> Callable[[N | None], N | None]:
         return value
 
     return check
+
+
+def finite(value: float | None) -> float | None:
+    """An option callback: ``inf`` passes click's lower bound but is no amount of time
+    (a usage error rather than an overflow deep in the command)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{_number(value)} is not a finite number")
+    return value
 
 
 def _number(x: float) -> str:

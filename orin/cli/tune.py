@@ -34,6 +34,7 @@ from orin.cli.options import (
     apply_ctx,
     check_telemetry,
     file_to_write,
+    finite,
     folder_to_write,
 )
 from orin.cli.output import Output, progress_wanted
@@ -92,7 +93,8 @@ def run(
     ] = None,
     n_ctx: CtxOpt = None,
     budget: Annotated[
-        float, typer.Option(min=0.1, help="Minutes for the whole run, report included.")
+        float,
+        typer.Option(min=0.1, callback=finite, help="Minutes for the whole run, report included."),
     ] = 10.0,
     out: Annotated[
         Path | None,

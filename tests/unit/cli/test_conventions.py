@@ -200,6 +200,13 @@ def test_tune_options_before_a_subcommand_are_a_usage_error() -> None:
     assert code == 2 and "--budget: after `tune run`, not before it" in said
 
 
+def test_tune_budget_inf_is_a_usage_error() -> None:
+    """inf minutes passed the lower bound and overflowed inside the search (exit 70)."""
+    code, _, err = invoke("tune", "run", "--budget", "inf")
+    said = " ".join(err.replace("│", " ").split())
+    assert code == 2 and "--budget': inf is not a finite number" in said
+
+
 def test_tune_options_before_a_subcommand_are_named_as_typed() -> None:
     """The message names the options the user gave, not their parameters' names."""
     code, _, err = invoke("tune", "--profile", "demo", "-q", "system")
