@@ -200,11 +200,18 @@ def test_tune_options_before_a_subcommand_are_a_usage_error() -> None:
     assert code == 2 and "--budget: after `tune run`, not before it" in said
 
 
-def test_tune_budget_inf_is_a_usage_error() -> None:
-    """inf minutes passed the lower bound and overflowed inside the search (exit 70)."""
-    code, _, err = invoke("tune", "run", "--budget", "inf")
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("tune", "run", "--budget", "inf"),
+        ("monitor", "--url", "http://127.0.0.1:9", "--interval", "inf"),
+    ],
+)
+def test_an_infinite_time_is_a_usage_error(args: tuple[str, ...]) -> None:
+    """inf passed the lower bound and overflowed inside the command (exit 70)."""
+    code, _, err = invoke(*args)
     said = " ".join(err.replace("│", " ").split())
-    assert code == 2 and "--budget': inf is not a finite number" in said
+    assert code == 2 and f"{args[-2]}': inf is not a finite number" in said
 
 
 def test_tune_options_before_a_subcommand_are_named_as_typed() -> None:
