@@ -70,6 +70,11 @@ class LoadSpec:
             raise ValueError("the request rate must be positive (inf: all at once)")
         if not 0 < self.burstiness < math.inf:
             raise ValueError("burstiness must be positive and finite")
+        if not 1 <= self.timeout_s < math.inf:
+            raise ValueError("the timeout must be a finite number of seconds, at least 1")
+        gbps = self.bandwidth.mem_bandwidth_gbps
+        if gbps is not None and not 0 < gbps < math.inf:
+            raise ValueError("the memory bandwidth must be positive and finite")
 
     @property
     def base_url(self) -> str:

@@ -28,7 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from orin.cli.errors import handle_errors, usage_error
-from orin.cli.options import ApiKeyOpt, JsonOpt, bearer, check_url
+from orin.cli.options import ApiKeyOpt, JsonOpt, bearer, check_url, finite
 from orin.cli.output import Output, guard_stdout
 from orin.errors import OrinError, os_error_text, unreachable
 from orin.telemetry.power import board_power_mw
@@ -282,7 +282,9 @@ def monitor(
     recording: Annotated[
         Path | None, typer.Option(help="Summarize a `serve --record` file instead.")
     ] = None,
-    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 0.25,
+    interval: Annotated[
+        float, typer.Option(min=0.1, callback=finite, help="Seconds between refreshes.")
+    ] = 0.25,
     once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
     api_key: ApiKeyOpt = None,
     as_json: JsonOpt = False,

@@ -87,6 +87,15 @@ def in_range(low: N, high: N) -> Callable[[N | None], N | None]:
     return check
 
 
+def finite(value: float | None) -> float | None:
+    """An option callback: ``inf`` passes click's lower bound but is no amount of time
+    or bandwidth (a usage error rather than an overflow, or a share of 0 %, deep in
+    the command)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{_number(value)} is not a finite number")
+    return value
+
+
 def _number(x: float) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
@@ -144,15 +153,6 @@ def file_to_write(value: Path | None) -> Path | None:
             raise typer.BadParameter(f"cannot write {value}")
         if not value.exists() and not os.access(value.parent, os.W_OK | os.X_OK):
             raise typer.BadParameter(f"cannot write in {value.parent}")
-    return value
-
-
-def finite(value: float | None) -> float | None:
-    """Option callback for a float with a minimum: ``inf`` passes the minimum, but a
-    budget, a timeout or a bandwidth that is infinite sizes nothing (timers and
-    deadlines overflow, a share of it is 0 %), so it is a usage error."""
-    if value is not None and not math.isfinite(value):
-        raise typer.BadParameter(f"{value} is not a finite number")
     return value
 
 

@@ -165,8 +165,8 @@ def measured(ctx: typer.Context, **options: object) -> None:
     """A bare ``tune`` prints the help; ``tune --option ...`` runs the search as ``tune
     run --option ...`` does; options before ``system`` or ``run`` are a usage error
     (they would be ignored)."""
-    given = [
-        p.name
+    given = [  # as the user typed them: --profile, not the parameter's name profile_name
+        p.opts[0]
         for p in ctx.command.params
         if p.name is not None and _source(ctx, p.name) == "COMMANDLINE"
     ]
@@ -177,7 +177,7 @@ def measured(ctx: typer.Context, **options: object) -> None:
                 if ctx.invoked_subcommand == "run"
                 else "with `tune run`; `tune system` takes its own after `system`"
             )
-            raise usage_error(f"{', '.join('--' + g.replace('_', '-') for g in given)}: {where}")
+            raise usage_error(f"{', '.join(given)}: {where}")
         return
     if not given:
         raise no_args_is_help(ctx)

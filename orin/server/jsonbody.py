@@ -19,6 +19,8 @@ from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
+from starlette.routing import Match
+from starlette.types import Receive, Scope, Send
 
 # a \u escape of a surrogate, high (d800-dbff) or low (dc00-dfff): the bodies that may
 # hold half a pair, looked at closely; any other body is read as it is
@@ -83,7 +85,23 @@ class _CheckedRequest(Request):
 class JsonRoute(APIRoute):
     """A route whose JSON body is read by ``loads``: FastAPI turns its
     ``LoneSurrogate`` into a validation error like any JSON that does not parse, and
-    the error handler (errors.on_validation_error) names the field."""
+    the error handler (errors.on_validation_error) names the field.
+
+    A GET route also answers HEAD, as RFC 9110 asks of every server and as
+    Starlette's own routes and llama-server do (``wget --spider``, uptime checks):
+    it runs as GET, and uvicorn, which still sees HEAD, sends the headers only.
+    HEAD stays out of ``methods``, so the OpenAPI schema has no second operation."""
+
+    def _as_get(self, scope: Scope) -> Scope:
+        if scope.get("method") == "HEAD" and "GET" in (self.methods or ()):
+            return {**scope, "method": "GET"}
+        return scope
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        return super().matches(self._as_get(scope))
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().handle(self._as_get(scope), receive, send)
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()

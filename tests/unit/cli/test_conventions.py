@@ -115,6 +115,8 @@ def test_bench_output_that_cannot_be_written_at_the_end_is_said(
         (("--concurrency", "1", "--timeout", "inf"), "inf is not a finite number"),
         (("--concurrency", "1", "--mem-bandwidth", "inf"), "inf is not a finite number"),
         (("--concurrency", "1", "--slo", "tpot_p90_ms=nan"), "positive and finite"),
+        (("--concurrency", "1", "--slo", "ttft_p95_ms=nan"), "a target must be positive and"),
+        (("--concurrency", "1", "--slo", "tpot_p90_ms=inf"), "a target must be positive and"),
     ],
 )
 def test_bench_usage_mistakes_exit_2(args: tuple[str, ...], message: str) -> None:
@@ -225,6 +227,27 @@ def test_tune_options_before_a_subcommand_are_a_usage_error() -> None:
     code, _, err = invoke("tune", "--budget", "2", "run")
     said = " ".join(err.replace("│", " ").split())
     assert code == 2 and "--budget: after `tune run`, not before it" in said
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("tune", "run", "--budget", "inf"),
+        ("monitor", "--url", "http://127.0.0.1:9", "--interval", "inf"),
+    ],
+)
+def test_an_infinite_time_is_a_usage_error(args: tuple[str, ...]) -> None:
+    """inf passed the lower bound and overflowed inside the command (exit 70)."""
+    code, _, err = invoke(*args)
+    said = " ".join(err.replace("│", " ").split())
+    assert code == 2 and f"{args[-2]}': inf is not a finite number" in said
+
+
+def test_tune_options_before_a_subcommand_are_named_as_typed() -> None:
+    """The message names the options the user gave, not their parameters' names."""
+    code, _, err = invoke("tune", "--profile", "demo", "-q", "system")
+    said = " ".join(err.replace("│", " ").split())
+    assert code == 2 and "--profile, --quiet: with `tune run`" in said
 
 
 def test_tune_progress_only_on_a_terminal_without_quiet() -> None:

@@ -306,6 +306,17 @@ def test_an_unknown_path_or_method_is_an_error_in_openais_shape_with_a_code(
     assert wrong.json()["error"]["message"] == "Method Not Allowed: POST /v1/models"
 
 
+def test_a_get_route_answers_head_and_a_post_route_does_not(client: TestClient) -> None:
+    """RFC 9110: a server that answers GET answers HEAD (wget --spider, uptime checks)."""
+    for path in ("/health", "/v1/models", "/metrics"):
+        head = client.head(path)
+        assert head.status_code == client.get(path).status_code == 200, path
+        assert head.content == b""
+    post_only = client.head("/v1/chat/completions")
+    assert post_only.status_code == 405 and post_only.headers["allow"] == "POST"
+    assert "head" not in client.get("/openapi.json").json()["paths"]["/health"]
+
+
 def test_the_new_routes_need_the_api_key(engine: FakeEngine) -> None:
     state = ServerState(
         engine=engine,  # type: ignore[arg-type]
