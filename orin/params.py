@@ -141,6 +141,9 @@ SEED: Param[int | None] = Param(
     "Sampling seed; none = a random seed for each request. 4294967295 is llama.cpp's "
     "'pick a random seed' (LLAMA_DEFAULT_SEED), so the largest seed is one below it.",
 )
+# a request's seed -1: llama-server's "a random seed", here one for that request alone,
+# whatever the profile's sampling.seed (a profile leaves its seed out for that)
+RANDOM_SEED = -1
 LOGPROBS: Param[int | None] = Param(
     "logprobs",
     None,

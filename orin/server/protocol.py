@@ -294,7 +294,14 @@ class _Common(_Lenient):
     repeat_penalty: float | None = _optional(params.REPEAT_PENALTY)
     presence_penalty: float | None = _optional(params.PRESENCE_PENALTY)
     frequency_penalty: float | None = _optional(params.FREQUENCY_PENALTY)
-    seed: int | None = _optional(params.SEED)
+    seed: int | None = Field(
+        None,
+        ge=params.RANDOM_SEED,
+        le=params.SEED.le,
+        description=params.SEED.description
+        + " -1 is llama-server's 'a random seed': one for this request, whatever the "
+        "profile's sampling.seed.",
+    )
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(
@@ -407,7 +414,7 @@ class _Common(_Lenient):
             presence_penalty=_pick(self.presence_penalty, params.PRESENCE_PENALTY.default),
             frequency_penalty=_pick(self.frequency_penalty, params.FREQUENCY_PENALTY.default),
             penalty_last_n=_pick(last_n, params.PENALTY_LAST_N.default),
-            seed=self.seed if self.seed is not None else defaults.seed,
+            seed=self._seed(defaults.seed),
             logit_bias=_logit_bias(self.logit_bias),
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -417,6 +424,13 @@ class _Common(_Lenient):
             logprobs=self.top_n_logprobs(),
             prompt_logprobs=self.scores_prompt(),
         )
+
+    def _seed(self, default: int | None) -> int | None:
+        """The request's seed, else the profile's; -1 is a random one (None), even
+        where the profile fixes a seed, so each call and each choice differ."""
+        if self.seed is None:
+            return default
+        return None if self.seed == params.RANDOM_SEED else self.seed
 
     def scores_prompt(self) -> bool:
         """Whether the answer carries the prompt tokens' log-probabilities."""

@@ -74,6 +74,21 @@ def test_seed_fixes_a_sampled_answer_and_another_seed_changes_it(client: openai.
     assert len({a[0], a[2], a[3]}) > 1
 
 
+def test_seed_minus_one_is_a_random_seed_for_each_call_and_choice(
+    client: openai.OpenAI,
+) -> None:
+    """llama-server's "a random seed" (it was a 400 here): each call, and each choice of
+    one call, samples with a seed of its own."""
+    fields: dict[str, Any] = {"temperature": 1.5, "top_p": 1.0, "max_tokens": 24}
+    extra = {"top_k": 0, "min_p": 0.0}
+    calls = [text_of(client, seed=-1, extra_body=extra, **fields) for _ in range(3)]
+    assert len(set(calls)) > 1
+    r = client.completions.create(
+        model="demo", prompt="The board boots and", n=3, seed=-1, extra_body=extra, **fields
+    )
+    assert len({c.text for c in r.choices}) > 1
+
+
 def test_max_tokens_and_its_other_names(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model="demo", messages=USER, max_completion_tokens=5, temperature=0
@@ -344,7 +359,7 @@ def test_llama_cpp_structured_output_forms(
         ),
         ("/v1/chat/completions", {"messages": USER, "presence_penalty": 3}, "presence_penalty"),
         ("/v1/chat/completions", {"messages": USER, "frequency_penalty": -3}, "frequency_penalty"),
-        ("/v1/chat/completions", {"messages": USER, "seed": -1}, "seed"),
+        ("/v1/chat/completions", {"messages": USER, "seed": -2}, "seed"),
         ("/v1/chat/completions", {"messages": USER, "max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"messages": USER, "stop": [""]}, "stop"),
         ("/v1/chat/completions", {"messages": USER, "logit_bias": {"1": 101}}, "logit_bias"),

@@ -78,7 +78,7 @@ def test_every_layer_takes_the_same_bounds(p: params.Param[Any]) -> None:
         assert p.problem(value) is not None
         if p.name in PROFILE:
             assert not profile_accepts(p.name, value), value
-        if p.name in REQUEST:
+        if p.name in REQUEST and not (p is params.SEED and value == params.RANDOM_SEED):
             assert not request_accepts(p.name, value), value
 
 
@@ -140,6 +140,22 @@ def test_no_seed_is_llamacpps_random_seed() -> None:
     body = CompletionRequest(prompt="x", seed=top - 1, n=4, temperature=1)
     seeds = [p.seed for p in body.choice_params(SamplingSection(), 100)]
     assert seeds == [top - 1, top, 0, 1]
+
+
+def test_a_request_seed_of_minus_one_is_a_random_seed_as_in_llama_server() -> None:
+    """llama-server documents seed -1 as 'a random seed'; it was a 400 here. It means
+    a random seed for that request even where the profile fixes one (no seed in the
+    request keeps the profile's), and every choice of n > 1 draws its own; the
+    profile and the engine keep their bounds, and other negative seeds stay a 400."""
+    assert request_accepts("seed", -1) and not request_accepts("seed", -2)
+    assert not profile_accepts("seed", -1) and not engine_accepts("seed", -1)
+    fixed = SamplingSection(seed=9)
+    assert CompletionRequest(prompt="x").to_sampling(fixed, 100).seed == 9
+    assert CompletionRequest(prompt="x", seed=5).to_sampling(fixed, 100).seed == 5
+    body = CompletionRequest(prompt="x", seed=-1, n=3)
+    assert [p.seed for p in body.choice_params(fixed, 100)] == [None, None, None]
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], seed=-1)
+    assert chat.to_sampling(fixed, 100).seed is None
 
 
 def test_top_k_minus_one_means_all_tokens_as_in_llama_server_and_vllm() -> None:
@@ -205,6 +221,8 @@ def doc_row(p: params.Param[Any]) -> str:
         default = f"profile's `sampling.{p.name}` ({default})"
     if p.name == "max_tokens":  # bounded by server.max_tokens_limit, not a constant
         bounds = f"≥ {num(p.lo)}"
+    elif p is params.SEED:  # a request's -1 is a random seed
+        bounds = f"-1, or ≥ {num(p.lo)}, ≤ {num(p.hi)}"
     else:
         low = f"> {num(p.lo)}" if p.lo_open else f"≥ {num(p.lo)}"
         bounds = f"{low}, ≤ {num(p.hi)}"
