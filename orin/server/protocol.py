@@ -272,6 +272,16 @@ class NamedToolChoice(_Lenient):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+# OpenAI's rule: tool_choice and parallel_tool_calls set without tools are refused,
+# as a request that meant to offer tools but lost them on the way
+TOOLS_NEEDED = "{} is only allowed when tools are specified"
+
+
+def _without_tools(info: ValidationInfo) -> bool:
+    """Whether the request left tools out (not: gave tools that were refused)."""
+    return "tools" in info.data and not info.data["tools"]
+
+
 STREAM_OPTIONS_WITHOUT_STREAM = (
     "The 'stream_options' parameter is only allowed when 'stream' is enabled."
 )
@@ -720,6 +730,8 @@ class ChatCompletionRequest(_Common):
     @field_validator("tools")
     @classmethod
     def _unique_tools(cls, tools: list[ToolDef] | None) -> list[ToolDef] | None:
+        if tools == []:  # OpenAI's rule: a list of tools has at least one
+            raise ValueError("tools must list at least one function; leave it out for none")
         names = [t.function.name for t in tools or []]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
@@ -729,11 +741,13 @@ class ChatCompletionRequest(_Common):
     @field_validator("tool_choice")
     @classmethod
     def _choice(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
-        if choice is None or choice in ("none", "auto"):
+        if choice is None:
+            return choice
+        if _without_tools(info):
+            raise ValueError(TOOLS_NEEDED.format("tool_choice"))
+        if choice in ("none", "auto"):
             return choice
         names = [t.function.name for t in info.data.get("tools") or []]
-        if not names:
-            raise ValueError("a tool_choice that requires a call needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"function {choice.function.name!r} is not among the tools {names}")
         fmt = info.data.get("response_format")
@@ -748,6 +762,14 @@ class ChatCompletionRequest(_Common):
                     f"it cannot be combined with {name}"
                 )
         return choice
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _parallel(cls, parallel: bool, info: ValidationInfo) -> bool:
+        """Checked only when given (null is the default, as left out)."""
+        if _without_tools(info):
+            raise ValueError(TOOLS_NEEDED.format("parallel_tool_calls"))
+        return parallel
 
     def effective_tool_choice(self) -> ToolChoice:
         """What the request asks of the tools: none without any, auto by default."""

@@ -389,6 +389,13 @@ def test_llama_cpp_structured_output_forms(
         ("/v1/chat/completions", {"messages": USER, "mirostat": 2}, "mirostat"),
         ("/v1/chat/completions", {"messages": USER, "typical_p": 0.5}, "typical_p"),
         ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"messages": USER, "tools": []}, "tools"),
+        ("/v1/chat/completions", {"messages": USER, "tool_choice": "none"}, "tool_choice"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "parallel_tool_calls": False},
+            "parallel_tool_calls",
+        ),
         ("/v1/chat/completions", {"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
         (
             "/v1/chat/completions",

@@ -483,6 +483,29 @@ CAPS = TemplateCaps(True, True, "hermes", False, False)
 THINKING_CAPS = TemplateCaps(True, True, "hermes", True, False)
 
 
+def test_tool_fields_without_tools_are_refused_as_openai_refuses_them() -> None:
+    """OpenAI answers 400 to an empty tools list and to tool_choice or
+    parallel_tool_calls without tools; they were accepted in silence, so a client
+    that lost its tools on the way got an answer that could never call one."""
+    assert refused(tools=[]).startswith("tools: ")
+    assert "at least one function" in refused(tools=[])
+    for choice in ("none", "auto", "required"):
+        assert refused(tools=None, tool_choice=choice) == (
+            "tool_choice: Value error, tool_choice is only allowed when tools are specified"
+        )
+    for parallel in (True, False):
+        assert refused(tools=None, parallel_tool_calls=parallel).startswith("parallel_tool_calls: ")
+    assert "tools are specified" in refused(tools=None, parallel_tool_calls=False)
+    # null is the default, as left out; and with tools every value stays accepted
+    request(tools=None, tool_choice=None, parallel_tool_calls=None)
+    request(tool_choice="none", parallel_tool_calls=False)
+    # tools refused for a reason of their own are the error, not the fields beside them
+    bad = [{"type": "function", "function": {"name": "has space"}}]
+    with pytest.raises(ValidationError) as err:
+        request(tools=bad, tool_choice="auto", parallel_tool_calls=False)
+    assert [e["loc"][0] for e in err.value.errors()] == ["tools"]
+
+
 def test_the_output_spec_follows_tool_choice_and_reasoning_format() -> None:
     spec = output_spec(request(), CAPS, "prompt")
     assert spec.format is FORMATS["hermes"] and spec.max_calls is None and not spec.reasoning
