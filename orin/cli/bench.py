@@ -178,8 +178,14 @@ def bench(
         except OSError as exc:
             raise fail(f"cannot write {output}: {exc.strerror or exc}", 1) from None
         out.note(f"wrote {output}")
-    if not any(r.ok for r in result.results):
-        raise typer.Exit(EXIT_ALL_FAILED)
+    if not any(r.ok for r in result.results):  # said on stderr, --json or not
+        raise fail(_all_failed(result.summary()["errors"]), EXIT_ALL_FAILED)
+
+
+def _all_failed(errors: dict[str, int]) -> str:
+    """``every request failed: http 400 context_length_exceeded 63, timeout 1``."""
+    kinds = sorted(errors.items(), key=lambda kv: -kv[1])
+    return "every request failed: " + ", ".join(f"{kind} {n}" for kind, n in kinds)
 
 
 def _run_with_progress(spec: LoadSpec, out: Output) -> BenchRun:

@@ -154,6 +154,25 @@ def test_bench_with_a_model_the_server_does_not_list_is_a_usage_error() -> None:
     assert fake.bodies == []  # no completion was sent
 
 
+def test_bench_json_with_every_request_failed_says_why_on_stderr() -> None:
+    """Exit 1 comes with a line on stderr naming the errors, not only in the JSON."""
+    fake = FakeServer(usage=True)
+
+    def refusing(seen: Seen) -> Answer:
+        if seen.body.get("stream"):
+            return Answer(400, {"error": {"code": "context_length_exceeded"}})
+        return fake(seen)
+
+    with serving(refusing) as url:
+        code, out, err = invoke(
+            "bench", "--url", url, "--num-requests", "3", "--input-len", "8",
+            "--concurrency", "1", "--warmup", "0", "--json",
+        )  # fmt: skip
+    assert code == 1
+    assert json.loads(out)["errors"] == {"http 400 context_length_exceeded": 3}
+    assert err == "orin-llm: every request failed: http 400 context_length_exceeded 3\n"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
