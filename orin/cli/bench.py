@@ -162,12 +162,14 @@ def bench(
 
         read_model_info(model_file)
     out = Output(as_json)
-    from orin.bench.server import UnknownModel
+    from orin.bench.server import InputTooLong, UnknownModel
 
     try:
         result = _run_with_progress(spec, out)
     except UnknownModel as exc:  # found from /v1/models, before any request is sent
         raise typer.BadParameter(str(exc), param_hint="'--model'") from None
+    except InputTooLong as exc:  # the context the server says it has, likewise
+        raise typer.BadParameter(str(exc), param_hint="'--input-len'") from None
     if as_json:
         out.json(result.to_json())
     else:
