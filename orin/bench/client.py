@@ -26,6 +26,8 @@ import contextlib
 import http.client
 import itertools
 import json
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -56,17 +58,50 @@ SERVER_TIMING_KEYS = (
 )
 
 
+class Connections:
+    """The connections of a run that are open, so that a cancelled run (Ctrl-C) closes
+    them at once: a worker thread blocked reading a stream then returns, instead of
+    holding the interpreter's exit (it joins the pool's threads) until the server
+    finishes the request or the read timeout passes. Once closed, a connection that
+    opens is closed too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self.closed = False
+
+    def add(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self.closed:
+                raise ConnectionAbortedError("the run was cancelled")
+            self._open.add(sock)
+
+    def discard(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._open.discard(sock)
+
+    def close_all(self) -> None:
+        with self._lock:
+            self.closed = True
+            socks = list(self._open)
+        for sock in socks:  # a blocked read returns (end of stream) in its own thread
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
 @dataclass(frozen=True)
 class Target:
     """Where and how to send: the base URL, model name, headers, the extra body
-    fields this server understands (``ignore_eos``, ``return_token_ids``) and the
-    read timeout."""
+    fields this server understands (``ignore_eos``, ``return_token_ids``), the
+    read timeout and the run's open connections (closed at once when it is
+    cancelled)."""
 
     base_url: str
     model: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 600.0  # per connection read, as --timeout
+    live: Connections | None = None
 
     def body(self, prompt: str | list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -190,18 +225,29 @@ def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, s
 
 @contextlib.contextmanager
 def _exchange(
-    method: str, url: str, body: dict[str, Any] | None, headers: dict[str, str], timeout: float
+    method: str,
+    url: str,
+    body: dict[str, Any] | None,
+    headers: dict[str, str],
+    timeout: float,
+    live: Connections | None = None,
 ) -> Iterator[http.client.HTTPResponse]:
     """Send one request and yield its response, unread; the connection closes after."""
     conn, path = _connection(url, timeout)
+    sock = None
     try:
         conn.connect()
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout)
+        sock = conn.sock
+        if sock is not None:
+            sock.settimeout(timeout)
+            if live is not None:
+                live.add(sock)
         data = json.dumps(body) if body is not None else None
         conn.request(method, path, data, {**JSON_HEADERS, **headers} if data else headers)
         yield conn.getresponse()
     finally:
+        if live is not None and sock is not None:
+            live.discard(sock)
         conn.close()
 
 
@@ -211,10 +257,11 @@ def request(
     body: dict[str, Any] | None = None,
     headers: dict[str, str] | None = None,
     timeout: float = 600.0,
+    live: Connections | None = None,
 ) -> Reply:
     """One whole request; a refused connection or a timeout raises (OSError,
     http.client.HTTPException)."""
-    with _exchange(method, url, body, headers or {}, timeout) as resp:
+    with _exchange(method, url, body, headers or {}, timeout, live) as resp:
         return Reply(resp.status, resp.read())
 
 
@@ -258,7 +305,7 @@ def send(
     url = f"{target.base_url}/v1/completions"
     body = target.body(prompt, max_tokens, stream=True)
     try:
-        with _exchange("POST", url, body, target.headers, target.timeout_s) as resp:
+        with _exchange("POST", url, body, target.headers, target.timeout_s, target.live) as resp:
             if resp.status >= 400:
                 error = http_error(resp.status, resp.read())
                 return RequestResult(index, input_len, False, error, start_s=start_s)

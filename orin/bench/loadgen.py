@@ -1,16 +1,20 @@
 """The load generator: closed loop (N streams in flight) or open loop (Poisson arrivals).
 
-Every request is planned before the run (its input length and prompt, from
-the seed), so two runs with the same seed send the same prompts in the same
-order. ``t0`` of a request is when it is sent, after any client-side
-concurrency limit; server-side queueing is then part of TTFT, as
-docs/metrics.md defines it. The run's duration is from the first send to the
-last response. Warm-up requests run first and are not measured.
+Every request is planned before the run (its input length, arrival time and
+prompt seed), so two runs with the same seed send the same prompts in the same
+order; a prompt is built on its worker thread just before it is sent, so the
+prompts held at once are the ones in flight. ``t0`` of a request is when it
+is sent, after any client-side concurrency limit; server-side queueing is then
+part of TTFT, as docs/metrics.md defines it. The run's duration is from the
+first send to the last response. Warm-up requests run first and are not
+measured.
 
 The schedule is asyncio's; each request is one blocking stream (client.py's
 lean client) on a worker thread of a pool sized so that the pool is never the
 limit: N threads for a closed loop of N, and for an open loop one per request
-(up to OPEN_LOOP_THREADS), so an arrival never waits for a free worker.
+(up to OPEN_LOOP_THREADS), so an arrival never waits for a free worker. A
+cancelled run (Ctrl-C) closes the connections in flight at once, so that the
+threads blocked reading them end without waiting for the server.
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ from typing import Any
 import numpy as np
 
 from orin.bench.bandwidth import BandwidthRequest, Utilization, run_utilization
-from orin.bench.client import Target, send
+from orin.bench.client import Connections, Target, send
 from orin.bench.server import ServerInfo, phase_delta, probe, scrape
 from orin.bench.stats import SLO, RequestResult, by_bucket, summarize
 
 ResultCallback = Callable[[RequestResult], None]
 UTIL_KEYS = ("prefill_gpu_util", "decode_gpu_util", "prefill_cpu_util", "decode_cpu_util")
 OPEN_LOOP_THREADS = 1024  # streams in flight at most, with a rate and no --concurrency
+MAX_INPUT_LEN = 1 << 20  # tokens: orin-llm's largest context (serve --ctx)
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,8 @@ class LoadSpec:
             raise ValueError("num-requests and output-len must be >= 1, warmup >= 0")
         if not self.input_lens or min(self.input_lens) < 1:
             raise ValueError("input lengths must be >= 1 token")
+        if max(self.input_lens) > MAX_INPUT_LEN:
+            raise ValueError(f"input lengths must be at most {MAX_INPUT_LEN} tokens")
         if self.concurrency is None and self.request_rate is None:
             raise ValueError("give --concurrency N (closed loop) or --request-rate R (open loop)")
         if self.concurrency is not None and self.concurrency < 1:
@@ -187,27 +194,42 @@ class _Held:
     count: int = 0
 
 
+Job = tuple[int, int, float]  # (index, input length, arrival offset in seconds)
+
+
+def _prompted_send(
+    server: ServerInfo, seed: int, target: Target, output_len: int, index: int, length: int,
+    start: float,
+) -> RequestResult:  # fmt: skip
+    """Build the request's prompt (seeded by its index) and send it, on a worker thread:
+    only the prompts in flight are held, however long they are."""
+    prompt = server.prompt(random.Random(f"prompt:{seed}:{index}"), length)
+    return send(target, prompt, output_len, index, length, start)
+
+
 async def _fire(
     pool: ThreadPoolExecutor,
+    server: ServerInfo,
     target: Target,
-    jobs: list[tuple[int, int, str | list[int], float]],
+    jobs: list[Job],
     spec: LoadSpec,
     on_result: ResultCallback | None,
     held: _Held,
 ) -> tuple[list[RequestResult], float]:
-    """Send (index, input_len, prompt, offset_s) jobs; returns results and duration."""
+    """Send the jobs; returns results and duration."""
     loop = asyncio.get_running_loop()
     limit = asyncio.Semaphore(spec.workers)  # the concurrency, or the pool's size
     start = time.perf_counter()
 
-    async def one(index: int, length: int, prompt: str | list[int], at: float) -> RequestResult:
+    async def one(index: int, length: int, at: float) -> RequestResult:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         if spec.concurrency is None and limit.locked():
             held.count += 1
         async with limit:
             result = await loop.run_in_executor(
-                pool, send, target, prompt, spec.output_len, index, length, start
-            )
+                pool, _prompted_send, server, spec.seed, target, spec.output_len, index, length,
+                start,
+            )  # fmt: skip
         if on_result is not None:
             on_result(result)
         return result
@@ -222,24 +244,20 @@ async def run_bench(spec: LoadSpec, on_result: ResultCallback | None = None) -> 
     spec.check()
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(max_workers=spec.workers, thread_name_prefix="orin-bench")
+    live = Connections()
     held = _Held()
     try:
         base, headers = spec.base_url, spec.headers
         server = await loop.run_in_executor(
-            pool, probe, base, spec.model, headers, spec.input_lens, spec.seed, spec.timeout_s
-        )
-        target = server.target(base, headers, spec.timeout_s)
+            pool, probe, base, spec.model, headers, spec.input_lens, spec.seed, spec.timeout_s,
+            live,
+        )  # fmt: skip
+        target = server.target(base, headers, spec.timeout_s, live)
         if spec.warmup:
-            rng = random.Random(f"warmup:{spec.seed}")
-            length = spec.input_lens[0]
-            warm = [(-1 - i, length, server.prompt(rng, length), 0.0) for i in range(spec.warmup)]
-            await _fire(pool, target, warm, spec, None, _Held())
-        rng = random.Random(f"prompts:{spec.seed}")
+            warm = [(-1 - i, spec.input_lens[0], 0.0) for i in range(spec.warmup)]
+            await _fire(pool, server, target, warm, spec, None, _Held())
         offsets = arrival_offsets(spec.num_requests, spec.request_rate, spec.burstiness, spec.seed)
-        jobs = [
-            (i, length, server.prompt(rng, length), offsets[i])
-            for i, length in enumerate(plan(spec))
-        ]
+        jobs = [(i, length, offsets[i]) for i, length in enumerate(plan(spec))]
         orin = server.kind == "orin-llm"
         before = (
             await loop.run_in_executor(pool, scrape, base, spec.timeout_s, headers)
@@ -247,13 +265,14 @@ async def run_bench(spec: LoadSpec, on_result: ResultCallback | None = None) -> 
             else None
         )
         started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        results, duration = await _fire(pool, target, jobs, spec, on_result, held)
+        results, duration = await _fire(pool, server, target, jobs, spec, on_result, held)
         after = (
             await loop.run_in_executor(pool, scrape, base, spec.timeout_s, headers)
             if before is not None
             else None
         )
-    finally:
+    finally:  # after Ctrl-C, nothing left to wait for when the interpreter joins the pool
+        live.close_all()
         pool.shutdown(wait=False, cancel_futures=True)
     telemetry = _telemetry(before, after, results, server)
     server.notes += run_notes(results, spec.output_len)

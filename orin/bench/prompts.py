@@ -43,7 +43,7 @@ def corpus(seed: int, n_words: int = CORPUS_WORDS) -> str:
 
 
 def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(max(n, 1)))
+    return " ".join(rng.choices(WORDS, k=max(n, 1)))
 
 
 def special_prefix(a: Sequence[int], b: Sequence[int]) -> list[int]:
@@ -75,7 +75,7 @@ class TokenPool:
     def prompt(self, rng: random.Random, length: int) -> list[int]:
         """Exactly ``length`` ids: the prefix, then random draws from the pool."""
         head = list(self.prefix[:length])
-        return head + [rng.choice(self.pool) for _ in range(length - len(head))]
+        return head + rng.choices(self.pool, k=length - len(head))
 
 
 def fit_word_count(target: int, words_sent: int, tokens_seen: int) -> int:

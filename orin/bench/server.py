@@ -18,7 +18,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from orin.bench.client import Reply, Target, http_error, request
+from orin.bench.client import Connections, Reply, Target, http_error, request
 from orin.bench.prompts import WORDS, TokenPool, fit_word_count, words
 from orin.errors import OrinError, os_error_text, unreachable
 
@@ -44,6 +44,19 @@ class UnknownModel(BenchError):
         )
 
 
+class InputTooLong(BenchError):
+    """An input length the server's context cannot take: every request would fail, so
+    nothing is sent (and no prompt of that length is built)."""
+
+    def __init__(self, base: str, length: int, context: int, source: str) -> None:
+        self.length, self.context = length, context
+        super().__init__(
+            f"{length} tokens do not fit {base}'s context of {context} tokens per request "
+            f"({source}): an input length must leave room for the output, "
+            f"at most {context - 1}"
+        )
+
+
 @dataclass
 class ServerInfo:
     kind: str  # "orin-llm" or "openai" (any other OpenAI-compatible server)
@@ -54,11 +67,17 @@ class ServerInfo:
     notes: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)  # orin-llm's model file and KV types
 
-    def target(self, base_url: str, headers: dict[str, str], timeout_s: float = 600.0) -> Target:
+    def target(
+        self,
+        base_url: str,
+        headers: dict[str, str],
+        timeout_s: float = 600.0,
+        live: Connections | None = None,
+    ) -> Target:
         extra: dict[str, Any] = {"ignore_eos": True} if self.ignore_eos else {}
         if self.kind == "orin-llm":
             extra["return_token_ids"] = True  # one chunk per token: exact per-token gaps
-        return Target(base_url, self.model, headers, extra, timeout_s)
+        return Target(base_url, self.model, headers, extra, timeout_s, live)
 
     def prompt(self, rng: random.Random, length: int) -> str | list[int]:
         if self.pool is not None:
@@ -66,13 +85,50 @@ class ServerInfo:
         return words(rng, self.word_counts.get(length, fit_word_count(length, 0, 0)))
 
 
-def _models(base: str, headers: dict[str, str], timeout: float) -> list[Any]:
+def _get(
+    base: str, path: str, headers: dict[str, str], timeout: float, live: Connections | None
+) -> Any:
+    """A GET's JSON body, or None when there is none (a 404, no server, not JSON)."""
     try:
-        resp = request("GET", f"{base}/v1/models", headers=headers, timeout=timeout)
-        data = resp.json().get("data") if resp.status == 200 else None
-    except (OSError, http.client.HTTPException, ValueError, AttributeError):
-        return []
-    return data if isinstance(data, list) else []
+        resp = request("GET", f"{base}{path}", headers=headers, timeout=timeout, live=live)
+        return resp.json() if resp.status == 200 else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+
+
+def _models(
+    base: str, headers: dict[str, str], timeout: float, live: Connections | None
+) -> list[Any]:
+    data = _get(base, "/v1/models", headers, timeout, live)
+    listed = data.get("data") if isinstance(data, dict) else None
+    return listed if isinstance(listed, list) else []
+
+
+def _context(
+    base: str,
+    entry: dict[str, Any],
+    headers: dict[str, str],
+    timeout: float,
+    live: Connections | None,
+) -> tuple[int, str] | None:
+    """(tokens a request may hold, where the figure came from), from what the server
+    says of itself: orin-llm's ``meta.n_ctx_per_slot`` and vLLM's ``max_model_len`` in
+    ``/v1/models``, llama-server's ``/props`` (``default_generation_settings.n_ctx``,
+    per slot). None for a server that does not say (Ollama, llama-cpp-python)."""
+    meta = entry.get("meta")
+    found: list[tuple[Any, str]] = [
+        (meta.get("n_ctx_per_slot") if isinstance(meta, dict) else None, "meta.n_ctx_per_slot"),
+        (entry.get("max_model_len"), "max_model_len"),
+    ]
+    if entry.get("owned_by") == "llamacpp":
+        props = _get(base, "/props", headers, timeout, live)
+        settings = props.get("default_generation_settings") if isinstance(props, dict) else None
+        n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+        found.append((n_ctx, "/props n_ctx"))
+    for n, source in found:
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n, source
+    return None
 
 
 def _entry(base: str, model: str | None, listed: list[Any]) -> dict[str, Any]:
@@ -92,7 +148,7 @@ def _complete(target: Target, prompt: str | list[int]) -> Reply:
     body = target.body(prompt, 1, stream=False)
     url = f"{target.base_url}/v1/completions"
     try:
-        return request("POST", url, body, target.headers, target.timeout_s)
+        return request("POST", url, body, target.headers, target.timeout_s, target.live)
     except ConnectionRefusedError as exc:
         raise BenchError(unreachable(target.base_url, os_error_text(str(exc)))) from exc
     except (OSError, http.client.HTTPException) as exc:
@@ -106,14 +162,20 @@ def probe(
     lengths: Sequence[int],
     seed: int,
     timeout: float = 600.0,
+    live: Connections | None = None,
 ) -> ServerInfo:
-    """Identify the server and prepare prompts for every input length."""
-    first = _entry(base, model, _models(base, headers, timeout))
+    """Identify the server and prepare prompts for every input length. An input
+    length beyond the context the server says it has raises InputTooLong before any
+    completion is asked for."""
+    first = _entry(base, model, _models(base, headers, timeout, live))
+    context = _context(base, first, headers, timeout, live)
+    if context is not None and max(lengths) >= context[0]:
+        raise InputTooLong(base, max(lengths), *context)
     kind = "orin-llm" if first.get("owned_by") == "orin-llm" else "openai"
     meta = first.get("meta") if kind == "orin-llm" else None
     info = ServerInfo(kind, model or first.get("id"), ignore_eos=True)
     info.meta = meta if isinstance(meta, dict) else {}
-    resp = _complete(info.target(base, headers, timeout), PROBE_TEXT)
+    resp = _complete(info.target(base, headers, timeout, live), PROBE_TEXT)
     if resp.status == 401:  # not a refused ignore_eos: no request will pass
         if "Authorization" in headers:
             raise BenchError(
@@ -125,17 +187,17 @@ def probe(
         )
     if 400 <= resp.status < 500:
         info.ignore_eos = False
-        resp = _complete(info.target(base, headers, timeout), PROBE_TEXT)
+        resp = _complete(info.target(base, headers, timeout, live), PROBE_TEXT)
         if resp.status < 400:
             info.notes.append("the server refused ignore_eos: output lengths rely on max_tokens")
     if resp.status >= 400:
         error = http_error(resp.status, resp.data)
         raise BenchError(f"{base}: a probe completion failed with {error}")
     if _prompt_ids(resp) is not None:
-        info.pool = _token_pool(info.target(base, headers, timeout))
+        info.pool = _token_pool(info.target(base, headers, timeout, live))
         info.notes.append("token-id prompts: input lengths are exact")
     else:
-        _calibrate(info, info.target(base, headers, timeout), lengths, seed)
+        _calibrate(info, info.target(base, headers, timeout, live), lengths, seed)
     return info
 
 

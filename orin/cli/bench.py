@@ -162,12 +162,14 @@ def bench(
 
         read_model_info(model_file)
     out = Output(as_json)
-    from orin.bench.server import UnknownModel
+    from orin.bench.server import InputTooLong, UnknownModel
 
     try:
         result = _run_with_progress(spec, out)
     except UnknownModel as exc:  # found from /v1/models, before any request is sent
         raise typer.BadParameter(str(exc), param_hint="'--model'") from None
+    except InputTooLong as exc:  # the context the server says it has, likewise
+        raise typer.BadParameter(str(exc), param_hint="'--input-len'") from None
     if as_json:
         out.json(result.to_json())
     else:
@@ -178,8 +180,14 @@ def bench(
         except OSError as exc:
             raise fail(f"cannot write {output}: {exc.strerror or exc}", 1) from None
         out.note(f"wrote {output}")
-    if not any(r.ok for r in result.results):
-        raise typer.Exit(EXIT_ALL_FAILED)
+    if not any(r.ok for r in result.results):  # said on stderr, --json or not
+        raise fail(_all_failed(result.summary()["errors"]), EXIT_ALL_FAILED)
+
+
+def _all_failed(errors: dict[str, int]) -> str:
+    """``every request failed: http 400 context_length_exceeded 63, timeout 1``."""
+    kinds = sorted(errors.items(), key=lambda kv: -kv[1])
+    return "every request failed: " + ", ".join(f"{kind} {n}" for kind, n in kinds)
 
 
 def _run_with_progress(spec: LoadSpec, out: Output) -> BenchRun:

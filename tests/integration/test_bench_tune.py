@@ -66,7 +66,7 @@ def by_hand(values: list[float], q: float) -> float:
 def bench_json(server: str, tmp_path: Path) -> dict[str, Any]:
     out = tmp_path / "bench.json"
     args = [
-        "--url", server, "--num-requests", "12", "--input-len", "16,64,600",
+        "--url", server, "--num-requests", "8", "--input-len", "16,64",
         "--output-len", "8", "--concurrency", "4", "--seed", "3",
         "--slo", "ttft_p95_ms=60000,tpot_p90_ms=60000", "--output", str(out),
     ]  # fmt: skip
@@ -78,9 +78,7 @@ def bench_json(server: str, tmp_path: Path) -> dict[str, Any]:
 
 def test_bench_against_orin_llm(server: str, tmp_path: Path) -> None:
     d = bench_json(server, tmp_path)
-    # 600-token prompts exceed the 512-token slots: counted as errors, not a crash
-    assert (d["completed"], d["failed"]) == (8, 4)
-    assert d["errors"] == {"http 400 context_length_exceeded": 4}
+    assert (d["completed"], d["failed"]) == (8, 0) and d["errors"] == {}
     assert d["backend"] == "orin-llm" and d["prompt_method"] == "token_ids"
     for stat in STATS:
         for metric in METRICS:
@@ -104,7 +102,7 @@ def test_bench_against_orin_llm(server: str, tmp_path: Path) -> None:
     assert d["median_tpot_ms"] == pytest.approx(by_hand([r["tpot_ms"] for r in ok], 50))
     assert d["total_output_tokens"] == 64 and d["total_input_tokens"] == 4 * 16 + 4 * 64
     assert d["request_goodput"] == pytest.approx(8 / d["duration"])
-    assert d["buckets"]["600"]["failed"] == 4 and d["buckets"]["64"]["completed"] == 4
+    assert d["buckets"]["16"]["completed"] == 4 and d["buckets"]["64"]["completed"] == 4
     t = d["server_telemetry"]
     assert t["source"] == "cpu" and t["phases"]["prefill"]["tokens"] > 0
     assert t["phases"]["decode"]["gpu_util"] is None  # the CPU source measures no GPU
@@ -117,6 +115,16 @@ def test_bench_against_orin_llm(server: str, tmp_path: Path) -> None:
     for k in carried:
         vals = [r["server_timings"][k] for r in ok if k in r["server_timings"]]
         assert t["per_request_mean"][k] == pytest.approx(sum(vals) / len(vals))
+
+
+def test_bench_refuses_prompts_longer_than_the_servers_slots(server: str) -> None:
+    """600-token prompts exceed the 512-token slots the server names in /v1/models: a
+    usage error before any completion, not a run of failed requests."""
+    args = ["--url", server, "--num-requests", "4", "--input-len", "16,600",
+            "--concurrency", "2"]  # fmt: skip
+    result = CliRunner().invoke(bench_cli.app, args)
+    assert result.exit_code == 2, result.output
+    assert "context of 512 tokens per request" in result.output
 
 
 def test_bench_open_loop_sends_every_request(server: str) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -16,9 +17,17 @@ from typing import Any
 import pytest
 
 from orin.bench.client import StreamParser, failure_kind, http_error
-from orin.bench.loadgen import BenchRun, LoadSpec, arrival_offsets, plan, run
+from orin.bench.loadgen import (
+    MAX_INPUT_LEN,
+    BenchRun,
+    LoadSpec,
+    arrival_offsets,
+    plan,
+    run,
+    run_bench,
+)
 from orin.bench.prompts import TokenPool, fit_word_count, special_prefix
-from orin.bench.server import BenchError, UnknownModel
+from orin.bench.server import BenchError, InputTooLong, UnknownModel
 from orin.bench.sse import SSEDecoder
 
 WORDS_PER_TOKEN = 1  # the fakes "tokenize" one token per word
@@ -267,6 +276,75 @@ def test_a_server_that_wants_another_key_is_said_to(key: str | None, says: str) 
         run(spec(url=url, api_key=key))
     assert says in str(caught.value)
     assert len([p for p in probes if p.path.endswith("/completions")]) == 1
+
+
+@pytest.mark.parametrize(
+    ("app_paths", "source"),
+    [
+        ({"/v1/models": {"data": [{"id": "m", "owned_by": "orin-llm",
+                                   "meta": {"n_ctx_per_slot": 64}}]}}, "meta.n_ctx_per_slot"),
+        ({"/v1/models": {"data": [{"id": "m", "max_model_len": 64}]}}, "max_model_len"),
+        ({"/v1/models": {"data": [{"id": "m", "owned_by": "llamacpp"}]},
+          "/props": {"default_generation_settings": {"n_ctx": 64}}}, "/props n_ctx"),
+    ],
+)  # fmt: skip
+def test_an_input_length_beyond_the_servers_context_sends_nothing(
+    app_paths: dict[str, Any], source: str
+) -> None:
+    """orin-llm, vLLM and llama-server say how many tokens a request may hold: a
+    longer prompt would fail every request, so the run stops before any completion."""
+    seen: list[Seen] = []
+    fake = FakeServer(usage=True)
+
+    def sized(s: Seen) -> Answer:
+        seen.append(s)
+        return Answer(body=app_paths[s.path]) if s.path in app_paths else fake(s)
+
+    with serving(sized) as url:
+        with pytest.raises(InputTooLong) as caught:
+            run(spec(url=url, input_lens=(8, 64)))
+        assert (caught.value.length, caught.value.context) == (64, 64)
+        assert f"context of 64 tokens per request ({source})" in str(caught.value)
+        assert [s.path for s in seen] == list(app_paths)  # GETs only, no completion
+        # one token shorter leaves room for the output
+        assert run(spec(url=url, input_lens=(8, 63), num_requests=2)).summary()["completed"] == 2
+
+
+def test_input_lengths_past_the_largest_context_are_refused_at_once() -> None:
+    spec(input_lens=(8, MAX_INPUT_LEN)).check()
+    with pytest.raises(ValueError, match="at most 1048576 tokens"):
+        spec(input_lens=(8, 99_999_999)).check()
+
+
+def test_a_cancelled_run_closes_the_streams_in_flight() -> None:
+    """Ctrl-C cancels the run: the worker threads blocked reading streams must end at
+    once (the interpreter joins them before it exits), not when the server finishes."""
+    release, streaming = threading.Event(), threading.Event()
+    fake = FakeServer(usage=True)
+
+    def stalling(seen: Seen) -> Answer:
+        answer = fake(seen)
+        if answer.events is not None:
+            answer.stall = release  # the first token, then nothing until released
+            streaming.set()
+        return answer
+
+    async def cancel_mid_stream(url: str) -> None:
+        task = asyncio.create_task(run_bench(spec(url=url, warmup=0, concurrency=2)))
+        await asyncio.get_running_loop().run_in_executor(None, streaming.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        with serving(stalling) as url:
+            asyncio.run(cancel_mid_stream(url))
+            workers = [t for t in threading.enumerate() if t.name.startswith("orin-bench")]
+            for t in workers:
+                t.join(10)  # the stall lasts 30 s: a worker still alive waits on it
+            assert not [t for t in workers if t.is_alive()]
+    finally:
+        release.set()
 
 
 def test_outputs_that_end_early_are_reported() -> None:

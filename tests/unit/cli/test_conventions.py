@@ -154,6 +154,43 @@ def test_bench_with_a_model_the_server_does_not_list_is_a_usage_error() -> None:
     assert fake.bodies == []  # no completion was sent
 
 
+def test_bench_with_an_input_length_beyond_the_servers_context_is_a_usage_error() -> None:
+    """orin-llm says its context per slot in /v1/models: a prompt it cannot take is
+    refused before any completion is sent or any prompt of that length is built."""
+    fake = FakeServer(usage=True)
+
+    def sized(seen: Seen) -> Answer:
+        if seen.path == "/v1/models":
+            meta = {"n_ctx_per_slot": 512}
+            return Answer(body={"data": [{"id": "m", "owned_by": "orin-llm", "meta": meta}]})
+        return fake(seen)
+
+    with serving(sized) as url:
+        code, out, err = invoke("bench", "--url", url, "--input-len", "8,600", "--concurrency", "1")
+    assert code == 2, err
+    assert "Invalid value for '--input-len'" in err and "context of 512 tokens" in err
+    assert "at most 511" in err and out == "" and fake.bodies == []
+
+
+def test_bench_json_with_every_request_failed_says_why_on_stderr() -> None:
+    """Exit 1 comes with a line on stderr naming the errors, not only in the JSON."""
+    fake = FakeServer(usage=True)
+
+    def refusing(seen: Seen) -> Answer:
+        if seen.body.get("stream"):
+            return Answer(400, {"error": {"code": "context_length_exceeded"}})
+        return fake(seen)
+
+    with serving(refusing) as url:
+        code, out, err = invoke(
+            "bench", "--url", url, "--num-requests", "3", "--input-len", "8",
+            "--concurrency", "1", "--warmup", "0", "--json",
+        )  # fmt: skip
+    assert code == 1
+    assert json.loads(out)["errors"] == {"http 400 context_length_exceeded": 3}
+    assert err == "orin-llm: every request failed: http 400 context_length_exceeded 3\n"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
