@@ -399,6 +399,19 @@ def test_smollm2_reasoning_is_split_from_the_content(smol: Path) -> None:
     assert "".join(d.content or "" for d in deltas) == msg.content
 
 
+def schema_answer(base: str, schema: Any, **kw: Any) -> Any:
+    """The demo model's answer held to ``schema`` (response_format json_schema); it
+    ended by itself (not cut at max_tokens)."""
+    r = client(base).chat.completions.create(
+        model="demo",
+        messages=ASK,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        **kw,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    return json.loads(r.choices[0].message.content or "")
+
+
 def test_strings_of_a_schema_hold_no_raw_control_characters(
     hermes: tuple[str, ServerState],
 ) -> None:
@@ -409,16 +422,8 @@ def test_strings_of_a_schema_hold_no_raw_control_characters(
     text = {"type": "string", "maxLength": 8}
     note: Any = {"type": "object", "properties": {"text": text}, "required": ["text"]}
     bias: Any = {"logit_bias": {str(newline): 50}, "temperature": 0, "max_tokens": 120}
-    c = client(base)
-    r = c.chat.completions.create(
-        model="demo",
-        messages=ASK,
-        response_format={"type": "json_schema", "json_schema": {"name": "note", "schema": note}},
-        **bias,
-    )
-    assert r.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(r.choices[0].message.content or "")["text"], str)
-    r = c.chat.completions.create(
+    assert isinstance(schema_answer(base, note, **bias)["text"], str)
+    r = client(base).chat.completions.create(
         model="demo",
         messages=ASK,
         tools=[{"type": "function", "function": {"name": "note", "parameters": note}}],
@@ -452,16 +457,8 @@ def test_a_recursive_schema_with_a_root_ref_is_followed(
 ) -> None:
     """The $defs beside a root $ref are found: the answer validates against the
     schema."""
-    r = client(hermes[0]).chat.completions.create(
-        model="demo",
-        messages=ASK,
-        response_format={"type": "json_schema", "json_schema": {"name": "tree", "schema": TREE}},
-        temperature=1,
-        seed=seed,
-        max_tokens=300,
-    )
-    assert r.choices[0].finish_reason == "stop"
-    jsonschema.validate(json.loads(r.choices[0].message.content or ""), TREE)
+    answer = schema_answer(hermes[0], TREE, temperature=1, seed=seed, max_tokens=300)
+    jsonschema.validate(answer, TREE)
 
 
 def test_a_list_of_types_keeps_the_other_keywords(hermes: tuple[str, ServerState]) -> None:
@@ -471,16 +468,8 @@ def test_a_list_of_types_keeps_the_other_keywords(hermes: tuple[str, ServerState
     name = {"type": ["string", "integer"], "maxLength": 3}
     schema: Any = {"type": "object", "properties": {"name": name}, "required": ["name"]}
     bias = {str(t): 40 for t in state.engine.tokenize("aaaa", add_special=False)}
-    r = client(base).chat.completions.create(
-        model="demo",
-        messages=ASK,
-        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
-        logit_bias=bias,
-        temperature=0,
-        max_tokens=60,
-    )
-    assert r.choices[0].finish_reason == "stop"
-    jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+    answer = schema_answer(base, schema, logit_bias=bias, temperature=0, max_tokens=60)
+    jsonschema.validate(answer, schema)
 
 
 @pytest.mark.parametrize(
@@ -508,14 +497,5 @@ def test_a_pattern_is_followed_and_its_string_stays_json(
     schema: Any = {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
     schema["required"] = ["p"]
     bias = {str(t): 40 for t in state.engine.tokenize('a""', add_special=False)[1:]}
-    r = client(base).chat.completions.create(
-        model="demo",
-        messages=ASK,
-        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
-        logit_bias=bias,
-        temperature=0,
-        max_tokens=80,
-    )
-    assert r.choices[0].finish_reason == "stop"
-    value = json.loads(r.choices[0].message.content or "")["p"]
+    value = schema_answer(base, schema, logit_bias=bias, temperature=0, max_tokens=80)["p"]
     assert re.fullmatch(pattern, value), value
