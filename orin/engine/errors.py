@@ -34,6 +34,11 @@ class InvalidRequest(EngineError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+        self.message = message
+
+    def renamed(self, param: str) -> InvalidRequest:
+        """The same refusal, naming the field the client sent it in (``param``)."""
+        return InvalidRequest(param, self.message)
 
 
 class ContextShiftUnsupported(EngineError):

@@ -123,7 +123,7 @@ def _register(app: FastAPI, state: ServerState) -> None:
                     echo_pieces(state.engine, g, p) for g, p in zip(given, prompts, strict=True)
                 ]
             except InvalidRequest as exc:  # a token id outside the vocabulary
-                raise InvalidRequest("prompt", str(exc).removeprefix(f"{exc.param}: ")) from None
+                raise exc.renamed("prompt") from None
 
         prompts, pieces = await off_loop_if_large(request, tokenize)
         fmt = CompletionFormatter(state, body, _rid(request), prompts, pieces)

@@ -111,7 +111,7 @@ def tokenize_mixed(engine: EngineClient, body: TokenizeRequest) -> list[int]:
     try:
         engine.detokenize(ids)  # raises for an id outside the vocabulary
     except InvalidRequest as exc:
-        raise InvalidRequest("content", str(exc).removeprefix(f"{exc.param}: ")) from None
+        raise exc.renamed("content") from None
     return out
 
 
