@@ -407,6 +407,7 @@ class _Common(_Lenient):
         if requested is None and self.n_predict is not None and self.n_predict >= 0:
             requested = max(self.n_predict, 1)
         last_n = _pick(self.penalty_last_n, self.repeat_last_n)
+        grammar_text, grammar_field = self._grammar()
         return SamplingParams(
             max_tokens=answer_length(
                 requested,
@@ -429,8 +430,8 @@ class _Common(_Lenient):
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
-            grammar=self._grammar(),
-            grammar_field=self._grammar_field(),
+            grammar=grammar_text,
+            grammar_field=grammar_field,
             logprobs=self.top_n_logprobs(),
             prompt_logprobs=self.scores_prompt(),
         )
@@ -446,9 +447,10 @@ class _Common(_Lenient):
         """Whether the answer carries the prompt tokens' log-probabilities."""
         return False
 
-    def _grammar(self) -> str | None:
+    def _grammar(self) -> tuple[str | None, str]:
         """The one grammar of ``grammar``, ``json_schema`` and ``response_format``
-        (OpenAI's and llama.cpp's forms); more than one of them is a 400."""
+        (OpenAI's and llama.cpp's forms), and the field it came from, which an error
+        about it names; more than one of them is a 400."""
         fmt = self.response_format
         given = [
             name
@@ -462,26 +464,20 @@ class _Common(_Lenient):
         if len(given) > 1:
             raise InvalidRequest(given[1], f"give only one of {' and '.join(given)}")
         if self.json_schema is not None:
-            return grammar.json_schema_grammar(self.json_schema, "json_schema")
+            return _schema_grammar(self.json_schema, "json_schema")
         if fmt is None or fmt.type == "text":
-            return self.grammar
+            return self.grammar, "grammar"
         if fmt.type == "json_object":
             if fmt.schema_:
-                return grammar.json_schema_grammar(fmt.schema_, "response_format.schema")
-            return grammar.json_grammar()
+                return _schema_grammar(fmt.schema_, "response_format.schema")
+            return grammar.json_grammar(), "response_format"
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else {}
-        return grammar.json_schema_grammar(schema, "response_format.json_schema.schema")
+        return _schema_grammar(schema, "response_format.json_schema.schema")
 
-    def _grammar_field(self) -> str:
-        """The field ``_grammar`` took the grammar from, which an error about it names."""
-        fmt = self.response_format
-        if self.json_schema is not None:
-            return "json_schema"
-        if fmt is None or fmt.type == "text":
-            return "grammar"
-        if fmt.type == "json_object":
-            return "response_format.schema" if fmt.schema_ else "response_format"
-        return "response_format.json_schema.schema"
+
+def _schema_grammar(schema: Any, field: str) -> tuple[str, str]:
+    """A JSON schema's grammar, and the field it came from (which its errors name)."""
+    return grammar.json_schema_grammar(schema, field), field
 
 
 # Fields of OpenAI's, llama.cpp's or vLLM's APIs that change the output and that this
@@ -805,13 +801,10 @@ class ChatCompletionRequest(_Common):
         """The grammar that a required or named tool_choice puts on the output."""
         self._tool_grammar = tool_grammar
 
-    def _grammar(self) -> str | None:
+    def _grammar(self) -> tuple[str | None, str]:
         if self._tool_grammar is not None:  # the validator refused any other grammar
-            return self._tool_grammar
+            return self._tool_grammar, "tools"
         return super()._grammar()
-
-    def _grammar_field(self) -> str:
-        return "tools" if self._tool_grammar is not None else super()._grammar_field()
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
