@@ -407,8 +407,11 @@ def _store(root: SysRoot) -> str:
 
 
 def _power_mode_changes(ctx: BoardContext) -> bool:
-    """A mode switch resets the clocks, so a lock taken before it does not last."""
-    target, mode = ctx.settings.power_mode, ctx.platform.power_mode
+    """A mode switch resets the clocks, so a lock taken before it does not last.
+
+    The mode id the profile asks for, not its words: ``fastest`` on a board already in
+    its fastest mode switches nothing, and the lock found there stays someone else's."""
+    target, mode = _target(ctx), ctx.platform.power_mode
     return target is not None and mode is not None and mode.id != target
 
 

@@ -21,7 +21,13 @@ from orin.system.changes import (
     revert_plan,
 )
 from orin.system.platform import detect
-from orin.system.settings import SYSCTL_FILE, BoardSettings, SettingError, sysctl_text
+from orin.system.settings import (
+    FASTEST,
+    SYSCTL_FILE,
+    BoardSettings,
+    SettingError,
+    sysctl_text,
+)
 from orin.system.statefile import (
     CLOCKS_STORE,
     DEFAULT_STATE_PATH,
@@ -110,12 +116,16 @@ def test_apply_runs_the_exact_commands_and_records_the_state(tmp_path: Path) -> 
     assert detect(fake.board.root, fake.runner).describe().endswith("MAXN")
 
 
-def test_applying_twice_is_a_no_op(tmp_path: Path) -> None:
+@pytest.mark.parametrize("power_mode", [0, FASTEST])
+def test_applying_twice_is_a_no_op(tmp_path: Path, power_mode: int | str) -> None:
+    """Also with the built-in profiles' ``power_mode: fastest``: a board already in its
+    fastest mode keeps the lock it has (no jetson_clocks at every apply)."""
     fake = agx_orin_64gb_jp6(tmp_path)
-    apply(fake)
+    settings = replace(TUNED, power_mode=power_mode)
+    apply(fake, settings)
     state_before = fake.board.root.path(DEFAULT_STATE_PATH).read_text()
     fake.runner.calls.clear()
-    assert apply(fake, uid=user_uid) == ()  # nothing to do: not even root is needed
+    assert apply(fake, settings, uid=user_uid) == ()  # nothing to do: not even root is needed
     assert fake.changes() == []
     assert fake.board.root.path(DEFAULT_STATE_PATH).read_text() == state_before
 
