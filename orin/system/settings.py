@@ -241,10 +241,17 @@ class Zram(Setting):
     def revert_actions(self, ctx: BoardContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
         """Swap on each saved device that is not on now: /proc/swaps is read again here,
         since an apply that failed half-way (or a swapon by hand) left some devices on,
-        and swapon of an active device fails (EBUSY)."""
+        and swapon of an active device fails (EBUSY).
+
+        After a reboot with nvzramconfig disabled the devices are not set up at all
+        (no zram module, or no size), so there is nothing to swap on: the service,
+        started again, sets every one up as it does at boot."""
         active = {d.path for d in parse_swaps(ctx.root.read_text(SWAPS_FILE) or "")}
         actions = []
         if saved.get("service") == "enabled":
+            devices = [dev["path"] for dev in saved.get("devices", [])]
+            if not all(zram_set_up(ctx.root, path) for path in devices):
+                return (Action.run("systemctl", "enable", "--now", ZRAM_SERVICE),)
             actions.append(Action.run("systemctl", "enable", ZRAM_SERVICE))
         for dev in saved.get("devices", []):
             if dev["path"] not in active:
@@ -254,6 +261,13 @@ class Zram(Setting):
     def describe_saved(self, saved: Mapping[str, Any]) -> str:
         service = saved.get("service") or "not installed"
         return f"{len(saved.get('devices', []))} zram swap device(s); {ZRAM_SERVICE} {service}"
+
+
+def zram_set_up(root: SysRoot, device: str) -> bool:
+    """Whether a zram device exists with a size (``/sys/block/zramN/disksize``), as
+    nvzramconfig leaves it: swapoff keeps it so, a reboot does not."""
+    size = (root.read_text(f"/sys/block/{device.rpartition('/')[2]}/disksize") or "").strip()
+    return size.isdigit() and int(size) > 0
 
 
 class PowerModeSetting(Setting):

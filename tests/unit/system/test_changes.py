@@ -130,6 +130,28 @@ def test_applying_twice_is_a_no_op(tmp_path: Path, power_mode: int | str) -> Non
     assert fake.board.root.path(DEFAULT_STATE_PATH).read_text() == state_before
 
 
+def test_revert_after_a_reboot_restores_zram(tmp_path: Path) -> None:
+    """With nvzramconfig disabled the next boot sets up no zram device, so there is
+    nothing to swap on: the service, enabled and started again, sets them up as it
+    does at boot. A swapon of the vanished devices failed, and the setting stayed in
+    the state file whatever --revert was run again."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    before = board_values(fake)
+    apply(fake)
+    fake.reboot()
+    assert fake.zram == {} and fake.mode == 0 and not fake.locked
+    fake.runner.calls.clear()
+    store = str(fake.board.root.path(CLOCKS_STORE))
+    assert revert(fake) == ("clocks", "power-mode", "zram", "swappiness")
+    assert fake.changes() == [
+        ("jetson_clocks", "--restore", store),
+        ("nvpmodel", "-m", "2"),
+        ("systemctl", "enable", "--now", "nvzramconfig"),
+    ]
+    assert board_values(fake) == before
+    assert not fake.board.root.exists(DEFAULT_STATE_PATH)
+
+
 def test_revert_restores_exactly_what_was_there(tmp_path: Path) -> None:
     fake = agx_orin_64gb_jp6(tmp_path)
     before = board_values(fake)
