@@ -407,6 +407,10 @@ class Clocks(Setting):
         )
 
     def revert_actions(self, ctx: BoardContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
+        """jetson_clocks runs only once the store is written: an apply stopped before
+        that left no store and no lock, so there is only the entry to clear."""
+        if not saved.get("stored_before") and not ctx.root.exists(CLOCKS_STORE):
+            return (Action.remove(CLOCKS_STORE),)
         restore = Action.run("jetson_clocks", "--restore", _store(ctx.root))
         if saved.get("stored_before"):  # a rolled-back re-apply: the first apply's file stays
             return (restore,)

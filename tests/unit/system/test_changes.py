@@ -20,6 +20,7 @@ from orin.system.changes import (
     plan_revert,
     revert_plan,
 )
+from orin.system.commands import CommandResult
 from orin.system.platform import detect
 from orin.system.settings import (
     FASTEST,
@@ -470,6 +471,57 @@ def test_a_clocks_store_that_fails_has_nothing_to_restore(tmp_path: Path) -> Non
     assert ("jetson_clocks", "--restore", store) not in fake.calls
     assert board_values(fake) == before
     assert not fake.board.root.exists(DEFAULT_STATE_PATH)
+
+
+def interrupt_at(fake: FakeJetson, *argv: str) -> None:
+    """Ctrl-C while ``argv`` runs (the program had finished its work)."""
+    handler = fake.runner.answers[argv[:1]]
+
+    def answer(args: tuple[str, ...]) -> CommandResult:
+        assert callable(handler)
+        handler(args)
+        raise KeyboardInterrupt
+
+    fake.runner.answers[argv] = answer
+
+
+def test_an_apply_stopped_part_way_through_a_setting_can_be_reverted(tmp_path: Path) -> None:
+    """Ctrl-C after nvzramconfig was disabled and one device swapped off: the values
+    zram replaced are in the state file, so --revert brings back the service too (it
+    was lost, and --revert said there was nothing saved)."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    before = board_values(fake)
+    interrupt_at(fake, "swapoff", "/dev/zram0")
+    with pytest.raises(KeyboardInterrupt):
+        apply(fake)
+    assert (fake.zram_service, sorted(fake.zram)) == ("disabled", ["/dev/zram1"])
+    assert [e.setting for e in StateFile(fake.board.root).load()] == ["swappiness", "zram"]
+    fake.runner.calls.clear()
+    assert revert(fake) == ("zram", "swappiness")
+    assert fake.changes() == [
+        ("systemctl", "enable", "nvzramconfig"),
+        ("swapon", "-p", "5", "/dev/zram0"),
+    ]
+    assert board_values(fake) == before
+
+
+def test_an_apply_stopped_at_the_clocks_store_leaves_nothing_to_restore(tmp_path: Path) -> None:
+    """No store, so no lock was taken (jetson_clocks runs after it): --revert clears the
+    entry instead of failing at jetson_clocks --restore at every run."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    store = str(fake.board.root.path(CLOCKS_STORE))
+    fake.runner.answers[("jetson_clocks", "--store", store)] = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        apply(fake)
+    assert not fake.locked and not fake.board.root.exists(CLOCKS_STORE)
+    fake.runner.calls.clear()
+    assert revert(fake) == ("clocks", "power-mode", "zram", "swappiness")
+    assert ("jetson_clocks", "--restore", store) not in fake.calls
+    assert not fake.board.root.exists(DEFAULT_STATE_PATH)
+
+
+def interrupt(args: tuple[str, ...]) -> CommandResult:
+    raise KeyboardInterrupt
 
 
 def test_a_setting_its_rollback_cannot_undo_is_left_for_revert(tmp_path: Path) -> None:
