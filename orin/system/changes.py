@@ -169,6 +169,14 @@ def apply_plan(
                 done.append(change)
             state.seal()
             raise _rolled_back(ctx, state, before, done, change, exc) from exc
+        except BaseException:
+            # stopped part-way through this setting (Ctrl-C): some of its steps may have
+            # run, so what it replaced is recorded for --revert; restoring a value that
+            # did not change yet does no harm
+            state.seal()
+            if change.revertible:
+                state.record(StateEntry(change.setting, change.target, change.saved))
+            raise
         state.seal()
         if change.revertible:
             state.record(StateEntry(change.setting, change.target, change.saved))

@@ -241,10 +241,17 @@ class Zram(Setting):
     def revert_actions(self, ctx: BoardContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
         """Swap on each saved device that is not on now: /proc/swaps is read again here,
         since an apply that failed half-way (or a swapon by hand) left some devices on,
-        and swapon of an active device fails (EBUSY)."""
+        and swapon of an active device fails (EBUSY).
+
+        After a reboot with nvzramconfig disabled the devices are not set up at all
+        (no zram module, or no size), so there is nothing to swap on: the service,
+        started again, sets every one up as it does at boot."""
         active = {d.path for d in parse_swaps(ctx.root.read_text(SWAPS_FILE) or "")}
         actions = []
         if saved.get("service") == "enabled":
+            devices = [dev["path"] for dev in saved.get("devices", [])]
+            if not all(zram_set_up(ctx.root, path) for path in devices):
+                return (Action.run("systemctl", "enable", "--now", ZRAM_SERVICE),)
             actions.append(Action.run("systemctl", "enable", ZRAM_SERVICE))
         for dev in saved.get("devices", []):
             if dev["path"] not in active:
@@ -254,6 +261,13 @@ class Zram(Setting):
     def describe_saved(self, saved: Mapping[str, Any]) -> str:
         service = saved.get("service") or "not installed"
         return f"{len(saved.get('devices', []))} zram swap device(s); {ZRAM_SERVICE} {service}"
+
+
+def zram_set_up(root: SysRoot, device: str) -> bool:
+    """Whether a zram device exists with a size (``/sys/block/zramN/disksize``), as
+    nvzramconfig leaves it: swapoff keeps it so, a reboot does not."""
+    size = (root.read_text(f"/sys/block/{device.rpartition('/')[2]}/disksize") or "").strip()
+    return size.isdigit() and int(size) > 0
 
 
 class PowerModeSetting(Setting):
@@ -393,6 +407,10 @@ class Clocks(Setting):
         )
 
     def revert_actions(self, ctx: BoardContext, saved: Mapping[str, Any]) -> tuple[Action, ...]:
+        """jetson_clocks runs only once the store is written: an apply stopped before
+        that left no store and no lock, so there is only the entry to clear."""
+        if not saved.get("stored_before") and not ctx.root.exists(CLOCKS_STORE):
+            return (Action.remove(CLOCKS_STORE),)
         restore = Action.run("jetson_clocks", "--restore", _store(ctx.root))
         if saved.get("stored_before"):  # a rolled-back re-apply: the first apply's file stays
             return (restore,)
@@ -407,8 +425,11 @@ def _store(root: SysRoot) -> str:
 
 
 def _power_mode_changes(ctx: BoardContext) -> bool:
-    """A mode switch resets the clocks, so a lock taken before it does not last."""
-    target, mode = ctx.settings.power_mode, ctx.platform.power_mode
+    """A mode switch resets the clocks, so a lock taken before it does not last.
+
+    The mode id the profile asks for, not its words: ``fastest`` on a board already in
+    its fastest mode switches nothing, and the lock found there stays someone else's."""
+    target, mode = _target(ctx), ctx.platform.power_mode
     return target is not None and mode is not None and mode.id != target
 
 

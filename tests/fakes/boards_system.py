@@ -8,6 +8,7 @@ checked end to end: the commands recorded, then the board re-read.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,8 +86,12 @@ class FakeJetson:
     cores: int = 12  # AGX Orin 64GB: 12 Cortex-A78AE; 32GB: 8
     gpu_hz: tuple[int, int] = GPU_HZ
     runner: FakeRunner = field(init=False)
+    # the zram devices nvzramconfig sets up at boot (the swaps on at the start)
+    zram_config: dict[str, tuple[int, int]] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.zram_config = dict(self.zram)
+        self.set_up_zram(self.zram)
         self.runner = FakeRunner(
             answers={
                 (p,): self._answer(h)
@@ -119,6 +124,36 @@ class FakeJetson:
     def changes(self) -> list[tuple[str, ...]]:
         """The recorded commands that change something (queries left out)."""
         return [c for c in self.calls if c[:2] not in QUERIES]
+
+    def set_up_zram(self, devices: dict[str, tuple[int, int]]) -> None:
+        """The devices exist with a size (``/sys/block/zramN/disksize``), as nvzramconfig
+        leaves them; they stay so after a swapoff, until the next boot."""
+        for path, (kib, _prio) in devices.items():
+            self.board.write(f"/sys/block/{Path(path).name}/disksize", f"{kib * 1024}\n")
+
+    def reboot(self) -> None:
+        """What a restart keeps: nvpmodel's mode (a pending one taken), the sysctl.d
+        swappiness and the enabled units; clocks unlock and zram exists only when
+        nvzramconfig is enabled to set it up."""
+        if self.pending_mode is not None:
+            self.mode, self.pending_mode = self.pending_mode, None
+        self.locked = False
+        for path in self.zram_config:
+            sysfs = self.board.root.path(f"/sys/block/{Path(path).name}")
+            if sysfs.exists():
+                shutil.rmtree(sysfs)
+        self.zram = {}
+        if self.zram_service == "enabled":
+            self._start_nvzramconfig()
+        persisted = self.board.root.read_text("/etc/sysctl.d/99-orin-llm.conf") or ""
+        value = persisted.rpartition("=")[2].strip() or "60"
+        self.board.write("/proc/sys/vm/swappiness", f"{value}\n")
+        self.write_swaps()
+
+    def _start_nvzramconfig(self) -> None:
+        self.set_up_zram(self.zram_config)
+        self.zram.update(self.zram_config)
+        self.write_swaps()
 
     def write_swaps(self) -> None:
         rows = [f"{p}\tpartition\t{kib}\t0\t{prio}\n" for p, (kib, prio) in self.zram.items()]
@@ -162,7 +197,10 @@ class FakeJetson:
         if verb == "is-enabled":
             code = 0 if self.zram_service == "enabled" else 1
             return CommandResult(args, code, self.zram_service + "\n")
-        self.zram_service = "disabled" if verb == "disable" else "enabled"
+        if verb == "start" or (verb == "enable" and "--now" in args):
+            self._start_nvzramconfig()
+        if verb in ("enable", "disable"):
+            self.zram_service = f"{verb}d"
         return ok(args)
 
     def _swapoff(self, args: tuple[str, ...]) -> CommandResult:
@@ -175,6 +213,10 @@ class FakeJetson:
         if args[-1] in self.zram:
             return CommandResult(
                 args, 255, "", f"swapon: {args[-1]}: swapon failed: Device or resource busy"
+            )
+        if not self.board.root.exists(f"/sys/block/{Path(args[-1]).name}/disksize"):
+            return CommandResult(
+                args, 255, "", f"swapon: cannot open {args[-1]}: No such file or directory"
             )
         self.zram[args[-1]] = (ZRAM_KIB, int(args[2]))
         self.write_swaps()

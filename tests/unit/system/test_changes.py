@@ -20,8 +20,15 @@ from orin.system.changes import (
     plan_revert,
     revert_plan,
 )
+from orin.system.commands import CommandResult
 from orin.system.platform import detect
-from orin.system.settings import SYSCTL_FILE, BoardSettings, SettingError, sysctl_text
+from orin.system.settings import (
+    FASTEST,
+    SYSCTL_FILE,
+    BoardSettings,
+    SettingError,
+    sysctl_text,
+)
 from orin.system.statefile import (
     CLOCKS_STORE,
     DEFAULT_STATE_PATH,
@@ -110,14 +117,40 @@ def test_apply_runs_the_exact_commands_and_records_the_state(tmp_path: Path) -> 
     assert detect(fake.board.root, fake.runner).describe().endswith("MAXN")
 
 
-def test_applying_twice_is_a_no_op(tmp_path: Path) -> None:
+@pytest.mark.parametrize("power_mode", [0, FASTEST])
+def test_applying_twice_is_a_no_op(tmp_path: Path, power_mode: int | str) -> None:
+    """Also with the built-in profiles' ``power_mode: fastest``: a board already in its
+    fastest mode keeps the lock it has (no jetson_clocks at every apply)."""
     fake = agx_orin_64gb_jp6(tmp_path)
-    apply(fake)
+    settings = replace(TUNED, power_mode=power_mode)
+    apply(fake, settings)
     state_before = fake.board.root.path(DEFAULT_STATE_PATH).read_text()
     fake.runner.calls.clear()
-    assert apply(fake, uid=user_uid) == ()  # nothing to do: not even root is needed
+    assert apply(fake, settings, uid=user_uid) == ()  # nothing to do: not even root is needed
     assert fake.changes() == []
     assert fake.board.root.path(DEFAULT_STATE_PATH).read_text() == state_before
+
+
+def test_revert_after_a_reboot_restores_zram(tmp_path: Path) -> None:
+    """With nvzramconfig disabled the next boot sets up no zram device, so there is
+    nothing to swap on: the service, enabled and started again, sets them up as it
+    does at boot. A swapon of the vanished devices failed, and the setting stayed in
+    the state file whatever --revert was run again."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    before = board_values(fake)
+    apply(fake)
+    fake.reboot()
+    assert fake.zram == {} and fake.mode == 0 and not fake.locked
+    fake.runner.calls.clear()
+    store = str(fake.board.root.path(CLOCKS_STORE))
+    assert revert(fake) == ("clocks", "power-mode", "zram", "swappiness")
+    assert fake.changes() == [
+        ("jetson_clocks", "--restore", store),
+        ("nvpmodel", "-m", "2"),
+        ("systemctl", "enable", "--now", "nvzramconfig"),
+    ]
+    assert board_values(fake) == before
+    assert not fake.board.root.exists(DEFAULT_STATE_PATH)
 
 
 def test_revert_restores_exactly_what_was_there(tmp_path: Path) -> None:
@@ -438,6 +471,57 @@ def test_a_clocks_store_that_fails_has_nothing_to_restore(tmp_path: Path) -> Non
     assert ("jetson_clocks", "--restore", store) not in fake.calls
     assert board_values(fake) == before
     assert not fake.board.root.exists(DEFAULT_STATE_PATH)
+
+
+def interrupt_at(fake: FakeJetson, *argv: str) -> None:
+    """Ctrl-C while ``argv`` runs (the program had finished its work)."""
+    handler = fake.runner.answers[argv[:1]]
+
+    def answer(args: tuple[str, ...]) -> CommandResult:
+        assert callable(handler)
+        handler(args)
+        raise KeyboardInterrupt
+
+    fake.runner.answers[argv] = answer
+
+
+def test_an_apply_stopped_part_way_through_a_setting_can_be_reverted(tmp_path: Path) -> None:
+    """Ctrl-C after nvzramconfig was disabled and one device swapped off: the values
+    zram replaced are in the state file, so --revert brings back the service too (it
+    was lost, and --revert said there was nothing saved)."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    before = board_values(fake)
+    interrupt_at(fake, "swapoff", "/dev/zram0")
+    with pytest.raises(KeyboardInterrupt):
+        apply(fake)
+    assert (fake.zram_service, sorted(fake.zram)) == ("disabled", ["/dev/zram1"])
+    assert [e.setting for e in StateFile(fake.board.root).load()] == ["swappiness", "zram"]
+    fake.runner.calls.clear()
+    assert revert(fake) == ("zram", "swappiness")
+    assert fake.changes() == [
+        ("systemctl", "enable", "nvzramconfig"),
+        ("swapon", "-p", "5", "/dev/zram0"),
+    ]
+    assert board_values(fake) == before
+
+
+def test_an_apply_stopped_at_the_clocks_store_leaves_nothing_to_restore(tmp_path: Path) -> None:
+    """No store, so no lock was taken (jetson_clocks runs after it): --revert clears the
+    entry instead of failing at jetson_clocks --restore at every run."""
+    fake = agx_orin_64gb_jp6(tmp_path)
+    store = str(fake.board.root.path(CLOCKS_STORE))
+    fake.runner.answers[("jetson_clocks", "--store", store)] = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        apply(fake)
+    assert not fake.locked and not fake.board.root.exists(CLOCKS_STORE)
+    fake.runner.calls.clear()
+    assert revert(fake) == ("clocks", "power-mode", "zram", "swappiness")
+    assert ("jetson_clocks", "--restore", store) not in fake.calls
+    assert not fake.board.root.exists(DEFAULT_STATE_PATH)
+
+
+def interrupt(args: tuple[str, ...]) -> CommandResult:
+    raise KeyboardInterrupt
 
 
 def test_a_setting_its_rollback_cannot_undo_is_left_for_revert(tmp_path: Path) -> None:

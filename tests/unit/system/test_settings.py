@@ -131,11 +131,17 @@ def test_clocks_relocked_when_the_mode_changes(tmp_path: Path) -> None:
     assert not plan(fake, profile(lock_clocks=True))["clocks"].needed
 
 
-def test_a_board_locked_by_jetson_clocks_plans_no_clock_steps(tmp_path: Path) -> None:
-    """The real --show of a locked board (EMC min at its floor) counts as locked."""
+@pytest.mark.parametrize("power_mode", [None, 0, FASTEST])
+def test_a_board_locked_by_jetson_clocks_plans_no_clock_steps(
+    tmp_path: Path, power_mode: int | str | None
+) -> None:
+    """The real --show of a locked board (EMC min at its floor) counts as locked; a
+    profile that asks for the mode the board is in (by id, or as ``fastest``) switches
+    nothing, so the lock stays, not stored as orin-llm's."""
     fake = agx_orin_64gb_jp6(tmp_path)
+    fake.mode = 0  # MAXN, this board's fastest
     fake.locked = True  # jetson_clocks run by hand (or by jtop) before orin-llm
-    change = plan(fake, profile(lock_clocks=True))["clocks"]
+    change = plan(fake, profile(lock_clocks=True, power_mode=power_mode))["clocks"]
     assert (change.current, change.target, change.needed) == ("locked", "locked", False)
     assert change.note == "already locked (jetson_clocks --show): no steps"
     assert change.saved == {}  # nothing recorded: revert leaves their lock alone
@@ -265,8 +271,8 @@ def test_fastest_without_a_mode_table_is_skipped_not_guessed(tmp_path: Path) -> 
     assert "fastest mode is unknown" in change.note
     assert change.note.endswith("set system.power_mode to a mode id")
     # without a table of its own, a known module's table is used
-    change = plan(agx_orin_32gb_devkit_tree_jp6(tmp_path / "devkit"), profile(power_mode=FASTEST))
-    assert describe(change["power-mode"]) == ["nvpmodel -m 0"]
+    devkit = plan(agx_orin_32gb_devkit_tree_jp6(tmp_path / "devkit"), profile(power_mode=FASTEST))
+    assert describe(devkit["power-mode"]) == ["nvpmodel -m 0"]
 
 
 def test_a_profile_takes_fastest_and_refuses_other_words(tmp_path: Path) -> None:
