@@ -425,6 +425,8 @@ class Engine:
             try:
                 if self._state != "ready":
                     raise EngineStopped(f"the engine is {self._state}; not taking requests")
+                if params.prompt_logprobs:
+                    request.leader = self._scoring(request)
                 self.scheduler.add(request, self._embeds_waiting)
             except EngineError:
                 request.close()
@@ -435,6 +437,26 @@ class Engine:
             self._requests[rid] = request
             self._lock.notify_all()
         return stream
+
+    def _scoring(self, request: ActiveRequest) -> ActiveRequest | None:
+        """The request in flight that computes the log-probabilities of ``request``'s
+        prompt, if any (the caller holds the lock): the other ``n`` choices of a
+        scored prompt wait for the first one and copy its cells, so the prompt is
+        computed once."""
+        for other in self._requests.values():
+            if other.id not in self._cancels and request.shares_scores_of(other):
+                return other.leader or other
+        return None
+
+    def _pass_on_scoring(self, leader: ActiveRequest) -> None:
+        """``leader`` ends before its prompt is scored (cancelled, failed): the first
+        request that waited for its scores computes them instead, for the others."""
+        followers = [r for r in self._requests.values() if r.leader is leader]
+        if followers:
+            first = followers[0]
+            first.leader = None
+            for r in followers[1:]:
+                r.leader = first
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Completion:
         """Blocking convenience for scripts and benchmarks."""
@@ -1233,6 +1255,8 @@ class Engine:
         """The last event of a request; ``slot`` is the one it held, if any."""
         if self._requests.pop(request.id, None) is None:
             return
+        if request.params.prompt_logprobs and request.scores is None:
+            self._pass_on_scoring(request)
         timings = request.timings.result(
             now_ns(),
             len(request.prompt_tokens),

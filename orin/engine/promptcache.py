@@ -21,7 +21,10 @@ The file is opened once and llama.cpp reads that very file through
 ``/proc/self/fd``, so what was checked is what is loaded. A failure is a
 warning naming the file and the reason; the sequence is left empty. A state
 llama.cpp refused is not offered again (``find``, ``get``) until a save of its
-prompt replaces it, so a refusal costs one failed load and its warning.
+prompt replaces it, so a refusal costs one failed load and its warning; unless
+other sequences held cells of the KV buffer it shares with them (``kv_unified``),
+when it may only have found no free cells: that state is offered again after
+``RETRY_S``.
 
 All llama.cpp calls belong to the engine thread, so ``PromptCache`` is not
 thread-safe: one thread (the engine's) uses it. Several processes may share
@@ -69,6 +72,9 @@ MEMO_LIMIT = 32  # model files remembered in the digest memo
 STALE_S = 600.0  # a temp or orphan file this old is a crashed writer's, not one in progress
 CHUNK = 1 << 20
 MAX_SIDECAR_BYTES = 64 << 20  # far above a sidecar of the longest context's tokens
+RETRY_S = 30.0
+"""Seconds before a state llama.cpp refused while other sequences held cells of the
+shared KV buffer is offered again: the buffer may only have had no room for it then."""
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _TYPE = re.compile(r"^[a-z0-9_]{1,16}$")
@@ -392,7 +398,8 @@ class PromptCache:
     KV types) included, so stale entries make room. A problem with the
     directory itself (it cannot be created, or someone else could write to
     it) is a warning once and ``problem`` says what: the cache then finds
-    nothing and saves nothing. ``clock`` stamps created and last-used times.
+    nothing and saves nothing. ``clock`` stamps created and last-used times,
+    and times the retry of a state refused for want of room (``RETRY_S``).
     Not thread-safe (see the module docstring).
     """
 
@@ -414,6 +421,9 @@ class PromptCache:
         # the state it refused: that state is not offered again (find, get), and the
         # next save of the same prompt writes it anew instead of keeping it
         self._refused: dict[str, str] = {}
+        # entries refused while the shared KV buffer may have had no room for them, by
+        # name: when (``clock``) they are offered again
+        self._retry_at: dict[str, float] = {}
         try:
             _ensure_dir(self.directory)
         except OSError as exc:
@@ -428,10 +438,11 @@ class PromptCache:
         all of them)."""
         best: Entry | None = None
         n = len(tokens)
+        now = self.clock() if self._retry_at else 0.0
         for e in self._index.values():
             if (
                 e.key == self.key
-                and not self._was_refused(e)
+                and not self._was_refused(e, now)
                 and e.n_tokens <= n
                 and (best is None or e.n_tokens > best.n_tokens)
                 and tuple(tokens[: e.n_tokens]) == e.tokens
@@ -443,7 +454,9 @@ class PromptCache:
     def get(self, tokens: Sequence[int]) -> Entry | None:
         """The saved prompt of exactly these tokens."""
         e = self._index.get(entry_name(self.key, tokens)) if tokens else None
-        found = e if e is not None and e.key == self.key and not self._was_refused(e) else None
+        now = self.clock() if self._retry_at else 0.0
+        usable = e is not None and e.key == self.key and not self._was_refused(e, now)
+        found = e if usable else None
         self._count(found)
         return found
 
@@ -457,9 +470,12 @@ class PromptCache:
         """Disk the directory's entries take, every key's."""
         return sum(e.disk_bytes for e in self._index.values())
 
-    def _was_refused(self, entry: Entry) -> bool:
-        """Whether llama.cpp refused this very state (the same digest) in this process."""
-        return self._refused.get(entry.name) == entry.state_sha256
+    def _was_refused(self, entry: Entry, now: float) -> bool:
+        """Whether llama.cpp refused this very state (the same digest) in this process,
+        or refused it less than ``RETRY_S`` before ``now`` for want of room."""
+        if self._refused.get(entry.name) == entry.state_sha256:
+            return True
+        return self._retry_at.get(entry.name, now) > now
 
     def _count(self, found: Entry | None) -> None:
         if found is None:
@@ -519,6 +535,7 @@ class PromptCache:
         if entry is not None:
             self._index[name] = entry
             self._refused.pop(name, None)
+            self._retry_at.pop(name, None)
             self.counters.saves += 1
             self._evict(keep=name)
         return entry
@@ -626,28 +643,50 @@ class PromptCache:
             if reason is not None:
                 return self._refuse(entry, reason, delete=True)
             try:
-                ok, reason = self._load_fd(kv, seq, fd, current)
+                ok, reason, by_llama = self._load_fd(kv, seq, fd, current)
             except Exception as exc:  # a binding's error must not take the engine down
-                ok, reason = False, f"{type(exc).__name__}: {exc}"
+                ok, reason, by_llama = False, f"{type(exc).__name__}: {exc}", False
         finally:
             os.close(fd)
         if not ok:
             with contextlib.suppress(Exception):
                 lib.llama_memory_seq_rm(kv.memory, seq, 0, -1)
+            self._index[current.name] = current  # its digest is what find and get see
+            if by_llama and self._shares_buffer(kv, seq):  # perhaps no room only then
+                self._retry_at[current.name] = self.clock() + RETRY_S
+                return self._refuse(
+                    entry,
+                    f"{reason}; other sequences held cells of the KV buffer it shares with "
+                    f"them, so it may only have found no room: trying it again in {RETRY_S:g} s",
+                    delete=False,
+                )
             # kept (another llama.cpp build, or a later start, may take it), but neither
             # offered again by find and get nor kept by the next save of this prompt
-            self._index[current.name] = current  # its digest is what find and get see
             self._refused[current.name] = current.state_sha256
             return self._refuse(
                 entry, f"{reason}; not trying it again until it is saved anew", delete=False
             )
+        self._retry_at.pop(current.name, None)
         self._touch(current)
         self.counters.loads += 1
         return True
 
-    def _load_fd(self, kv: KVHandles, seq: int, fd: int, entry: Entry) -> tuple[bool, str]:
+    def _shares_buffer(self, kv: KVHandles, seq: int) -> bool:
+        """Whether sequences other than ``seq`` hold cells of the KV buffer it loads into
+        (one buffer for all slots: ``kv_unified``), so that a state may have found no
+        free cells; with one stream per slot, an empty sequence has all of its own."""
+        if not self.key.kv_unified:
+            return False
+        lib = kv.lib
+        return any(
+            s != seq and int(lib.llama_memory_seq_pos_max(kv.memory, s)) >= 0
+            for s in range(int(lib.llama_n_seq_max(kv.ctx)))
+        )
+
+    def _load_fd(self, kv: KVHandles, seq: int, fd: int, entry: Entry) -> tuple[bool, str, bool]:
         """llama.cpp reads the file open as ``fd``: the one just verified, whatever the
-        name points to by now (``/proc/self/fd``; without it, the name)."""
+        name points to by now (``/proc/self/fd``; without it, the name). (loaded, why
+        not, whether llama.cpp itself refused to read it)."""
         lib, n = kv.lib, entry.n_tokens
         proc = f"/proc/self/fd/{fd}"
         source = proc if os.path.exists(proc) else str(entry.state_path)
@@ -660,13 +699,13 @@ class PromptCache:
                 )
             )
         if read == 0:
-            return False, f"llama.cpp refused it: {_reason(problems or lines)}"
+            return False, f"llama.cpp refused it: {_reason(problems or lines)}", True
         if count.value != n or tuple(out[:n]) != entry.tokens:
-            return False, "the state holds other tokens than its sidecar"
+            return False, "the state holds other tokens than its sidecar", False
         held = int(lib.llama_memory_seq_pos_max(kv.memory, seq))
         if held != n - 1:
-            return False, f"sequence {seq} holds positions up to {held}, not {n - 1}"
-        return True, ""
+            return False, f"sequence {seq} holds positions up to {held}, not {n - 1}", False
+        return True, "", False
 
     def _refuse(self, entry: Entry, reason: str, delete: bool) -> bool:
         log.warning("prompt cache: not loading %s: %s", entry.state_path, reason)

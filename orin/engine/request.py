@@ -57,11 +57,33 @@ class ActiveRequest:
     # SamplingParams.prompt_logprobs: those of the prompt tokens computed so far (from
     # the second on), sent in one event when the prompt is done (``prompt_done``)
     prompt_scores: list[TokenLogprob] = field(default_factory=list)
+    # all of them, once the prompt is done: a request scoring the same prompt (another
+    # of the ``n`` choices) shares them (``leader``)
+    scores: tuple[TokenLogprob, ...] | None = None
+    # the request that computes this one's prompt log-probabilities: this one waits
+    # for it and copies its cells instead of computing every position again
+    leader: ActiveRequest | None = None
 
     @property
     def all_logits(self) -> bool:
-        """The scheduler's hint: every prompt position's logits are needed."""
-        return self.params.prompt_logprobs
+        """The scheduler's hint: every prompt position's logits are needed (not when
+        another request computes them for this one)."""
+        return self.params.prompt_logprobs and self.leader is None
+
+    @property
+    def held(self) -> bool:
+        """The scheduler's hint: not to start before the leader's prompt is scored."""
+        return self.leader is not None and self.leader.scores is None
+
+    def shares_scores_of(self, other: ActiveRequest) -> bool:
+        """Whether ``other`` (or its leader) computes the prompt log-probabilities this
+        request asks for: the same prompt, with as many alternatives."""
+        return (
+            self.params.prompt_logprobs
+            and other.params.prompt_logprobs
+            and other.params.logprobs == self.params.logprobs
+            and other.prompt_tokens == self.prompt_tokens
+        )
 
     def score_prompt(
         self, backend: Backend, logits: npt.NDArray[np.float32], pos: int, n: int
@@ -78,8 +100,12 @@ class ActiveRequest:
     def prompt_done(self) -> None:
         """The prompt is computed: its log-probabilities go out, before any token."""
         if self.params.prompt_logprobs:
-            scores, self.prompt_scores = tuple(self.prompt_scores), []
-            self.stream.put(TokenEvent(self.id, None, "", prompt_logprobs=scores))
+            if self.leader is not None:
+                assert self.leader.scores is not None  # ``held`` until then
+                self.scores = self.leader.scores
+            else:
+                self.scores, self.prompt_scores = tuple(self.prompt_scores), []
+            self.stream.put(TokenEvent(self.id, None, "", prompt_logprobs=self.scores))
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A step checked ``drafted`` speculative tokens and kept ``accepted``."""

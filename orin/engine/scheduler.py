@@ -41,6 +41,13 @@ class SchedRequest(Protocol):
         copied cells."""
         ...
 
+    @property
+    def held(self) -> bool:
+        """True while the request may not start: it shares the prompt log-probabilities
+        of another request that has not finished computing them (``n`` > 1 choices of
+        a scored prompt), whose cells it then copies."""
+        ...
+
 
 def _all_logits(request: SchedRequest | None) -> bool:
     return request is not None and request.all_logits
@@ -319,7 +326,8 @@ class Scheduler:
         """Start queued requests in arrival order while slots are idle. A request
         whose prompt prefix another slot is prefilling right now waits for that
         prefill to end and then copies its cells (``n`` > 1 choices, users of one
-        system prompt arriving together); the requests behind it go first.
+        system prompt arriving together); the requests behind it go first. So does a
+        request ``held`` for another's prompt log-probabilities.
 
         When every queued request has an idle slot, so that all start in this step
         whatever the order, those whose whole prompt an idle slot holds go first:
@@ -337,7 +345,9 @@ class Scheduler:
             if not idle:
                 break
             request = self.queue.popleft()
-            if not _all_logits(request) and self._prefix_in_progress(request.prompt_tokens):
+            if request.held or (
+                not _all_logits(request) and self._prefix_in_progress(request.prompt_tokens)
+            ):
                 held.append(request)
                 continue
             slot = self._pick_slot(idle, request.prompt_tokens, packed_only=not fills)

@@ -332,7 +332,12 @@ class _Common(_Lenient):
     )
     penalty_last_n: int | None = _optional(params.PENALTY_LAST_N)
     repeat_last_n: int | None = _optional(params.PENALTY_LAST_N)  # llama.cpp's name
-    n_predict: int | None = Field(None, ge=-1, description="llama.cpp's name for max_tokens.")
+    n_predict: int | None = Field(
+        None,
+        ge=-1,
+        description="llama.cpp's name for max_tokens; -1: the profile's sampling.max_tokens; "
+        "0: the prompt is computed (and cached) and nothing is generated.",
+    )
 
     @field_validator("stream_options")
     @classmethod
@@ -405,7 +410,9 @@ class _Common(_Lenient):
         length against ``cap`` (server.max_tokens_limit) and the context."""
         requested = self.max_new_tokens()
         if requested is None and self.n_predict is not None and self.n_predict >= 0:
-            requested = max(self.n_predict, 1)
+            # 0: llama-server's prompt-only request (the prompt is computed and left in
+            # the slot's cells, nothing is generated), on either endpoint
+            requested = self.n_predict
         last_n = _pick(self.penalty_last_n, self.repeat_last_n)
         grammar_text, grammar_field = self._grammar()
         return SamplingParams(

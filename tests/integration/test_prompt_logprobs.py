@@ -5,6 +5,7 @@ logprobs, how lm-evaluation-harness's local-completions scores a text)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from orin.engine.engine import Engine
 from orin.engine.errors import InvalidRequest
-from orin.engine.types import SamplingParams
+from orin.engine.types import SamplingParams, StepStats
 from orin.model import demo
 from orin.profile.loader import parse_profile
 from orin.server.main import build_server
@@ -145,6 +146,72 @@ def test_max_tokens_0_computes_the_prompt_and_generates_nothing(
         assert engine.slots_busy == 0 and engine.kv_cells_used == 0
 
 
+@contextlib.contextmanager
+def prefilled(engine: Engine) -> Iterator[list[int]]:
+    """The prompt tokens of every step while the block runs (StepStats)."""
+    fed: list[int] = []
+
+    def observe(stats: StepStats) -> None:
+        fed.append(stats.prefill_tokens)
+
+    engine.add_step_observer(observe)
+    try:
+        yield fed
+    finally:
+        engine.remove_step_observer(observe)
+
+
+def test_choices_that_score_one_prompt_compute_it_once(
+    engine: Engine, reference: Reference
+) -> None:
+    """Three requests scoring the same prompt (a completion's ``n`` choices): the first
+    computes every position, the others wait for it, copy its cells, feed the last
+    prompt token and share its log-probabilities; each answer is the one it gets
+    alone."""
+    prompt = words(engine, 10)
+    assert len(prompt) > 64  # several chunks
+
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=6, temperature=0.9, seed=seed, logprobs=1, prompt_logprobs=True
+        )
+
+    alone = [engine.generate(prompt, params(seed)) for seed in (7, 8, 9)]
+    with prefilled(engine) as fed:
+        with engine.idle():  # queued together, before the engine steps
+            streams = [engine.submit(prompt, params(seed)) for seed in (7, 8, 9)]
+        together = [s.result() for s in streams]
+    assert sum(fed) == len(prompt) + 2
+    assert [t.timings.cached_tokens for t in together if t.timings] == [0, *[len(prompt) - 1] * 2]
+    assert [c.text for c in together] == [c.text for c in alone]
+    assert together[0].prompt_logprobs is not None
+    assert all(c.prompt_logprobs == together[0].prompt_logprobs for c in together)
+    want, _ = reference(prompt)
+    got = [lp.logprob for lp in together[0].prompt_logprobs]
+    np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+def test_when_the_scoring_choice_is_cancelled_the_next_one_scores(
+    engine: Engine, reference: Reference
+) -> None:
+    """The first choice goes before its prompt is scored: the second computes it, and
+    the third still waits for it and copies its cells."""
+    prompt = words(engine, 9)
+    p = SamplingParams(max_tokens=2, temperature=0, logprobs=0, prompt_logprobs=True)
+    with prefilled(engine) as fed:
+        with engine.idle():
+            streams = [engine.submit(prompt, p) for _ in range(3)]
+            streams[0].cancel()
+        done = [s.result() for s in streams]
+    assert [c.finish_reason for c in done] == ["cancelled", "length", "length"]
+    assert sum(fed) == len(prompt) + 1
+    assert done[1].prompt_logprobs == done[2].prompt_logprobs
+    assert done[1].prompt_logprobs is not None
+    np.testing.assert_allclose(
+        [lp.logprob for lp in done[1].prompt_logprobs], reference(prompt)[0], atol=ATOL
+    )
+
+
 def post(client: TestClient, body: dict[str, Any]) -> dict[str, Any]:
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
@@ -203,8 +270,8 @@ def test_lm_eval_harness_loglikelihood_request(
 def test_a_text_prompt_with_n_choices(
     server: tuple[TestClient, Engine], reference: Reference
 ) -> None:
-    """Every choice carries the prompt's logprobs (each choice computes them: none can
-    copy another's cells); the BOS tokenizing added is a token with no text, and the
+    """Every choice carries the prompt's logprobs (the first choice computes them, the
+    others copy its cells and share them); the BOS tokenizing added is a token with no text, and the
     tokens' text adds up to the prompt as written."""
     client, engine = server
     text = "Jetson boards run <|im_start|> models at the edge, all day long."

@@ -15,6 +15,7 @@ import pytest
 from orin.engine.backend import Backend
 from orin.engine.config import EngineConfig, engine_config
 from orin.engine.promptcache import (
+    RETRY_S,
     CacheKey,
     Entry,
     PromptCache,
@@ -157,3 +158,28 @@ def test_a_state_llama_cpp_cannot_take_leaves_the_sequence_empty(
             assert not cache.load(backend, 2, entry)
         assert runner.seq_pos_max(2) == -1
         assert "llama.cpp refused it" in caplog.text and "n_stream" in caplog.text
+
+
+def test_a_state_the_full_shared_buffer_cannot_take_is_restored_later(
+    tiny_f16: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With one KV buffer for all slots, another slot's long conversation can leave no
+    room for a saved prompt: llama.cpp refuses it then, and once the cells are free
+    (and RETRY_S has passed) the same state is found and restored."""
+    entry, nxt = saved_prompt(tiny_f16, tmp_path, unified=True)
+    now = [1_000_000.0]
+    with opened(config(tiny_f16, unified=True)) as (backend, runner, fa):
+        cache = PromptCache(tmp_path, key_of(backend, fa, tmp_path), 1 << 30, clock=lambda: now[0])
+        cells = backend.n_ctx_seq  # the one buffer's cells
+        filler = (prompt_of(backend) * (cells // PROMPT_TOKENS + 1))[: cells - PROMPT_TOKENS // 2]
+        feed(runner, 0, filler)
+        with caplog.at_level(logging.WARNING):
+            assert not cache.load(backend, 1, entry)
+        assert runner.seq_pos_max(1) == -1 and "trying it again in" in caplog.text
+        assert cache.get(list(entry.tokens)) is None
+        backend.lib.llama_memory_seq_rm(backend.memory, 0, 0, -1)  # the slot ends
+        now[0] += RETRY_S
+        found = cache.get(list(entry.tokens))
+        assert found is not None and cache.load(backend, 1, found)
+        restored = feed(runner, 1, [nxt], pos=PROMPT_TOKENS)
+        assert int(restored.argmax()) == int(feed(runner, 0, [*entry.tokens, nxt]).argmax())

@@ -140,6 +140,40 @@ def test_a_batch_of_prompts_with_n_choices(
     assert got == [c.text for c in batch.choices]
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_n_predict_0_computes_the_prompt_into_the_cache(
+    server: tuple[str, ServerState], route: str
+) -> None:
+    """llama-server's n_predict 0 (a cache warm-up): the prompt is computed and nothing is
+    generated; the next request with that prompt finds its cells."""
+    chat = route.endswith("chat/completions")
+    ask: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": "Warm the cache for the robot arm."}]}
+        if chat
+        else {"prompt": "Warm the cache for the robot arm, then answer."}
+    )
+    for stream in (False, True):
+        r = httpx.post(
+            f"{server[0]}{route}", json={**ask, "n_predict": 0, "stream": stream}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+            choices = [c for e in events for c in e["choices"]]
+            texts = [c["delta"].get("content") if chat else c["text"] for c in choices]
+            assert not any(texts)
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            continue
+        data = r.json()
+        choice = data["choices"][0]
+        assert (choice["message"]["content"] if chat else choice["text"]) == ""
+        assert choice["finish_reason"] == "length" and data["usage"]["completion_tokens"] == 0
+    then = httpx.post(f"{server[0]}{route}", json={**ask, "n_predict": 2}, timeout=60).json()
+    assert then["usage"]["completion_tokens"] == 2
+    prompt = then["usage"]["prompt_tokens"]
+    assert then["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1
+
+
 def test_json_schema_response_format(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",

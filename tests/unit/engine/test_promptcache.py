@@ -57,6 +57,9 @@ class FakeLlama:
         self.loaded: list[bytes] = []  # the paths llama_state_seq_load_file was given
         self.refuse = False
 
+    def llama_n_seq_max(self, _ctx: Any) -> int:
+        return 4
+
     def llama_memory_seq_pos_max(self, _mem: Any, seq: int) -> int:
         return len(self.seqs.get(seq, ())) - 1
 
@@ -492,6 +495,51 @@ def test_a_state_llama_cpp_refused_is_not_offered_again_until_saved_anew(
     replace_state(again, b"\1")
     assert not pc.load(kv, 1, found) and pc.get([1, 2, 3]) is None
     assert caplog.text.count("llama.cpp refused it") == 3
+
+
+def test_a_state_refused_while_the_shared_buffer_was_in_use_is_tried_again_later(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With one KV buffer for all slots, a state llama.cpp refuses while other
+    sequences hold cells may only have found no free cells then: it is left out for
+    RETRY_S, then offered (and restored) again."""
+    key = replace(KEY, kv_unified=True, n_stream=1)
+    pc, kv = cache(tmp_path, key), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+    kv.prefill(0, list(range(100, 140)))  # another slot's conversation
+    kv.lib.refuse = True
+    with caplog.at_level(logging.WARNING):
+        assert not pc.load(kv, 1, entry)
+    assert caplog.text.rstrip().endswith(
+        f"so it may only have found no room: trying it again in {promptcache.RETRY_S:g} s"
+    )
+    assert pc.get([1, 2, 3]) is None and pc.find([1, 2, 3, 4]) is None
+    assert isinstance(pc.clock, Clock)
+    pc.clock.t += promptcache.RETRY_S
+    kv.lib.refuse = False  # the other slot's cells are gone, or room was found
+    found = pc.find([1, 2, 3, 4])
+    assert found is not None and found.name == entry.name and pc.get([1, 2, 3]) == found
+    assert pc.load(kv, 1, found) and kv.lib.seqs[1] == [1, 2, 3]
+    assert entry.state_path.exists() and pc.counters.rejected == 1
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["kv-per-slot", "kv-unified-empty"])
+def test_a_state_refused_with_room_to_spare_is_not_tried_again(
+    tmp_path: Path, unified: bool
+) -> None:
+    """A refusal that no other sequence can have caused (each slot has a KV stream of
+    its own, or nothing else held cells of the shared buffer) stays a refusal."""
+    key = replace(KEY, kv_unified=True, n_stream=1) if unified else KEY
+    pc, kv = cache(tmp_path, key), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+    if not unified:
+        kv.prefill(0, list(range(100, 140)))  # in a stream of its own
+    kv.lib.refuse = True
+    assert not pc.load(kv, 1, entry)
+    assert isinstance(pc.clock, Clock)
+    pc.clock.t += 100 * promptcache.RETRY_S
+    kv.lib.refuse = False
+    assert pc.get([1, 2, 3]) is None and pc.find([1, 2, 3, 4]) is None
 
 
 def replace_state(entry: Entry, tail: bytes) -> None:

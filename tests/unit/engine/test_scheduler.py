@@ -31,6 +31,7 @@ class Req:
     id: str
     prompt_tokens: list[int]
     all_logits: bool = False
+    held: bool = False
 
 
 @dataclass
@@ -796,3 +797,29 @@ def test_a_scored_chunk_is_never_lengthened_to_even_the_tails() -> None:
     assert scored is not None
     assert [(i.pos, len(i.tokens)) for i in second.items if i.slot == scored.id] == [(64, 4)]
     assert _fed_with_logits([first, second], scored.id) == list(range(68))
+
+
+def test_a_held_request_waits_and_then_copies_the_scored_prompt() -> None:
+    """The other choices of a scored prompt share its log-probabilities (the engine
+    marks them ``held`` until the first choice has computed them): they wait, the
+    requests behind them go first, and then they copy the scored prompt's cells and
+    feed its last token only."""
+    s, r = make(slots=4, n_batch=32, window=512), FakeRunner()
+    prompt = list(range(1, 81))
+    follower = Req("c1", prompt, held=True)
+    s.add(Scored("c0", prompt))
+    s.add(follower)
+    s.add(Req("other", [900, 901, 902]))
+    step(s, r)
+    assert s.slot_of("c1") is None and list(s.queue) == [follower]
+    assert s.slot_of("c0") is not None and s.slot_of("other") is not None
+    _until_decoding(s, r, "c0")
+    step(s, r)
+    assert s.slot_of("c1") is None  # still held: the scores are not handed over yet
+    follower.held = False
+    batches = _until_decoding(s, r, "c1")
+    slot = s.slot_of("c1")
+    assert slot is not None and slot.cached_prompt == len(prompt) - 1
+    assert any(isinstance(op, Copy) and op.dst == slot.id for b in batches for op in b.ops)
+    fed = [i for b in batches for i in b.items if i.slot == slot.id and i.prefill]
+    assert [(i.pos, len(i.tokens)) for i in fed] == [(len(prompt) - 1, 1)]

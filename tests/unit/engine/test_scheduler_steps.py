@@ -28,6 +28,7 @@ class Req:
     id: str
     prompt_tokens: list[int]
     all_logits: bool = False
+    held: bool = False
 
 
 def sched(n_slots: int = 4, n_batch: int = 64, **kw: object) -> Scheduler:

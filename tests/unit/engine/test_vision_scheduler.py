@@ -15,6 +15,7 @@ class Req:
     id: str
     prompt_tokens: list[int]
     all_logits: bool = False
+    held: bool = False
 
 
 def sched(n_batch: int = 64, chunk: int | None = None) -> Scheduler:

@@ -31,6 +31,7 @@ class _Req:
     id: str
     prompt_tokens: list[int]
     all_logits: bool = False
+    held: bool = False
 
 
 class FakeEngine:

@@ -98,3 +98,17 @@ def test_an_over_long_prompt_blames_the_field_of_its_route(path: str | None, par
     err = json.loads(bytes(r.body))["error"]
     assert r.status_code == 400 and err["code"] == "context_length_exceeded"
     assert err["param"] == param
+
+
+def test_n_predict_0_asks_for_the_prompt_only_on_both_endpoints() -> None:
+    """llama-server's n_predict 0: the prompt is computed into the cache and nothing is
+    generated (the engine's max_tokens 0), not one token; -1 is the profile's length."""
+    defaults = SamplingSection()
+    chat = [{"role": "user", "content": "x"}]
+    for body in (
+        protocol.CompletionRequest(prompt="x", n_predict=0),
+        protocol.ChatCompletionRequest(messages=chat, n_predict=0),
+    ):
+        assert [p.max_tokens for p in body.choice_params(defaults, 4096)] == [0]
+    unset = protocol.CompletionRequest(prompt="x", n_predict=-1).choice_params(defaults, 4096)
+    assert unset[0].max_tokens == defaults.max_tokens
