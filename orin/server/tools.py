@@ -87,8 +87,9 @@ class OutputSpec:
 
     format: Format | None = None  # tool calls in this format; None: no tool parsing
     max_calls: int | None = None  # 1 with parallel_tool_calls false
-    # the offered tools' names: an answer that starts with "{" (Llama 3.x writes its
-    # calls without a marker) is a call only if it names one; None: any name
+    # the offered tools' names: a call of another function is content, in every format
+    # (an answer that starts with "{", as Llama 3.x writes its calls without a marker,
+    # may well be JSON such as {"name": "Bob", "age": 30}); None: any name
     names: frozenset[str] | None = None
     reasoning: bool = False  # split a <think> block into reasoning_content
     opens_thinking: bool = False  # the prompt ended inside <think>: so does the answer start
@@ -576,7 +577,6 @@ class OutputParser:
         self._strip = self._state == "reasoning"  # whitespace after <think> is dropped
         self._seen_content = False  # any content other than whitespace
         self._marker = ""  # the marker that opened the current call region
-        self._bare = False  # the region opened without a marker (an answer's "{")
         # content after a call keeps a separator: the whitespace before the call, else
         # the whitespace after it ("Sure! <call> done" is "Sure! done", not
         # "Sure!done"); nothing when no content came before the call or none follows
@@ -687,7 +687,7 @@ class OutputParser:
             if not s and not final:
                 return False
             if s.startswith("{"):
-                return self._open_region(self._buf[: len(self._buf) - len(s)], s, bare=True)
+                return self._open_region(self._buf[: len(self._buf) - len(s)], s)
         hits = [(i, m) for m in fmt.markers if (i := self._buf.find(m)) >= 0]
         if hits:
             i, marker = min(hits)
@@ -706,12 +706,11 @@ class OutputParser:
         self._buf = self._buf[cut:]
         return False
 
-    def _open_region(self, opening: str, text: str, bare: bool = False) -> bool:
+    def _open_region(self, opening: str, text: str) -> bool:
         """Parse ``text`` as calls; ``opening`` (the marker and the whitespace before
-        it) is content again if they turn out not to be. A ``bare`` region (JSON
-        without a marker) holds calls only of the offered tools."""
+        it, or only the whitespace before an answer's opening JSON) is content again
+        if they turn out not to be."""
         self._marker, self._region, self._buf = opening, text, ""
-        self._bare = bare
         self._sent = {}
         self._state = "calls"
         return True
@@ -723,7 +722,7 @@ class OutputParser:
         self._buf = ""
         region = _SCANNERS[fmt.name](self._region)
         names = self.spec.names
-        if self._bare and names is not None:  # {"name": "Bob", "age": 30} is an answer
+        if names is not None:  # a call of no offered tool is text the client can read
             for call in region.calls:
                 if call.name is not None and call.name not in names:
                     call.bad = region.bad = True

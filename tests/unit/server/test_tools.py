@@ -32,7 +32,11 @@ from orin.server.tools import (
 
 HERMES = OutputSpec(FORMATS["hermes"])
 LLAMA3 = OutputSpec(FORMATS["llama3"])
-LLAMA3_TOOLS = OutputSpec(FORMATS["llama3"], names=frozenset({"get_weather", "f"}))
+OFFERED = frozenset({"get_weather", "f"})
+LLAMA3_TOOLS = OutputSpec(FORMATS["llama3"], names=OFFERED)
+HERMES_TOOLS = OutputSpec(FORMATS["hermes"], names=OFFERED)
+MISTRAL_TOOLS = OutputSpec(FORMATS["mistral"], names=OFFERED)
+MISTRAL_ARGS_TOOLS = OutputSpec(FORMATS["mistral_args"], names=OFFERED)
 MISTRAL = OutputSpec(FORMATS["mistral"])
 MISTRAL_ARGS = OutputSpec(FORMATS["mistral_args"])
 THINKING = OutputSpec(FORMATS["hermes"], reasoning=True)
@@ -136,10 +140,29 @@ CASES: list[tuple[str, OutputSpec, str, Message]] = [
         ('; {"name": "Bob", "parameters": {}}', "", [("f", "{}")]),
     ),
     (
-        "llama3 after the python tag any name is a call",
+        "llama3 after the python tag a call of no offered tool is content",
         LLAMA3_TOOLS,
-        '<|python_tag|>{"name": "Bob", "parameters": {}}',
-        ("", "", [("Bob", "{}")]),
+        'Ok <|python_tag|>{"name": "Bob", "parameters": {}}',
+        ('Ok <|python_tag|>{"name": "Bob", "parameters": {}}', "", []),
+    ),
+    (
+        "hermes a call of no offered tool is content, a later good call a call",
+        HERMES_TOOLS,
+        '<tool_call>\n{"name": "Bob", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "f", "arguments": {"x": 1}}\n</tool_call>',
+        ('<tool_call>\n{"name": "Bob", "arguments": {}}\n</tool_call>', "", [("f", '{"x": 1}')]),
+    ),
+    (
+        "mistral a call of an offered tool, then one of no tool",
+        MISTRAL_TOOLS,
+        '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "Bob", "arguments": {}}]',
+        (', {"name": "Bob", "arguments": {}}]', "", [("f", "{}")]),
+    ),
+    (
+        "mistral name[ARGS] of no offered tool is content",
+        MISTRAL_ARGS_TOOLS,
+        '[TOOL_CALLS]Bob[ARGS]{"a": 1}',
+        ('[TOOL_CALLS]Bob[ARGS]{"a": 1}', "", []),
     ),
     (
         "llama3 a call in the middle of text is content",
