@@ -314,10 +314,11 @@ class _Common(_Lenient):
     seed: int | None = Field(
         None,
         ge=params.RANDOM_SEED,
-        le=params.SEED.le,
-        description=params.SEED.description
-        + " -1 is llama-server's 'a random seed': one for this request, whatever the "
-        "profile's sampling.seed.",
+        le=params.REQUEST_SEED_MAX,
+        description="Sampling seed; none = the profile's sampling.seed. -1 is llama-server's "
+        "'a random seed': one for this request, whatever the profile's. Any seed up to "
+        "2^64-1 is taken; one above 4294967294 (llama.cpp's largest) samples as the seed "
+        "modulo 4294967295.",
     )
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -448,7 +449,7 @@ class _Common(_Lenient):
         where the profile fixes a seed, so each call and each choice differ."""
         if self.seed is None:
             return default
-        return None if self.seed == params.RANDOM_SEED else self.seed
+        return None if self.seed == params.RANDOM_SEED else params.llama_seed(self.seed)
 
     def scores_prompt(self) -> bool:
         """Whether the answer carries the prompt tokens' log-probabilities."""
