@@ -141,6 +141,23 @@ def test_a_named_function_is_the_one_called(hermes: tuple[str, ServerState]) -> 
     assert calls and all(name == "get_time" and valid_arguments(name, a) for name, a in calls)
 
 
+def test_a_function_without_parameters_is_called_without_arguments(
+    hermes: tuple[str, ServerState],
+) -> None:
+    """OpenAI's function without ``parameters`` takes none: its forced call's
+    arguments are ``{}``, not whatever object the model makes up."""
+    tools: Any = [*TOOLS, {"type": "function", "function": {"name": "now"}}]
+    r = client(hermes[0]).chat.completions.create(
+        model="demo",
+        messages=ASK,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "now"}},
+        **GREEDY,
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in calls_of(r.choices[0].message)] == [("now", {})]
+
+
 def test_required_with_parallel_calls_gives_valid_calls(hermes: tuple[str, ServerState]) -> None:
     r = client(hermes[0]).chat.completions.create(
         model="demo", messages=ASK, tools=TOOLS, tool_choice="required", **GREEDY

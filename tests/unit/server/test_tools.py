@@ -576,6 +576,24 @@ def test_the_grammar_of_required_and_named_choices() -> None:
     assert g is not None and 'root ::= "[TOOL_CALLS][" tool-call (", " tool-call)* "]"' in g
 
 
+def test_a_function_without_parameters_is_called_with_none() -> None:
+    """OpenAI's function without ``parameters`` takes no arguments; a required call of
+    one was held to any object, so a model wrote made-up arguments ({"temperature":
+    25, ...}) for it, or ran out of tokens writing them. Its arguments are ``{}``; a
+    schema of any object still takes any object."""
+    tools = [
+        {"type": "function", "function": {"name": "now"}},
+        {"type": "function", "function": {"name": "any", "parameters": {"type": "object"}}},
+    ]
+    for name, rule in (("now", '"{" space  "}" space'), ("any", "object")):
+        named = {"type": "function", "function": {"name": name}}
+        body = request(tools=tools, tool_choice=named)
+        g = required_grammar(body, output_spec(body, CAPS, "p"))
+        assert g is not None
+        args = next(line for line in g.splitlines() if line.startswith(f"{name}-args ::= "))
+        assert args == f"{name}-args ::= {rule}"
+
+
 def test_a_schema_the_converter_cannot_take_is_a_400_naming_that_tools_parameters() -> None:
     """The param is the function's own entry, also when a named tool_choice picks it
     from the others: ``tools[1].function.parameters``."""
