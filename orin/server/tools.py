@@ -44,6 +44,9 @@ class Format:
     parallel: bool = True  # whether the grammar may write several calls
     json_at_start: bool = False  # an answer that starts with "{" is a call region too
     id_last: bool = False  # the model writes a call's id after its arguments
+    # the ids the server gives calls are 9 alphanumerics: Mistral's templates refuse a
+    # history with any other (the turn after a call, sent back with its id, was a 400)
+    short_ids: bool = False
 
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -72,11 +75,13 @@ FORMATS: dict[ToolFormat, Format] = {
         CallSyntax(prefix=MISTRAL_CALLS + "[", suffix="]", separator=", "),
         closers=("]", ","),
         id_last=True,  # a call is sent once complete, with the id Nemo wrote
+        short_ids=True,
     ),
     "mistral_args": Format(
         "mistral_args",
         (MISTRAL_CALLS,),
         CallSyntax(call_open=MISTRAL_CALLS, name_args=MISTRAL_ARGS),
+        short_ids=True,
     ),
 }
 
@@ -205,7 +210,11 @@ class ParsedOutput:
 _ALNUM = string.ascii_letters + string.digits
 
 
-def new_call_id() -> str:
+def new_call_id(short: bool = False) -> str:
+    """A call's id: ``call_`` and 24 alphanumerics as OpenAI's, or with ``short`` the
+    9 alphanumerics Mistral's templates take (and llama-server and vLLM give)."""
+    if short:
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
     return "call_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
 
 
@@ -741,11 +750,13 @@ class OutputParser:
 
     def _report(self, out: list[Part], calls: list[_Call]) -> None:
         """Start the calls that can be reported and send their new argument text."""
+        fmt = self.spec.format
+        assert fmt is not None
         for k, call in enumerate(calls):
             index = self._sent.get(k)
             if index is None:
                 ready = call.name is not None and not call.bad
-                if not self.eager or (self.spec.format and self.spec.format.id_last):
+                if not self.eager or fmt.id_last:
                     ready = ready and call.final is not None
                 if not ready:
                     continue
@@ -753,7 +764,7 @@ class OutputParser:
                 if self.spec.max_calls is not None and len(self.calls) >= self.spec.max_calls:
                     self._sent[k] = -1
                     continue
-                started = ToolCall(call.id or new_call_id(), call.name, "")
+                started = ToolCall(call.id or new_call_id(fmt.short_ids), call.name, "")
                 self._sent[k] = index = len(self.calls)
                 self.calls.append(started)
                 out.append(CallStart(index, started.id, started.name))

@@ -229,7 +229,8 @@ def message(parts: list[Part]) -> Message:
             else:
                 reasoning += p.text
         elif isinstance(p, CallStart):
-            assert p.index == len(calls) and p.id.startswith(("call_", "a")) and p.name
+            assert p.index == len(calls) and p.name
+            assert p.id.startswith("call_") or (p.id.isalnum() and len(p.id) == 9), p.id
             calls[p.index] = [p.name, ""]
         else:
             calls[p.index][1] += p.text
@@ -406,6 +407,25 @@ def test_the_ids_mistral_writes_are_kept() -> None:
     parser = MISTRAL_ARGS.parser()
     parts = parser.feed("[TOOL_CALLS]f[CALL_ID]xyz987uvw[ARGS]{")
     assert parts[0] == CallStart(0, "xyz987uvw", "f")
+
+
+@pytest.mark.parametrize(
+    ("spec", "text"),
+    [
+        (MISTRAL, '[TOOL_CALLS][{"name": "a", "arguments": {}}]'),
+        (MISTRAL_ARGS, "[TOOL_CALLS]a[ARGS]{}"),
+    ],
+)
+def test_the_ids_given_to_mistrals_calls_are_nine_alphanumerics(
+    spec: OutputSpec, text: str
+) -> None:
+    """Mistral's templates refuse a history whose call ids are anything else, so the
+    turn after a call, sent back with the id the server gave it, was a 400."""
+    parser = spec.parser()
+    (start,) = [p for p in parser.feed(text) + parser.finish() if isinstance(p, CallStart)]
+    assert start.id.isalnum() and len(start.id) == 9, start.id
+    hermes = HERMES.parser().feed('<tool_call>{"name": "f", ')
+    assert isinstance(hermes[0], CallStart) and hermes[0].id.startswith("call_")
 
 
 def test_at_most_one_call_without_parallel_tool_calls() -> None:
