@@ -144,6 +144,18 @@ SEED: Param[int | None] = Param(
 # a request's seed -1: llama-server's "a random seed", here one for that request alone,
 # whatever the profile's sampling.seed (a profile leaves its seed out for that)
 RANDOM_SEED = -1
+# the largest seed a request may send: clients draw 63- and 64-bit seeds (OpenAI's API
+# sets no bound), which llama_seed maps into the table's range
+REQUEST_SEED_MAX = (1 << 64) - 1
+
+
+def llama_seed(seed: int) -> int:
+    """A request's seed (0 to ``REQUEST_SEED_MAX``) as llama.cpp takes it: itself up to
+    ``SEED.hi``, a larger one modulo ``SEED.hi + 1`` (4294967295), so one seed always
+    samples alike and none becomes llama.cpp's 'pick a random seed'."""
+    return seed % (int(SEED.hi) + 1)
+
+
 LOGPROBS: Param[int | None] = Param(
     "logprobs",
     None,

@@ -291,15 +291,19 @@ def tool_call_grammar(
     """A grammar for one call (or one or more with ``parallel``) of one of
     ``functions`` (name, JSON schema of its parameters), written in ``syntax``:
     the arguments follow each function's schema as far as llama-cpp-python's
-    converter expresses it. InvalidRequest when a schema cannot be converted,
-    naming that function's entry of ``params`` (the request's field, such as
-    ``tools[2].function.parameters``), or ``tools`` without them."""
+    converter expresses it; a function without a schema (None) takes ``{}``.
+    InvalidRequest when a schema cannot be converted, naming that function's entry
+    of ``params`` (the request's field, such as ``tools[2].function.parameters``),
+    or ``tools`` without them."""
     conv = _new_converter()
     lit = conv._format_literal
     alternatives = []
     with _schema_budget():  # one budget for all the tools together
         for i, (name, parameters) in enumerate(functions):
-            schema = copy.deepcopy(parameters) if parameters else {"type": "object"}
+            if parameters is None:  # OpenAI's function without parameters takes none: {}
+                schema = {"type": "object", "properties": {}, "additionalProperties": False}
+            else:
+                schema = copy.deepcopy(parameters) or {"type": "object"}
             try:
                 schema = conv.resolve_refs(schema, f"tool{i}")
                 args = conv.visit(schema, f"{name}-args")

@@ -74,6 +74,10 @@ class GenerationFailed(ApiError):
     status, type, code = 500, "server_error", "generation_failed"
 
 
+# the codes of a body's invalid field, and of a required one it left out (OpenAI's)
+INVALID, MISSING = "invalid_value", "missing_required_parameter"
+
+
 @dataclass(frozen=True)
 class Spec:
     status: int
@@ -84,7 +88,7 @@ class Spec:
 
 TABLE: dict[type[Exception], Spec] = {
     ContextLengthExceeded: Spec(400, "invalid_request_error", "context_length_exceeded"),
-    InvalidRequest: Spec(400, "invalid_request_error", "invalid_value"),
+    InvalidRequest: Spec(400, "invalid_request_error", INVALID),
     QueueFull: Spec(429, "rate_limit_error", "queue_full", retry=True),
     EngineStopped: Spec(503, "service_unavailable", "unavailable", retry=True),
 }
@@ -150,6 +154,7 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     errors = list(exc.errors())
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [p for p in first.get("loc", ()) if p != "body"]
+    code = INVALID
     if isinstance(exc.__cause__, LoneSurrogate):  # JSON that parses, text that is not Unicode
         param, message = exc.__cause__.param, exc.__cause__.msg
     elif first.get("type") == "json_invalid":
@@ -158,10 +163,8 @@ async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         param = None
         message = "the request body must be a JSON object, sent with Content-Type: application/json"
     else:
-        param, message = validation_param_and_message(errors)
-    body = error_body(
-        message, "invalid_request_error", param, "invalid_value", _request_id(request)
-    )
+        param, message, code = validation_param_and_message(errors)
+    body = error_body(message, "invalid_request_error", param, code, _request_id(request))
     return JSONResponse(body, 400, {"x-request-id": _request_id(request) or ""})
 
 
@@ -184,9 +187,11 @@ def _param(loc: Sequence[object]) -> str:
     return out
 
 
-def validation_param_and_message(errors: Sequence[Any]) -> tuple[str, str]:
-    """The `param` and message of pydantic's first complaint about a body, without the
-    names pydantic gives a union's members (`stop.str`, `tool_choice.literal[...]`).
+def validation_param_and_message(errors: Sequence[Any]) -> tuple[str, str, str]:
+    """The `param`, message and code of pydantic's first complaint about a body, without
+    the names pydantic gives a union's members (`stop.str`, `tool_choice.literal[...]`).
+    The code is OpenAI's `missing_required_parameter` for a field left out (pydantic's
+    `missing`, which the request models' own checks raise too), else `invalid_value`.
 
     A value that fits no member of a union gets one complaint per member; those about
     the part of the value that matched a member furthest (a content part's missing
@@ -209,7 +214,8 @@ def validation_param_and_message(errors: Sequence[Any]) -> tuple[str, str]:
     param = _param(_stripped(where(chosen[0])))
     messages = list(dict.fromkeys(str(e.get("msg", "")) for e in chosen))
     message = f"{param}: " + "; or ".join(messages)
-    return param, message.replace("Value error, ", "")
+    code = MISSING if all(e.get("type") == "missing" for e in chosen) else INVALID
+    return param, message.replace("Value error, ", ""), code
 
 
 def _stripped(loc: Sequence[object]) -> list[object]:

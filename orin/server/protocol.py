@@ -28,6 +28,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from orin import params
 from orin.engine import grammar
@@ -156,6 +157,12 @@ class ToolCallIn(_Lenient):
     function: CalledFunction
 
 
+def _missing(message: str) -> PydanticCustomError:
+    """A required field left out (or null), as pydantic's own ``missing`` error: the
+    400's code is OpenAI's ``missing_required_parameter``, not ``invalid_value``."""
+    return PydanticCustomError("missing", message)
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # checked when left out too: only an assistant's may be null (it may only call tools)
@@ -173,7 +180,7 @@ class ChatMessage(_Lenient):
         without it would be served as if the user had said nothing."""
         role = info.data.get("role")
         if content is None and role is not None and role != "assistant":
-            raise ValueError(f"a {role} message needs content (a string or a list of parts)")
+            raise _missing(f"a {role} message needs content (a string or a list of parts)")
         return content
 
     @field_validator("tool_call_id")
@@ -182,7 +189,7 @@ class ChatMessage(_Lenient):
         """OpenAI's rule: a tool message says which call it answers; without it the
         template would render an answer to no call."""
         if call_id is None and info.data.get("role") == "tool":
-            raise ValueError("a tool message needs tool_call_id, the id of the call it answers")
+            raise _missing("a tool message needs tool_call_id, the id of the call it answers")
         return call_id
 
     def text(self) -> str:
@@ -307,10 +314,11 @@ class _Common(_Lenient):
     seed: int | None = Field(
         None,
         ge=params.RANDOM_SEED,
-        le=params.SEED.le,
-        description=params.SEED.description
-        + " -1 is llama-server's 'a random seed': one for this request, whatever the "
-        "profile's sampling.seed.",
+        le=params.REQUEST_SEED_MAX,
+        description="Sampling seed; none = the profile's sampling.seed. -1 is llama-server's "
+        "'a random seed': one for this request, whatever the profile's. Any seed up to "
+        "2^64-1 is taken; one above 4294967294 (llama.cpp's largest) samples as the seed "
+        "modulo 4294967295.",
     )
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -448,7 +456,7 @@ class _Common(_Lenient):
         where the profile fixes a seed, so each call and each choice differ."""
         if self.seed is None:
             return default
-        return None if self.seed == params.RANDOM_SEED else self.seed
+        return None if self.seed == params.RANDOM_SEED else params.llama_seed(self.seed)
 
     def scores_prompt(self) -> bool:
         """Whether the answer carries the prompt tokens' log-probabilities."""

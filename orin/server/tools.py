@@ -44,6 +44,9 @@ class Format:
     parallel: bool = True  # whether the grammar may write several calls
     json_at_start: bool = False  # an answer that starts with "{" is a call region too
     id_last: bool = False  # the model writes a call's id after its arguments
+    # the ids the server gives calls are 9 alphanumerics: Mistral's templates refuse a
+    # history with any other (the turn after a call, sent back with its id, was a 400)
+    short_ids: bool = False
 
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -72,11 +75,13 @@ FORMATS: dict[ToolFormat, Format] = {
         CallSyntax(prefix=MISTRAL_CALLS + "[", suffix="]", separator=", "),
         closers=("]", ","),
         id_last=True,  # a call is sent once complete, with the id Nemo wrote
+        short_ids=True,
     ),
     "mistral_args": Format(
         "mistral_args",
         (MISTRAL_CALLS,),
         CallSyntax(call_open=MISTRAL_CALLS, name_args=MISTRAL_ARGS),
+        short_ids=True,
     ),
 }
 
@@ -87,8 +92,9 @@ class OutputSpec:
 
     format: Format | None = None  # tool calls in this format; None: no tool parsing
     max_calls: int | None = None  # 1 with parallel_tool_calls false
-    # the offered tools' names: an answer that starts with "{" (Llama 3.x writes its
-    # calls without a marker) is a call only if it names one; None: any name
+    # the offered tools' names: a call of another function is content, in every format
+    # (an answer that starts with "{", as Llama 3.x writes its calls without a marker,
+    # may well be JSON such as {"name": "Bob", "age": 30}); None: any name
     names: frozenset[str] | None = None
     reasoning: bool = False  # split a <think> block into reasoning_content
     opens_thinking: bool = False  # the prompt ended inside <think>: so does the answer start
@@ -204,7 +210,11 @@ class ParsedOutput:
 _ALNUM = string.ascii_letters + string.digits
 
 
-def new_call_id() -> str:
+def new_call_id(short: bool = False) -> str:
+    """A call's id: ``call_`` and 24 alphanumerics as OpenAI's, or with ``short`` the
+    9 alphanumerics Mistral's templates take (and llama-server and vLLM give)."""
+    if short:
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
     return "call_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
 
 
@@ -576,7 +586,6 @@ class OutputParser:
         self._strip = self._state == "reasoning"  # whitespace after <think> is dropped
         self._seen_content = False  # any content other than whitespace
         self._marker = ""  # the marker that opened the current call region
-        self._bare = False  # the region opened without a marker (an answer's "{")
         # content after a call keeps a separator: the whitespace before the call, else
         # the whitespace after it ("Sure! <call> done" is "Sure! done", not
         # "Sure!done"); nothing when no content came before the call or none follows
@@ -687,7 +696,7 @@ class OutputParser:
             if not s and not final:
                 return False
             if s.startswith("{"):
-                return self._open_region(self._buf[: len(self._buf) - len(s)], s, bare=True)
+                return self._open_region(self._buf[: len(self._buf) - len(s)], s)
         hits = [(i, m) for m in fmt.markers if (i := self._buf.find(m)) >= 0]
         if hits:
             i, marker = min(hits)
@@ -706,12 +715,11 @@ class OutputParser:
         self._buf = self._buf[cut:]
         return False
 
-    def _open_region(self, opening: str, text: str, bare: bool = False) -> bool:
+    def _open_region(self, opening: str, text: str) -> bool:
         """Parse ``text`` as calls; ``opening`` (the marker and the whitespace before
-        it) is content again if they turn out not to be. A ``bare`` region (JSON
-        without a marker) holds calls only of the offered tools."""
+        it, or only the whitespace before an answer's opening JSON) is content again
+        if they turn out not to be."""
         self._marker, self._region, self._buf = opening, text, ""
-        self._bare = bare
         self._sent = {}
         self._state = "calls"
         return True
@@ -723,7 +731,7 @@ class OutputParser:
         self._buf = ""
         region = _SCANNERS[fmt.name](self._region)
         names = self.spec.names
-        if self._bare and names is not None:  # {"name": "Bob", "age": 30} is an answer
+        if names is not None:  # a call of no offered tool is text the client can read
             for call in region.calls:
                 if call.name is not None and call.name not in names:
                     call.bad = region.bad = True
@@ -742,11 +750,13 @@ class OutputParser:
 
     def _report(self, out: list[Part], calls: list[_Call]) -> None:
         """Start the calls that can be reported and send their new argument text."""
+        fmt = self.spec.format
+        assert fmt is not None
         for k, call in enumerate(calls):
             index = self._sent.get(k)
             if index is None:
                 ready = call.name is not None and not call.bad
-                if not self.eager or (self.spec.format and self.spec.format.id_last):
+                if not self.eager or fmt.id_last:
                     ready = ready and call.final is not None
                 if not ready:
                     continue
@@ -754,7 +764,7 @@ class OutputParser:
                 if self.spec.max_calls is not None and len(self.calls) >= self.spec.max_calls:
                     self._sent[k] = -1
                     continue
-                started = ToolCall(call.id or new_call_id(), call.name, "")
+                started = ToolCall(call.id or new_call_id(fmt.short_ids), call.name, "")
                 self._sent[k] = index = len(self.calls)
                 self.calls.append(started)
                 out.append(CallStart(index, started.id, started.name))

@@ -128,6 +128,35 @@ def test_required_gives_one_valid_call_in_every_format(model: Path, template: st
     assert choice.message.content is None
 
 
+@pytest.mark.parametrize("template", ["hermes", "llama31", "mistral", "mistral_args"])
+def test_a_call_and_its_result_go_back_for_the_next_turn(model: Path, template: str) -> None:
+    """The ids the server gives its calls are ones the template takes back: Mistral's
+    templates refuse a history whose call ids are not 9 characters, so the turn
+    after a call (the assistant's message and the tool's result, as the client
+    sends them back) was a 400."""
+    with live_server(model, profile(template)) as (base, _):
+        c = client(base)
+        r = c.chat.completions.create(
+            model="demo",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            **GREEDY,
+        )
+        message = r.choices[0].message
+        (call,) = message.tool_calls or []
+        history: Any = [
+            *ASK,
+            message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"},
+        ]
+        after = c.chat.completions.create(
+            model="demo", messages=history, tools=TOOLS, temperature=0, max_tokens=5
+        )
+    assert after.choices[0].message.role == "assistant"
+
+
 def test_a_named_function_is_the_one_called(hermes: tuple[str, ServerState]) -> None:
     r = client(hermes[0]).chat.completions.create(
         model="demo",
@@ -139,6 +168,23 @@ def test_a_named_function_is_the_one_called(hermes: tuple[str, ServerState]) -> 
     assert r.choices[0].finish_reason == "tool_calls"
     calls = calls_of(r.choices[0].message)
     assert calls and all(name == "get_time" and valid_arguments(name, a) for name, a in calls)
+
+
+def test_a_function_without_parameters_is_called_without_arguments(
+    hermes: tuple[str, ServerState],
+) -> None:
+    """OpenAI's function without ``parameters`` takes none: its forced call's
+    arguments are ``{}``, not whatever object the model makes up."""
+    tools: Any = [*TOOLS, {"type": "function", "function": {"name": "now"}}]
+    r = client(hermes[0]).chat.completions.create(
+        model="demo",
+        messages=ASK,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "now"}},
+        **GREEDY,
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in calls_of(r.choices[0].message)] == [("now", {})]
 
 
 def test_required_with_parallel_calls_gives_valid_calls(hermes: tuple[str, ServerState]) -> None:

@@ -78,7 +78,7 @@ def test_every_layer_takes_the_same_bounds(p: params.Param[Any]) -> None:
         assert p.problem(value) is not None
         if p.name in PROFILE:
             assert not profile_accepts(p.name, value), value
-        if p.name in REQUEST and not (p is params.SEED and value == params.RANDOM_SEED):
+        if p.name in REQUEST and p is not params.SEED:  # a request's seed: below
             assert not request_accepts(p.name, value), value
 
 
@@ -134,12 +134,43 @@ def test_no_seed_is_llamacpps_random_seed() -> None:
     it by seed + i, got a different answer on every call."""
     from orin.engine.sampling import DEFAULT_SEED
 
-    for accepts in (engine_accepts, profile_accepts, request_accepts):
+    for accepts in (engine_accepts, profile_accepts):
         assert not accepts("seed", DEFAULT_SEED)
+    sampled = CompletionRequest(prompt="x", seed=DEFAULT_SEED).to_sampling(SamplingSection(), 9)
+    assert sampled.seed == 0
     top = int(params.SEED.hi)
     body = CompletionRequest(prompt="x", seed=top - 1, n=4, temperature=1)
     seeds = [p.seed for p in body.choice_params(SamplingSection(), 100)]
     assert seeds == [top - 1, top, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("seed", "sampled"),
+    [
+        ((1 << 32) - 2, (1 << 32) - 2),  # llama.cpp's range is kept as it is
+        (1 << 32, 1),
+        ((1 << 63) - 1, ((1 << 63) - 1) % ((1 << 32) - 1)),  # a 63-bit seed
+        ((1 << 64) - 1, 0),
+    ],
+)
+def test_a_request_seed_up_to_64_bits_samples_as_a_seed_in_llamacpps_range(
+    seed: int, sampled: int
+) -> None:
+    """Clients that draw 63- or 64-bit seeds got a 400 for any seed above 4294967294.
+    Such a seed is taken, modulo 4294967295: the same seed gives the same answer
+    again, and none becomes llama.cpp's 'pick a random seed'; n > 1 counts on from
+    it. The profile and the engine keep llama.cpp's range."""
+    assert request_accepts("seed", seed)
+    body = CompletionRequest(prompt="x", seed=seed, n=2, temperature=1)
+    seeds = [p.seed for p in body.choice_params(SamplingSection(), 100)]
+    assert seeds == [sampled, (sampled + 1) % ((1 << 32) - 1)]
+    assert all(engine_accepts("seed", s) for s in seeds if s is not None)
+
+
+def test_a_request_seed_above_64_bits_or_below_minus_one_is_refused() -> None:
+    assert not request_accepts("seed", 1 << 64)
+    assert not request_accepts("seed", -2)
+    assert not profile_accepts("seed", 1 << 32)
 
 
 def test_a_request_seed_of_minus_one_is_a_random_seed_as_in_llama_server() -> None:
@@ -221,8 +252,8 @@ def doc_row(p: params.Param[Any]) -> str:
         default = f"profile's `sampling.{p.name}` ({default})"
     if p.name == "max_tokens":  # bounded by server.max_tokens_limit, not a constant
         bounds = f"≥ {num(p.lo)}"
-    elif p is params.SEED:  # a request's -1 is a random seed
-        bounds = f"-1, or ≥ {num(p.lo)}, ≤ {num(p.hi)}"
+    elif p is params.SEED:  # a request's -1 is a random seed, and it may be 64-bit
+        bounds = f"-1, or ≥ {num(p.lo)}, ≤ {params.REQUEST_SEED_MAX} (a profile's: ≤ {num(p.hi)})"
     else:
         low = f"> {num(p.lo)}" if p.lo_open else f"≥ {num(p.lo)}"
         bounds = f"{low}, ≤ {num(p.hi)}"

@@ -36,14 +36,14 @@ def history(arguments: str = '{"city": "Paris", "note": "naïve \\"q\\""}') -> l
     """A user turn, the assistant's call (arguments as OpenAI sends them: a JSON
     string), the tool's result."""
     call = {
-        "id": "call_abc",
+        "id": "call0abcd",  # 9 characters, as Mistral's templates insist
         "type": "function",
         "function": {"name": "get_weather", "arguments": arguments},
     }
     return [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_abc", "content": "18 degrees, sunny"},
+        {"role": "tool", "tool_call_id": "call0abcd", "content": "18 degrees, sunny"},
     ]
 
 

@@ -32,7 +32,11 @@ from orin.server.tools import (
 
 HERMES = OutputSpec(FORMATS["hermes"])
 LLAMA3 = OutputSpec(FORMATS["llama3"])
-LLAMA3_TOOLS = OutputSpec(FORMATS["llama3"], names=frozenset({"get_weather", "f"}))
+OFFERED = frozenset({"get_weather", "f"})
+LLAMA3_TOOLS = OutputSpec(FORMATS["llama3"], names=OFFERED)
+HERMES_TOOLS = OutputSpec(FORMATS["hermes"], names=OFFERED)
+MISTRAL_TOOLS = OutputSpec(FORMATS["mistral"], names=OFFERED)
+MISTRAL_ARGS_TOOLS = OutputSpec(FORMATS["mistral_args"], names=OFFERED)
 MISTRAL = OutputSpec(FORMATS["mistral"])
 MISTRAL_ARGS = OutputSpec(FORMATS["mistral_args"])
 THINKING = OutputSpec(FORMATS["hermes"], reasoning=True)
@@ -136,10 +140,29 @@ CASES: list[tuple[str, OutputSpec, str, Message]] = [
         ('; {"name": "Bob", "parameters": {}}', "", [("f", "{}")]),
     ),
     (
-        "llama3 after the python tag any name is a call",
+        "llama3 after the python tag a call of no offered tool is content",
         LLAMA3_TOOLS,
-        '<|python_tag|>{"name": "Bob", "parameters": {}}',
-        ("", "", [("Bob", "{}")]),
+        'Ok <|python_tag|>{"name": "Bob", "parameters": {}}',
+        ('Ok <|python_tag|>{"name": "Bob", "parameters": {}}', "", []),
+    ),
+    (
+        "hermes a call of no offered tool is content, a later good call a call",
+        HERMES_TOOLS,
+        '<tool_call>\n{"name": "Bob", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "f", "arguments": {"x": 1}}\n</tool_call>',
+        ('<tool_call>\n{"name": "Bob", "arguments": {}}\n</tool_call>', "", [("f", '{"x": 1}')]),
+    ),
+    (
+        "mistral a call of an offered tool, then one of no tool",
+        MISTRAL_TOOLS,
+        '[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "Bob", "arguments": {}}]',
+        (', {"name": "Bob", "arguments": {}}]', "", [("f", "{}")]),
+    ),
+    (
+        "mistral name[ARGS] of no offered tool is content",
+        MISTRAL_ARGS_TOOLS,
+        '[TOOL_CALLS]Bob[ARGS]{"a": 1}',
+        ('[TOOL_CALLS]Bob[ARGS]{"a": 1}', "", []),
     ),
     (
         "llama3 a call in the middle of text is content",
@@ -206,7 +229,8 @@ def message(parts: list[Part]) -> Message:
             else:
                 reasoning += p.text
         elif isinstance(p, CallStart):
-            assert p.index == len(calls) and p.id.startswith(("call_", "a")) and p.name
+            assert p.index == len(calls) and p.name
+            assert p.id.startswith("call_") or (p.id.isalnum() and len(p.id) == 9), p.id
             calls[p.index] = [p.name, ""]
         else:
             calls[p.index][1] += p.text
@@ -385,6 +409,25 @@ def test_the_ids_mistral_writes_are_kept() -> None:
     assert parts[0] == CallStart(0, "xyz987uvw", "f")
 
 
+@pytest.mark.parametrize(
+    ("spec", "text"),
+    [
+        (MISTRAL, '[TOOL_CALLS][{"name": "a", "arguments": {}}]'),
+        (MISTRAL_ARGS, "[TOOL_CALLS]a[ARGS]{}"),
+    ],
+)
+def test_the_ids_given_to_mistrals_calls_are_nine_alphanumerics(
+    spec: OutputSpec, text: str
+) -> None:
+    """Mistral's templates refuse a history whose call ids are anything else, so the
+    turn after a call, sent back with the id the server gave it, was a 400."""
+    parser = spec.parser()
+    (start,) = [p for p in parser.feed(text) + parser.finish() if isinstance(p, CallStart)]
+    assert start.id.isalnum() and len(start.id) == 9, start.id
+    hermes = HERMES.parser().feed('<tool_call>{"name": "f", ')
+    assert isinstance(hermes[0], CallStart) and hermes[0].id.startswith("call_")
+
+
 def test_at_most_one_call_without_parallel_tool_calls() -> None:
     text = (
         '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
@@ -551,6 +594,24 @@ def test_the_grammar_of_required_and_named_choices() -> None:
     mistral = TemplateCaps(True, True, "mistral", False, False)
     g = required_grammar(body, output_spec(body, mistral, "p"))
     assert g is not None and 'root ::= "[TOOL_CALLS][" tool-call (", " tool-call)* "]"' in g
+
+
+def test_a_function_without_parameters_is_called_with_none() -> None:
+    """OpenAI's function without ``parameters`` takes no arguments; a required call of
+    one was held to any object, so a model wrote made-up arguments ({"temperature":
+    25, ...}) for it, or ran out of tokens writing them. Its arguments are ``{}``; a
+    schema of any object still takes any object."""
+    tools = [
+        {"type": "function", "function": {"name": "now"}},
+        {"type": "function", "function": {"name": "any", "parameters": {"type": "object"}}},
+    ]
+    for name, rule in (("now", '"{" space  "}" space'), ("any", "object")):
+        named = {"type": "function", "function": {"name": name}}
+        body = request(tools=tools, tool_choice=named)
+        g = required_grammar(body, output_spec(body, CAPS, "p"))
+        assert g is not None
+        args = next(line for line in g.splitlines() if line.startswith(f"{name}-args ::= "))
+        assert args == f"{name}-args ::= {rule}"
 
 
 def test_a_schema_the_converter_cannot_take_is_a_400_naming_that_tools_parameters() -> None:

@@ -23,11 +23,16 @@ def client() -> Iterator[TestClient]:
         yield c
 
 
-def refused(client: TestClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
+INVALID, MISSING = "invalid_value", "missing_required_parameter"
+
+
+def refused(
+    client: TestClient, path: str, body: dict[str, Any], code: str = INVALID
+) -> dict[str, Any]:
     r = client.post(path, json=body)
     assert r.status_code == 400, r.text
     err: dict[str, Any] = r.json()["error"]
-    assert (err["type"], err["code"]) == ("invalid_request_error", "invalid_value")
+    assert (err["type"], err["code"]) == ("invalid_request_error", code)
     assert err["message"].startswith(f"{err['param']}: "), err
     return err
 
@@ -74,12 +79,15 @@ def refused(client: TestClient, path: str, body: dict[str, Any]) -> dict[str, An
             "Field required",
         ),
         ("/v1/completions", {"prompt": 5}, "prompt", "a valid string"),
+        ("/v1/chat/completions", {"model": "m"}, "messages", "Field required"),
+        ("/v1/completions", {"model": "m"}, "prompt", "Field required"),
     ],
 )
 def test_param_names_the_field_without_union_members(
     client: TestClient, path: str, body: dict[str, Any], param: str, says: str
 ) -> None:
-    err = refused(client, path, body)
+    """A field left out has OpenAI's code for it, `missing_required_parameter`."""
+    err = refused(client, path, body, MISSING if says == "Field required" else INVALID)
     assert err["param"] == param
     assert says in err["message"]
 
@@ -154,7 +162,7 @@ def test_a_message_without_content_is_refused_unless_it_is_an_assistants(
     """OpenAI's rule: only an assistant message (which may only call tools) may leave
     its content out; a user message without it is not served as an empty turn."""
     messages = [message] if message["role"] != "tool" else [*USER, message]
-    err = refused(client, "/v1/chat/completions", {"messages": messages})
+    err = refused(client, "/v1/chat/completions", {"messages": messages}, MISSING)
     assert err["param"] == f"messages[{len(messages) - 1}].content"
     assert f"a {message['role']} message needs content" in err["message"]
 
@@ -212,14 +220,15 @@ def test_a_tool_message_without_its_call_id_is_refused(
     client: TestClient, call_id: dict[str, Any]
 ) -> None:
     """OpenAI's rule: a tool message names the call it answers; without the id the
-    template would render an answer to no call."""
+    template would render an answer to no call. A required field left out, with
+    OpenAI's code for it."""
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     messages = [
         *USER,
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "content": "18 degrees", **call_id},
     ]
-    err = refused(client, "/v1/chat/completions", {"messages": messages})
+    err = refused(client, "/v1/chat/completions", {"messages": messages}, MISSING)
     assert err["param"] == "messages[2].tool_call_id"
     assert "a tool message needs tool_call_id" in err["message"]
 
