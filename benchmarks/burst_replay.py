@@ -35,6 +35,7 @@ class Req:
     id: str
     prompt_tokens: list[int]
     all_logits: bool = False
+    held: bool = False
 
 
 @dataclass
