@@ -4,7 +4,9 @@ Exit codes (README.md lists them too): 0 success, 1 the command ran and found a
 problem, 2 bad command-line usage (click's own code, for every usage error and
 nothing else), 3-9 the typed errors below, 70 an internal error (a bug), 141
 stdout was closed before the output was written (``orin-llm ... --json | head``:
-128 + SIGPIPE, what a program killed by SIGPIPE reports; nothing is printed).
+128 + SIGPIPE, what a program killed by SIGPIPE reports; nothing is printed), 130
+and 143 a board change stopped by Ctrl-C or SIGTERM (128 + the signal; see
+``sigterm_interrupts``).
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import NoReturn, ParamSpec, TypeVar
 
 import typer
@@ -47,6 +52,8 @@ EXIT_CODES: dict[type[OrinError], int] = {
 EXIT_USAGE = 2  # click's code for a usage error; used for nothing else
 EXIT_INTERNAL = 70  # a bug: the message says how to get the traceback
 EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE: the reader of stdout went away (| head)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C stopped a board change
+EXIT_TERMINATED = 143  # 128 + SIGTERM: systemd (or kill) stopped a board change
 
 log = logging.getLogger("orin.cli")
 
@@ -94,6 +101,31 @@ def no_args_is_help(ctx: typer.Context) -> Exception:
     err = cls(ctx)
     assert isinstance(err, Exception)
     return err
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while ``sigterm_interrupts`` was in force. A BaseException, as
+    KeyboardInterrupt is, so that what cleans up after a Ctrl-C cleans up after it too
+    and no ``except Exception`` swallows it."""
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` where the program is, as SIGINT raises
+    KeyboardInterrupt, instead of ending the process on the spot: systemd stopping a
+    unit (or its start timeout) sends SIGTERM, and work that must leave a record of
+    what it changed (tune system --apply) gets to write it. A second SIGTERM while
+    that record is written is ignored; SIGKILL still ends everything."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def stdout_closed() -> NoReturn:

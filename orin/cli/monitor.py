@@ -222,6 +222,30 @@ def _frame(url: str, client: httpx.Client, window: TokenWindow) -> Group:
     return render(snap, health, tokens)
 
 
+class Watch:
+    """The live view's frames after the first. A server that stops answering (systemctl
+    restart, a crash, a network drop) is said to be gone, since when, and asked again
+    at every refresh; its figures come back when it answers, as top's and watch's do.
+    The first frame is not one of these: a wrong --url or key ends the command."""
+
+    def __init__(self, url: str, client: httpx.Client, window: TokenWindow, interval: float):
+        self.url, self.client, self.window, self.interval = url, client, window, interval
+        self.gone_since: str | None = None
+
+    def frame(self) -> Group:
+        try:
+            frame = _frame(self.url, self.client, self.window)
+        except MonitorError as exc:
+            if self.gone_since is None:
+                self.gone_since = time.strftime("%H:%M:%S")
+            return Group(
+                Text(f"{exc}"),
+                Text(f"since {self.gone_since}; asking again every {self.interval:g} s"),
+            )
+        self.gone_since = None
+        return frame
+
+
 def _snapshot_tokens(snap: Mapping[str, Any]) -> dict[str, int] | None:
     """The tokens by phase of the steps that ended in the snapshot's window."""
     phases = snap.get("phases") or {}
@@ -311,14 +335,15 @@ def monitor(
         if once:
             out.print(frame)
             return
+        watch = Watch(base, client, window, interval)
         if not out.out.is_terminal:
-            watch_frames(out, frame, lambda: _frame(base, client, window), interval)
+            watch_frames(out, frame, watch.frame, interval)
             return
         with Live(frame, console=out.out, refresh_per_second=8) as live:
             try:
                 while True:
                     time.sleep(interval)
-                    live.update(_frame(base, client, window))
+                    live.update(watch.frame())
             except KeyboardInterrupt:
                 pass
 

@@ -25,7 +25,16 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orin.cli.deps import Deps, deps
-from orin.cli.errors import fail, handle_errors, no_args_is_help, usage_error
+from orin.cli.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    Terminated,
+    fail,
+    handle_errors,
+    no_args_is_help,
+    sigterm_interrupts,
+    usage_error,
+)
 from orin.cli.help import Typer
 from orin.cli.options import (
     BoardRootOpt,
@@ -223,16 +232,37 @@ def system(
     if not as_json:
         _show_plan(out, plan, profile, board.platform, apply or revert)
     done: tuple[str, ...] | None = None
-    if apply:
-        done = apply_plan(board, plan, state, d.effective_uid)
-    elif revert:
-        done = revert_plan(board, plan, state, d.effective_uid)
+    try:
+        with sigterm_interrupts():
+            if apply:
+                done = apply_plan(board, plan, state, d.effective_uid)
+            elif revert:
+                done = revert_plan(board, plan, state, d.effective_uid)
+    except (KeyboardInterrupt, Terminated) as exc:
+        sigterm = isinstance(exc, Terminated)
+        message = _stopped(plan, state, "SIGTERM" if sigterm else "Ctrl-C")
+        raise fail(message, EXIT_TERMINATED if sigterm else EXIT_INTERRUPTED) from None
     if as_json:
         data = plan.to_dict()
         data.update(profile=profile.name, platform=board.platform.to_dict(), done=done)
         out.json(data)
     else:
         out.line(_summary(plan, done))
+
+
+def _stopped(plan: Plan, state: StateFile, by: str) -> str:
+    """What an apply or revert stopped part-way left, and how to finish or undo it."""
+    try:
+        listed = list(state.entries())
+    except OrinError as exc:  # the state file itself is the problem: say so
+        return f"--{plan.mode} stopped by {by}; {exc}"
+    if not listed:
+        return f"--{plan.mode} stopped by {by}; nothing is listed in {state.location}"
+    again = "run tune system --revert again" if plan.mode == "revert" else "tune system --revert"
+    return (
+        f"--{plan.mode} stopped by {by}; {state.location} lists {', '.join(listed)}: "
+        f"{again} restores {'them' if len(listed) > 1 else 'it'}"
+    )
 
 
 def _gpu_offload(d: Deps) -> bool | None:

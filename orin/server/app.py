@@ -44,7 +44,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(EngineError, errors.on_exception)
     app.add_exception_handler(Exception, errors.on_exception)
     protect(app, state)  # the API key on every route but /health, and CORS (auth.py)
-    app.add_middleware(RequestContext, state=state)
+    app.add_middleware(RequestContext, state=state, routes=app.router.routes)
     _register(app, state)
     return app
 

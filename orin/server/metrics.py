@@ -316,20 +316,24 @@ class ServerMetrics:
             PREFIX + "requests_running", "Requests holding a slot (= slots busy).", registry=r
         )
         self.requests_waiting = Gauge(
-            PREFIX + "requests_waiting", "Requests queued for a free slot.", registry=r
+            PREFIX + "requests_waiting",
+            "Requests queued for a free slot (embedding jobs included).",
+            registry=r,
         )
         self.slots_busy = Gauge(PREFIX + "slots_busy", "Slots serving a request.", registry=r)
         # Capacities are not named *_total: that suffix is reserved for counters.
         self.slots_capacity = Gauge(PREFIX + "slots_capacity", "Slots configured.", registry=r)
         self.kv_cells_used = Gauge(
-            PREFIX + "kv_cells_used", "KV cache cells holding tokens.", registry=r
+            PREFIX + "kv_cells_used",
+            "KV cache cells held by running requests (not the prefixes idle slots keep).",
+            registry=r,
         )
         self.kv_cells_capacity = Gauge(
             PREFIX + "kv_cells_capacity", "KV cache cells available (context size).", registry=r
         )
         self.kv_cache_usage = Gauge(
             PREFIX + "kv_cache_usage_ratio",
-            "KV cache cells used / available, 0 to 1.",
+            "KV cache cells held by running requests / available, 0 to 1.",
             registry=r,
         )
         self.model_info = Info(PREFIX + "model", "The model this server serves.", registry=r)

@@ -10,8 +10,10 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from starlette.routing import BaseRoute, Match
 
 from orin.server.errors import ApiError, BodyTooLarge, to_response
 
@@ -38,9 +40,13 @@ class Draining(ApiError):
 
 
 class RequestContext:
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+    """``routes``: the app's, to name the route of a request answered before routing
+    (a 401 without the key, a 413, a 503 while draining) in the HTTP metrics."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, routes: Sequence[BaseRoute] = ()) -> None:
         self.app = app
         self.state = state
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -121,7 +127,7 @@ class RequestContext:
         return replay
 
     def _log(self, scope: Scope, rid: str, status: int, seconds: float) -> None:
-        route = scope.get("route")
+        route = scope.get("route") or self._route(scope)
         path = getattr(route, "path", None) or "unmatched"  # bounded label values only
         self.state.metrics.observe_http(scope["method"], path, status, seconds)
         t = scope.get("state", {}).get("timings")
@@ -142,6 +148,19 @@ class RequestContext:
             )
         text = " ".join(f"{k}={v}" for k, v in fields.items())
         access_log.info(text, extra={"fields": fields})
+
+    def _route(self, scope: Scope) -> BaseRoute | None:
+        """The route a request answered before routing was for, as the router would
+        choose it (a path it serves with another method too: a 405 would name it);
+        None for a path no route serves, which alone counts as ``unmatched``."""
+        partial = None
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return route
+            if match == Match.PARTIAL and partial is None:
+                partial = route
+        return partial
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from rich.text import Text
 from orin.cli.monitor import (
     MonitorError,
     TokenWindow,
+    Watch,
     _frame,
     fetch,
     parse_token_counters,
@@ -327,3 +329,48 @@ def test_power_of_an_orin_nx_is_its_input_rail() -> None:
     snap["latest"] = {"power_mw": {"VDD_IN": 6000.0, "VDD_CPU_GPU_CV": 1000.0, "VDD_SOC": 1500.0}}
     power = next(x for x in text(snap).splitlines() if x.startswith("power"))
     assert power.split() == ["power", "6.0", "W"]  # not 8.5 W: VDD_IN feeds the other two
+
+
+def test_a_server_that_goes_away_and_comes_back_is_watched_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """systemctl restart orin-llm under a running monitor: it used to end with exit 1 at
+    the first refresh the server missed; it now says the server is gone, since when, and
+    shows its figures again once it answers (its counters began again: no tokens from
+    the readings before the restart)."""
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    up = iter([False, False, True])
+    answering = {"now": True}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if not answering["now"]:
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=METRICS)
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        return httpx.Response(200, json=snapshot())
+
+    sink = io.StringIO()
+    out = Output()
+    out.out = Console(file=sink, width=200)
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        watch = Watch("http://127.0.0.1:8080", client, TokenWindow(), 0.25)
+
+        def next_frame() -> Group:
+            for now in up:
+                answering["now"] = now
+                return watch.frame()
+            raise KeyboardInterrupt
+
+        watch_frames(out, watch.frame(), next_frame, 0.25)
+    lines = sink.getvalue().splitlines()
+    assert [line.startswith("source cpu") for line in lines].count(True) == 2  # before, after
+    gone = [i for i, line in enumerate(lines) if line.startswith("nothing answers")]
+    assert len(gone) == 2
+    for i in gone:
+        assert lines[i] == "nothing answers at http://127.0.0.1:8080: connection refused"
+        assert re.fullmatch(r"since \d\d:\d\d:\d\d; asking again every 0.25 s", lines[i + 1])
+    assert lines[gone[0] + 1] == lines[gone[1] + 1]  # gone since the first missed refresh
+    assert lines[-1].startswith("└")  # the last frame is the server's tables again
+    assert watch.gone_since is None

@@ -9,7 +9,14 @@ from pathlib import Path
 import typer.main
 
 from orin.cli.app import app
-from orin.cli.errors import EXIT_CODES, EXIT_INTERNAL, EXIT_STDOUT_CLOSED, EXIT_USAGE
+from orin.cli.errors import (
+    EXIT_CODES,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_STDOUT_CLOSED,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+)
 from orin.errors import BindError, HubError, ModelFileError, OrinError, ProfileError
 from orin.profile.schema import ServerSection
 
@@ -34,7 +41,8 @@ def exit_table() -> dict[int, str]:
 
 def test_the_exit_code_table_matches_the_code() -> None:
     table = exit_table()
-    mapped = set(EXIT_CODES.values()) | {0, EXIT_USAGE, EXIT_INTERNAL, EXIT_STDOUT_CLOSED}
+    signals = {EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_STDOUT_CLOSED}
+    mapped = set(EXIT_CODES.values()) | {0, EXIT_USAGE, EXIT_INTERNAL} | signals
     assert set(table) == mapped
     assert EXIT_CODES[OrinError] == 1 and "failed check" in table[1]
     assert EXIT_USAGE == 2 and "usage" in table[2]
@@ -43,6 +51,7 @@ def test_the_exit_code_table_matches_the_code() -> None:
     assert EXIT_CODES[BindError] == 8 and "address is in use" in table[8]
     assert EXIT_CODES[HubError] == 9 and "download" in table[9]
     assert "internal" in table[EXIT_INTERNAL] and "SIGPIPE" in table[EXIT_STDOUT_CLOSED]
+    assert "Ctrl-C" in table[EXIT_INTERRUPTED] and "SIGTERM" in table[EXIT_TERMINATED]
 
 
 def test_shell_completion_is_documented() -> None:

@@ -285,3 +285,21 @@ def test_any_origin_with_a_star() -> None:
         r = preflight(c, "https://anywhere.example.org")
         assert r.status_code == 200
         assert r.headers["access-control-allow-origin"] == "*"
+
+
+def test_a_refused_request_counts_under_its_route(client: TestClient) -> None:
+    """A scraper or a client with a wrong key: its 401s were counted as route
+    "unmatched", the label of a path no route serves, so a rate of refused scrapes of
+    /metrics or of 401s on /v1/chat/completions could not be told apart from scans."""
+    assert client.get("/metrics").status_code == 401
+    assert client.post("/v1/chat/completions", json={}).status_code == 401
+    assert client.get("/no/such/path").status_code == 401
+    metrics = client.app.state.orin.metrics.registry  # type: ignore[attr-defined]
+
+    def count(method: str, route: str) -> float | None:
+        labels = {"method": method, "route": route, "status": "401"}
+        return metrics.get_sample_value("orin_llm_http_requests_total", labels)
+
+    assert count("GET", "/metrics") == 1
+    assert count("POST", "/v1/chat/completions") == 1
+    assert count("GET", "unmatched") == 1  # the one path no route serves

@@ -321,6 +321,17 @@ def test_render_parses_with_prefix_and_help(metrics: ServerMetrics) -> None:
             assert line.startswith(prefixes), line
 
 
+def test_kv_help_says_what_the_gauges_count(metrics: ServerMetrics) -> None:
+    """The gauges leave out the cells idle slots keep for prefix reuse (0 on an idle
+    server that still holds prompts); their HELP said "cells holding tokens", which
+    those cells are too (docs/metrics.md)."""
+    metrics.update_load(1, 0, 300)
+    families = text_string_to_metric_families(metrics.render()[0].decode())
+    help_of = {f.name: f.documentation for f in families}
+    for name in ("orin_llm_kv_cells_used", "orin_llm_kv_cache_usage_ratio"):
+        assert "held by running requests" in help_of[name], help_of[name]
+
+
 def test_promtool_check_metrics(metrics: ServerMetrics) -> None:
     promtool = promtool_or_skip()
     body, _ = fed(metrics).render()
