@@ -160,12 +160,17 @@ def rpc_available() -> bool:
 # -- the server side: workers as devices ----------------------------------------
 
 
+NO_NAME = "the host name does not resolve"  # probe's reason before the resolver's
+
+
 def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """Why a worker cannot be reached (None: it accepts connections)."""
     host, port = parse_endpoint(endpoint)
     try:
         with socket.create_connection((host, port), timeout=timeout):
             return None
+    except socket.gaierror as exc:  # no board to start a worker on: a wrong name
+        return f"{NO_NAME}: {exc.strerror or exc}"
     except OSError as exc:
         return exc.strerror or str(exc)
 
@@ -177,7 +182,9 @@ def check_workers(endpoints: Sequence[str]) -> None:
         return
     unreachable = ", ".join(f"{ep} ({why})" for ep, why in failed)
     advice = "start it with `orin-llm rpc-worker --host ADDR --port PORT` on that board"
-    if any(why == "timed out" for _, why in failed):  # nobody said no: not a stopped worker
+    if all(why.startswith(NO_NAME) for _, why in failed):
+        advice = "check the name (DNS, /etc/hosts), or give the board's IPv4 address"
+    elif any(why == "timed out" for _, why in failed):  # nobody said no: not a stopped worker
         advice = (
             "a connection that times out is dropped on the way (the board is off or "
             "unreachable, a firewall, the worker's --allow) or waits behind a full queue "

@@ -86,6 +86,29 @@ def test_a_worker_that_times_out_is_not_only_said_to_be_stopped(
     assert "firewall" in message and "serves one server at a time" in message
 
 
+def test_a_worker_name_that_does_not_resolve_is_not_said_to_be_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A misspelt host name: there is no board to start a worker on, so the line says
+    the name does not resolve and what to check (the resolver faked at the socket)."""
+    from orin.engine import rpc
+
+    def no_such_name(*args: object, **kwargs: object) -> socket.socket:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(rpc.socket, "create_connection", no_such_name)
+    assert rpc.probe("board-b:50052") == (
+        "the host name does not resolve: Name or service not known"
+    )
+    with pytest.raises(RpcWorkerError) as unknown:
+        rpc.check_workers(["board-b:50052"])
+    assert str(unknown.value) == (
+        "cannot reach RPC worker board-b:50052 (the host name does not resolve: Name or "
+        "service not known); check the name (DNS, /etc/hosts), or give the board's IPv4 "
+        "address"
+    )
+
+
 def test_serve_with_an_unreachable_worker_exits_6_naming_it_before_loading(
     tmp_path: Path,
 ) -> None:
