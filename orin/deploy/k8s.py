@@ -32,6 +32,7 @@ import yaml
 
 from orin import __version__
 from orin.engine.config import kept_prompts
+from orin.engine.rpc import is_loopback, parse_endpoint
 from orin.errors import ModelFileError
 from orin.install.layout import CACHE_DIR, DEFAULT_USER, GPU_GROUPS, MODELS_DIR, PROFILE_FILE
 from orin.install.units import UnitConfig, service_plan, unit_config
@@ -758,6 +759,13 @@ class _Render:
             notes.append(
                 f"each board keeps its models in {self.opts.host_path}, owned by uid {UID}: "
                 f"sudo install -d -o {UID} -g {GID} {self.opts.host_path}"
+            )
+        local = [ep for ep in self.profile.engine.rpc if is_loopback(parse_endpoint(ep)[0])]
+        if local:  # the pod's own loopback, where nothing of this rendering listens
+            notes.append(
+                f"engine.rpc: {', '.join(local)} is the pod's own loopback address, where "
+                "no RPC worker listens: the pods would exit 6; name the worker boards' "
+                "addresses in the profile"
             )
         return tuple(notes)
 

@@ -428,6 +428,22 @@ def test_the_memory_limits_count_the_vision_projector(models: Path, tmp_path: Pa
         k8s.plan_for(elsewhere, info, models / "model-Q4_K_M.gguf")
 
 
+def test_an_rpc_worker_on_loopback_is_said_to_be_the_pods_own(models: Path) -> None:
+    """engine.rpc on 127.0.0.1 names a worker on the board itself; in a pod it is the
+    pod's own loopback, where no worker listens, and every start would exit 6."""
+    data = load_profile("llama2-7b-q4_k_m").model_dump(mode="json", exclude_unset=True)
+    data.setdefault("engine", {})["rpc"] = ["127.0.0.1:50052", "10.0.0.3:50052"]
+    m = render(models, parse_profile(yaml.safe_dump(data)))
+    assert [n for n in m.notes if n.startswith("engine.rpc")] == [
+        "engine.rpc: 127.0.0.1:50052 is the pod's own loopback address, where no RPC "
+        "worker listens: the pods would exit 6; name the worker boards' addresses in "
+        "the profile"
+    ]
+    data["engine"]["rpc"] = ["10.0.0.3:50052"]
+    m = render(models, parse_profile(yaml.safe_dump(data)))
+    assert not [n for n in m.notes if n.startswith("engine.rpc")]
+
+
 def test_a_prompt_folder_travels_in_the_config_map(models: Path, tmp_path: Path) -> None:
     """prompt_cache.prompt_dir and .directory are folders of the machine that renders
     the manifests: the prompts go into the ConfigMap, the states into the pods' cache."""
