@@ -131,6 +131,14 @@ def kubernetes(
             "limits, when the file the profile names is not on this machine.",
         ),
     ] = None,
+    mmproj: Annotated[
+        Path | None,
+        typer.Option(
+            "--mmproj",
+            help="A copy of the profile's vision projector (model.mmproj) for the memory "
+            "limits, when the file the profile names is not on this machine.",
+        ),
+    ] = None,
     name: Annotated[
         str | None,
         typer.Option(
@@ -216,8 +224,10 @@ def kubernetes(
         raise usage_error("--replicas is for a Deployment: a DaemonSet runs one pod per board")
     _check_combinations(ctx, volume, pvc_size, storage_class, monitor, monitor_label)
     profile = load_profile(profile_name or "demo")
+    if mmproj is not None and profile.model.mmproj is None:
+        raise usage_error(f"--mmproj: profile '{profile.name}' names no model.mmproj")
     path, info = k8s.model_for_plan(profile, model)
-    plan = k8s.plan_for(profile, info)
+    plan = k8s.plan_for(profile, info, mmproj)
     opts = k8s.K8sOptions(
         name=name,
         namespace=namespace,

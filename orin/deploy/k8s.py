@@ -32,11 +32,14 @@ import yaml
 
 from orin import __version__
 from orin.engine.config import kept_prompts
+from orin.engine.rpc import is_loopback, parse_endpoint
 from orin.errors import ModelFileError
 from orin.install.layout import CACHE_DIR, DEFAULT_USER, GPU_GROUPS, MODELS_DIR, PROFILE_FILE
 from orin.install.units import UnitConfig, service_plan, unit_config
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.model.memplan import MemoryPlan
+from orin.model.mmproj import read_projector_info
+from orin.profile.fit import projector_path
 from orin.profile.loader import named_model_path, resolve_model_path
 from orin.profile.schema import PATH_FIELDS, Profile
 
@@ -198,10 +201,30 @@ def unit_limits(profile: Profile, plan: MemoryPlan) -> UnitConfig:
     return unit_config(profile, plan, APP, DEFAULT_USER, GPU_GROUPS, ())
 
 
-def plan_for(profile: Profile, info: ModelInfo) -> MemoryPlan:
+def plan_for(profile: Profile, info: ModelInfo, mmproj: Path | None = None) -> MemoryPlan:
     """The memory plan the unit's limits are computed from (``auto`` KV types resolved
-    to the larger choice)."""
-    return service_plan(profile, info)
+    to the larger choice), the vision projector's weights and compute buffer included."""
+    return service_plan(profile, info, projector_for_plan(profile, mmproj))
+
+
+def projector_for_plan(profile: Profile, mmproj: Path | None = None) -> int | None:
+    """The bytes of the profile's ``model.mmproj`` for the memory limits, read from
+    ``mmproj`` (``--mmproj``), else from the file the profile names; None without a
+    ``model.mmproj``. The pods load it beside the model, so limits without it would
+    have the kernel kill the server as the projector loads: a file that is in neither
+    place is a ModelFileError, as the model's is (model_for_plan)."""
+    if profile.model.mmproj is None:
+        return None
+    path = mmproj if mmproj is not None else projector_path(profile)
+    if path is None or not path.is_file():
+        raise ModelFileError(
+            f"the memory limits count the vision projector, and {path} (model.mmproj) is "
+            "not here: give a copy of the file with --mmproj PATH"
+        )
+    try:
+        return read_projector_info(path).total_bytes
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(f"{path}: not a vision projector GGUF ({exc})") from None
 
 
 def resource_name(profile_name: str) -> str:
@@ -736,6 +759,13 @@ class _Render:
             notes.append(
                 f"each board keeps its models in {self.opts.host_path}, owned by uid {UID}: "
                 f"sudo install -d -o {UID} -g {GID} {self.opts.host_path}"
+            )
+        local = [ep for ep in self.profile.engine.rpc if is_loopback(parse_endpoint(ep)[0])]
+        if local:  # the pod's own loopback, where nothing of this rendering listens
+            notes.append(
+                f"engine.rpc: {', '.join(local)} is the pod's own loopback address, where "
+                "no RPC worker listens: the pods would exit 6; name the worker boards' "
+                "addresses in the profile"
             )
         return tuple(notes)
 

@@ -52,6 +52,10 @@ class EngineStatus:
     # whose answer llama.cpp waits for, without a limit (a worker busy with another
     # server); nothing can interrupt that wait, so a stop does not wait for it
     rpc_wait: str | None = None
+    # after a stop: the RPC worker whose connection the engine thread waited on with
+    # nothing moving either way for rpc.STALL_S (a worker that hung mid-upload), which
+    # the stop stopped waiting for
+    rpc_stalled: str | None = None
 
     @property
     def busy(self) -> bool:

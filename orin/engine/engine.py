@@ -131,6 +131,7 @@ class Engine:
         self._load_error: BaseException | None = None
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
+        self._rpc_stalled: str | None = None  # the worker a stop found stalling the thread
         self._chat: ChatTemplate | None = None
         self.step_observers: Observers[StepObserver] = Observers()
         self.finish_observers: Observers[FinishObserver] = Observers()
@@ -199,12 +200,23 @@ class Engine:
 
     def _join(self, timeout: float) -> None:
         """Join the engine thread within ``timeout``, but give up on one whose load waits
-        for an RPC worker's answer (``rpc_wait``): llama.cpp waits for it without a
+        for an RPC worker's first answer (``rpc_wait``), or that waits on a worker's
+        connection over which nothing has moved for ``rpc.STALL_S`` (``rpc_stalled``;
+        the timeout is at least that long then): llama.cpp waits for either without a
         limit and nothing interrupts the wait; the thread (a daemon) ends with the
         process."""
         assert self._thread is not None
+        watch = None
+        if self.cfg.rpc:
+            from orin.engine.rpc import STALL_S, StallWatch
+
+            watch, timeout = StallWatch(self.cfg.rpc), max(timeout, STALL_S + 1.0)
         deadline = time.monotonic() + timeout
         while self._thread.is_alive() and self._rpc_wait() is None:
+            if watch is not None:
+                self._rpc_stalled = watch.check()
+                if self._rpc_stalled is not None:
+                    return
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -640,6 +652,7 @@ class Engine:
             prompt_splits=self.scheduler.prompt_splits,
             prompt_cache=self.prompt_cache.counters() if self.prompt_cache is not None else {},
             rpc_wait=self._rpc_wait(),
+            rpc_stalled=self._rpc_stalled,
         )
 
     def _rpc_wait(self) -> str | None:

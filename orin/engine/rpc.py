@@ -26,6 +26,7 @@ import ctypes
 import logging
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -159,12 +160,17 @@ def rpc_available() -> bool:
 # -- the server side: workers as devices ----------------------------------------
 
 
+NO_NAME = "the host name does not resolve"  # probe's reason before the resolver's
+
+
 def probe(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """Why a worker cannot be reached (None: it accepts connections)."""
     host, port = parse_endpoint(endpoint)
     try:
         with socket.create_connection((host, port), timeout=timeout):
             return None
+    except socket.gaierror as exc:  # no board to start a worker on: a wrong name
+        return f"{NO_NAME}: {exc.strerror or exc}"
     except OSError as exc:
         return exc.strerror or str(exc)
 
@@ -176,7 +182,9 @@ def check_workers(endpoints: Sequence[str]) -> None:
         return
     unreachable = ", ".join(f"{ep} ({why})" for ep, why in failed)
     advice = "start it with `orin-llm rpc-worker --host ADDR --port PORT` on that board"
-    if any(why == "timed out" for _, why in failed):  # nobody said no: not a stopped worker
+    if all(why.startswith(NO_NAME) for _, why in failed):
+        advice = "check the name (DNS, /etc/hosts), or give the board's IPv4 address"
+    elif any(why == "timed out" for _, why in failed):  # nobody said no: not a stopped worker
         advice = (
             "a connection that times out is dropped on the way (the board is off or "
             "unreachable, a firewall, the worker's --allow) or waits behind a full queue "
@@ -257,6 +265,89 @@ def add_workers(endpoints: Sequence[str]) -> list[RpcDevice]:
             devices.append(RpcDevice(ep, name, free, total))
             log.info("RPC worker %s: %s, %d MiB free of %d", ep, name, free >> 20, total >> 20)
     return devices
+
+
+# A stop gives up on an engine thread that waits on one worker's connection over
+# which nothing has moved either way for this long (docs/fleet.md).
+STALL_S = 10.0
+# struct tcp_info (linux/tcp.h): tcpi_bytes_acked and tcpi_bytes_received, Linux 4.1+
+_TCP_INFO_LEN, _TCP_BYTES_AT = 136, 120
+
+
+def blocked_sockets(root: Path = Path("/proc")) -> set[int]:
+    """The sockets the threads of this process wait on now: the first argument of the
+    system call each is in (/proc/self/task/TID/syscall; ``running`` or ``-1 SP PC``
+    outside one) where that is a socket's descriptor. llama.cpp talks to a worker from
+    whichever thread it runs on, the engine's or one of its own."""
+    out = set()
+    for task in (root / "self/task").iterdir():
+        try:
+            fd = int((task / "syscall").read_text().split()[1], 16)
+            target = os.readlink(root / f"self/fd/{fd}")
+        except (OSError, ValueError, IndexError):
+            continue
+        if target.startswith("socket:["):
+            out.add(fd)
+    return out
+
+
+def socket_traffic(fd: int) -> tuple[tuple[str, int], int] | None:
+    """The peer (IP, port) of the TCP socket ``fd`` and the bytes it has acknowledged
+    plus those received from it (TCP_INFO), read through a duplicate of ``fd``."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            peer = s.getpeername()
+            info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_LEN or not isinstance(peer, tuple):
+        return None
+    acked, received = struct.unpack_from("QQ", info, _TCP_BYTES_AT)
+    return (str(peer[0]), int(peer[1])), acked + received
+
+
+class StallWatch:
+    """Which worker stalls this process: a stop polls ``check`` while it waits for the
+    engine thread. llama.cpp's RPC client sends and receives without a time limit, and
+    a worker that hangs mid-upload (or a network that drops its traffic) leaves the
+    thread in that send or receive for good. A slow worker or network still moves
+    bytes; a thread that waits on a worker's connection over which not one byte has
+    been acknowledged or received for ``quiet_s`` has stalled."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        quiet_s: float = STALL_S,
+        root: Path = Path("/proc"),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.quiet_s, self.root, self.clock = quiet_s, root, clock
+        self.addresses: dict[tuple[str, int], str] = {}
+        for ep in endpoints:
+            host, port = parse_endpoint(ep)
+            try:  # as llama.cpp resolved it when it connected
+                self.addresses[(socket.gethostbyname(host), port)] = ep
+            except OSError:
+                continue
+        # each worker socket a thread waits on: its bytes, and since when they are so
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    def check(self) -> str | None:
+        """A worker a thread has waited on, with nothing moving, for ``quiet_s``."""
+        now, seen, stalled = self.clock(), {}, None
+        for fd in sorted(blocked_sockets(self.root)):
+            traffic = socket_traffic(fd)
+            worker = None if traffic is None else self.addresses.get(traffic[0])
+            if traffic is None or worker is None:
+                continue
+            moved, since = traffic[1], now
+            if fd in self._seen and self._seen[fd][0] == moved:
+                since = self._seen[fd][1]
+            seen[fd] = (moved, since)
+            if now - since >= self.quiet_s:
+                stalled = stalled or worker
+        self._seen = seen
+        return stalled
 
 
 _hook: Any = None  # keeps the ctypes callback alive

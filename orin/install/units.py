@@ -144,12 +144,14 @@ class UnitConfig:
         return math.ceil(self.grace_seconds) + STOP_MARGIN_S
 
 
-def service_plan(profile: Profile, info: ModelInfo) -> MemoryPlan:
+def service_plan(profile: Profile, info: ModelInfo, mmproj_bytes: int | None = None) -> MemoryPlan:
     """The most the server will allocate for this profile and model.
 
     ``auto`` cache types are resolved without the free memory, which picks
     q8_0 over q4_0 for 4- and 5-bit weights: the larger of the two, so the
-    limits hold whichever the server picks when it starts.
+    limits hold whichever the server picks when it starts. ``mmproj_bytes``: the
+    vision projector's, where the caller read them from another copy of its file
+    (None: the file the profile names, where it is).
     """
     e = profile.engine
     decision = resolve_kv(e, info.quantization, info, None, None)
@@ -167,7 +169,7 @@ def service_plan(profile: Profile, info: ModelInfo) -> MemoryPlan:
         flash,
         e.n_batch,
         e.swa_full,
-        mmproj_bytes=projector_bytes(profile),
+        mmproj_bytes=projector_bytes(profile) if mmproj_bytes is None else mmproj_bytes,
     )
 
 

@@ -19,6 +19,10 @@ A signal while the model's load waits for an RPC worker that accepted the
 connection but has not answered (a worker serves one server at a time)
 ends the server at once with ``RPC_WAIT_EXIT``: llama.cpp waits for that answer
 without a limit and nothing interrupts it, so the drain does not wait for it.
+Nor does it wait for a worker that stalls later, in the weights' upload: once
+the engine thread has waited on one worker's connection with nothing moving
+either way for ``rpc.STALL_S`` (10 s), the server exits with ``RPC_WAIT_EXIT``
+naming that worker.
 
 uvicorn's own shutdown waits ``timeout_graceful_shutdown`` for connections and
 then cancels the tasks still running, which would end a stream mid-answer with
@@ -42,7 +46,7 @@ from types import FrameType
 
 import uvicorn
 
-from orin.engine.rpc import RPC_LOST_EXIT
+from orin.engine.rpc import RPC_LOST_EXIT, STALL_S
 from orin.server.notify import SystemdNotifier, Watchdog
 from orin.server.state import ServerState
 
@@ -146,14 +150,24 @@ class OrinServer(uvicorn.Server):
         state.draining = True
         self._deadline = time.monotonic() + self.grace_s
         state.engine.stop(drain=True, timeout=self.grace_s)  # a second signal ends it early
-        worker = state.engine.status().rpc_wait
-        if worker is not None:  # the load never ends by itself: nothing to wait for
+        status = state.engine.status()
+        if status.rpc_wait is not None:  # the load never ends by itself: nothing to wait for
             log.error(
                 "stopped while the model was loading: RPC worker %s accepted the "
                 "connection but has not answered (a worker serves one server at a time: "
                 "another server is probably using it); exiting with code %d without "
                 "waiting for it",
-                worker,
+                status.rpc_wait,
+                RPC_WAIT_EXIT,
+            )
+            self.exit_code = RPC_WAIT_EXIT
+        elif status.rpc_stalled is not None:  # nor does a send to a worker that hangs
+            log.error(
+                "stopped while waiting for RPC worker %s, which has taken no data and "
+                "sent none for %.0f s (the worker hangs, or the network drops its "
+                "traffic); exiting with code %d without waiting for it",
+                status.rpc_stalled,
+                STALL_S,
                 RPC_WAIT_EXIT,
             )
             self.exit_code = RPC_WAIT_EXIT

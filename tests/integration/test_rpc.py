@@ -304,6 +304,81 @@ def test_a_stop_while_the_load_waits_for_a_busy_worker_exits_6_naming_it(
     assert "drained; exiting" not in err and "Traceback" not in err
 
 
+class StallingProxy:
+    """A worker that hangs in the middle of the weights' upload, as one whose board
+    froze or whose GPU stopped answering: a relay to a real worker that passes the
+    handshake (a few dozen bytes each way) and the first ``after`` bytes of the
+    upload, then neither forwards nor reads anything more. ``stalled`` is set then."""
+
+    def __init__(self, target: int, after: int) -> None:
+        self.target, self.after = target, after
+        self.sent = 0  # server -> worker, on the connection llama.cpp keeps
+        self.stalled = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", free_port()))
+        self.port = int(self.listener.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            for a, b, up in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pump, args=(a, b, up), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if up:
+                    self.sent += len(data)
+                    if self.sent > self.after:
+                        self.stalled.set()
+                        return  # src stays open and unread: the server's sends block
+                dst.sendall(data)
+            for s in (src, dst):  # a connection serve's probe opened and closed
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_while_a_worker_stalls_the_weights_upload_exits_6_naming_it(
+    tiny_f16: Path, sig: signal.Signals
+) -> None:
+    """A worker that passed the handshake and then hangs mid-upload leaves llama.cpp
+    sending (or waiting for an answer) without a limit: a stop does not wait for it
+    through the grace period and then exit 0 as if it had drained, but gives up once
+    nothing has moved to or from the worker for rpc.STALL_S, and exits 6 naming it."""
+    from orin.engine.rpc import STALL_S
+
+    after = 64 << 10  # well past the handshake, well before the end of the weights
+    assert tiny_f16.stat().st_size > 4 * after
+    port, real = free_port(), free_port()
+    with worker(real):
+        hung = StallingProxy(real, after)
+        try:
+            proc = serve(tiny_f16, port, [hung.port])
+            try:
+                assert hung.stalled.wait(RPC_LOAD_S), stop(proc)
+                loading = poll(lambda: health(port, proc), "the server answering while it loads")
+                assert loading.status_code == 503
+                proc.send_signal(sig)
+                code = proc.wait(timeout=RPC_LOAD_S)  # the grace period is 30 s
+            finally:
+                err = stop(proc)
+        finally:
+            hung.close()
+    assert code == RPC_LOST_EXIT, err
+    assert (
+        f"stopped while waiting for RPC worker 127.0.0.1:{hung.port}, which has taken no "
+        f"data and sent none for {STALL_S:.0f} s"
+    ) in err
+    assert "drained; exiting" not in err and "Traceback" not in err
+
+
 class HttpOnThePort(SilentWorker):
     """Another program on the worker's address (a web server): it answers llama.cpp's
     hello with an HTTP error and closes the connection."""

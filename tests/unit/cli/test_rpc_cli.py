@@ -19,7 +19,7 @@ from orin.errors import RpcWorkerError
 from orin.install.units import RPC_WORKER_SERVICE, RpcWorkerUnit, render_rpc_worker_unit
 from orin.profile.loader import parse_profile
 from orin.system.commands import CommandResult
-from tests.serverutil import free_port
+from tests.serverutil import free_port, poll
 
 runner = CliRunner()
 
@@ -84,6 +84,29 @@ def test_a_worker_that_times_out_is_not_only_said_to_be_stopped(
     message = str(timed_out.value)
     assert message.startswith("cannot reach RPC worker 10.0.0.3:50052 (timed out); ")
     assert "firewall" in message and "serves one server at a time" in message
+
+
+def test_a_worker_name_that_does_not_resolve_is_not_said_to_be_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A misspelt host name: there is no board to start a worker on, so the line says
+    the name does not resolve and what to check (the resolver faked at the socket)."""
+    from orin.engine import rpc
+
+    def no_such_name(*args: object, **kwargs: object) -> socket.socket:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(rpc.socket, "create_connection", no_such_name)
+    assert rpc.probe("board-b:50052") == (
+        "the host name does not resolve: Name or service not known"
+    )
+    with pytest.raises(RpcWorkerError) as unknown:
+        rpc.check_workers(["board-b:50052"])
+    assert str(unknown.value) == (
+        "cannot reach RPC worker board-b:50052 (the host name does not resolve: Name or "
+        "service not known); check the name (DNS, /etc/hosts), or give the board's IPv4 "
+        "address"
+    )
 
 
 def test_serve_with_an_unreachable_worker_exits_6_naming_it_before_loading(
@@ -370,3 +393,51 @@ def test_an_abort_while_connecting_to_a_worker_is_a_failed_handshake(
     # a worker that went away during the handshake is lost, not the wrong program
     monkeypatch.setattr(rpc, "_waiting_for", endpoint)
     assert rpc.abort_message("Remote RPC server crashed").startswith(f"lost RPC worker {endpoint}")
+
+
+def test_a_thread_waiting_on_a_worker_that_moves_nothing_is_found_stalled(
+    tmp_path: Path,
+) -> None:
+    """The stop's stall watch: a thread in a system call on a worker's socket (a fake
+    /proc/self/task tree, the real socket) with not one byte acknowledged or received
+    for quiet_s. Bytes that move start the wait over; a socket to anything that is no
+    worker, or a thread outside a system call, is no stall."""
+    from orin.engine.rpc import StallWatch, socket_traffic
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+        conn = socket.create_connection(listener.getsockname())
+        peer, _ = listener.accept()
+        try:
+            task = tmp_path / "self/task/4242"
+            task.mkdir(parents=True)
+            (tmp_path / "self/fd").mkdir()
+            (tmp_path / f"self/fd/{conn.fileno()}").symlink_to("socket:[77]")
+            now = [0.0]
+            watch = StallWatch([endpoint], quiet_s=10.0, root=tmp_path, clock=lambda: now[0])
+            other = StallWatch(["127.0.0.1:1"], quiet_s=10.0, root=tmp_path, clock=lambda: now[0])
+            (task / "syscall").write_text("running\n")
+            assert watch.check() is None
+            (task / "syscall").write_text("-1 0x7ffc1d0 0x7f01a2b\n")  # blocked, no call
+            assert watch.check() is None
+            # recvfrom(fd, ...): llama.cpp waits for the worker's answer
+            recvfrom = f"45 {conn.fileno():#x} 0x7f0 0x8 0x0 0x0 0x0 0x7f 0x7f\n"
+            (task / "syscall").write_text(recvfrom)
+            assert watch.check() is None and other.check() is None
+            now[0] = 9.0
+            assert watch.check() is None
+            before = socket_traffic(conn.fileno())
+            peer.sendall(b"answer")  # the worker answers: the wait starts over
+            poll(lambda: socket_traffic(conn.fileno()) != before, "the answer received")
+            now[0] = 12.0
+            assert watch.check() is None
+            now[0] = 21.0
+            assert watch.check() is None
+            now[0] = 22.0
+            assert watch.check() == endpoint
+            assert other.check() is None  # a socket to no worker of its own
+        finally:
+            conn.close()
+            peer.close()

@@ -98,6 +98,26 @@ def test_a_model_that_is_not_here_is_exit_3(model: Path) -> None:
     assert "--model PATH" in err
 
 
+def test_a_projector_that_is_not_here_is_exit_3_and_mmproj_gives_a_copy(
+    model: Path, tmp_path: Path
+) -> None:
+    from orin.model import mmproj
+
+    source = tmp_path / "vision.yaml"
+    source.write_text(
+        f"name: vision\nmodel: {{path: {model}, mmproj: /home/me/mmproj.gguf}}\n",
+        encoding="utf-8",
+    )
+    code, out, err = invoke("--profile", str(source))
+    assert code == 3 and out == "" and "--mmproj PATH" in err
+    copy = mmproj.generate("tiny", tmp_path / "copy.gguf")
+    code, out, err = invoke("--profile", str(source), "--mmproj", str(copy))
+    assert code == 0, err
+    # a profile without a projector: the option would be ignored
+    code, _, err = invoke("--profile", "demo", "--model", str(model), "--mmproj", str(copy))
+    assert code == 2 and "names no model.mmproj" in err
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -384,19 +384,64 @@ def test_a_vision_projector_outside_the_models_folder_moves_into_it(
 ) -> None:
     """model.mmproj is a file the pods read as model.path is: one that stayed at its
     path on this machine would not be in the pod, and the model would not load."""
+    from orin.model import mmproj
+
+    projector = mmproj.generate("tiny", tmp_path / "llava" / "mmproj-f16.gguf")
     source = tmp_path / "vision.yaml"
     data = load_profile("llama2-7b-q4_k_m").model_dump(mode="json", exclude_unset=True)
     data["model"]["path"] = f"{SYSTEM_MODELS_DIR}/llama-7b.Q4_K_M.gguf"
-    data["model"]["mmproj"] = "/home/me/llava/mmproj-f16.gguf"
+    data["model"]["mmproj"] = str(projector)
     source.write_text(yaml.safe_dump(data), encoding="utf-8")
     m = render(models, load_profile(source))
     served = parse_profile(one(m, "ConfigMap")["data"]["profile.yaml"])
     assert served.model.mmproj == f"{SYSTEM_MODELS_DIR}/mmproj-f16.gguf"
     assert served.model.path == f"{SYSTEM_MODELS_DIR}/llama-7b.Q4_K_M.gguf"
     assert [n for n in m.notes if n.startswith("model.")] == [
-        f"model.mmproj: /home/me/llava/mmproj-f16.gguf is {SYSTEM_MODELS_DIR}/mmproj-f16.gguf "
+        f"model.mmproj: {projector} is {SYSTEM_MODELS_DIR}/mmproj-f16.gguf "
         "in the pods; put the file there on each board (or in the models volume)"
     ]
+
+
+def test_the_memory_limits_count_the_vision_projector(models: Path, tmp_path: Path) -> None:
+    """The pods load model.mmproj beside the model: its weights and compute buffer are
+    in the limits, read from the profile's file or a copy (--mmproj). A projector that
+    is in neither place stops the render, as a missing model does, rather than limits
+    the kernel would kill the server by when the projector loads."""
+    from orin.errors import ModelFileError
+    from orin.model import mmproj
+
+    projector = mmproj.generate("small", tmp_path / "mmproj.gguf")
+    size = mmproj.read_projector_info(projector).total_bytes
+    text = load_profile("llama2-7b-q4_k_m")
+    info = model_info(models, text.model.quantization)
+    data = text.model_dump(mode="json", exclude_unset=True)
+    data["model"]["mmproj"] = str(projector)
+    vision = parse_profile(yaml.safe_dump(data))
+    data["model"]["mmproj"] = "/home/me/elsewhere/mmproj.gguf"
+    elsewhere = parse_profile(yaml.safe_dump(data))
+    base = k8s.plan_for(text, info).total_bytes
+    assert k8s.plan_for(vision, info).total_bytes == base + size
+    assert k8s.plan_for(elsewhere, info, projector).total_bytes == base + size
+    with pytest.raises(ModelFileError, match=r"elsewhere/mmproj\.gguf \(model\.mmproj\).*--mmproj"):
+        k8s.plan_for(elsewhere, info)
+    with pytest.raises(ModelFileError, match="not a vision projector"):
+        k8s.plan_for(elsewhere, info, models / "model-Q4_K_M.gguf")
+
+
+def test_an_rpc_worker_on_loopback_is_said_to_be_the_pods_own(models: Path) -> None:
+    """engine.rpc on 127.0.0.1 names a worker on the board itself; in a pod it is the
+    pod's own loopback, where no worker listens, and every start would exit 6."""
+    data = load_profile("llama2-7b-q4_k_m").model_dump(mode="json", exclude_unset=True)
+    data.setdefault("engine", {})["rpc"] = ["127.0.0.1:50052", "10.0.0.3:50052"]
+    m = render(models, parse_profile(yaml.safe_dump(data)))
+    assert [n for n in m.notes if n.startswith("engine.rpc")] == [
+        "engine.rpc: 127.0.0.1:50052 is the pod's own loopback address, where no RPC "
+        "worker listens: the pods would exit 6; name the worker boards' addresses in "
+        "the profile"
+    ]
+    data["engine"]["rpc"] = ["10.0.0.3:50052"]
+    m = render(models, parse_profile(yaml.safe_dump(data)))
+    assert not [n for n in m.notes if n.startswith("engine.rpc")]
 
 
 def test_a_prompt_folder_travels_in_the_config_map(models: Path, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ class Engine:
         self.draining = threading.Event()
         self.cancelled = threading.Event()
         self.rpc_wait: str | None = None  # the RPC worker a load waits for
+        self.rpc_stalled: str | None = None  # the RPC worker a stop found stalled
 
     def stop(self, drain: bool = True, timeout: float = 30.0) -> None:
         self.calls.append((drain, timeout))
@@ -36,7 +37,7 @@ class Engine:
             self.cancelled.set()
 
     def status(self) -> Any:
-        return SimpleNamespace(heartbeat_ns=0, rpc_wait=self.rpc_wait)
+        return SimpleNamespace(heartbeat_ns=0, rpc_wait=self.rpc_wait, rpc_stalled=self.rpc_stalled)
 
 
 def server(grace_s: float = 300.0) -> tuple[OrinServer, Engine, Any]:
@@ -108,6 +109,27 @@ def test_a_stop_while_the_load_waits_for_an_rpc_worker_exits_6_naming_it(
         "server is probably using it); exiting with code 6 without waiting for it"
     ]
     assert "drained" not in caplog.text and "generation finished" not in caplog.text
+
+
+def test_a_stop_that_gave_up_on_a_stalled_rpc_worker_exits_6_naming_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker that hangs after the handshake (mid-upload): the engine's stop gave up
+    on it after rpc.STALL_S without a byte moving; the server names it and exits 6,
+    not 0 as after a drain."""
+    srv, engine, _ = server(300.0)
+    engine.rpc_stalled = "10.0.0.3:50052"
+    engine.cancelled.set()
+    with caplog.at_level(logging.INFO, "orin.server"):
+        srv.drain()
+    assert srv.should_exit and srv.exit_code == RPC_WAIT_EXIT
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [
+        "stopped while waiting for RPC worker 10.0.0.3:50052, which has taken no data and "
+        "sent none for 10 s (the worker hangs, or the network drops its traffic); exiting "
+        "with code 6 without waiting for it"
+    ]
+    assert "generation finished" not in caplog.text
 
 
 def test_sighup_drains_as_sigterm_does(caplog: pytest.LogCaptureFixture) -> None:
