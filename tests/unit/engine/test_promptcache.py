@@ -5,6 +5,7 @@ runs the real ones)."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -653,3 +654,119 @@ def test_model_digest_is_remembered_until_the_file_changes(
     # a memo someone else could have written is not believed
     os.chmod(memo_dir / "model-digests.json", 0o666)
     assert model_digest(model, memo_dir) == real(model) and len(hashed) == 4
+
+
+# -- passing errors -------------------------------------------------------------------------
+
+
+def failing_open(monkeypatch: pytest.MonkeyPatch, path: Path, code: int) -> dict[str, bool]:
+    """Opening ``path`` fails with ``code`` while the returned switch is on."""
+    real = promptcache._open_file
+    switch = {"on": True}
+
+    def opener(p: Path) -> int:
+        if switch["on"] and Path(p) == path:
+            raise OSError(code, os.strerror(code), str(p))
+        return real(p)
+
+    monkeypatch.setattr(promptcache, "_open_file", opener)
+    return switch
+
+
+PASSING = [errno.EMFILE, errno.ENOMEM, errno.EINTR, errno.EIO, errno.EACCES]
+
+
+@pytest.mark.parametrize("code", PASSING, ids=errno.errorcode.get)
+@pytest.mark.parametrize("which", ["state", "sidecar"])
+def test_a_file_that_cannot_be_opened_now_is_kept_and_loaded_later(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    which: str,
+    code: int,
+) -> None:
+    """Too many open files, no memory, an interrupted call, a flaky card, a permission
+    taken away: the entry is not damaged, so it is kept, said once, and tried again."""
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+    path = entry.state_path if which == "state" else entry.sidecar_path
+    switch = failing_open(monkeypatch, path, code)
+    with caplog.at_level(logging.DEBUG, logger="orin.engine"):
+        assert not pc.load(kv, 0, entry)
+        assert entry.state_path.exists() and entry.sidecar_path.exists()
+        assert kv.lib.loaded == [] and 0 not in kv.lib.seqs
+        assert pc.get([1, 2, 3]) is None and pc.find([1, 2, 3, 4]) is None  # not at once
+        assert isinstance(pc.clock, Clock)
+        pc.clock.t += promptcache.RETRY_S
+        found = pc.get([1, 2, 3])
+        assert found is not None and not pc.load(kv, 0, found)  # still failing: no new warning
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"prompt cache: cannot read {path}: {os.strerror(code)}; kept, trying it again in "
+        f"{promptcache.RETRY_S:g} s"
+    ]
+    switch["on"] = False
+    pc.clock.t += promptcache.RETRY_S
+    found = pc.find([1, 2, 3, 4])
+    assert found is not None and pc.load(kv, 0, found) and kv.lib.seqs[0] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("code", PASSING, ids=errno.errorcode.get)
+def test_a_sidecar_that_cannot_be_read_at_start_is_kept_and_read_later(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    code: int,
+) -> None:
+    kv = Handles()
+    entry = saved(cache(tmp_path), kv, [1, 2, 3])
+    switch = failing_open(monkeypatch, entry.sidecar_path, code)
+    with caplog.at_level(logging.WARNING):
+        pc = cache(tmp_path)  # a restart
+    assert f"cannot read {entry.sidecar_path}: {os.strerror(code)}; kept" in caplog.text
+    assert pc.get([1, 2, 3]) is None and pc.counters.rejected == 0
+    assert entry.state_path.exists() and entry.sidecar_path.exists()
+    switch["on"] = False
+    assert isinstance(pc.clock, Clock)
+    pc.clock.t += promptcache.RETRY_S
+    found = pc.find([1, 2, 3, 4])
+    assert found is not None and pc.load(kv, 0, found)
+
+
+def test_an_io_error_while_the_state_is_checked_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read that fails half-way (an NVMe or SD card hiccup) is not a damaged file,
+    and it must not fail the engine's step either."""
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+
+    def flaky(fd: int) -> Any:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+        yield b""
+
+    monkeypatch.setattr(promptcache, "_blocks", flaky)
+    with caplog.at_level(logging.WARNING):
+        assert not pc.load(kv, 0, entry)
+    assert f"cannot read {entry.state_path}: {os.strerror(errno.EIO)}; kept" in caplog.text
+    assert entry.state_path.exists() and entry.sidecar_path.exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
+@pytest.mark.parametrize("which", ["state", "sidecar"])
+def test_a_file_made_unreadable_by_chmod_is_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, which: str
+) -> None:
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+    path = entry.state_path if which == "state" else entry.sidecar_path
+    os.chmod(path, 0)
+    with caplog.at_level(logging.WARNING):
+        assert not pc.load(kv, 0, entry)
+        restarted = cache(tmp_path)  # the sidecar is read at start, the state at a load
+        assert (restarted.get([1, 2, 3]) is None) == (which == "sidecar")
+    assert f"cannot read {path}: Permission denied; kept" in caplog.text
+    os.chmod(path, 0o600)
+    assert entry.state_path.exists() and entry.sidecar_path.exists()
+    again = cache(tmp_path).get([1, 2, 3])
+    assert again is not None and pc.load(kv, 0, again)
