@@ -572,14 +572,24 @@ class PromptCache:
                 _reason(problems or lines),
             )
             return None
-        size = state_tmp.stat().st_size
+        size, digest = _synced(state_tmp)
+        if size != written:  # llama.cpp does not check the flush when it closes the file
+            log.warning(
+                "prompt cache: llama.cpp wrote %d bytes of sequence %d's state but %s holds "
+                "%d (a write was lost: is the disk full?): not kept",
+                written,
+                seq,
+                state_tmp,
+                size,
+            )
+            return None
         now = self.clock()
         entry = Entry(
             directory=self.directory,
             name=name,
             key=self.key,
             tokens=tokens,
-            state_sha256=file_sha256(state_tmp),
+            state_sha256=digest,
             state_bytes=size,
             created=now,
             last_used=now,
@@ -599,7 +609,12 @@ class PromptCache:
         with contextlib.suppress(FileNotFoundError):
             entry.sidecar_path.unlink()
         os.replace(state_tmp, entry.state_path)
-        _write_atomic(entry.sidecar_path, data, self._temp_path(name + SIDECAR_SUFFIX))
+        try:
+            _write_atomic(entry.sidecar_path, data, self._temp_path(name + SIDECAR_SUFFIX))
+        except OSError:  # a state without its sidecar only takes room (a full disk's)
+            with contextlib.suppress(OSError):
+                entry.state_path.unlink()
+            raise
         return entry
 
     def _evict(self, keep: str) -> None:
@@ -996,16 +1011,45 @@ def _ensure_dir(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None:
-    """Write ``data`` under a temporary name (0600) and rename it over ``path``."""
+    """Write ``data`` under a temporary name (0600), flushed to the disk, and rename it
+    over ``path``: after a power cut the name holds the old bytes or the new ones."""
     tmp = tmp or path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        _sync_dir(path.parent)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+def _synced(path: Path) -> tuple[int, str]:
+    """Flush a file another writer (llama.cpp) closed to the disk: its size and SHA-256
+    as the disk has them."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+        h = hashlib.sha256()
+        for block in _blocks(fd):
+            h.update(block)
+        return os.fstat(fd).st_size, h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _sync_dir(path: Path) -> None:
+    """Flush a directory's renames to the disk (best effort: some file systems refuse
+    it, and a rename that a power cut forgets leaves the old file, never half of one)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 REASON_LINES = 3  # llama.cpp's lines a refusal quotes, at most

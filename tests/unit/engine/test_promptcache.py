@@ -770,3 +770,63 @@ def test_a_file_made_unreadable_by_chmod_is_kept(
     assert entry.state_path.exists() and entry.sidecar_path.exists()
     again = cache(tmp_path).get([1, 2, 3])
     assert again is not None and pc.load(kv, 0, again)
+
+
+# -- power cuts and full disks ----------------------------------------------------------------
+
+
+def test_a_save_reaches_the_disk_before_its_names_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both files are flushed under their temporary names, then renamed, then the
+    directory is flushed: a power cut leaves no name whose bytes never reached the disk."""
+    pc, kv = cache(tmp_path), Handles()
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    entry = saved(pc, kv, [1, 2, 3])
+    temp = str(pc.directory / ".tmp-") + entry.name
+    assert [p.startswith(temp + ".state.") for p in synced[:2]] == [True, False]
+    assert synced[1].startswith(temp + ".json.") and synced[2:] == [str(pc.directory)]
+
+
+def test_a_state_llama_cpp_could_not_flush_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """llama.cpp closes its file without checking the last flush: on a full disk it
+    reports every byte written while the file is short. Such a state is not kept."""
+    pc, kv = cache(tmp_path), Handles()
+    real = kv.lib.llama_state_seq_save_file
+
+    def full_disk(ctx: Any, path: bytes, *args: Any) -> int:
+        written = real(ctx, path, *args)
+        os.truncate(path, written - 100)
+        return written
+
+    monkeypatch.setattr(kv.lib, "llama_state_seq_save_file", full_disk)
+    kv.prefill(0, [1, 2, 3])
+    with caplog.at_level(logging.WARNING):
+        assert pc.save(kv, 0, [1, 2, 3]) is None
+    assert "a write was lost: is the disk full?" in caplog.text
+    assert os.listdir(pc.directory) == [] and pc.get([1, 2, 3]) is None
+
+
+def test_a_sidecar_that_cannot_be_written_leaves_no_state_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pc, kv = cache(tmp_path), Handles()
+
+    def full(path: Path, data: bytes, tmp: Path | None = None) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+
+    monkeypatch.setattr(promptcache, "_write_atomic", full)
+    kv.prefill(0, [1, 2, 3])
+    with caplog.at_level(logging.WARNING):
+        assert pc.save(kv, 0, [1, 2, 3]) is None
+    assert "No space left on device" in caplog.text
+    assert os.listdir(pc.directory) == []  # the state's room is given back at once
