@@ -32,7 +32,8 @@ ENOMEM, EIO, EACCES...) is kept, warned about once and read again after
 All llama.cpp calls belong to the engine thread, so ``PromptCache`` is not
 thread-safe: one thread (the engine's) uses it. Several processes may share
 a directory: files are replaced atomically, each load re-reads the sidecar,
-and ``refresh`` picks up what others wrote.
+and ``refresh`` picks up what others wrote (a save calls it before it evicts,
+so the size bound counts every process's entries).
 """
 
 from __future__ import annotations
@@ -549,6 +550,8 @@ class PromptCache:
             for pending in (self._refused, self._retry_at, self._unread, self._warned):
                 pending.pop(name, None)
             self.counters.saves += 1
+            self.refresh()  # the bound is the directory's: what others saved counts too
+            self._index.setdefault(name, entry)
             self._evict(keep=name)
         return entry
 
@@ -592,7 +595,7 @@ class PromptCache:
             state_sha256=digest,
             state_bytes=size,
             created=now,
-            last_used=now,
+            last_used=self._used_now(),
         )
         data = entry.sidecar()
         entry = replace(entry, sidecar_bytes=len(data))
@@ -771,7 +774,7 @@ class PromptCache:
 
     def _touch(self, entry: Entry) -> Entry:
         """Mark an entry used now, in memory and in its sidecar (best effort)."""
-        used = replace(entry, last_used=max(self.clock(), entry.last_used))
+        used = replace(entry, last_used=self._used_now())
         data = used.sidecar()
         used = replace(used, sidecar_bytes=len(data))
         self._index[used.name] = used
@@ -780,6 +783,13 @@ class PromptCache:
         except OSError as exc:
             log.warning("prompt cache: cannot update %s: %s", used.sidecar_path, exc)
         return used
+
+    def _used_now(self) -> float:
+        """A last-used time after every entry's: the clock's, unless it is behind them
+        (a board that starts at an old time until NTP sets it), when the entry just used
+        must still be the most recent, not the first to be evicted."""
+        newest = max((e.last_used for e in self._index.values()), default=0.0)
+        return max(self.clock(), math.nextafter(newest, math.inf))
 
     # -- the directory ----------------------------------------------------------------
 

@@ -335,8 +335,8 @@ def test_corrupt_sidecar_is_skipped_with_a_warning(
     pc, kv = cache(tmp_path), Handles()
     good = saved(pc, kv, [1, 2, 3])
     bad = saved(pc, kv, [4, 5, 6])
-    bad.sidecar_path.write_text('{"key": ')
     forged = saved(pc, kv, [7, 8, 9])
+    bad.sidecar_path.write_text('{"key": ')
     doc = json.loads(forged.sidecar_path.read_text())
     doc["tokens"] = [7, 8, 10]  # tokens that do not give the file's name
     forged.sidecar_path.write_text(json.dumps(doc))
@@ -830,3 +830,45 @@ def test_a_sidecar_that_cannot_be_written_leaves_no_state_behind(
         assert pc.save(kv, 0, [1, 2, 3]) is None
     assert "No space left on device" in caplog.text
     assert os.listdir(pc.directory) == []  # the state's room is given back at once
+
+
+# -- the size bound -----------------------------------------------------------------------------
+
+
+def test_two_services_sharing_a_directory_keep_it_within_max_bytes(tmp_path: Path) -> None:
+    """Each counts what the other saved: the bound is the directory's, and the least
+    recently used of all entries go first, whichever service saved them."""
+    kv = Handles()
+    probe = saved(cache(tmp_path / "probe"), kv, [1] * 10)
+    bound = int(probe.disk_bytes * 2.5)  # room for two
+    one = cache(tmp_path, max_bytes=bound)
+    two = cache(tmp_path, key=replace(KEY, model_sha256="cd" * 32), max_bytes=bound)
+    a = saved(one, kv, [1] * 10)  # both started before anything was saved
+    b = saved(two, kv, [2] * 10)
+    assert one.load(kv, 1, a)  # a is used after b was saved
+    c = saved(two, kv, [3] * 10)
+    on_disk = sorted(p.name for p in one.directory.iterdir())
+    assert on_disk == sorted(f"{e.name}{s}" for e in (a, c) for s in (".state", ".json"))
+    assert sum(p.stat().st_size for p in one.directory.iterdir()) <= bound
+    assert not b.sidecar_path.exists() and two.counters.evicted == 1
+
+
+def test_the_entry_just_restored_is_not_evicted_when_the_clock_went_back(tmp_path: Path) -> None:
+    """A board without a kept clock starts at an old time until NTP sets it: the entry
+    restored then must still count as the most recently used, not as the oldest."""
+    kv = Handles()
+    probe = saved(cache(tmp_path / "probe"), kv, [1] * 10)
+    bound = int(probe.disk_bytes * 2.5)
+    before = cache(tmp_path, max_bytes=bound)
+    saved(before, kv, [2] * 10)  # the profile's prompt
+    stale = saved(before, kv, [1] * 10)  # another one, used after it
+    assert before.load(kv, 1, stale)
+    kv.lib.seqs.pop(1)
+    behind = Clock()
+    behind.t = 1000.0
+    after = PromptCache(tmp_path / "pc", KEY, bound, clock=behind)  # the next boot
+    restored = after.get([2] * 10)
+    assert restored is not None and after.load(kv, 1, restored)
+    saved(after, kv, [3] * 10)  # a new prompt: one entry must go
+    assert {e.tokens[0] for e in after.entries()} == {2, 3}
+    assert not stale.state_path.exists()
