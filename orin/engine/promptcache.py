@@ -435,6 +435,7 @@ class PromptCache:
         self._unread: dict[str, float] = {}
         # the last warning about a passing error, by entry name: said once, not each retry
         self._warned: dict[str, str] = {}
+        self._touch_failed = False  # a last-use time could not be written: said once
         try:
             _ensure_dir(self.directory)
         except OSError as exc:
@@ -780,8 +781,15 @@ class PromptCache:
         self._index[used.name] = used
         try:
             _write_atomic(used.sidecar_path, data, self._temp_path(used.name + SIDECAR_SUFFIX))
-        except OSError as exc:
-            log.warning("prompt cache: cannot update %s: %s", used.sidecar_path, exc)
+        except OSError as exc:  # a read-only directory of prompts computed elsewhere, say
+            level = logging.DEBUG if self._touch_failed else logging.WARNING
+            self._touch_failed = True
+            log.log(
+                level,
+                "prompt cache: cannot record the last use in %s: %s (said once)",
+                used.sidecar_path,
+                exc,
+            )
         return used
 
     def _used_now(self) -> float:

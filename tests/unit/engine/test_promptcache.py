@@ -872,3 +872,21 @@ def test_the_entry_just_restored_is_not_evicted_when_the_clock_went_back(tmp_pat
     saved(after, kv, [3] * 10)  # a new prompt: one entry must go
     assert {e.tokens[0] for e in after.entries()} == {2, 3}
     assert not stale.state_path.exists()
+
+
+def test_a_directory_that_cannot_be_written_is_said_once_not_at_every_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """States computed elsewhere on a read-only file system are restored; only their
+    last-use times cannot be recorded, which is one warning, not one per request."""
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+
+    def read_only(path: Path, data: bytes, tmp: Path | None = None) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp))
+
+    monkeypatch.setattr(promptcache, "_write_atomic", read_only)
+    with caplog.at_level(logging.WARNING):
+        for seq in (0, 1, 2):
+            assert pc.load(kv, seq, entry)
+    assert caplog.text.count("Read-only file system") == 1
