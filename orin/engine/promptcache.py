@@ -533,8 +533,8 @@ class PromptCache:
         if (
             known is not None
             and name not in self._refused
-            and known.state_path.exists()
-            and known.sidecar_path.exists()
+            and _exists(known.state_path)
+            and _exists(known.sidecar_path)
         ):
             return self._touch(known)
         state_tmp = self._temp_path(name + STATE_SUFFIX)
@@ -956,6 +956,16 @@ def _untrusted_dir(path: Path) -> str | None:
     if st.st_mode & GROUP_OR_OTHER_WRITE:
         return f"writable by group or others (mode {st.st_mode & 0o7777:04o}); chmod 0700 it"
     return None
+
+
+def _exists(path: Path) -> bool:
+    """Whether ``path`` is there; an error that says nothing (EIO, EACCES) is a no,
+    where ``Path.exists`` raises it."""
+    try:
+        path.lstat()
+    except OSError:
+        return False
+    return True
 
 
 def _open_file(path: Path) -> int:

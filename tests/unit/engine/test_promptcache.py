@@ -890,3 +890,23 @@ def test_a_directory_that_cannot_be_written_is_said_once_not_at_every_restore(
         for seq in (0, 1, 2):
             assert pc.load(kv, seq, entry)
     assert caplog.text.count("Read-only file system") == 1
+
+
+def test_a_save_whose_earlier_files_cannot_be_checked_writes_them_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error while the save looks for the files it wrote before is no reason to
+    fail the engine's start: the prompt is saved again."""
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+    for name in ("stat", "lstat"):
+        real = getattr(Path, name)
+
+        def flaky(self: Path, *args: Any, real: Any = real, **kw: Any) -> os.stat_result:
+            if self == entry.state_path:
+                raise OSError(errno.EIO, os.strerror(errno.EIO), str(self))
+            return real(self, *args, **kw)
+
+        monkeypatch.setattr(Path, name, flaky)
+    kv.prefill(0, [1, 2, 3])
+    assert pc.save(kv, 0, [1, 2, 3]) is not None and pc.counters.saves == 2
