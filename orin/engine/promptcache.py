@@ -24,18 +24,23 @@ llama.cpp refused is not offered again (``find``, ``get``) until a save of its
 prompt replaces it, so a refusal costs one failed load and its warning; unless
 other sequences held cells of the KV buffer it shares with them (``kv_unified``),
 when it may only have found no free cells: that state is offered again after
+``RETRY_S``. Only an entry known to be damaged, forged or of another user's
+making is deleted: one whose files cannot be read now (an ``OSError``: EMFILE,
+ENOMEM, EIO, EACCES...) is kept, warned about once and read again after
 ``RETRY_S``.
 
 All llama.cpp calls belong to the engine thread, so ``PromptCache`` is not
 thread-safe: one thread (the engine's) uses it. Several processes may share
 a directory: files are replaced atomically, each load re-reads the sidecar,
-and ``refresh`` picks up what others wrote.
+and ``refresh`` picks up what others wrote (a save calls it before it evicts,
+so the size bound counts every process's entries).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -74,7 +79,9 @@ CHUNK = 1 << 20
 MAX_SIDECAR_BYTES = 64 << 20  # far above a sidecar of the longest context's tokens
 RETRY_S = 30.0
 """Seconds before a state llama.cpp refused while other sequences held cells of the
-shared KV buffer is offered again: the buffer may only have had no room for it then."""
+shared KV buffer is offered again (the buffer may only have had no room for it then),
+and before an entry whose files could not be read (too many open files, no memory, an
+I/O error, a permission taken away) is read again."""
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _TYPE = re.compile(r"^[a-z0-9_]{1,16}$")
@@ -424,6 +431,11 @@ class PromptCache:
         # entries refused while the shared KV buffer may have had no room for them, by
         # name: when (``clock``) they are offered again
         self._retry_at: dict[str, float] = {}
+        # sidecars a passing error kept out of the index, by name: when they are read again
+        self._unread: dict[str, float] = {}
+        # the last warning about a passing error, by entry name: said once, not each retry
+        self._warned: dict[str, str] = {}
+        self._touch_failed = False  # a last-use time could not be written: said once
         try:
             _ensure_dir(self.directory)
         except OSError as exc:
@@ -436,6 +448,7 @@ class PromptCache:
     def find(self, tokens: Sequence[int]) -> Entry | None:
         """The longest saved prompt of this key whose tokens start ``tokens`` (or are
         all of them)."""
+        self._read_again()
         best: Entry | None = None
         n = len(tokens)
         now = self.clock() if self._retry_at else 0.0
@@ -453,6 +466,7 @@ class PromptCache:
 
     def get(self, tokens: Sequence[int]) -> Entry | None:
         """The saved prompt of exactly these tokens."""
+        self._read_again()
         e = self._index.get(entry_name(self.key, tokens)) if tokens else None
         now = self.clock() if self._retry_at else 0.0
         usable = e is not None and e.key == self.key and not self._was_refused(e, now)
@@ -519,8 +533,8 @@ class PromptCache:
         if (
             known is not None
             and name not in self._refused
-            and known.state_path.exists()
-            and known.sidecar_path.exists()
+            and _exists(known.state_path)
+            and _exists(known.sidecar_path)
         ):
             return self._touch(known)
         state_tmp = self._temp_path(name + STATE_SUFFIX)
@@ -534,9 +548,11 @@ class PromptCache:
                 state_tmp.unlink()
         if entry is not None:
             self._index[name] = entry
-            self._refused.pop(name, None)
-            self._retry_at.pop(name, None)
+            for pending in (self._refused, self._retry_at, self._unread, self._warned):
+                pending.pop(name, None)
             self.counters.saves += 1
+            self.refresh()  # the bound is the directory's: what others saved counts too
+            self._index.setdefault(name, entry)
             self._evict(keep=name)
         return entry
 
@@ -560,17 +576,27 @@ class PromptCache:
                 _reason(problems or lines),
             )
             return None
-        size = state_tmp.stat().st_size
+        size, digest = _synced(state_tmp)
+        if size != written:  # llama.cpp does not check the flush when it closes the file
+            log.warning(
+                "prompt cache: llama.cpp wrote %d bytes of sequence %d's state but %s holds "
+                "%d (a write was lost: is the disk full?): not kept",
+                written,
+                seq,
+                state_tmp,
+                size,
+            )
+            return None
         now = self.clock()
         entry = Entry(
             directory=self.directory,
             name=name,
             key=self.key,
             tokens=tokens,
-            state_sha256=file_sha256(state_tmp),
+            state_sha256=digest,
             state_bytes=size,
             created=now,
-            last_used=now,
+            last_used=self._used_now(),
         )
         data = entry.sidecar()
         entry = replace(entry, sidecar_bytes=len(data))
@@ -587,7 +613,12 @@ class PromptCache:
         with contextlib.suppress(FileNotFoundError):
             entry.sidecar_path.unlink()
         os.replace(state_tmp, entry.state_path)
-        _write_atomic(entry.sidecar_path, data, self._temp_path(name + SIDECAR_SUFFIX))
+        try:
+            _write_atomic(entry.sidecar_path, data, self._temp_path(name + SIDECAR_SUFFIX))
+        except OSError:  # a state without its sidecar only takes room (a full disk's)
+            with contextlib.suppress(OSError):
+                entry.state_path.unlink()
+            raise
         return entry
 
     def _evict(self, keep: str) -> None:
@@ -630,16 +661,25 @@ class PromptCache:
         except OtherFormat as exc:
             self._index.pop(entry.name, None)
             return self._refuse(entry, f"its sidecar is now of {exc}", delete=False)
-        except (OSError, ValueError, UnicodeDecodeError) as exc:
+        except OSError as exc:
+            return self._unreadable(entry, entry.sidecar_path, exc)
+        except (ValueError, UnicodeDecodeError) as exc:
             return self._refuse(entry, f"sidecar: {exc}", delete=True)
         if current.key != self.key or current.tokens != entry.tokens:
             return self._refuse(entry, "its sidecar describes another prompt", delete=False)
         try:
-            fd = os.open(current.state_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = _open_file(current.state_path)
+        except FileNotFoundError:
+            return self._refuse(entry, "its state file is missing", delete=True)
         except OSError as exc:
-            return self._refuse(entry, f"state file: {exc.strerror or exc}", delete=True)
+            return self._unreadable(entry, current.state_path, exc)
+        except ValueError as exc:
+            return self._refuse(entry, f"state file: {exc}", delete=True)
         try:
-            reason = _verify_state(fd, current)
+            try:
+                reason = _verify_state(fd, current)
+            except OSError as exc:
+                return self._unreadable(entry, current.state_path, exc)
             if reason is not None:
                 return self._refuse(entry, reason, delete=True)
             try:
@@ -667,6 +707,7 @@ class PromptCache:
                 entry, f"{reason}; not trying it again until it is saved anew", delete=False
             )
         self._retry_at.pop(current.name, None)
+        self._warned.pop(current.name, None)
         self._touch(current)
         self.counters.loads += 1
         return True
@@ -707,6 +748,24 @@ class PromptCache:
             return False, f"sequence {seq} holds positions up to {held}, not {n - 1}", False
         return True, "", False
 
+    def _unreadable(self, entry: Entry, path: Path, exc: OSError) -> bool:
+        """A file of the entry could not be read now: kept, offered again after RETRY_S."""
+        self._retry_at[entry.name] = self.clock() + RETRY_S
+        self.counters.rejected += 1
+        self._warn_once(entry.name, path, exc)
+        return False
+
+    def _warn_once(self, name: str, path: Path, exc: OSError) -> None:
+        """One warning for a passing error (the same one again at each retry is a debug
+        line): the file is kept and read again after RETRY_S."""
+        message = (
+            f"prompt cache: cannot read {path}: {exc.strerror or exc}; "
+            f"kept, trying it again in {RETRY_S:g} s"
+        )
+        level = logging.DEBUG if self._warned.get(name) == message else logging.WARNING
+        self._warned[name] = message
+        log.log(level, "%s", message)
+
     def _refuse(self, entry: Entry, reason: str, delete: bool) -> bool:
         log.warning("prompt cache: not loading %s: %s", entry.state_path, reason)
         self.counters.rejected += 1
@@ -716,15 +775,29 @@ class PromptCache:
 
     def _touch(self, entry: Entry) -> Entry:
         """Mark an entry used now, in memory and in its sidecar (best effort)."""
-        used = replace(entry, last_used=max(self.clock(), entry.last_used))
+        used = replace(entry, last_used=self._used_now())
         data = used.sidecar()
         used = replace(used, sidecar_bytes=len(data))
         self._index[used.name] = used
         try:
             _write_atomic(used.sidecar_path, data, self._temp_path(used.name + SIDECAR_SUFFIX))
-        except OSError as exc:
-            log.warning("prompt cache: cannot update %s: %s", used.sidecar_path, exc)
+        except OSError as exc:  # a read-only directory of prompts computed elsewhere, say
+            level = logging.DEBUG if self._touch_failed else logging.WARNING
+            self._touch_failed = True
+            log.log(
+                level,
+                "prompt cache: cannot record the last use in %s: %s (said once)",
+                used.sidecar_path,
+                exc,
+            )
         return used
+
+    def _used_now(self) -> float:
+        """A last-used time after every entry's: the clock's, unless it is behind them
+        (a board that starts at an old time until NTP sets it), when the entry just used
+        must still be the most recent, not the first to be evicted."""
+        newest = max((e.last_used for e in self._index.values()), default=0.0)
+        return max(self.clock(), math.nextafter(newest, math.inf))
 
     # -- the directory ----------------------------------------------------------------
 
@@ -749,6 +822,7 @@ class PromptCache:
         except OSError as exc:
             log.warning("prompt cache: cannot list %s: %s", self.directory, exc)
             return
+        self._unread = {}
         for item in listing:
             stem, suffix = os.path.splitext(item.name)
             if suffix == SIDECAR_SUFFIX and _NAME.match(stem):
@@ -763,6 +837,18 @@ class PromptCache:
             if orphan or item.name.startswith(TEMP_PREFIX):
                 self._remove_stale(Path(item.path))
 
+    def _read_again(self) -> None:
+        """Read the sidecars a passing error kept out of the index, once RETRY_S passed."""
+        if not self._unread:
+            return
+        now = self.clock()
+        for name in [n for n, due in self._unread.items() if due <= now]:
+            del self._unread[name]
+            entry = self._scan_one(name)
+            if entry is not None:
+                self._index[name] = entry
+                self._warned.pop(name, None)
+
     def _scan_one(self, name: str) -> Entry | None:
         sidecar = self.directory / (name + SIDECAR_SUFFIX)
         try:
@@ -772,7 +858,10 @@ class PromptCache:
         except OtherFormat as exc:
             log.debug("prompt cache: leaving %s alone: %s", sidecar, exc)
             return None
-        except (OSError, ValueError, UnicodeDecodeError) as exc:
+        except OSError as exc:
+            self._unread_now(name, sidecar, exc)
+            return None
+        except (ValueError, UnicodeDecodeError) as exc:
             log.warning("prompt cache: skipping %s: %s", sidecar, exc)
             self.counters.rejected += 1
             self._remove_files(name, only_own=True)
@@ -781,6 +870,9 @@ class PromptCache:
             st = entry.state_path.lstat()
         except FileNotFoundError:
             reason: str | None = "its state file is missing"
+        except OSError as exc:
+            self._unread_now(name, entry.state_path, exc)
+            return None
         else:
             reason = _untrusted(st) or (
                 None
@@ -793,6 +885,10 @@ class PromptCache:
             self._remove(entry, only_own=True)
             return None
         return entry
+
+    def _unread_now(self, name: str, path: Path, exc: OSError) -> None:
+        self._unread[name] = self.clock() + RETRY_S
+        self._warn_once(name, path, exc)
 
     def _read_entry(self, name: str) -> Entry:
         data = _read_trusted(self.directory / (name + SIDECAR_SUFFIX), MAX_SIDECAR_BYTES)
@@ -862,9 +958,30 @@ def _untrusted_dir(path: Path) -> str | None:
     return None
 
 
+def _exists(path: Path) -> bool:
+    """Whether ``path`` is there; an error that says nothing (EIO, EACCES) is a no,
+    where ``Path.exists`` raises it."""
+    try:
+        path.lstat()
+    except OSError:
+        return False
+    return True
+
+
+def _open_file(path: Path) -> int:
+    """A descriptor of ``path`` opened for reading, not through a symbolic link: a
+    link is a ValueError (not this cache's file), any other failure an OSError."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError("a symbolic link, not a regular file") from None
+        raise
+
+
 def _read_trusted(path: Path, limit: int) -> bytes:
     """A small file's bytes, checked on the open file itself (no link followed)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = _open_file(path)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         reason = _untrusted(st)
@@ -922,16 +1039,45 @@ def _ensure_dir(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None:
-    """Write ``data`` under a temporary name (0600) and rename it over ``path``."""
+    """Write ``data`` under a temporary name (0600), flushed to the disk, and rename it
+    over ``path``: after a power cut the name holds the old bytes or the new ones."""
     tmp = tmp or path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        _sync_dir(path.parent)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+def _synced(path: Path) -> tuple[int, str]:
+    """Flush a file another writer (llama.cpp) closed to the disk: its size and SHA-256
+    as the disk has them."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+        h = hashlib.sha256()
+        for block in _blocks(fd):
+            h.update(block)
+        return os.fstat(fd).st_size, h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _sync_dir(path: Path) -> None:
+    """Flush a directory's renames to the disk (best effort: some file systems refuse
+    it, and a rename that a power cut forgets leaves the old file, never half of one)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 REASON_LINES = 3  # llama.cpp's lines a refusal quotes, at most

@@ -178,6 +178,7 @@ class WarmCache:
     def warm(self, scheduler: Scheduler) -> None:
         """Restore (or compute and save) each prompt; the first ones stay in idle slots
         as their prefix cache, one slot each, the rest wait on disk."""
+        kept: dict[str, int] = {}  # the prompts' entries on disk: name -> bytes
         for i, tokens in enumerate(self.prompts):
             skip = skip_reason(len(tokens), scheduler.context.window)
             if skip is not None:
@@ -185,10 +186,12 @@ class WarmCache:
                 continue
             seq = i if i < len(scheduler.slots) else len(scheduler.slots) - 1
             entry = self.cache.get(tokens)
-            restored = entry is not None and self.cache.load(self.backend, seq, entry)
-            if not restored:
+            if entry is not None and self.cache.load(self.backend, seq, entry):
+                log.info("prompt cache: prompt %d restored (%d tokens)", i, len(tokens))
+            else:
                 self._prefill(seq, tokens)
-                if self.cache.save(self.backend, seq, tokens) is not None:
+                entry = self.cache.save(self.backend, seq, tokens)
+                if entry is not None:
                     log.info(
                         "prompt cache: prompt %d computed and saved (%d tokens)", i, len(tokens)
                     )
@@ -196,13 +199,30 @@ class WarmCache:
                     log.info(
                         "prompt cache: prompt %d computed (%d tokens), not saved", i, len(tokens)
                     )
-            else:
-                log.info("prompt cache: prompt %d restored (%d tokens)", i, len(tokens))
+            if entry is not None:
+                kept[entry.name] = entry.disk_bytes
             if i < len(scheduler.slots):
                 slot = scheduler.slots[seq]
                 slot.cache, slot.reusable = list(tokens), len(tokens)
             else:
                 self.backend.lib.llama_memory_seq_rm(self.backend.memory, seq, 0, -1)
+        self._warn_evicted(kept)
+
+    def _warn_evicted(self, kept: dict[str, int]) -> None:
+        """Prompts that evicted each other: each start would compute and write them all
+        again, which only an INFO line per eviction said."""
+        on_disk = {e.name for e in self.cache.entries()}
+        evicted = [name for name in kept if name not in on_disk]
+        if evicted:
+            log.warning(
+                "prompt cache: prompt_cache.max_bytes (%d) cannot hold the %d prompts "
+                "together (%d bytes): %d of them were evicted to make room for the others "
+                "and will be computed again at the next start; raise max_bytes",
+                self.cache.max_bytes,
+                len(kept),
+                sum(kept.values()),
+                len(evicted),
+            )
 
     def _prefill(self, seq: int, tokens: list[int]) -> None:
         from orin.engine.scheduler import Batch

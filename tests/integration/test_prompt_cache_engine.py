@@ -35,12 +35,18 @@ def small() -> Path:
 
 
 def engine(
-    path: Path, cache: Path | None, slots: int = 2, prompts: tuple[str, ...] = (SYSTEM,)
+    path: Path,
+    cache: Path | None,
+    slots: int = 2,
+    prompts: tuple[str, ...] = (SYSTEM,),
+    max_bytes: int = 1 << 30,
 ) -> Engine:
     section = ""
     if cache is not None:
         listed = ", ".join(repr(p) for p in prompts)
-        section = f"prompt_cache: {{prompts: [{listed}], directory: '{cache}'}}\n"
+        section = (
+            f"prompt_cache: {{prompts: [{listed}], directory: '{cache}', max_bytes: {max_bytes}}}\n"
+        )
     profile = parse_profile(
         f"name: t\nengine: {{n_ctx: 512, slots: {slots}, n_batch: 128, n_ubatch: 128}}\n{section}"
     )
@@ -170,3 +176,27 @@ def test_a_state_llama_cpp_refuses_is_tried_once_and_then_left_alone(
     assert str(state) in refused[0] and "n_stream" in refused[0]
     assert refused[0].endswith("; not trying it again until it is saved anew")
     assert state.exists()  # another llama.cpp build may still read it
+
+
+def test_prompts_that_evict_each_other_at_every_start_are_warned_about(
+    small: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each prompt fits max_bytes, both together do not: the second evicts the first
+    while the model loads, and at the next start the first evicts the second. Each
+    start computes and writes them all: a warning says so, and what to change."""
+    cache, longer = tmp_path / "cache", OTHER * 3
+    for _ in range(2):
+        caplog.clear()
+        with (
+            caplog.at_level(logging.INFO, "orin.engine"),
+            engine(small, cache, prompts=(SYSTEM, longer), max_bytes=1 << 20) as e,
+        ):
+            assert e.prompt_cache is not None
+            assert e.prompt_cache.cache.counters.evicted >= 1
+        assert "restored" not in caplog.text
+        assert "cannot hold the 2 prompts together" in caplog.text
+        assert "1 of them were evicted" in caplog.text and "raise max_bytes" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "orin.engine"), engine(small, cache, prompts=(SYSTEM,)):
+        pass  # one prompt fits: no warning
+    assert "prompt 0 computed and saved" in caplog.text and "cannot hold" not in caplog.text

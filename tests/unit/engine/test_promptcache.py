@@ -5,6 +5,7 @@ runs the real ones)."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -334,8 +335,8 @@ def test_corrupt_sidecar_is_skipped_with_a_warning(
     pc, kv = cache(tmp_path), Handles()
     good = saved(pc, kv, [1, 2, 3])
     bad = saved(pc, kv, [4, 5, 6])
-    bad.sidecar_path.write_text('{"key": ')
     forged = saved(pc, kv, [7, 8, 9])
+    bad.sidecar_path.write_text('{"key": ')
     doc = json.loads(forged.sidecar_path.read_text())
     doc["tokens"] = [7, 8, 10]  # tokens that do not give the file's name
     forged.sidecar_path.write_text(json.dumps(doc))
@@ -653,3 +654,259 @@ def test_model_digest_is_remembered_until_the_file_changes(
     # a memo someone else could have written is not believed
     os.chmod(memo_dir / "model-digests.json", 0o666)
     assert model_digest(model, memo_dir) == real(model) and len(hashed) == 4
+
+
+# -- passing errors -------------------------------------------------------------------------
+
+
+def failing_open(monkeypatch: pytest.MonkeyPatch, path: Path, code: int) -> dict[str, bool]:
+    """Opening ``path`` fails with ``code`` while the returned switch is on."""
+    real = promptcache._open_file
+    switch = {"on": True}
+
+    def opener(p: Path) -> int:
+        if switch["on"] and Path(p) == path:
+            raise OSError(code, os.strerror(code), str(p))
+        return real(p)
+
+    monkeypatch.setattr(promptcache, "_open_file", opener)
+    return switch
+
+
+PASSING = [errno.EMFILE, errno.ENOMEM, errno.EINTR, errno.EIO, errno.EACCES]
+
+
+@pytest.mark.parametrize("code", PASSING, ids=errno.errorcode.get)
+@pytest.mark.parametrize("which", ["state", "sidecar"])
+def test_a_file_that_cannot_be_opened_now_is_kept_and_loaded_later(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    which: str,
+    code: int,
+) -> None:
+    """Too many open files, no memory, an interrupted call, a flaky card, a permission
+    taken away: the entry is not damaged, so it is kept, said once, and tried again."""
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+    path = entry.state_path if which == "state" else entry.sidecar_path
+    switch = failing_open(monkeypatch, path, code)
+    with caplog.at_level(logging.DEBUG, logger="orin.engine"):
+        assert not pc.load(kv, 0, entry)
+        assert entry.state_path.exists() and entry.sidecar_path.exists()
+        assert kv.lib.loaded == [] and 0 not in kv.lib.seqs
+        assert pc.get([1, 2, 3]) is None and pc.find([1, 2, 3, 4]) is None  # not at once
+        assert isinstance(pc.clock, Clock)
+        pc.clock.t += promptcache.RETRY_S
+        found = pc.get([1, 2, 3])
+        assert found is not None and not pc.load(kv, 0, found)  # still failing: no new warning
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"prompt cache: cannot read {path}: {os.strerror(code)}; kept, trying it again in "
+        f"{promptcache.RETRY_S:g} s"
+    ]
+    switch["on"] = False
+    pc.clock.t += promptcache.RETRY_S
+    found = pc.find([1, 2, 3, 4])
+    assert found is not None and pc.load(kv, 0, found) and kv.lib.seqs[0] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("code", PASSING, ids=errno.errorcode.get)
+def test_a_sidecar_that_cannot_be_read_at_start_is_kept_and_read_later(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    code: int,
+) -> None:
+    kv = Handles()
+    entry = saved(cache(tmp_path), kv, [1, 2, 3])
+    switch = failing_open(monkeypatch, entry.sidecar_path, code)
+    with caplog.at_level(logging.WARNING):
+        pc = cache(tmp_path)  # a restart
+    assert f"cannot read {entry.sidecar_path}: {os.strerror(code)}; kept" in caplog.text
+    assert pc.get([1, 2, 3]) is None and pc.counters.rejected == 0
+    assert entry.state_path.exists() and entry.sidecar_path.exists()
+    switch["on"] = False
+    assert isinstance(pc.clock, Clock)
+    pc.clock.t += promptcache.RETRY_S
+    found = pc.find([1, 2, 3, 4])
+    assert found is not None and pc.load(kv, 0, found)
+
+
+def test_an_io_error_while_the_state_is_checked_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read that fails half-way (an NVMe or SD card hiccup) is not a damaged file,
+    and it must not fail the engine's step either."""
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+
+    def flaky(fd: int) -> Any:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+        yield b""
+
+    monkeypatch.setattr(promptcache, "_blocks", flaky)
+    with caplog.at_level(logging.WARNING):
+        assert not pc.load(kv, 0, entry)
+    assert f"cannot read {entry.state_path}: {os.strerror(errno.EIO)}; kept" in caplog.text
+    assert entry.state_path.exists() and entry.sidecar_path.exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
+@pytest.mark.parametrize("which", ["state", "sidecar"])
+def test_a_file_made_unreadable_by_chmod_is_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, which: str
+) -> None:
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+    path = entry.state_path if which == "state" else entry.sidecar_path
+    os.chmod(path, 0)
+    with caplog.at_level(logging.WARNING):
+        assert not pc.load(kv, 0, entry)
+        restarted = cache(tmp_path)  # the sidecar is read at start, the state at a load
+        assert (restarted.get([1, 2, 3]) is None) == (which == "sidecar")
+    assert f"cannot read {path}: Permission denied; kept" in caplog.text
+    os.chmod(path, 0o600)
+    assert entry.state_path.exists() and entry.sidecar_path.exists()
+    again = cache(tmp_path).get([1, 2, 3])
+    assert again is not None and pc.load(kv, 0, again)
+
+
+# -- power cuts and full disks ----------------------------------------------------------------
+
+
+def test_a_save_reaches_the_disk_before_its_names_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both files are flushed under their temporary names, then renamed, then the
+    directory is flushed: a power cut leaves no name whose bytes never reached the disk."""
+    pc, kv = cache(tmp_path), Handles()
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    entry = saved(pc, kv, [1, 2, 3])
+    temp = str(pc.directory / ".tmp-") + entry.name
+    assert [p.startswith(temp + ".state.") for p in synced[:2]] == [True, False]
+    assert synced[1].startswith(temp + ".json.") and synced[2:] == [str(pc.directory)]
+
+
+def test_a_state_llama_cpp_could_not_flush_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """llama.cpp closes its file without checking the last flush: on a full disk it
+    reports every byte written while the file is short. Such a state is not kept."""
+    pc, kv = cache(tmp_path), Handles()
+    real = kv.lib.llama_state_seq_save_file
+
+    def full_disk(ctx: Any, path: bytes, *args: Any) -> int:
+        written = real(ctx, path, *args)
+        os.truncate(path, written - 100)
+        return written
+
+    monkeypatch.setattr(kv.lib, "llama_state_seq_save_file", full_disk)
+    kv.prefill(0, [1, 2, 3])
+    with caplog.at_level(logging.WARNING):
+        assert pc.save(kv, 0, [1, 2, 3]) is None
+    assert "a write was lost: is the disk full?" in caplog.text
+    assert os.listdir(pc.directory) == [] and pc.get([1, 2, 3]) is None
+
+
+def test_a_sidecar_that_cannot_be_written_leaves_no_state_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pc, kv = cache(tmp_path), Handles()
+
+    def full(path: Path, data: bytes, tmp: Path | None = None) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+
+    monkeypatch.setattr(promptcache, "_write_atomic", full)
+    kv.prefill(0, [1, 2, 3])
+    with caplog.at_level(logging.WARNING):
+        assert pc.save(kv, 0, [1, 2, 3]) is None
+    assert "No space left on device" in caplog.text
+    assert os.listdir(pc.directory) == []  # the state's room is given back at once
+
+
+# -- the size bound -----------------------------------------------------------------------------
+
+
+def test_two_services_sharing_a_directory_keep_it_within_max_bytes(tmp_path: Path) -> None:
+    """Each counts what the other saved: the bound is the directory's, and the least
+    recently used of all entries go first, whichever service saved them."""
+    kv = Handles()
+    probe = saved(cache(tmp_path / "probe"), kv, [1] * 10)
+    bound = int(probe.disk_bytes * 2.5)  # room for two
+    one = cache(tmp_path, max_bytes=bound)
+    two = cache(tmp_path, key=replace(KEY, model_sha256="cd" * 32), max_bytes=bound)
+    a = saved(one, kv, [1] * 10)  # both started before anything was saved
+    b = saved(two, kv, [2] * 10)
+    assert one.load(kv, 1, a)  # a is used after b was saved
+    c = saved(two, kv, [3] * 10)
+    on_disk = sorted(p.name for p in one.directory.iterdir())
+    assert on_disk == sorted(f"{e.name}{s}" for e in (a, c) for s in (".state", ".json"))
+    assert sum(p.stat().st_size for p in one.directory.iterdir()) <= bound
+    assert not b.sidecar_path.exists() and two.counters.evicted == 1
+
+
+def test_the_entry_just_restored_is_not_evicted_when_the_clock_went_back(tmp_path: Path) -> None:
+    """A board without a kept clock starts at an old time until NTP sets it: the entry
+    restored then must still count as the most recently used, not as the oldest."""
+    kv = Handles()
+    probe = saved(cache(tmp_path / "probe"), kv, [1] * 10)
+    bound = int(probe.disk_bytes * 2.5)
+    before = cache(tmp_path, max_bytes=bound)
+    saved(before, kv, [2] * 10)  # the profile's prompt
+    stale = saved(before, kv, [1] * 10)  # another one, used after it
+    assert before.load(kv, 1, stale)
+    kv.lib.seqs.pop(1)
+    behind = Clock()
+    behind.t = 1000.0
+    after = PromptCache(tmp_path / "pc", KEY, bound, clock=behind)  # the next boot
+    restored = after.get([2] * 10)
+    assert restored is not None and after.load(kv, 1, restored)
+    saved(after, kv, [3] * 10)  # a new prompt: one entry must go
+    assert {e.tokens[0] for e in after.entries()} == {2, 3}
+    assert not stale.state_path.exists()
+
+
+def test_a_directory_that_cannot_be_written_is_said_once_not_at_every_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """States computed elsewhere on a read-only file system are restored; only their
+    last-use times cannot be recorded, which is one warning, not one per request."""
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+
+    def read_only(path: Path, data: bytes, tmp: Path | None = None) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp))
+
+    monkeypatch.setattr(promptcache, "_write_atomic", read_only)
+    with caplog.at_level(logging.WARNING):
+        for seq in (0, 1, 2):
+            assert pc.load(kv, seq, entry)
+    assert caplog.text.count("Read-only file system") == 1
+
+
+def test_a_save_whose_earlier_files_cannot_be_checked_writes_them_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error while the save looks for the files it wrote before is no reason to
+    fail the engine's start: the prompt is saved again."""
+    pc, kv = cache(tmp_path), Handles()
+    entry = saved(pc, kv, [1, 2, 3])
+    for name in ("stat", "lstat"):
+        real = getattr(Path, name)
+
+        def flaky(self: Path, *args: Any, real: Any = real, **kw: Any) -> os.stat_result:
+            if self == entry.state_path:
+                raise OSError(errno.EIO, os.strerror(errno.EIO), str(self))
+            return real(self, *args, **kw)
+
+        monkeypatch.setattr(Path, name, flaky)
+    kv.prefill(0, [1, 2, 3])
+    assert pc.save(kv, 0, [1, 2, 3]) is not None and pc.counters.saves == 2
