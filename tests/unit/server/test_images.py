@@ -8,11 +8,13 @@ import asyncio
 import base64
 import io
 import struct
+import threading
 import warnings
 import zlib
 from collections.abc import AsyncIterator
 
 import httpx
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -75,6 +77,39 @@ def test_sizes_over_the_limits_are_refused() -> None:
     assert "max_image_bytes" in str(refused(data_url(raw), ImageLimits(max_bytes=len(raw) - 1)))
     assert "max_image_pixels" in str(refused(data_url(raw), ImageLimits(max_pixels=255)))
     load(data_url(raw), ImageLimits(max_bytes=len(raw), max_pixels=256))
+
+
+class StopAfter(threading.Event):
+    """A request cancelled once the decode has looked at it ``looks`` times."""
+
+    def __init__(self, looks: int) -> None:
+        super().__init__()
+        self.looks, self.seen = looks, 0
+
+    def is_set(self) -> bool:
+        self.seen += 1
+        return self.seen > self.looks or super().is_set()
+
+
+def test_a_decode_stops_at_its_next_block_once_the_request_is_cancelled() -> None:
+    """A decode whose request is cancelled midway stops at the next block of encoded
+    data it reads, rather than decode the rest of the image for nobody."""
+    noise = np.random.default_rng(0).integers(0, 256, (256, 256, 3), np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(noise).save(buf, "PNG")
+    raw = buf.getvalue()
+    assert len(raw) > 40 * images.DECODE_BLOCK
+    whole = StopAfter(10**9)
+    assert images.decode(raw, ImageLimits(), PARAM, stop=whole).width == 256
+    assert whole.seen > 40  # one look per block at least
+    midway = StopAfter(whole.seen // 2)
+    with pytest.raises(images.DecodeStopped):
+        images.decode(raw, ImageLimits(), PARAM, stop=midway)
+    assert midway.seen == whole.seen // 2 + 1
+    cancelled = threading.Event()
+    cancelled.set()  # cancelled before the decode began: nothing is read
+    with pytest.raises(images.DecodeStopped):
+        images.decode(raw, ImageLimits(), PARAM, stop=cancelled)
 
 
 def png_header(width: int, height: int) -> bytes:
