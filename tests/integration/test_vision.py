@@ -269,6 +269,34 @@ def test_bad_images_are_400s_naming_the_part(server: tuple[str, ServerState]) ->
     assert r.status_code == 200
 
 
+def test_images_side_by_side_in_one_message_are_answered(tiny: Path) -> None:
+    """Image parts in a row ("compare these"), the same image twice too: their rows
+    are one run of the prompt, and a 12-token chunk of 16-row images goes on from
+    one image into the next; every image is encoded and fed in its place."""
+    chunk = "engine: {n_ctx: 512, slots: 2, n_batch: 64, n_ubatch: 64, prefill_chunk: 12}\n"
+
+    def ask(base: str, urls: list[str]) -> dict[str, Any]:
+        parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        content = [*parts, {"type": "text", "text": "Compare them."}]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 3}
+        r = post(base, {**body, "logprobs": True, "temperature": 0.0})
+        assert r.status_code == 200, r.text
+        answer: dict[str, Any] = r.json()
+        assert answer["usage"]["prompt_tokens"] > len(urls) * mmproj.image_tokens()
+        assert answer["timings"]["images_n"] == len(urls)
+        return answer
+
+    with live_server(tiny, VISION + chunk) as (base, _):
+        both = ask(base, [png_url(16), png_url(17)])
+        twice = ask(base, [png_url(16)] * 2)
+        ask(base, [png_url(18)] * 3)
+
+    def logprobs(answer: dict[str, Any]) -> list[float]:
+        return [t["logprob"] for t in answer["choices"][0]["logprobs"]["content"]]
+
+    assert logprobs(both) != logprobs(twice)  # the second image's own rows were fed
+
+
 def test_text_that_says_llama_cpps_default_marker_is_only_text(
     server: tuple[str, ServerState],
 ) -> None:
