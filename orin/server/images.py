@@ -234,7 +234,10 @@ def decode(
             )
         img.load()
         _check(stop)
-        rgb = img if img.mode == "RGB" else img.convert("RGB")
+        pixels: Image.Image = img
+        if img.mode.startswith("I;16"):  # 16-bit grey: convert() would clip it at 255
+            pixels = img.point(lambda v: v / 256)  # its high byte, as stb_image reads it
+        rgb = pixels if pixels.mode == "RGB" else pixels.convert("RGB")
         _check(stop)
     except (BadImage, DecodeStopped):
         raise

@@ -64,6 +64,17 @@ def test_alpha_and_palette_images_become_rgb() -> None:
     assert len(load(data_url(buf.getvalue(), "image/gif")).pixels) == 5 * 3 * 3  # type: ignore[attr-defined]
 
 
+def test_a_16_bit_grey_image_keeps_its_shades() -> None:
+    """A 16-bit greyscale PNG (a depth or thermal camera's) is scaled to 8 bits, its
+    high byte as llama-server's stb_image takes it, not clipped at 255 to white."""
+    grey = Image.new("I;16", (4, 1))
+    grey.putdata([0, 256, 30000, 65535])
+    buf = io.BytesIO()
+    grey.save(buf, "PNG")
+    img = load(data_url(buf.getvalue()))
+    assert img.pixels == bytes([0] * 3 + [1] * 3 + [117] * 3 + [255] * 3)  # type: ignore[attr-defined]
+
+
 def test_broken_images_are_refused() -> None:
     assert "decoded" in str(refused(data_url(b"not an image at all")))
     assert "base64" in str(refused("data:image/png;base64,@@@@"))
