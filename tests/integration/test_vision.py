@@ -6,11 +6,13 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import gc
 import http.server
 import io
 import json
 import socket
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -474,6 +476,37 @@ def test_a_client_that_leaves_stops_the_image_decode(
     assert not isinstance(outcome[0], RGBImage), "the image was decoded for nobody"
     assert isinstance(outcome[0], server_images.DecodeStopped), outcome
     assert wait_idle(base)["queue"] == 0
+
+
+def test_a_running_request_holds_no_decoded_image(
+    server: tuple[str, ServerState], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decoded pixels (48 MB for a 16-megapixel image) are needed until the
+    prompt is tokenized with them, not while the request waits for a slot and
+    generates: by the time it is queued, nothing holds them."""
+    base, state = server
+    decoded: list[weakref.ref[RGBImage]] = []
+    decode = server_images.decode
+
+    def tracked(*args: Any, **kwargs: Any) -> RGBImage:
+        img = decode(*args, **kwargs)
+        decoded.append(weakref.ref(img))
+        return img
+
+    held: list[int] = []
+    submit = state.engine.submit_async
+
+    async def queued(*args: Any, **kwargs: Any) -> Any:
+        gc.collect()
+        held.append(sum(ref() is not None for ref in decoded))
+        return await submit(*args, **kwargs)
+
+    monkeypatch.setattr(server_images, "decode", tracked)
+    monkeypatch.setattr(state.engine, "submit_async", queued)
+    content = [*message(png_url(20))[0]["content"], *message(png_url(21))[0]["content"]]
+    r = post(base, {"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert len(decoded) == 2 and held == [0]
 
 
 def test_choices_of_one_image_request_share_its_encoding(server: tuple[str, ServerState]) -> None:
