@@ -135,6 +135,7 @@ def from_data_url(url: str, limits: ImageLimits, param: str) -> bytes:
     if not comma or not header.lower().endswith(";base64"):
         raise BadImage("an image data: URL must be base64 (data:image/png;base64,...)", param)
     payload = "".join(payload.split())
+    payload += "=" * (-len(payload) % 4)  # unpadded (Go's RawStdEncoding), as llama-server takes
     if len(payload) // 4 * 3 > limits.max_bytes + 2:
         raise _too_large(limits, param)
     try:

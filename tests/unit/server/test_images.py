@@ -75,6 +75,17 @@ def test_a_16_bit_grey_image_keeps_its_shades() -> None:
     assert img.pixels == bytes([0] * 3 + [1] * 3 + [117] * 3 + [255] * 3)  # type: ignore[attr-defined]
 
 
+def test_base64_without_padding_or_across_lines_is_accepted() -> None:
+    """What other encoders write: no trailing '=' (Go's RawStdEncoding, Rust's
+    STANDARD_NO_PAD), or MIME's 76-column lines."""
+    raw = png(3, 3)
+    encoded = base64.b64encode(raw).decode()
+    assert encoded.endswith("=")
+    assert load("data:image/png;base64," + encoded.rstrip("=")).width == 3  # type: ignore[attr-defined]
+    assert load("data:image/png;base64," + base64.encodebytes(raw).decode()).width == 3  # type: ignore[attr-defined]
+    assert "base64" in str(refused("data:image/png;base64," + encoded[:-3]))  # one char left
+
+
 def test_broken_images_are_refused() -> None:
     assert "decoded" in str(refused(data_url(b"not an image at all")))
     assert "base64" in str(refused("data:image/png;base64,@@@@"))
