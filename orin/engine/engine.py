@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from orin.engine import sharecost
 from orin.engine.backend import Backend
 from orin.engine.chat import ChatTemplate, RenderedChat, TemplateCaps
@@ -1066,23 +1068,25 @@ class Engine:
                 continue
             assert self.vision is not None and request.media is not None
             deliver_held()  # nothing waits for an image's encoding
-            t0 = now_ns()
+            parts = []
             try:
-                span, row = request.media.locate(item.tokens)
-                fresh = span.embeddings is None
-                rows = self.vision.encode(span)
+                for span, row, n in request.media.locate(item.tokens):
+                    t0 = now_ns()
+                    fresh = span.embeddings is None
+                    rows = self.vision.encode(span)
+                    if fresh:
+                        took = now_ns() - t0
+                        spent += took
+                        images += 1
+                        request.timings.encode_ns += took
+                    parts.append(rows[row : row + n])
             except BackendError as exc:
                 log.error("request %s: %s", request.id, exc)
                 with self._lock:
                     self._finish(request, "error", str(exc))
                     self.scheduler.discard(batch)
                 return None
-            took = now_ns() - t0
-            if fresh:
-                spent += took
-                images += 1
-                request.timings.encode_ns += took
-            embeds[index] = rows[row : row + len(item.tokens)]
+            embeds[index] = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return embeds, spent, images
 
     def _fail_batch(self, batch: Batch, message: str) -> None:

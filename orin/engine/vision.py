@@ -118,15 +118,25 @@ class MediaPrompt:
             for row, t in enumerate(span.ids):
                 self._where[t] = (k, row)
 
-    def locate(self, ids: Sequence[int]) -> tuple[ImageSpan, int]:
-        """The span holding a run of image ids and the row of its first one."""
-        where = self._where.get(ids[0])
-        if where is None:
-            raise BackendError(f"image id {ids[0]} is not part of this prompt")
-        span = self.spans[where[0]]
-        if where[1] + len(ids) > span.n_tokens:
-            raise BackendError("a prompt chunk runs past the end of its image")
-        return span, where[1]
+    def locate(self, ids: Sequence[int]) -> list[tuple[ImageSpan, int, int]]:
+        """The images behind a run of image ids, in order: each one's span, the row of
+        its first id in the run and how many of its rows the run holds. A run goes on
+        from one image into the next where two images follow each other in the prompt
+        (two image parts with no text between); the same image twice has the same ids,
+        and either span gives its rows."""
+        out: list[tuple[ImageSpan, int, int]] = []
+        i = 0
+        while i < len(ids):
+            where = self._where.get(ids[i])
+            if where is None:
+                raise BackendError(f"image id {ids[i]} is not part of this prompt")
+            span, row = self.spans[where[0]], where[1]
+            n = min(len(ids) - i, span.n_tokens - row)
+            if list(ids[i : i + n]) != span.ids[row : row + n]:
+                raise BackendError("a prompt chunk holds an image's rows out of order")
+            out.append((span, row, n))
+            i += n
+        return out
 
     @property
     def image_tokens(self) -> int:

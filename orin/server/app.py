@@ -101,6 +101,7 @@ def _register(app: FastAPI, state: ServerState) -> None:
         if pictures:  # tokenized with the images (preprocessing them) off the event loop
             media = await asyncio.to_thread(state.engine.tokenize_media, text, pictures, add_bos)
             prompt = media.tokens
+            pictures = None  # megabytes of pixels each: not held while the request runs
         caps = state.engine.chat_caps()
         output = tools.output_spec(body, caps, text)
         body.constrain(tools.required_grammar(body, output))

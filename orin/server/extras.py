@@ -41,7 +41,7 @@ CLIENT_GONE = 499
 def register(app: FastAPI, state: ServerState) -> None:
     """Add the routes to ``app`` (the key is checked in front of every route)."""
     # app imports this module: look them up now
-    from orin.server.app import _check_model, until_client_leaves
+    from orin.server.app import _check_model, off_loop_if_large, until_client_leaves
 
     @app.get("/v1/models/{model_id:path}")
     def model(model_id: str) -> dict[str, Any]:
@@ -59,7 +59,10 @@ def register(app: FastAPI, state: ServerState) -> None:
         ignored = body.ignored_fields()
         if ignored:
             log.info("request %s: ignoring unknown fields %s", rid, ignored)
-        inputs = [_pieces_to_ids(state, p) for p in body.inputs()]
+        # text pieces among ids are tokenized here: a large body's on a worker thread
+        inputs = await off_loop_if_large(
+            request, lambda: [_pieces_to_ids(state, p) for p in body.inputs()]
+        )
         job = state.engine.embed_async(inputs, body.dimensions, request_id=rid)
         result = await until_client_leaves(request, job)  # None: the client left, job dropped
         if result is None:

@@ -93,7 +93,8 @@ class RequestContext:
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.state.max_body_bytes:
             return BodyTooLarge(
-                f"the request body has {length} bytes; the limit is {self.state.max_body_bytes}"
+                f"the request body has {length} bytes; the limit is {self.state.max_body_bytes} "
+                "(server.max_body_bytes)"
             )
         return None
 
@@ -111,7 +112,10 @@ class RequestContext:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.state.max_body_bytes:
-                return BodyTooLarge(f"the request body exceeds {self.state.max_body_bytes} bytes")
+                return BodyTooLarge(
+                    f"the request body exceeds {self.state.max_body_bytes} bytes "
+                    "(server.max_body_bytes)"
+                )
             chunks.append(chunk)
             more = message.get("more_body", False)
         body = b"".join(chunks)

@@ -341,6 +341,30 @@ def test_every_input_shape_over_http(server: tuple[str, ServerState]) -> None:
         assert r.json()["data"] == one["data"] and r.json()["usage"] == one["usage"]
 
 
+def test_text_pieces_of_a_large_body_are_tokenized_off_the_event_loop(
+    server: tuple[str, ServerState], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama-server's mixed form (ids with text pieces) has its pieces tokenized by the
+    route: a body of megabytes of them took seconds, during which every other
+    client's stream stopped. A large body's are tokenized on a worker thread, a small
+    one's on the loop, as chat and completions prompts are."""
+    base, state = server
+    threads: list[str] = []
+    tokenize = state.engine.tokenize
+
+    def tokenizing(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return tokenize(*args, **kwargs)
+
+    monkeypatch.setattr(state.engine, "tokenize", tokenizing)
+    loop = "test-uvicorn"  # live_server's thread, which runs the event loop
+    for text, on_loop in (("Hello", True), ("Hello " * 1000, False)):
+        threads.clear()
+        r = httpx.post(f"{base}/v1/embeddings", json={"input": [1, text]}, timeout=60)
+        assert r.status_code in (200, 400), r.text  # 400: longer than a pass takes
+        assert threads and all((name == loop) == on_loop for name in threads), threads
+
+
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [

@@ -6,11 +6,13 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import gc
 import http.server
 import io
 import json
 import socket
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from orin.engine.vision import MEDIA_MARKER, ImageSpan, RGBImage
 from orin.model import demo, mmproj
 from orin.model.gguf import read_model_info
 from orin.profile.loader import parse_profile
+from orin.server import images as server_images
 from orin.server.images import ImageLimits
 from orin.server.state import ServerState
 from tests.serverutil import free_port, live_server, poll, wait_idle
@@ -268,6 +271,34 @@ def test_bad_images_are_400s_naming_the_part(server: tuple[str, ServerState]) ->
     assert r.status_code == 200
 
 
+def test_images_side_by_side_in_one_message_are_answered(tiny: Path) -> None:
+    """Image parts in a row ("compare these"), the same image twice too: their rows
+    are one run of the prompt, and a 12-token chunk of 16-row images goes on from
+    one image into the next; every image is encoded and fed in its place."""
+    chunk = "engine: {n_ctx: 512, slots: 2, n_batch: 64, n_ubatch: 64, prefill_chunk: 12}\n"
+
+    def ask(base: str, urls: list[str]) -> dict[str, Any]:
+        parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        content = [*parts, {"type": "text", "text": "Compare them."}]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 3}
+        r = post(base, {**body, "logprobs": True, "temperature": 0.0})
+        assert r.status_code == 200, r.text
+        answer: dict[str, Any] = r.json()
+        assert answer["usage"]["prompt_tokens"] > len(urls) * mmproj.image_tokens()
+        assert answer["timings"]["images_n"] == len(urls)
+        return answer
+
+    with live_server(tiny, VISION + chunk) as (base, _):
+        both = ask(base, [png_url(16), png_url(17)])
+        twice = ask(base, [png_url(16)] * 2)
+        ask(base, [png_url(18)] * 3)
+
+    def logprobs(answer: dict[str, Any]) -> list[float]:
+        return [t["logprob"] for t in answer["choices"][0]["logprobs"]["content"]]
+
+    assert logprobs(both) != logprobs(twice)  # the second image's own rows were fed
+
+
 def test_text_that_says_llama_cpps_default_marker_is_only_text(
     server: tuple[str, ServerState],
 ) -> None:
@@ -362,6 +393,31 @@ class StalledImageHost:
         self.listener.close()
 
 
+def client_left(state: ServerState) -> float:
+    """Chat requests whose client left before the answer (499), so far."""
+    labels = {"method": "POST", "route": "/v1/chat/completions", "status": "499"}
+    count = state.metrics.registry.get_sample_value("orin_llm_http_requests_total", labels)
+    return count or 0.0
+
+
+@contextlib.contextmanager
+def raw_request(base: str, body: dict[str, Any]) -> Iterator[None]:
+    """A chat request sent on a socket of its own, closed (the client leaves) when
+    the block ends."""
+    data = json.dumps(body).encode()
+    client = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+    try:
+        client.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        yield
+    finally:
+        client.close()
+
+
 def test_a_client_that_leaves_stops_the_image_fetch(server: tuple[str, ServerState]) -> None:
     """The fetch of an image URL is cancelled when the client closes its connection:
     the image host sees the server's connection closed. The fetch's time limit is set
@@ -370,34 +426,87 @@ def test_a_client_that_leaves_stops_the_image_fetch(server: tuple[str, ServerSta
     host = StalledImageHost()
     saved = state.image_limits
     state.image_limits = dataclasses.replace(saved, timeout_s=3600.0)
-    labels = {"method": "POST", "route": "/v1/chat/completions", "status": "499"}
-
-    def left() -> float:
-        count = state.metrics.registry.get_sample_value("orin_llm_http_requests_total", labels)
-        return count or 0.0
-
-    before = left()
-    body = json.dumps(
-        {"messages": message(f"http://127.0.0.1:{host.port}/c.png"), "max_tokens": 2}
-    ).encode()
-    port = int(base.rsplit(":", 1)[1])
+    before = client_left(state)
+    body = {"messages": message(f"http://127.0.0.1:{host.port}/c.png"), "max_tokens": 2}
     try:
-        client = socket.create_connection(("127.0.0.1", port))
-        client.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            b"Content-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        assert host.asked.wait(60), "the server never fetched the image"
-        client.close()  # the client leaves while the fetch waits for the image's rest
+        with raw_request(base, body):  # the client leaves while the fetch waits for the rest
+            assert host.asked.wait(60), "the server never fetched the image"
         assert host.dropped.wait(60), "the fetch went on after the client left"
     finally:
         state.image_limits = saved
         host.close()
-    poll(lambda: left() > before, "the request counted as one whose client left (499)")
-    assert left() == before + 1
+    poll(lambda: client_left(state) > before, "the request counted as one whose client left")
+    assert client_left(state) == before + 1
     assert wait_idle(base)["queue"] == 0
+
+
+def test_a_client_that_leaves_stops_the_image_decode(
+    server: tuple[str, ServerState], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A data: URL's decode runs on a worker thread, which the server cannot cancel:
+    held there until the server has counted the client's leaving (499), the decode
+    then stops rather than decode the image for nobody, and nothing is queued."""
+    base, state = server
+    held, release, done = threading.Event(), threading.Event(), threading.Event()
+    outcome: list[object] = []
+    decode = server_images.decode
+
+    def hold_then_decode(*args: Any, **kwargs: Any) -> RGBImage:
+        held.set()
+        release.wait(60)
+        try:
+            img = decode(*args, **kwargs)
+            outcome.append(img)
+            return img
+        except BaseException as exc:
+            outcome.append(exc)
+            raise
+        finally:
+            done.set()
+
+    monkeypatch.setattr(server_images, "decode", hold_then_decode)
+    before = client_left(state)
+    try:
+        with raw_request(base, {"messages": message(png_url(13)), "max_tokens": 2}):
+            assert held.wait(60), "the server never decoded the image"
+        poll(lambda: client_left(state) > before, "the request counted as 499")
+    finally:
+        release.set()
+    assert done.wait(60)
+    assert not isinstance(outcome[0], RGBImage), "the image was decoded for nobody"
+    assert isinstance(outcome[0], server_images.DecodeStopped), outcome
+    assert wait_idle(base)["queue"] == 0
+
+
+def test_a_running_request_holds_no_decoded_image(
+    server: tuple[str, ServerState], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decoded pixels (48 MB for a 16-megapixel image) are needed until the
+    prompt is tokenized with them, not while the request waits for a slot and
+    generates: by the time it is queued, nothing holds them."""
+    base, state = server
+    decoded: list[weakref.ref[RGBImage]] = []
+    decode = server_images.decode
+
+    def tracked(*args: Any, **kwargs: Any) -> RGBImage:
+        img = decode(*args, **kwargs)
+        decoded.append(weakref.ref(img))
+        return img
+
+    held: list[int] = []
+    submit = state.engine.submit_async
+
+    async def queued(*args: Any, **kwargs: Any) -> Any:
+        gc.collect()
+        held.append(sum(ref() is not None for ref in decoded))
+        return await submit(*args, **kwargs)
+
+    monkeypatch.setattr(server_images, "decode", tracked)
+    monkeypatch.setattr(state.engine, "submit_async", queued)
+    content = [*message(png_url(20))[0]["content"], *message(png_url(21))[0]["content"]]
+    r = post(base, {"messages": [{"role": "user", "content": content}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert len(decoded) == 2 and held == [0]
 
 
 def test_choices_of_one_image_request_share_its_encoding(server: tuple[str, ServerState]) -> None:

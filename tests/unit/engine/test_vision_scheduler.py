@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
+from orin.engine.errors import BackendError
 from orin.engine.scheduler import Batch, ContextPolicy, Scheduler, SlotState
-from orin.engine.vision import RGBImage, image_ids, is_image
+from orin.engine.vision import ImageSpan, MediaPrompt, RGBImage, image_ids, is_image
 
 
 @dataclass
@@ -90,3 +93,21 @@ def test_a_different_image_reuses_only_the_text_before_it() -> None:
     s.schedule()
     slot = s.slot_of("b")
     assert slot is s.slots[0] and slot.cached_prompt == 1
+
+
+def test_a_chunk_across_two_adjacent_images_is_located_in_both() -> None:
+    """Two image parts with no text between are one run of image ids: a prompt chunk
+    that goes on from one image into the next takes rows of both, in order; the same
+    image twice has the same ids, and its rows are found either way."""
+    a, b = image_ids(picture(1).digest, 4), image_ids(picture(2).digest, 4)
+    media = MediaPrompt(
+        [7, *a, *b, *a, 9],
+        [ImageSpan(1, a, None), ImageSpan(5, b, None), ImageSpan(9, a, None)],
+    )
+    found = [(s.ids[0], row, n) for s, row, n in media.locate([*a[2:], *b, *a[:3]])]
+    assert found == [(a[0], 2, 2), (b[0], 0, 4), (a[0], 0, 3)]
+    assert [(row, n) for _, row, n in media.locate(b[1:3])] == [(1, 2)]
+    with pytest.raises(BackendError):
+        media.locate([a[0], b[1]])  # rows out of order: never a prompt's chunk
+    with pytest.raises(BackendError):
+        media.locate([-1])

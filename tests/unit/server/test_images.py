@@ -8,11 +8,13 @@ import asyncio
 import base64
 import io
 import struct
+import threading
 import warnings
 import zlib
 from collections.abc import AsyncIterator
 
 import httpx
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -62,6 +64,28 @@ def test_alpha_and_palette_images_become_rgb() -> None:
     assert len(load(data_url(buf.getvalue(), "image/gif")).pixels) == 5 * 3 * 3  # type: ignore[attr-defined]
 
 
+def test_a_16_bit_grey_image_keeps_its_shades() -> None:
+    """A 16-bit greyscale PNG (a depth or thermal camera's) is scaled to 8 bits, its
+    high byte as llama-server's stb_image takes it, not clipped at 255 to white."""
+    grey = Image.new("I;16", (4, 1))
+    grey.putdata([0, 256, 30000, 65535])
+    buf = io.BytesIO()
+    grey.save(buf, "PNG")
+    img = load(data_url(buf.getvalue()))
+    assert img.pixels == bytes([0] * 3 + [1] * 3 + [117] * 3 + [255] * 3)  # type: ignore[attr-defined]
+
+
+def test_base64_without_padding_or_across_lines_is_accepted() -> None:
+    """What other encoders write: no trailing '=' (Go's RawStdEncoding, Rust's
+    STANDARD_NO_PAD), or MIME's 76-column lines."""
+    raw = png(3, 3)
+    encoded = base64.b64encode(raw).decode()
+    assert encoded.endswith("=")
+    assert load("data:image/png;base64," + encoded.rstrip("=")).width == 3  # type: ignore[attr-defined]
+    assert load("data:image/png;base64," + base64.encodebytes(raw).decode()).width == 3  # type: ignore[attr-defined]
+    assert "base64" in str(refused("data:image/png;base64," + encoded[:-3]))  # one char left
+
+
 def test_broken_images_are_refused() -> None:
     assert "decoded" in str(refused(data_url(b"not an image at all")))
     assert "base64" in str(refused("data:image/png;base64,@@@@"))
@@ -75,6 +99,39 @@ def test_sizes_over_the_limits_are_refused() -> None:
     assert "max_image_bytes" in str(refused(data_url(raw), ImageLimits(max_bytes=len(raw) - 1)))
     assert "max_image_pixels" in str(refused(data_url(raw), ImageLimits(max_pixels=255)))
     load(data_url(raw), ImageLimits(max_bytes=len(raw), max_pixels=256))
+
+
+class StopAfter(threading.Event):
+    """A request cancelled once the decode has looked at it ``looks`` times."""
+
+    def __init__(self, looks: int) -> None:
+        super().__init__()
+        self.looks, self.seen = looks, 0
+
+    def is_set(self) -> bool:
+        self.seen += 1
+        return self.seen > self.looks or super().is_set()
+
+
+def test_a_decode_stops_at_its_next_block_once_the_request_is_cancelled() -> None:
+    """A decode whose request is cancelled midway stops at the next block of encoded
+    data it reads, rather than decode the rest of the image for nobody."""
+    noise = np.random.default_rng(0).integers(0, 256, (256, 256, 3), np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(noise).save(buf, "PNG")
+    raw = buf.getvalue()
+    assert len(raw) > 40 * images.DECODE_BLOCK
+    whole = StopAfter(10**9)
+    assert images.decode(raw, ImageLimits(), PARAM, stop=whole).width == 256
+    assert whole.seen > 40  # one look per block at least
+    midway = StopAfter(whole.seen // 2)
+    with pytest.raises(images.DecodeStopped):
+        images.decode(raw, ImageLimits(), PARAM, stop=midway)
+    assert midway.seen == whole.seen // 2 + 1
+    cancelled = threading.Event()
+    cancelled.set()  # cancelled before the decode began: nothing is read
+    with pytest.raises(images.DecodeStopped):
+        images.decode(raw, ImageLimits(), PARAM, stop=cancelled)
 
 
 def png_header(width: int, height: int) -> bytes:
