@@ -18,7 +18,7 @@ from rich.progress import (
 )
 
 from orin.cli.deps import deps
-from orin.cli.errors import handle_errors
+from orin.cli.errors import EXIT_FAILED, handle_errors
 from orin.cli.help import Typer
 from orin.cli.options import CtxOpt, JsonOpt, RootOpt, file_to_write, folder_to_write
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
@@ -241,9 +241,9 @@ def plan(
                 for t, c in data["max_ctx_usable_by_kv_type"].items()
             }
         out.json(data)
-        return
-    _print_plan(out, info, p, refused)
-    if info.n_swa_layers:
+    else:
+        _print_plan(out, info, p, refused)
+    if info.n_swa_layers and not as_json:
         other = plan_memory(
             info,
             ctx,
@@ -257,6 +257,8 @@ def plan(
             not swa_full,
         )
         _note_swa(out, p, other)
+    if refused or p.fits is False:  # a script can tell, as from profile validate's fail
+        raise typer.Exit(EXIT_FAILED)
 
 
 def _refusals(type_k: str, type_v: str, flash_attn: bool) -> list[str]:

@@ -139,7 +139,7 @@ def test_plan_json_against_fake_board(tmp_path: Path, board: FakeBoard) -> None:
 def test_plan_without_meminfo_says_unknown(tmp_path: Path, board: FakeBoard) -> None:
     path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B)
     code, out, _ = invoke("model", "plan", str(path), "--root", str(board.base))
-    assert code == 0
+    assert code == 0  # an unknown fit is not a failure
     assert "unknown" in out
 
 

@@ -29,15 +29,32 @@ def test_quantized_v_without_flash_attention_does_not_fit(tmp_path: Path, board:
     path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
     args = ("--kv-type-k", "q8_0", "--kv-type-v", "q8_0", "--no-flash-attn")
     code, out, err = plan(board, path, *args, "--json")
-    assert code == 0, err
+    assert code == 1, err
     data = json.loads(out)
     assert data["fits"] is False
     assert "needs flash attention" in data["refused"][0]
     assert data["max_ctx_usable_by_kv_type"]["q8_0"] is None
     code, out, err = plan(board, path, *args)
-    assert "NO: llama.cpp refuses" in out and "needs flash attention" in err
+    assert code == 1 and "NO: llama.cpp refuses" in out and "needs flash attention" in err
     code, out, _ = plan(board, path, "--kv-type-k", "q8_0", "--kv-type-v", "q8_0", "--json")
-    assert json.loads(out)["fits"] is True and json.loads(out)["refused"] == []
+    assert code == 0 and json.loads(out)["fits"] is True and json.loads(out)["refused"] == []
+
+
+def test_a_plan_that_does_not_fit_exits_1_and_still_prints(
+    tmp_path: Path, board: FakeBoard
+) -> None:
+    """It exited 0 with `fits: NO`, so a script could not tell without parsing."""
+    board.meminfo(total=8 * GiB, available=1 * GiB)
+    path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    code, out, err = plan(board, path, "--ctx", "4096", "--json")
+    assert code == 1, err
+    data = json.loads(out)
+    assert data["fits"] is False and data["total_bytes"] > data["available_bytes"]
+    code, out, err = plan(board, path, "--ctx", "4096")
+    assert code == 1, err
+    assert "total" in out and "NO" in out and "largest context per slot that fits" in out
+    code, out, err = plan(board, path, "--ctx", "256", "--json")
+    assert code == 0 and json.loads(out)["fits"] is True
 
 
 def test_largest_context_is_capped_at_the_training_context(
