@@ -701,11 +701,11 @@ def _find(folder: Path, name: str) -> Path:
     """NAME: a file name or path in the models directory, or a path to one in it."""
     candidate = Path(name)
     path = candidate if candidate.is_absolute() else folder / candidate
-    if not store.inside(folder, path):
+    if not store.entry_inside(folder, path):
         raise ModelFileError(
             f"{name} is not inside the models directory {folder}; model rm deletes nothing else"
         )
-    if path.is_file():
+    if path.is_file() or path.is_symlink():  # a link, even to a card not mounted now
         return path
     same = [p for p in store.gguf_files(folder) if p.name == candidate.name]
     if len(same) == 1:
@@ -766,7 +766,14 @@ def rm(
     out = Output()
     if users:
         out.note(f"{path.name} is named by profile {', '.join(users)}")
+    target = path.readlink() if path.is_symlink() else None  # only the link goes
     if not yes:
-        typer.confirm(f"delete {path} ({human_bytes(path.stat().st_size)})?", abort=True)
+        what = f"{path} ({human_bytes(path.stat().st_size)})"
+        if target is not None:
+            what = f"the link {path} (to {target}, which stays)"
+        typer.confirm(f"delete {what}?", abort=True)
     for removed in store.remove(folder, path):
-        out.line(f"removed {removed}")
+        if removed == path and target is not None:
+            out.line(f"removed the link {removed} ({target} stays)")
+        else:
+            out.line(f"removed {removed}")

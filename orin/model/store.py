@@ -224,12 +224,20 @@ def inside(models_dir: Path, path: Path) -> bool:
     return True
 
 
+def entry_inside(models_dir: Path, path: Path) -> bool:
+    """Whether the entry ``path`` itself lies inside ``models_dir``: a file, or a symbolic
+    link (wherever it points). Its folder is resolved, so ``..`` or a linked folder that
+    leads elsewhere is outside."""
+    return path.name not in ("", ".", "..") and inside(models_dir, path.parent)
+
+
 def remove(models_dir: Path, path: Path) -> list[Path]:
-    """Delete a model file and what the directory keeps about it; refuses anything outside
-    the directory. Returns what was removed."""
-    if not inside(models_dir, path) or path.resolve() == models_dir.resolve():
+    """Delete a model file, or a symbolic link to one (only the link: never what it
+    points to), and what the directory keeps about it; refuses anything outside the
+    directory. Returns what was removed."""
+    if not entry_inside(models_dir, path):
         raise ModelFileError(f"{path} is not inside the models directory {models_dir}; not removed")
-    if not path.is_file():
+    if not (path.is_symlink() or path.is_file()):
         raise ModelFileError(f"{path}: no such model file")
     removed = [path]
     path.unlink()

@@ -283,14 +283,30 @@ def test_profile_hf_format_is_checked() -> None:
 
 def test_remove_stays_inside(tmp_path: Path, models: Path) -> None:
     models.mkdir()
+    card = tmp_path / "card"
+    card.mkdir()
+    outside = card / "outside.gguf"
+    outside.write_bytes(b"x")
+    (models / "card").symlink_to(card)
+    with pytest.raises(ModelFileError, match="not inside the models directory"):
+        store.remove(models, models / "card" / "outside.gguf")  # through a linked folder
+    with pytest.raises(ModelFileError, match="not inside"):
+        store.remove(models, models / ".." / "card" / "outside.gguf")
+    with pytest.raises(ModelFileError, match="not inside"):
+        store.remove(models, models / "card" / "..")
+    assert outside.exists()
+
+
+def test_remove_takes_a_link_away_and_leaves_its_target(tmp_path: Path, models: Path) -> None:
+    """A model linked in from an SD card was refused as outside the models directory."""
+    models.mkdir()
     outside = tmp_path / "outside.gguf"
     outside.write_bytes(b"x")
     (models / "link.gguf").symlink_to(outside)
-    with pytest.raises(ModelFileError, match="not inside the models directory"):
-        store.remove(models, models / "link.gguf")
-    with pytest.raises(ModelFileError, match="not inside"):
-        store.remove(models, models / ".." / "outside.gguf")
-    assert outside.exists()
+    (models / "gone.gguf").symlink_to(tmp_path / "unmounted.gguf")
+    assert store.remove(models, models / "link.gguf") == [models / "link.gguf"]
+    assert store.remove(models, models / "gone.gguf") == [models / "gone.gguf"]
+    assert outside.read_bytes() == b"x" and list(models.iterdir()) == []
 
 
 # -- the CLI: pull, list, rm --
@@ -331,6 +347,22 @@ def test_cli_pull_list_rm(fake_hub: FakeHub, models: Path, tmp_path: Path) -> No
     assert code == 0, err
     assert not (models / Q4).exists() and not store.meta_path(models, Q4).exists()
     assert files_under(models) == ["other.gguf"]
+
+
+def test_cli_rm_a_linked_model_removes_the_link_only(tmp_path: Path, models: Path) -> None:
+    card = tmp_path / "card"
+    card.mkdir()
+    target = write_gguf(card / "big.gguf", params=LLAMA2_7B, file_type=MOSTLY_Q8_0)
+    models.mkdir()
+    (models / "big.gguf").symlink_to(target)
+    (models / "card").symlink_to(card)
+    code, out, err = cli("model", "rm", "card/big.gguf", "--dir", str(models), "--yes")
+    assert code == 3 and "not inside the models directory" in err and target.exists()
+    code, out, err = cli("model", "rm", "big.gguf", "--dir", str(models), input="y\n")
+    assert code == 0, err
+    assert f"delete the link {models / 'big.gguf'} (to {target}, which stays)?" in out
+    assert f"removed the link {models / 'big.gguf'} ({target} stays)" in out
+    assert not (models / "big.gguf").is_symlink() and target.is_file()
 
 
 def test_cli_corrupted_pull_exits_9(fake_hub: FakeHub, models: Path) -> None:
