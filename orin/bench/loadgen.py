@@ -250,7 +250,7 @@ async def run_bench(spec: LoadSpec, on_result: ResultCallback | None = None) -> 
         base, headers = spec.base_url, spec.headers
         server = await loop.run_in_executor(
             pool, probe, base, spec.model, headers, spec.input_lens, spec.seed, spec.timeout_s,
-            live,
+            live, spec.output_len,
         )  # fmt: skip
         target = server.target(base, headers, spec.timeout_s, live)
         if spec.warmup:

@@ -45,16 +45,35 @@ class UnknownModel(BenchError):
 
 
 class InputTooLong(BenchError):
-    """An input length the server's context cannot take: every request would fail, so
-    nothing is sent (and no prompt of that length is built)."""
+    """An input length the server's context cannot take with the output asked for:
+    every request would fail (or, on a server that slides its context, measure
+    something else), so nothing is sent (and no prompt of that length is built)."""
 
-    def __init__(self, base: str, length: int, context: int, source: str) -> None:
-        self.length, self.context = length, context
+    def __init__(
+        self, base: str, length: int, context: int, source: str, output_len: int = 1
+    ) -> None:
+        self.length, self.context, self.output_len = length, context, output_len
+        fits = []
+        if length < context:
+            fits.append(f"an output of at most {context - length} with this input")
+        if output_len < context:
+            fits.append(f"an input of at most {context - output_len} with this output")
         super().__init__(
-            f"{length} tokens do not fit {base}'s context of {context} tokens per request "
-            f"({source}): an input length must leave room for the output, "
-            f"at most {context - 1}"
+            f"{length} input tokens and {output_len} output tokens do not fit {base}'s "
+            f"context of {context} tokens per request ({source}): together at most "
+            f"{context}" + (f" ({', or '.join(fits)})" if fits else "")
         )
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """Which of the lengths has to change: each one the context cannot hold on its
+        own, else both."""
+        alone = [
+            name
+            for name, n in (("input", self.length), ("output", self.output_len))
+            if n >= self.context
+        ]
+        return tuple(alone) or ("input", "output")
 
 
 @dataclass
@@ -163,14 +182,15 @@ def probe(
     seed: int,
     timeout: float = 600.0,
     live: Connections | None = None,
+    output_len: int = 1,
 ) -> ServerInfo:
     """Identify the server and prepare prompts for every input length. An input
-    length beyond the context the server says it has raises InputTooLong before any
-    completion is asked for."""
+    length that, with ``output_len`` tokens after it, goes beyond the context the
+    server says it has raises InputTooLong before any completion is asked for."""
     first = _entry(base, model, _models(base, headers, timeout, live))
     context = _context(base, first, headers, timeout, live)
-    if context is not None and max(lengths) >= context[0]:
-        raise InputTooLong(base, max(lengths), *context)
+    if context is not None and max(lengths) + output_len > context[0]:
+        raise InputTooLong(base, max(lengths), *context, output_len=output_len)
     kind = "orin-llm" if first.get("owned_by") == "orin-llm" else "openai"
     meta = first.get("meta") if kind == "orin-llm" else None
     info = ServerInfo(kind, model or first.get("id"), ignore_eos=True)

@@ -169,7 +169,8 @@ def bench(
     except UnknownModel as exc:  # found from /v1/models, before any request is sent
         raise typer.BadParameter(str(exc), param_hint="'--model'") from None
     except InputTooLong as exc:  # the context the server says it has, likewise
-        raise typer.BadParameter(str(exc), param_hint="'--input-len'") from None
+        hint = " / ".join(f"'--{name}-len'" for name in exc.options)
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
     if as_json:
         out.json(result.to_json())
     else:

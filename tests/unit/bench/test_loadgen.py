@@ -306,8 +306,22 @@ def test_an_input_length_beyond_the_servers_context_sends_nothing(
         assert (caught.value.length, caught.value.context) == (64, 64)
         assert f"context of 64 tokens per request ({source})" in str(caught.value)
         assert [s.path for s in seen] == list(app_paths)  # GETs only, no completion
-        # one token shorter leaves room for the output
-        assert run(spec(url=url, input_lens=(8, 63), num_requests=2)).summary()["completed"] == 2
+        assert caught.value.options == ("input",)  # the input alone is too long
+        # the input fits, the output asked for after it does not: refused all the same
+        with pytest.raises(InputTooLong) as caught:
+            run(spec(url=url, input_lens=(8, 60), output_len=6))
+        assert (caught.value.length, caught.value.output_len) == (60, 6)
+        assert caught.value.options == ("input", "output")
+        assert "60 input tokens and 6 output tokens do not fit" in str(caught.value)
+        assert "an output of at most 4 with this input" in str(caught.value)
+        assert "an input of at most 58 with this output" in str(caught.value)
+        with pytest.raises(InputTooLong) as caught:
+            run(spec(url=url, input_lens=(8,), output_len=64))
+        assert caught.value.options == ("output",)
+        assert not [s for s in seen if s.path.endswith("/completions")]
+        # input and output that fill the context exactly are run
+        done = run(spec(url=url, input_lens=(8, 58), output_len=6, num_requests=2))
+        assert done.summary()["completed"] == 2
 
 
 def test_input_lengths_past_the_largest_context_are_refused_at_once() -> None:

@@ -169,7 +169,31 @@ def test_bench_with_an_input_length_beyond_the_servers_context_is_a_usage_error(
         code, out, err = invoke("bench", "--url", url, "--input-len", "8,600", "--concurrency", "1")
     assert code == 2, err
     assert "Invalid value for '--input-len'" in err and "context of 512 tokens" in err
-    assert "at most 511" in err and out == "" and fake.bodies == []
+    assert "an input of at most 448 with this output" in " ".join(err.split())
+    assert out == "" and fake.bodies == []
+
+
+def test_bench_with_input_and_output_beyond_the_servers_context_is_a_usage_error() -> None:
+    """Only the input was checked: 500 + 64 tokens on a 512-token slot ran a whole
+    bench of refused (or context-shifted) requests."""
+    fake = FakeServer(usage=True)
+
+    def sized(seen: Seen) -> Answer:
+        if seen.path == "/v1/models":
+            meta = {"n_ctx_per_slot": 512}
+            return Answer(body={"data": [{"id": "m", "owned_by": "orin-llm", "meta": meta}]})
+        return fake(seen)
+
+    with serving(sized) as url:
+        code, out, err = invoke(
+            "bench", "--url", url, "--input-len", "8,500", "--output-len", "64",
+            "--concurrency", "1",
+        )  # fmt: skip
+    assert code == 2, err
+    assert "Invalid value for '--input-len' / '--output-len'" in err
+    assert "500 input tokens and 64 output tokens" in " ".join(err.split())
+    assert "context of 512 tokens" in " ".join(err.split())
+    assert out == "" and fake.bodies == []
 
 
 def test_bench_json_with_every_request_failed_says_why_on_stderr() -> None:
