@@ -5,8 +5,8 @@ problem, 2 bad command-line usage (click's own code, for every usage error and
 nothing else), 3-9 the typed errors below, 70 an internal error (a bug), 141
 stdout was closed before the output was written (``orin-llm ... --json | head``:
 128 + SIGPIPE, what a program killed by SIGPIPE reports; nothing is printed), 130
-and 143 a board change stopped by Ctrl-C or SIGTERM (128 + the signal; see
-``sigterm_interrupts``).
+and 143 a command stopped by Ctrl-C or SIGTERM (128 + the signal): a board change
+(see ``sigterm_interrupts``), or for 130 a tune run, which writes what it measured.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ EXIT_CODES: dict[type[OrinError], int] = {
 EXIT_USAGE = 2  # click's code for a usage error; used for nothing else
 EXIT_INTERNAL = 70  # a bug: the message says how to get the traceback
 EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE: the reader of stdout went away (| head)
-EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C stopped a board change
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C stopped a board change or a tune run
 EXIT_TERMINATED = 143  # 128 + SIGTERM: systemd (or kill) stopped a board change
 
 log = logging.getLogger("orin.cli")

@@ -358,7 +358,7 @@ def _run_measured(
     apply_ctx(profile, settings.n_ctx)  # a --ctx its rules refuse: a usage error, now
     from orin.tune import report as tune_report
     from orin.tune import tuned
-    from orin.tune.run import grid_for, tune, with_ctx
+    from orin.tune.run import TuneInterrupted, grid_for, tune, with_ctx
 
     try:  # the SLO's longest prompt and --output-len must fit a slot's context
         grid_for(with_ctx(profile, settings.n_ctx), settings.output_tokens)
@@ -372,7 +372,12 @@ def _run_measured(
     if chosen_for_you is not None and not quiet:  # which profile a bare `tune run` tunes
         out.note(f"no --profile given: tuning {profile.name}, the profile serve runs without one")
     with TuneProgress.open(out, settings.budget_s, quiet) as bar:
-        result = tune(profile, model, settings, progress=bar.say)
+        try:
+            result = tune(profile, model, settings, progress=bar.say)
+        except TuneInterrupted as exc:  # Ctrl-C: keep what was measured, then exit 130
+            bar.stage("writing what was measured")
+            _write_interrupted(out, exc.result, out_path, report_dir)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         bar.stage("writing the tuned profile and the report")
         try:  # checked at the start; what changed since is said, not an internal error
             written = tuned.write(result, out_path)
@@ -405,6 +410,38 @@ def _run_measured(
     out.line(f"tuned profile: {written}")
     plots = "plots skipped: matplotlib is not installed" if folder["plots"] is None else "plots"
     out.line(f"report: {folder['folder']}/report.md ({plots})")
+
+
+def _write_interrupted(out: Output, r: TuneResult, out_path: Path, report_dir: Path) -> None:
+    """After Ctrl-C: the report of what was measured, marked interrupted; the tuned
+    profile only when the best measured so far meets the SLO targets (a ranking the
+    search did not finish chooses nothing else); else a file at --out stays as it was."""
+    from orin.tune import report as tune_report
+    from orin.tune import tuned
+
+    try:
+        folder = tune_report.write(r, report_dir)
+        out.note(
+            f"interrupted (Ctrl-C) with {len(r.measurements)} configuration(s) measured: "
+            f'they are in {folder["folder"]}/report.md and report.json ("interrupted": true)'
+        )
+    except OSError as exc:
+        out.note(f"interrupted; cannot write the report into {report_dir}: {exc.strerror or exc}")
+    if r.has_targets and r.meets_slo:
+        try:
+            written = tuned.write(r, out_path)
+            out.note(f"tuned profile: {written} (its settings meet the SLO targets; "
+                     "the search did not finish, so a better one may exist)")  # fmt: skip
+        except OSError as exc:
+            out.note(f"cannot write the tuned profile {out_path}: {exc.strerror or exc}")
+        return
+    why = (
+        "no configuration measured so far meets the SLO targets"
+        if r.has_targets
+        else "the profile sets no SLO targets, and the search did not finish its ranking"
+    )
+    kept = f" ({out_path} left as it was)" if out_path.exists() else ""
+    out.note(f"no tuned profile written: {why}{kept}")
 
 
 def _outputs(profile: Profile, out: Path | None, report: Path | None) -> tuple[Path, Path]:

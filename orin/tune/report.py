@@ -25,6 +25,12 @@ SKIPPED = (
 )
 
 
+INTERRUPTED = (
+    "a partial report of what was measured before the search was stopped; the "
+    "chosen configuration is the best of those, not the search's answer."
+)
+
+
 def _ms(v: float | None, digits: int = 0) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
@@ -95,6 +101,7 @@ def markdown(r: TuneResult, images: list[str] | None) -> str:
     lines = [
         f"# orin-llm tune: {r.profile.name}",
         "",
+        *([f"**Interrupted (Ctrl-C)**: {INTERRUPTED}", ""] if r.interrupted else []),
         f"- date: {r.started_at}; model: `{r.model_path}` ({r.info.quantization})",
         f"- budget {r.settings.budget_s:.0f} s; measuring {s.spent_s:.0f} s; "
         f"the search took {r.elapsed_s:.0f} s (before writing this report); "

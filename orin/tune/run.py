@@ -31,7 +31,7 @@ from orin.telemetry.sources import select_source
 from orin.tune.explain import explain
 from orin.tune.figures import Grid, Measurement, has_targets, score
 from orin.tune.measure import EngineMeasurer, workload
-from orin.tune.search import SearchResult, Trial, successive_halving
+from orin.tune.search import SearchInterrupted, SearchResult, Trial, successive_halving
 from orin.tune.space import Candidate, Space, build_space
 from orin.tune.speculation import SPEC_SHARE, SpecChoice, refine
 
@@ -40,6 +40,15 @@ Progress = Callable[[str], None]
 
 class TuneError(OrinError):
     """Nothing could be measured (every candidate failed, or no time to measure)."""
+
+
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C after something was measured: still a KeyboardInterrupt, carrying the
+    result of what was measured before it (``result.interrupted`` is set)."""
+
+    def __init__(self, result: TuneResult) -> None:
+        super().__init__()
+        self.result = result
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,7 @@ class TuneResult:
     notes: list[str] = field(default_factory=list)
     speculation: SpecChoice | None = None  # what speculation was tried; run.tune sets it
     original: Profile | None = None  # the profile as given, before --ctx (profile: after)
+    interrupted: bool = False  # Ctrl-C ended the search: the result of what it measured
 
     @property
     def chosen_m(self) -> Measurement:
@@ -108,6 +118,7 @@ class TuneResult:
             "fidelities": self.search.fidelities,
             "first_round": self.search.first_round,
             "stopped": self.search.stopped,
+            "interrupted": self.interrupted,
             "chosen": self.chosen.to_dict(),
             "baseline": self.space.baseline.to_dict(),
             "meets_slo": self.meets_slo,
@@ -199,32 +210,19 @@ def tune(
     try:
         budget = s.budget_s - report_reserve(s.budget_s) - (time.perf_counter() - start)
         measurer.deadline = time.perf_counter() + budget
-        share = SPEC_SHARE if len(space.speculation) > 1 else 0.0
-        result = successive_halving(
-            space.candidates, measurer.evaluate, budget * (1 - share), s.min_fidelity,
-            s.max_fidelity, s.eta, s.seed, first=space.baseline,
-            on_trial=lambda t: say(_describe(t, targets=has_targets(profile.slo))),
-        )  # fmt: skip
-        chosen = _chosen(result, measurer)
-        spec = refine(
-            chosen, space.speculation, measurer.evaluate, measurer.results, profile.slo,
-            result.fidelities, budget - result.spent_s, workload(grid),
-            on_trial=lambda t: say(
-                _describe(t, "speculation", targets=has_targets(profile.slo))
-            ),
-        )  # fmt: skip
-        result.spent_s += spec.spent_s
-        reps = measurer.results[spec.chosen].reps
-        _top_up_baseline(measurer, space.baseline, reps, result, budget)
+        result, spec, interrupted = _search(measurer, space, profile, s, budget, say)
     finally:
         if sampler is not None:
             sampler.stop()
-    chosen = spec.chosen
+    try:  # only an interrupted run has no speculation choice
+        chosen = spec.chosen if spec is not None else _chosen(result, measurer)
+    except TuneError:  # interrupted before anything could be chosen: nothing to report
+        raise KeyboardInterrupt from None
     m = measurer.results[chosen]
     out = TuneResult(
         profile, path, info, grid, space, result, measurer.results, chosen,
         [] if score(m, profile.slo).meets_slo else explain(m, profile.slo), s, started,
-        telemetry_source=source, speculation=spec,
+        telemetry_source=source, speculation=spec, interrupted=interrupted,
     )  # fmt: skip
     if result.first_round < len(space) + (space.baseline not in space.candidates):
         out.notes.append(
@@ -234,7 +232,48 @@ def tune(
     out.model_given = model is not None
     out.original = original
     out.elapsed_s = time.perf_counter() - start
+    if interrupted:
+        raise TuneInterrupted(out)
     return out
+
+
+def _search(
+    measurer: EngineMeasurer,
+    space: Space,
+    profile: Profile,
+    s: TuneSettings,
+    budget: float,
+    say: Progress,
+) -> tuple[SearchResult[Candidate], SpecChoice | None, bool]:
+    """The search, speculation tried on its winner, and the profile's own settings
+    topped up: (search, speculation, interrupted). Ctrl-C keeps what was measured
+    before it (interrupted: True; no speculation choice unless it was made)."""
+    targets = has_targets(profile.slo)
+    result: SearchResult[Candidate] | None = None
+    spec: SpecChoice | None = None
+    try:
+        share = SPEC_SHARE if len(space.speculation) > 1 else 0.0
+        result = successive_halving(
+            space.candidates, measurer.evaluate, budget * (1 - share), s.min_fidelity,
+            s.max_fidelity, s.eta, s.seed, first=space.baseline,
+            on_trial=lambda t: say(_describe(t, targets=targets)),
+        )  # fmt: skip
+        spec = refine(
+            _chosen(result, measurer), space.speculation, measurer.evaluate, measurer.results,
+            profile.slo, result.fidelities, budget - result.spent_s, workload(measurer.grid),
+            on_trial=lambda t: say(_describe(t, "speculation", targets=targets)),
+        )  # fmt: skip
+        result.spent_s += spec.spent_s
+        reps = measurer.results[spec.chosen].reps
+        _top_up_baseline(measurer, space.baseline, reps, result, budget)
+    except SearchInterrupted as exc:
+        return exc.partial, None, True
+    except KeyboardInterrupt:  # in speculation or the top-up: the search itself is done
+        if result is None:
+            raise
+        result.stopped = result.stopped or "interrupted (Ctrl-C) after the search"
+        return result, spec, True
+    return result, spec, False
 
 
 # a measurement's error when the budget, not the configuration, ended it (measure.py)

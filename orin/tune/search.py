@@ -80,6 +80,15 @@ class SearchResult(Generic[C]):
     finalists: list[C] = field(default_factory=list)
 
 
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the search: still a KeyboardInterrupt, carrying what was measured
+    before it (``partial``, its best chosen as when the budget cuts a round short)."""
+
+    def __init__(self, partial: SearchResult[Any]) -> None:
+        super().__init__()
+        self.partial = partial
+
+
 def fidelity_levels(lo: int, hi: int, eta: int) -> tuple[int, ...]:
     levels = [lo]
     while levels[-1] * eta <= hi:
@@ -124,22 +133,36 @@ def successive_halving(
     if first is not None:
         order = [first, *[c for c in order if c != first]]
     res: SearchResult[C] = SearchResult(None, None, 0, [], 0.0, budget_s, levels, len(order))
-    alive, done = order, 0
-    for rnd, fid in enumerate(levels):
-        scored = _round(alive, evaluate, fid, done, rnd, res, eta, on_trial)
-        if not scored:
-            res.stopped = res.stopped or (
-                f"the budget ran out before round {rnd + 1} of {len(levels)}"
-            )
-            break
-        scored.sort(key=lambda t: t[1].key(), reverse=True)
-        res.best, res.best_score, res.best_fidelity = scored[0][0], scored[0][1], fid
-        res.finalists = [c for c, _ in scored]
-        if len(scored) < len(alive):
-            res.stopped = res.stopped or f"the budget cut round {rnd} short"
-            break
-        alive, done = [c for c, _ in scored[: max(1, math.ceil(len(scored) / eta))]], fid
+    alive, done, rnd = order, 0, 0
+    try:
+        for rnd, fid in enumerate(levels):
+            scored = _round(alive, evaluate, fid, done, rnd, res, eta, on_trial)
+            if not scored:
+                res.stopped = res.stopped or (
+                    f"the budget ran out before round {rnd + 1} of {len(levels)}"
+                )
+                break
+            _rank(res, scored, fid)
+            if len(scored) < len(alive):
+                res.stopped = res.stopped or f"the budget cut round {rnd} short"
+                break
+            alive, done = [c for c, _ in scored[: max(1, math.ceil(len(scored) / eta))]], fid
+    except KeyboardInterrupt:
+        if res.trials:  # the round it reached decides, as when the budget cuts it short
+            last = res.trials[-1]
+            reached = [(t.candidate, t.score) for t in res.trials if t.round == last.round]
+            _rank(res, reached, last.fidelity)
+        n = len(res.trials)
+        res.stopped = f"interrupted (Ctrl-C) in round {rnd}, after {n} measurement{'s' * (n != 1)}"
+        raise SearchInterrupted(res) from None
     return res
+
+
+def _rank(res: SearchResult[C], scored: list[tuple[C, Score]], fid: int) -> None:
+    """Sort a round's scores, best first, and make its best the search's."""
+    scored.sort(key=lambda t: t[1].key(), reverse=True)
+    res.best, res.best_score, res.best_fidelity = scored[0][0], scored[0][1], fid
+    res.finalists = [c for c, _ in scored]
 
 
 def _round(

@@ -88,6 +88,11 @@ def header(r: TuneResult) -> list[str]:
     chosen, before = r.chosen_m, r.baseline_m
     lines = [
         f"Tuned by `orin-llm tune` on {r.started_at} from profile '{r.profile.name}'.",
+        *(
+            ["Interrupted (Ctrl-C) before the search finished: the best of what was measured."]
+            if r.interrupted
+            else []
+        ),
         f"Model {r.model_path.name} ({r.info.quantization}); engine in-process, greedy, "
         f"{r.grid.output_tokens} generated tokens per request, telemetry "
         f"{r.telemetry_source or 'off'}.",
