@@ -25,6 +25,7 @@ class HostFacts:
     user: str
     user_exists: bool
     primary_group: str | None = None
+    group_gid: int | None = None  # the primary group's, from getent (None: no such group yet)
     user_groups: frozenset[str] = frozenset()
     groups_present: tuple[str, ...] = ()  # those of GPU_GROUPS that exist here
     enabled: dict[str, str | None] = field(default_factory=dict)  # systemctl is-enabled
@@ -60,6 +61,7 @@ def gather(runner: CommandRunner, user: str, units: Iterable[str] = UNITS) -> Ho
         user=user,
         user_exists=exists,
         primary_group=primary,
+        group_gid=_gid(runner, primary) if primary is not None else None,
         user_groups=groups,
         groups_present=tuple(g for g in GPU_GROUPS if _getent(runner, "group", g)),
         enabled={u: unit_file_state(runner, u) for u in unit_list},
@@ -69,6 +71,13 @@ def gather(runner: CommandRunner, user: str, units: Iterable[str] = UNITS) -> Ho
 
 def _getent(runner: CommandRunner, database: str, key: str) -> bool:
     return runner.run(("getent", database, key), timeout=TIMEOUT).ok
+
+
+def _gid(runner: CommandRunner, group: str) -> int | None:
+    """A group's id from its ``getent group`` line (``name:x:gid:members``)."""
+    res = runner.run(("getent", "group", group), timeout=TIMEOUT)
+    fields = res.stdout.strip().split(":") if res.ok else []
+    return int(fields[2]) if len(fields) > 2 and fields[2].isdigit() else None
 
 
 def require_systemd(root: SysRoot) -> None:

@@ -10,6 +10,7 @@ units it affects.
 from __future__ import annotations
 
 import shlex
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,7 +229,7 @@ def plan_install(
     )
     group = facts.primary_group or facts.user
     secure: tuple[Step, ...] = ()
-    if env_old is None or _env_file_exposed(root):
+    if env_old is None or _env_file_exposed(root, facts.group_gid):
         secure = (
             Action.run("chown", f"root:{group}", ENV_FILE),
             Action.run("chmod", ENV_MODE, ENV_FILE),
@@ -247,14 +248,16 @@ def plan_install(
     )
 
 
-def _env_file_exposed(root: SysRoot) -> bool:
+def _env_file_exposed(root: SysRoot, service_gid: int | None) -> bool:
     """Whether the environment file already there (the API key is in it) can be read
-    by others or written by anyone but root (the service's environment, LD_PRELOAD
-    among it): install then gives it the owner and mode of a new one."""
+    by others, or by a group other than the service's (``service_gid``; None when it
+    does not exist yet), or written by anyone but root (the service's environment,
+    LD_PRELOAD among it): install then gives it the owner and mode of a new one."""
     st = root.stat(ENV_FILE)
     if st is None:
         return False
-    return st.st_uid not in (0, root.trusted_uid) or bool(st.st_mode & ENV_LAX)
+    other_group = st.st_gid != service_gid and bool(st.st_mode & stat.S_IRGRP)
+    return st.st_uid not in (0, root.trusted_uid) or bool(st.st_mode & ENV_LAX) or other_group
 
 
 def _probe(

@@ -4,11 +4,17 @@ Its FakeRunner answers getent, id, useradd/usermod/userdel, chown/chmod,
 journalctl and systemctl from this state, and systemd-run (the CUDA probe)
 with ``probe_report``; it records every command line, so tests assert the
 exact sequence and that a second install plans nothing.
+
+Group ids: a file the test writes has the test's own group, which no fake group
+has (``FAKE_GID`` differs from it); ``chown USER:GROUP FILE`` changes nothing on
+disk but makes the file's group id that group's from then on, as ``getent group``
+answers it, so the file is in the group it was given.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +23,7 @@ from orin.system.commands import CommandResult
 from tests.fakes.runner import FakeRunner
 
 NOT_FOUND = 2  # getent's exit status for a missing key
+FAKE_GID = os.getgid() + 1  # a group's id until a chown gives a file to it
 QUERIES = {"getent", "id", "journalctl", "systemd-run"}  # the probe changes nothing
 PROBE_OK: dict[str, Any] = {
     "status": "ok",
@@ -36,7 +43,8 @@ class FakeHost:
     fail_on: dict[tuple[str, ...], CommandResult] = field(default_factory=dict)
     journal: str = "orin-llm[42]: model loaded\n"
     probe_report: dict[str, Any] = field(default_factory=lambda: dict(PROBE_OK))
-    root: Path | None = None  # the fake root chmod acts on (chown changes nothing)
+    root: Path | None = None  # the fake root chmod acts on (chown: see the module's note)
+    gids: dict[str, int] = field(default_factory=dict)  # group -> id, FAKE_GID unless set
     runner: FakeRunner = field(init=False)
 
     def __post_init__(self) -> None:
@@ -67,8 +75,12 @@ class FakeHost:
 
     def _getent(self, argv: tuple[str, ...]) -> CommandResult:
         db, key = argv[1], argv[2]
-        found = key in self.users if db == "passwd" else key in self.groups
-        return CommandResult(argv, 0 if found else NOT_FOUND, f"{key}:x:999:\n" if found else "")
+        if db == "passwd":
+            found, line = key in self.users, f"{key}:x:999:\n"
+        else:  # each user has a group of its own name too
+            found = key in self.groups or key in self.users
+            line = f"{key}:x:{self.gids.get(key, FAKE_GID)}:\n"
+        return CommandResult(argv, 0 if found else NOT_FOUND, line if found else "")
 
     def _id(self, argv: tuple[str, ...]) -> CommandResult:
         user = argv[-1]
@@ -90,6 +102,10 @@ class FakeHost:
         return CommandResult(argv, 0)
 
     def _chown(self, argv: tuple[str, ...]) -> CommandResult:
+        group = argv[1].partition(":")[2]
+        target = self.root / argv[-1].lstrip("/") if self.root is not None else None
+        if group and target is not None and target.exists():
+            self.gids[group] = target.stat().st_gid
         return CommandResult(argv, 0)
 
     def _chmod(self, argv: tuple[str, ...]) -> CommandResult:

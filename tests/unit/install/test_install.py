@@ -105,6 +105,25 @@ def test_an_environment_file_others_can_read_gets_the_mode_of_a_new_one(
     assert host.changes() == []
 
 
+def test_an_environment_file_another_group_can_read_goes_to_the_services_group(
+    root: Path, host: FakeHost, deps: Deps
+) -> None:
+    """0640 but in another group (root:adm, root:users): that group's members could
+    read the API key, and install left it so, since only the mode was checked."""
+    host.users["orin-llm"] = {"video"}  # installed before: the service's group exists
+    env = root / ENV_FILE.lstrip("/")
+    env.parent.mkdir(parents=True)
+    env.write_text("ORIN_LLM_API_KEY=secret\n")
+    env.chmod(0o640)  # the test's own group, not the service's
+    code, _, err = invoke(deps, root, "install", "--profile", PROFILE)
+    assert code == 0, err
+    assert ("chown", "root:orin-llm", ENV_FILE) in host.changes()
+    assert env.read_text() == "ORIN_LLM_API_KEY=secret\n"
+    host.calls.clear()
+    assert invoke(deps, root, "install", "--profile", PROFILE)[0] == 0
+    assert host.changes() == []  # now in the service's group: nothing to do
+
+
 def test_a_changed_port_rewrites_the_unit_and_restarts_both(
     root: Path, host: FakeHost, deps: Deps
 ) -> None:
