@@ -18,7 +18,7 @@ from rich.progress import (
 )
 
 from orin.cli.deps import deps
-from orin.cli.errors import EXIT_FAILED, handle_errors
+from orin.cli.errors import EXIT_FAILED, handle_errors, usage_error
 from orin.cli.help import Typer
 from orin.cli.options import CtxOpt, JsonOpt, RootOpt, file_to_write, folder_to_write
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
@@ -213,6 +213,7 @@ def plan(
 ) -> None:
     """Memory for weights, KV cache and compute buffers against what is available."""
     ctx = ctx if ctx is not None else DEFAULT_CTX
+    _check_batches(n_ubatch, n_batch)
     info = read_model_info(path)
     try:
         available: int | None = read_meminfo(SysRoot(root)).available
@@ -259,6 +260,17 @@ def plan(
         _note_swa(out, p, other)
     if refused or p.fits is False:  # a script can tell, as from profile validate's fail
         raise typer.Exit(EXIT_FAILED)
+
+
+def _check_batches(n_ubatch: int, n_batch: int | None) -> None:
+    """A micro-batch larger than the batch is refused as a profile refuses it
+    (engine.n_ubatch above engine.n_batch): a usage error, not a plan for a
+    configuration no profile can hold."""
+    if n_batch is not None and n_ubatch > n_batch:
+        raise usage_error(
+            f"--ubatch {n_ubatch} exceeds --batch {n_batch}: a micro-batch is part of a "
+            "batch (engine.n_ubatch must not exceed engine.n_batch)"
+        )
 
 
 def _refusals(type_k: str, type_v: str, flash_attn: bool) -> list[str]:

@@ -396,7 +396,8 @@ def _compute(
     swa = 0
     if info.n_swa_layers:
         swa = swa_cells_per_seq(info, ctx, slots, n_ubatch, n_batch, swa_full)
-    return compute_bytes_estimate(info, per_seq, slots, n_ubatch, flash_attn, swa)
+    ubatch = effective_ubatch(ctx, slots, n_ubatch, n_batch)  # what llama.cpp allocates for
+    return compute_bytes_estimate(info, per_seq, slots, ubatch, flash_attn, swa)
 
 
 def max_context(

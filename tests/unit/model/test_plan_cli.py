@@ -71,3 +71,21 @@ def test_largest_context_is_capped_at_the_training_context(
     assert "capped at the model's training context (4096 tokens)" in err
     code, _, err = plan(board, path, "--ctx", "8192")
     assert "past the model's training context (4096)" in err
+
+
+def test_a_micro_batch_larger_than_the_batch_is_a_usage_error(tmp_path: Path) -> None:
+    """A profile refuses engine.n_ubatch above engine.n_batch; plan planned it, with
+    compute buffers for a micro-batch llama.cpp never allocates."""
+    path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    r = CliRunner().invoke(app, ["model", "plan", str(path), "--ubatch", "2048", "--batch", "512"])
+    assert r.exit_code == 2 and r.stdout == ""
+    assert "--ubatch 2048 exceeds --batch 512" in " ".join(r.stderr.split())
+
+
+def test_compute_buffers_are_planned_for_the_micro_batch_llamacpp_uses(tmp_path: Path) -> None:
+    """llama.cpp caps the batch at the context (and the micro-batch at the batch): a
+    2048-token micro-batch on a 256-token context computes 256 tokens at a time."""
+    info = read_model_info(write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15))
+    capped = plan_memory(info, 256, 1, n_ubatch=2048, n_batch=2048)
+    assert capped.compute_bytes == plan_memory(info, 256, 1, n_ubatch=256).compute_bytes
+    assert capped.total_bytes < plan_memory(info, 4096, 1, n_ubatch=2048).total_bytes
