@@ -560,11 +560,12 @@ def pull(
 @dataclass(frozen=True)
 class _Listed:
     path: Path
-    size: int
+    size: int | None  # None: a link whose file is not there
     quantization: str | None
     problem: str | None
     source: str | None
     used_by: tuple[str, ...]
+    link_to: Path | None = None  # what a symbolic link points to (model rm removes the link)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -575,6 +576,7 @@ class _Listed:
             "problem": self.problem,
             "source": self.source,
             "used_by": list(self.used_by),
+            "link_to": str(self.link_to) if self.link_to is not None else None,
         }
 
 
@@ -652,8 +654,14 @@ def _listing(folder: Path, profiles: list[tuple[str, Profile]], root: SysRoot) -
         prov = store.read_provenance(folder, path.name)
         source = f"hf:{prov.repo}:{prov.path}" if prov is not None else None
         used = tuple(users.get(path.resolve(), ()))
-        rows.append(_Listed(path, path.stat().st_size, quant, problem, source, used))
-    return rows
+        link = path.readlink() if path.is_symlink() else None
+        rows.append(_Listed(path, path.stat().st_size, quant, problem, source, used, link))
+    for path in store.broken_links(folder):
+        link = path.readlink()
+        problem = f"a link to {link}, which is not there (model rm removes the link)"
+        used = tuple(users.get(path.resolve(), ()))
+        rows.append(_Listed(path, None, None, problem, None, used, link))
+    return sorted(rows, key=lambda r: r.path)
 
 
 @app.command("list")
@@ -698,7 +706,7 @@ def list_models(
                 (
                     (
                         r.path.relative_to(folder).as_posix(),
-                        human_bytes(r.size),
+                        human_bytes(r.size) if r.size is not None else "-",
                         r.quantization or f"unreadable: {r.problem}",
                         r.source or "-",
                         ", ".join(r.used_by) or "-",

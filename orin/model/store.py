@@ -166,14 +166,23 @@ def read_provenance(models_dir: Path, name: str) -> Provenance | None:
 
 def gguf_files(models_dir: Path) -> list[Path]:
     """Every GGUF file in the directory and its folders, hidden folders left out."""
+    return [p for p in _gguf_entries(models_dir) if p.is_file()]
+
+
+def broken_links(models_dir: Path) -> list[Path]:
+    """The ``.gguf`` symbolic links whose file is not there (a card not mounted), which
+    ``gguf_files`` leaves out: model list shows them, model rm removes them."""
+    return [p for p in _gguf_entries(models_dir) if p.is_symlink() and not p.exists()]
+
+
+def _gguf_entries(models_dir: Path) -> list[Path]:
     if not models_dir.is_dir():
         return []
     found = []
     for p in models_dir.rglob("*.gguf"):
         rel = p.relative_to(models_dir)
-        if any(part.startswith(".") for part in rel.parts[:-1]) or not p.is_file():
-            continue
-        found.append(p)
+        if not any(part.startswith(".") for part in rel.parts[:-1]):
+            found.append(p)
     return sorted(found)
 
 

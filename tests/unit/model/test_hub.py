@@ -365,6 +365,28 @@ def test_cli_rm_a_linked_model_removes_the_link_only(tmp_path: Path, models: Pat
     assert not (models / "big.gguf").is_symlink() and target.is_file()
 
 
+def test_cli_list_shows_a_link_whose_file_is_not_there(tmp_path: Path, models: Path) -> None:
+    """A model linked in from a card that is not mounted was left out of model list,
+    so the user could not see the name to give model rm."""
+    models.mkdir()
+    card = write_gguf(tmp_path / "card.gguf", params=LLAMA2_7B, file_type=MOSTLY_Q8_0)
+    (models / "here.gguf").symlink_to(card)
+    (models / "gone.gguf").symlink_to(tmp_path / "unmounted" / "gone.gguf")
+    code, out, err = cli("model", "list", "--dir", str(models), "--json")
+    assert code == 0, err
+    listed = {m["name"]: m for m in json.loads(out)["models"]}
+    assert listed["here.gguf"]["link_to"] == str(card) and listed["here.gguf"]["size"] > 0
+    gone = listed["gone.gguf"]
+    assert gone["size"] is None and gone["quantization"] is None
+    assert gone["link_to"] == str(tmp_path / "unmounted" / "gone.gguf")
+    assert "which is not there" in gone["problem"]
+    code, out, _ = cli("model", "list", "--dir", str(models))
+    assert code == 0 and "gone.gguf" in out and "which is not there" in out
+    code, out, err = cli("model", "rm", "gone.gguf", "--dir", str(models), "--yes")
+    assert code == 0, err
+    assert sorted(p.name for p in models.iterdir()) == ["here.gguf"]
+
+
 def test_cli_corrupted_pull_exits_9(fake_hub: FakeHub, models: Path) -> None:
     fake_hub.sha_override[f"{REPO}/{Q8}"] = "f" * 64
     code, out, err = cli("model", "pull", f"{REPO}:Q8_0", "--dir", str(models))
