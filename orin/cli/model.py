@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -605,8 +606,9 @@ def _load(name: str | Path) -> Profile:
     return load_profile(name)
 
 
-def _names(profile: Profile, folder: Path, root: SysRoot) -> Path | None:
-    """The file in ``folder`` a profile would serve, found without fetching anything."""
+def _names(profile: Profile, folder: Path, root: SysRoot, follow: bool = True) -> Path | None:
+    """The file in ``folder`` a profile would serve, found without fetching anything;
+    with ``follow`` off, the path it names, symbolic links not followed."""
     from orin.profile.loader import named_model_path
 
     try:
@@ -615,20 +617,31 @@ def _names(profile: Profile, folder: Path, root: SysRoot) -> Path | None:
         return None
     if path is None:
         return None
-    if path.is_absolute() and not path.exists():
+    if path.is_absolute() and not (path.exists() or path.is_symlink()):
         path = root.path(str(path))
-    return path.resolve()
+    return path.resolve() if follow else Path(os.path.normpath(path.absolute()))
 
 
 def _used_by(
-    profiles: list[tuple[str, Profile]], folder: Path, root: SysRoot
+    profiles: list[tuple[str, Profile]], folder: Path, root: SysRoot, follow: bool = True
 ) -> dict[Path, list[str]]:
     users: dict[Path, list[str]] = {}
     for label, profile in profiles:
-        path = _names(profile, folder, root)
+        path = _names(profile, folder, root, follow)
         if path is not None:
             users.setdefault(path, []).append(label)
     return users
+
+
+def _naming(
+    profiles: list[tuple[str, Profile]], folder: Path, root: SysRoot, path: Path
+) -> list[str]:
+    """The profiles that lose their model when ``path`` goes: those that serve its
+    file, or for a symbolic link (only the link goes) those that name the link."""
+    if path.is_symlink():
+        named = Path(os.path.normpath(path.absolute()))
+        return _used_by(profiles, folder, root, follow=False).get(named, [])
+    return _used_by(profiles, folder, root).get(path.resolve(), [])
 
 
 def _projector(path: Path) -> str | None:
@@ -776,7 +789,7 @@ def rm(
     in_use = [
         label for label, _ in every if label.startswith("installed") or label in (profiles or ())
     ]
-    users = _used_by(every, folder, sysroot).get(path.resolve(), [])
+    users = _naming(every, folder, sysroot, path)
     blocking = [u for u in users if u in in_use]
     if blocking and not force:
         raise OrinError(

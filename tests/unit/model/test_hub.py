@@ -365,6 +365,26 @@ def test_cli_rm_a_linked_model_removes_the_link_only(tmp_path: Path, models: Pat
     assert not (models / "big.gguf").is_symlink() and target.is_file()
 
 
+def test_cli_rm_a_link_is_refused_only_for_a_profile_that_names_the_link(
+    tmp_path: Path, models: Path
+) -> None:
+    """A profile serving the card's file by its own path loses nothing when the link
+    goes; rm refused it as "the service would not start without it"."""
+    card = write_gguf(tmp_path / "card-big.gguf", params=LLAMA2_7B, file_type=MOSTLY_Q8_0)
+    models.mkdir()
+    link = models / "big.gguf"
+    link.symlink_to(card)
+    direct, via_link = tmp_path / "direct.yaml", tmp_path / "via-link.yaml"
+    direct.write_text(f"name: direct\nmodel: {{path: {card}}}\n")
+    via_link.write_text(f"name: via-link\nmodel: {{path: {link}}}\n")
+    rm = ("model", "rm", "big.gguf", "--dir", str(models), "--yes")
+    code, _, err = cli(*rm, "--profile", str(via_link))
+    assert code == 1 and "is the model of profile" in err and link.is_symlink()
+    code, _, err = cli(*rm, "--profile", str(direct))
+    assert code == 0, err
+    assert not link.is_symlink() and card.is_file()
+
+
 def test_cli_list_shows_a_link_whose_file_is_not_there(tmp_path: Path, models: Path) -> None:
     """A model linked in from a card that is not mounted was left out of model list,
     so the user could not see the name to give model rm."""
