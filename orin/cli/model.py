@@ -619,7 +619,17 @@ def _names(profile: Profile, folder: Path, root: SysRoot, follow: bool = True) -
         return None
     if path.is_absolute() and not (path.exists() or path.is_symlink()):
         path = root.path(str(path))
-    return path.resolve() if follow else Path(os.path.normpath(path.absolute()))
+    if not follow:
+        return _unfollowed(path)
+    try:
+        return path.resolve()
+    except RuntimeError:  # a loop of symbolic links: it names no file
+        return None
+
+
+def _unfollowed(path: Path) -> Path:
+    """An absolute path with ``..`` taken out, symbolic links left as they are."""
+    return Path(os.path.normpath(path.absolute()))
 
 
 def _used_by(
@@ -639,8 +649,7 @@ def _naming(
     """The profiles that lose their model when ``path`` goes: those that serve its
     file, or for a symbolic link (only the link goes) those that name the link."""
     if path.is_symlink():
-        named = Path(os.path.normpath(path.absolute()))
-        return _used_by(profiles, folder, root, follow=False).get(named, [])
+        return _used_by(profiles, folder, root, follow=False).get(_unfollowed(path), [])
     return _used_by(profiles, folder, root).get(path.resolve(), [])
 
 
@@ -672,7 +681,7 @@ def _listing(folder: Path, profiles: list[tuple[str, Profile]], root: SysRoot) -
     for path in store.broken_links(folder):
         link = path.readlink()
         problem = f"a link to {link}, which is not there (model rm removes the link)"
-        used = tuple(users.get(path.resolve(), ()))
+        used = tuple(_naming(profiles, folder, root, path))
         rows.append(_Listed(path, None, None, problem, None, used, link))
     return sorted(rows, key=lambda r: r.path)
 

@@ -392,9 +392,11 @@ def test_cli_list_shows_a_link_whose_file_is_not_there(tmp_path: Path, models: P
     card = write_gguf(tmp_path / "card.gguf", params=LLAMA2_7B, file_type=MOSTLY_Q8_0)
     (models / "here.gguf").symlink_to(card)
     (models / "gone.gguf").symlink_to(tmp_path / "unmounted" / "gone.gguf")
+    (models / "loop.gguf").symlink_to("loop.gguf")
     code, out, err = cli("model", "list", "--dir", str(models), "--json")
     assert code == 0, err
     listed = {m["name"]: m for m in json.loads(out)["models"]}
+    assert listed["loop.gguf"]["link_to"] == "loop.gguf" and listed["loop.gguf"]["size"] is None
     assert listed["here.gguf"]["link_to"] == str(card) and listed["here.gguf"]["size"] > 0
     gone = listed["gone.gguf"]
     assert gone["size"] is None and gone["quantization"] is None
@@ -402,8 +404,9 @@ def test_cli_list_shows_a_link_whose_file_is_not_there(tmp_path: Path, models: P
     assert "which is not there" in gone["problem"]
     code, out, _ = cli("model", "list", "--dir", str(models))
     assert code == 0 and "gone.gguf" in out and "which is not there" in out
-    code, out, err = cli("model", "rm", "gone.gguf", "--dir", str(models), "--yes")
-    assert code == 0, err
+    for name in ("gone.gguf", "loop.gguf"):
+        code, out, err = cli("model", "rm", name, "--dir", str(models), "--yes")
+        assert code == 0, err
     assert sorted(p.name for p in models.iterdir()) == ["here.gguf"]
 
 
