@@ -448,11 +448,16 @@ def _outputs(profile: Profile, out: Path | None, report: Path | None) -> tuple[P
     """The tuned profile's file and the report's folder, defaults included, checked as
     --out and --report are: a search that takes the whole budget never ends on a path
     it cannot write (a folder named like the profile file, a file named like the
-    report's folder, a working directory this user cannot write in)."""
+    report's folder, a working directory this user cannot write in, one path for both)."""
     if out is None:
         out = _check(file_to_write, Path(f"{profile.name}-tuned.yaml"), "--out")
     if report is None:
         report = _check(folder_to_write, Path(f"{profile.name}-tune-report"), "--report")
+    if out.resolve() == report.resolve() or out.resolve() in report.resolve().parents:
+        raise usage_error(
+            f"--out {out}, --report {report}: the tuned profile is a file and the report a "
+            "folder, so the report cannot be that file or in it; give another path"
+        )
     return out, report
 
 

@@ -334,6 +334,22 @@ def test_default_outputs_are_checked_before_measuring(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["p.yaml", make.rstrip("/")])
 
 
+@pytest.mark.parametrize(("out", "report"), [("same", "same"), ("t.yaml", "t.yaml/report")])
+def test_one_path_for_the_tuned_profile_and_the_report_is_refused_at_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, out: str, report: str
+) -> None:
+    """--out same --report same measured the whole budget, wrote the profile, then
+    failed to make the report's folder where the file now was (exit 1)."""
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    args = ["run", "--profile", "p.yaml", "--out", out, "--report", report]
+    r = CliRunner().invoke(tune_cli.app, args)
+    assert r.exit_code == 2, r.output
+    assert f"--out {out}, --report {report}: the tuned profile is a file" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write in any folder")
 def test_an_out_in_a_folder_this_user_cannot_write_is_refused_at_the_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
