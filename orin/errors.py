@@ -55,3 +55,15 @@ def os_error_text(text: str) -> str:
 def unreachable(url: str, error: str | None) -> str:
     """What a client says when no server answers at ``url``."""
     return f"nothing answers at {url}" + (f": {error}" if error else "")
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived where the CLI turns it into an exception (``sigterm_interrupts``
+    in orin/cli/errors.py). A BaseException, as KeyboardInterrupt is, so that what
+    cleans up after a Ctrl-C cleans up after it too and no ``except Exception``
+    swallows it."""
+
+
+def interruption(exc: BaseException) -> str:
+    """How a user stopped the program, for messages: ``SIGTERM`` or ``Ctrl-C``."""
+    return "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"

@@ -33,6 +33,7 @@ from orin.errors import (
     ModelFileError,
     OrinError,
     ProfileError,
+    Terminated,
 )
 
 P = ParamSpec("P")
@@ -53,7 +54,7 @@ EXIT_USAGE = 2  # click's code for a usage error; used for nothing else
 EXIT_INTERNAL = 70  # a bug: the message says how to get the traceback
 EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE: the reader of stdout went away (| head)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C stopped a board change or a tune run
-EXIT_TERMINATED = 143  # 128 + SIGTERM: systemd (or kill) stopped a board change
+EXIT_TERMINATED = 143  # 128 + SIGTERM: systemd (or kill) stopped a board change or a tune run
 
 log = logging.getLogger("orin.cli")
 
@@ -101,12 +102,6 @@ def no_args_is_help(ctx: typer.Context) -> Exception:
     err = cls(ctx)
     assert isinstance(err, Exception)
     return err
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived while ``sigterm_interrupts`` was in force. A BaseException, as
-    KeyboardInterrupt is, so that what cleans up after a Ctrl-C cleans up after it too
-    and no ``except Exception`` swallows it."""
 
 
 @contextmanager

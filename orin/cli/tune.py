@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -28,7 +29,6 @@ from orin.cli.deps import Deps, deps
 from orin.cli.errors import (
     EXIT_INTERRUPTED,
     EXIT_TERMINATED,
-    Terminated,
     fail,
     handle_errors,
     no_args_is_help,
@@ -48,7 +48,7 @@ from orin.cli.options import (
 )
 from orin.cli.output import Output, progress_wanted
 from orin.doctor.context import model_path_for
-from orin.errors import OrinError, ProfileError
+from orin.errors import OrinError, ProfileError, Terminated
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.profile.board import board_settings
 from orin.profile.loader import load_profile
@@ -372,12 +372,18 @@ def _run_measured(
     if chosen_for_you is not None and not quiet:  # which profile a bare `tune run` tunes
         out.note(f"no --profile given: tuning {profile.name}, the profile serve runs without one")
     with TuneProgress.open(out, settings.budget_s, quiet) as bar:
-        try:
-            result = tune(profile, model, settings, progress=bar.say)
-        except TuneInterrupted as exc:  # Ctrl-C: keep what was measured, then exit 130
-            bar.stage("writing what was measured")
-            _write_interrupted(out, exc.result, out_path, report_dir)
-            raise typer.Exit(EXIT_INTERRUPTED) from None
+        with sigterm_interrupts():  # SIGTERM (systemd, timeout) stops it as Ctrl-C does
+            try:
+                result = tune(profile, model, settings, progress=bar.say)
+            except TuneInterrupted as exc:  # keep what was measured, then exit 130 (143)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # while writing it
+                bar.stage("writing what was measured")
+                _write_interrupted(out, exc.result, out_path, report_dir)
+                sigterm = exc.result.interrupted_by == "SIGTERM"
+                raise typer.Exit(EXIT_TERMINATED if sigterm else EXIT_INTERRUPTED) from None
+            except Terminated:  # before a measurement finished: nothing to write
+                message = "stopped by SIGTERM before a measurement finished"
+                raise fail(message, EXIT_TERMINATED) from None
         bar.stage("writing the tuned profile and the report")
         try:  # checked at the start; what changed since is said, not an internal error
             written = tuned.write(result, out_path)
@@ -422,8 +428,9 @@ def _write_interrupted(out: Output, r: TuneResult, out_path: Path, report_dir: P
     try:
         folder = tune_report.write(r, report_dir)
         out.note(
-            f"interrupted (Ctrl-C) with {len(r.measurements)} configuration(s) measured: "
-            f'they are in {folder["folder"]}/report.md and report.json ("interrupted": true)'
+            f"interrupted ({r.interrupted_by}) with {len(r.measurements)} configuration(s) "
+            f"measured: they are in {folder['folder']}/report.md and report.json "
+            '("interrupted": true)'
         )
     except OSError as exc:
         out.note(f"interrupted; cannot write the report into {report_dir}: {exc.strerror or exc}")

@@ -101,7 +101,7 @@ def markdown(r: TuneResult, images: list[str] | None) -> str:
     lines = [
         f"# orin-llm tune: {r.profile.name}",
         "",
-        *([f"**Interrupted (Ctrl-C)**: {INTERRUPTED}", ""] if r.interrupted else []),
+        *([f"**Interrupted ({r.interrupted_by})**: {INTERRUPTED}", ""] if r.interrupted else []),
         f"- date: {r.started_at}; model: `{r.model_path}` ({r.info.quantization})",
         f"- budget {r.settings.budget_s:.0f} s; measuring {s.spent_s:.0f} s; "
         f"the search took {r.elapsed_s:.0f} s (before writing this report); "

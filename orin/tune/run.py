@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orin.errors import OrinError, ProfileError
+from orin.errors import OrinError, ProfileError, Terminated, interruption
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.profile.loader import describe_error, resolve_model_path
@@ -43,8 +43,9 @@ class TuneError(OrinError):
 
 
 class TuneInterrupted(KeyboardInterrupt):
-    """Ctrl-C after something was measured: still a KeyboardInterrupt, carrying the
-    result of what was measured before it (``result.interrupted`` is set)."""
+    """Ctrl-C or SIGTERM after something was measured: still a KeyboardInterrupt,
+    carrying the result of what was measured before it (``result.interrupted`` is set,
+    ``result.interrupted_by`` says which)."""
 
     def __init__(self, result: TuneResult) -> None:
         super().__init__()
@@ -84,6 +85,7 @@ class TuneResult:
     speculation: SpecChoice | None = None  # what speculation was tried; run.tune sets it
     original: Profile | None = None  # the profile as given, before --ctx (profile: after)
     interrupted: bool = False  # Ctrl-C ended the search: the result of what it measured
+    interrupted_by: str = "Ctrl-C"  # or SIGTERM
 
     @property
     def chosen_m(self) -> Measurement:
@@ -210,19 +212,20 @@ def tune(
     try:
         budget = s.budget_s - report_reserve(s.budget_s) - (time.perf_counter() - start)
         measurer.deadline = time.perf_counter() + budget
-        result, spec, interrupted = _search(measurer, space, profile, s, budget, say)
+        result, spec, stopped_by = _search(measurer, space, profile, s, budget, say)
     finally:
         if sampler is not None:
             sampler.stop()
     try:  # only an interrupted run has no speculation choice
         chosen = spec.chosen if spec is not None else _chosen(result, measurer)
     except TuneError:  # interrupted before anything could be chosen: nothing to report
-        raise KeyboardInterrupt from None
+        raise (Terminated if stopped_by == "SIGTERM" else KeyboardInterrupt) from None
     m = measurer.results[chosen]
     out = TuneResult(
         profile, path, info, grid, space, result, measurer.results, chosen,
         [] if score(m, profile.slo).meets_slo else explain(m, profile.slo), s, started,
-        telemetry_source=source, speculation=spec, interrupted=interrupted,
+        telemetry_source=source, speculation=spec, interrupted=stopped_by is not None,
+        interrupted_by=stopped_by or "Ctrl-C",
     )  # fmt: skip
     if result.first_round < len(space) + (space.baseline not in space.candidates):
         out.notes.append(
@@ -232,7 +235,7 @@ def tune(
     out.model_given = model is not None
     out.original = original
     out.elapsed_s = time.perf_counter() - start
-    if interrupted:
+    if stopped_by is not None:
         raise TuneInterrupted(out)
     return out
 
@@ -244,10 +247,11 @@ def _search(
     s: TuneSettings,
     budget: float,
     say: Progress,
-) -> tuple[SearchResult[Candidate], SpecChoice | None, bool]:
+) -> tuple[SearchResult[Candidate], SpecChoice | None, str | None]:
     """The search, speculation tried on its winner, and the profile's own settings
-    topped up: (search, speculation, interrupted). Ctrl-C keeps what was measured
-    before it (interrupted: True; no speculation choice unless it was made)."""
+    topped up: (search, speculation, what interrupted it). Ctrl-C or SIGTERM keeps what
+    was measured before it (``Ctrl-C`` or ``SIGTERM``, else None; no speculation choice
+    unless it was made)."""
     targets = has_targets(profile.slo)
     result: SearchResult[Candidate] | None = None
     spec: SpecChoice | None = None
@@ -267,13 +271,14 @@ def _search(
         reps = measurer.results[spec.chosen].reps
         _top_up_baseline(measurer, space.baseline, reps, result, budget)
     except SearchInterrupted as exc:
-        return exc.partial, None, True
-    except KeyboardInterrupt:  # in speculation or the top-up: the search itself is done
-        if result is None:
+        return exc.partial, None, exc.by
+    except (KeyboardInterrupt, Terminated) as exc:  # in speculation or the top-up
+        if result is None:  # the search itself is done
             raise
-        result.stopped = result.stopped or "interrupted (Ctrl-C) after the search"
-        return result, spec, True
-    return result, spec, False
+        by = interruption(exc)
+        result.stopped = result.stopped or f"interrupted ({by}) after the search"
+        return result, spec, by
+    return result, spec, None
 
 
 # a measurement's error when the budget, not the configuration, ended it (measure.py)

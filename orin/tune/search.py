@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from orin.errors import Terminated, interruption
+
 C = TypeVar("C")
 
 
@@ -81,12 +83,14 @@ class SearchResult(Generic[C]):
 
 
 class SearchInterrupted(KeyboardInterrupt):
-    """Ctrl-C during the search: still a KeyboardInterrupt, carrying what was measured
-    before it (``partial``, its best chosen as when the budget cuts a round short)."""
+    """Ctrl-C (or SIGTERM, as ``Terminated``) during the search: still a
+    KeyboardInterrupt, carrying what was measured before it (``partial``, its best
+    chosen as when the budget cuts a round short) and what stopped it (``by``:
+    ``Ctrl-C`` or ``SIGTERM``)."""
 
-    def __init__(self, partial: SearchResult[Any]) -> None:
+    def __init__(self, partial: SearchResult[Any], by: str = "Ctrl-C") -> None:
         super().__init__()
-        self.partial = partial
+        self.partial, self.by = partial, by
 
 
 def fidelity_levels(lo: int, hi: int, eta: int) -> tuple[int, ...]:
@@ -147,14 +151,15 @@ def successive_halving(
                 res.stopped = res.stopped or f"the budget cut round {rnd} short"
                 break
             alive, done = [c for c, _ in scored[: max(1, math.ceil(len(scored) / eta))]], fid
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as exc:
         if res.trials:  # the round it reached decides, as when the budget cuts it short
             last = res.trials[-1]
             reached = [(t.candidate, t.score) for t in res.trials if t.round == last.round]
             _rank(res, reached, last.fidelity)
         n = len(res.trials)
-        res.stopped = f"interrupted (Ctrl-C) in round {rnd}, after {n} measurement{'s' * (n != 1)}"
-        raise SearchInterrupted(res) from None
+        by = interruption(exc)
+        res.stopped = f"interrupted ({by}) in round {rnd}, after {n} measurement{'s' * (n != 1)}"
+        raise SearchInterrupted(res, by) from None
     return res
 
 

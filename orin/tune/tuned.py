@@ -89,7 +89,10 @@ def header(r: TuneResult) -> list[str]:
     lines = [
         f"Tuned by `orin-llm tune` on {r.started_at} from profile '{r.profile.name}'.",
         *(
-            ["Interrupted (Ctrl-C) before the search finished: the best of what was measured."]
+            [
+                f"Interrupted ({r.interrupted_by}) before the search finished: "
+                "the best of what was measured."
+            ]
             if r.interrupted
             else []
         ),

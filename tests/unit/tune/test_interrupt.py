@@ -6,6 +6,8 @@ boundary, as a KeyboardInterrupt from the measurer."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ class Interrupting:
 
     at = 3
     scale = 1.0
+    sigterm = False  # a real SIGTERM to this process instead of the KeyboardInterrupt
 
     def __init__(self, profile: Any, path: Path, info: Any, grid: Any, *args: Any) -> None:
         self.profile, self.grid = profile, grid
@@ -35,7 +38,9 @@ class Interrupting:
 
     def evaluate(self, c: Candidate, reps: int) -> Evaluation:
         if self.calls == self.at:
-            raise KeyboardInterrupt
+            if self.sigterm:
+                os.kill(os.getpid(), signal.SIGTERM)
+            raise KeyboardInterrupt  # reached only without sigterm
         self.calls += 1
         m = measurement(c, self.scale * (20 + 5 * self.calls), self.scale * 5)
         self.results[c] = m
@@ -43,8 +48,13 @@ class Interrupting:
 
 
 def tune_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: int, scale: float = 1.0
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    at: int,
+    scale: float = 1.0,
+    sigterm: bool = False,
 ) -> tuple[int, str, str]:
+    monkeypatch.setattr(Interrupting, "sigterm", sigterm)
     monkeypatch.setattr(Interrupting, "at", at)
     monkeypatch.setattr(Interrupting, "scale", scale)
     monkeypatch.setattr(run_mod, "EngineMeasurer", Interrupting)
@@ -95,6 +105,34 @@ def test_ctrl_c_before_any_measurement_writes_nothing(
 ) -> None:
     code, out, _ = tune_run(tmp_path, monkeypatch, at=0)
     assert code == 130 and out == ""
+    assert not (tmp_path / "r").exists() and not (tmp_path / "t.yaml").exists()
+
+
+def test_sigterm_writes_what_was_measured_as_ctrl_c_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM (systemd stopping a unit, `timeout`) ended the process on the spot:
+    nothing written. It now stops the search as Ctrl-C does, exit 143."""
+    before = signal.getsignal(signal.SIGTERM)
+    code, out, err = tune_run(tmp_path, monkeypatch, at=3, sigterm=True)
+    assert code == 143, err
+    assert out == ""
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert data["interrupted"] is True and len(data["trials"]) == 3
+    assert data["stopped"] == "interrupted (SIGTERM) in round 0, after 3 measurements"
+    assert "**Interrupted (SIGTERM)**" in (tmp_path / "r" / "report.md").read_text()
+    tuned = (tmp_path / "t.yaml").read_text()
+    assert "# Interrupted (SIGTERM) before the search finished" in tuned
+    assert "interrupted (SIGTERM) with 3 configuration(s) measured" in err
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
+
+
+def test_sigterm_before_any_measurement_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, out, err = tune_run(tmp_path, monkeypatch, at=0, sigterm=True)
+    assert code == 143 and out == ""
+    assert "stopped by SIGTERM before a measurement finished" in err
     assert not (tmp_path / "r").exists() and not (tmp_path / "t.yaml").exists()
 
 
