@@ -6,11 +6,8 @@ JSON sidecar records what it holds. A restarted server loads the state into a
 sequence with ``llama_state_seq_load_file`` instead of recomputing the prompt.
 
 A saved state is only valid for the model file and the context it came from:
-``CacheKey`` gathers everything that shapes the cells (the model's SHA-256,
-the K and V types, the V layout flash attention decides, the sliding-window
-cache, the number of KV streams, the RoPE base, the cells per sequence), and
-file names derive from a hash of the key and the tokens, so a change of any of
-them gives other names and an old file is never considered.
+its files are named after a ``CacheKey`` of both (``cachekey``), so a state
+of another model or context is never considered.
 
 Nothing is loaded on trust. Before llama.cpp reads a state file the sidecar
 must parse, carry this key and name the tokens its own file name derives
@@ -49,23 +46,26 @@ import os
 import re
 import secrets
 import stat
-import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from orin.engine.cachekey import (
+    FORMAT_VERSION,
+    HEX64,
+    TOKEN_MAX,
+    CacheKey,
+    checked_int,
+    checked_text,
+    entry_name,
+    is_number,
+)
 from orin.llamacpp import capture_log, reported_by_caller
 from orin.system.root import GROUP_OR_OTHER_WRITE
 
-if TYPE_CHECKING:
-    from orin.engine.config import EngineConfig
-
 log = logging.getLogger("orin.engine")
-
-FORMAT_VERSION = 1
-"""Part of every key: bump when the sidecar or the meaning of a key field changes."""
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -83,11 +83,7 @@ shared KV buffer is offered again (the buffer may only have had no room for it t
 and before an entry whose files could not be read (too many open files, no memory, an
 I/O error, a permission taken away) is read again."""
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_TYPE = re.compile(r"^[a-z0-9_]{1,16}$")
 _NAME = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{32}$")  # key hash, then key and tokens hash
-_FLASH = ("on", "off", "auto")
-_TOKEN_MAX = 2**31 - 1
 
 
 class KVHandles(Protocol):
@@ -101,120 +97,6 @@ class KVHandles(Protocol):
 
     @property
     def memory(self) -> Any: ...
-
-
-# -- the key --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CacheKey:
-    """Everything that makes a saved sequence state valid for a context.
-
-    ``flash_attn`` is ``on`` or ``off`` as the context resolved it when the
-    caller knows (``flash_attn=`` of ``from_config``), else the configured
-    value, ``auto`` included. llama.cpp lays out the V cache from the
-    configured value (non-transposed for ``on`` and ``auto``, transposed for
-    ``off``) before it resolves ``auto``, and refuses a state of the other
-    layout itself, so a configured ``auto`` keys the layout correctly; it only
-    cannot tell apart the attention kernels the cells were computed with.
-
-    ``n_stream`` is the number of KV streams (the slots, or 1 with
-    ``kv_unified``): llama.cpp writes it into a sequence's state and refuses to
-    load a state into a context with another count ("n_stream mismatch").
-    """
-
-    model_sha256: str
-    type_k: str
-    type_v: str
-    flash_attn: str
-    swa_full: bool
-    kv_unified: bool
-    n_stream: int
-    n_ctx_seq: int
-    rope_freq_base: float | None  # None: the model's
-    format: int = FORMAT_VERSION
-
-    @classmethod
-    def from_config(
-        cls,
-        cfg: EngineConfig,
-        digest: str,
-        n_ctx_seq: int,
-        flash_attn: bool | None = None,
-    ) -> CacheKey:
-        """The key of a context built from ``cfg``: ``digest`` from ``model_digest``,
-        ``n_ctx_seq`` the cells per sequence llama.cpp reports (``Backend.n_ctx_seq``),
-        ``flash_attn`` whether the context uses flash attention, when known."""
-        fa = cfg.flash_attn if flash_attn is None else ("on" if flash_attn else "off")
-        return cls(
-            model_sha256=digest,
-            type_k=cfg.type_k,
-            type_v=cfg.type_v,
-            flash_attn=fa,
-            swa_full=cfg.swa_full,
-            kv_unified=cfg.kv_unified,
-            n_stream=1 if cfg.kv_unified else cfg.slots,
-            n_ctx_seq=n_ctx_seq,
-            rope_freq_base=cfg.rope_freq_base,
-        )
-
-    @property
-    def digest(self) -> str:
-        """SHA-256 of the key's canonical JSON: the first part of every file name."""
-        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, raw: object) -> CacheKey:
-        """A key read back from a sidecar; ValueError names the first field that is off."""
-        if not isinstance(raw, dict) or set(raw) != {f.name for f in fields(cls)}:
-            raise ValueError("the key does not have exactly the expected fields")
-        base = raw["rope_freq_base"]
-        if base is not None and not (_number(base) and math.isfinite(base) and base > 0):
-            raise ValueError(f"rope_freq_base is not a positive number: {base!r}")
-        if raw["flash_attn"] not in _FLASH:
-            raise ValueError(f"flash_attn is not one of {', '.join(_FLASH)}")
-        return cls(
-            model_sha256=_text(raw["model_sha256"], "model_sha256", _HEX64),
-            type_k=_text(raw["type_k"], "type_k", _TYPE),
-            type_v=_text(raw["type_v"], "type_v", _TYPE),
-            flash_attn=raw["flash_attn"],
-            swa_full=_flag(raw["swa_full"], "swa_full"),
-            kv_unified=_flag(raw["kv_unified"], "kv_unified"),
-            n_stream=_int(raw["n_stream"], "n_stream", 1, 1 << 16),
-            n_ctx_seq=_int(raw["n_ctx_seq"], "n_ctx_seq", 1, _TOKEN_MAX),
-            rope_freq_base=None if base is None else float(base),
-            format=_int(raw["format"], "format", 1, 1 << 16),
-        )
-
-
-def resolved_flash_attn(context_log: Sequence[str], configured: str) -> bool | None:
-    """Whether a context uses flash attention, from llama.cpp's log of its creation.
-
-    llama.cpp has no call that reports how ``auto`` was resolved; it logs it
-    ("Flash Attention enabled", or "... not supported, set to disabled") while
-    it reserves the compute graphs in ``llama_init_from_model``. None when
-    ``auto`` was asked and the log says neither.
-    """
-    if configured != "auto":
-        return configured == "on"
-    for line in reversed("".join(context_log).splitlines()):
-        if "Flash Attention" in line:
-            if "set to disabled" in line or "not supported" in line:
-                return False
-            if line.rstrip().endswith("enabled"):
-                return True
-    return None
-
-
-def entry_name(key: CacheKey, tokens: Sequence[int]) -> str:
-    """The file stem of a saved prompt: the key's hash, then a hash of key and tokens."""
-    h = hashlib.sha256(key.digest.encode())
-    h.update(struct.pack(f"<{len(tokens)}i", *tokens))
-    return f"{key.digest[:16]}-{h.hexdigest()[:32]}"
 
 
 # -- model digest ---------------------------------------------------------------------
@@ -284,8 +166,8 @@ def _read_memo(path: Path) -> dict[str, dict[str, Any]]:
             if not isinstance(rec, dict) or set(rec) != {*IDENTITY, "sha256"}:
                 raise ValueError(f"record {name!r} does not have the expected fields")
             for k in IDENTITY:
-                _int(rec[k], k, 0, 2**64)
-            _text(rec["sha256"], "sha256", _HEX64)
+                checked_int(rec[k], k, 0, 2**64)
+            checked_text(rec["sha256"], "sha256", HEX64)
             memo[str(name)] = rec
         return memo
     except FileNotFoundError:
@@ -361,21 +243,21 @@ def parse_sidecar(directory: Path, name: str, data: bytes) -> Entry:
     tokens = raw["tokens"]
     if not isinstance(tokens, list) or not 0 < len(tokens) <= key.n_ctx_seq:
         raise ValueError(f"tokens must be a list of 1 to {key.n_ctx_seq} token ids")
-    if not all(type(t) is int and 0 <= t <= _TOKEN_MAX for t in tokens):
+    if not all(type(t) is int and 0 <= t <= TOKEN_MAX for t in tokens):
         raise ValueError("tokens must be non-negative 32-bit integers")
     if entry_name(key, tokens) != name:
         raise ValueError("the key and tokens do not give this file's name")
     created, last_used = raw["created"], raw["last_used"]
     for value, what in ((created, "created"), (last_used, "last_used")):
-        if not _number(value) or not math.isfinite(value) or value < 0:
+        if not is_number(value) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{what} is not a time: {value!r}")
     return Entry(
         directory=directory,
         name=name,
         key=key,
         tokens=tuple(tokens),
-        state_sha256=_text(raw["state_sha256"], "state_sha256", _HEX64),
-        state_bytes=_int(raw["state_bytes"], "state_bytes", 12, 2**63),
+        state_sha256=checked_text(raw["state_sha256"], "state_sha256", HEX64),
+        state_bytes=checked_int(raw["state_bytes"], "state_bytes", 12, 2**63),
         created=float(created),
         last_used=float(last_used),
         sidecar_bytes=len(data),
@@ -1090,25 +972,3 @@ def _reason(lines: list[str]) -> str:
     ("failed to restore kv cache")."""
     text = [ln.strip() for ln in "".join(lines).splitlines() if ln.strip()]
     return "; ".join(list(dict.fromkeys(text))[-REASON_LINES:]) or "no reason given"
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _int(value: object, name: str, lo: int, hi: int) -> int:
-    if type(value) is not int or not lo <= value <= hi:
-        raise ValueError(f"{name} must be an integer from {lo} to {hi}, not {value!r}")
-    return value
-
-
-def _flag(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, not {value!r}")
-    return value
-
-
-def _text(value: object, name: str, pattern: re.Pattern[str]) -> str:
-    if not isinstance(value, str) or not pattern.match(value):
-        raise ValueError(f"{name} is not an accepted value: {value!r}")
-    return value

@@ -165,7 +165,8 @@ class WarmCache:
     def __init__(
         self, cfg: EngineConfig, backend: Backend, runner: Runner, chat: ChatTemplate
     ) -> None:
-        from orin.engine.promptcache import CacheKey, PromptCache, model_digest
+        from orin.engine.cachekey import CacheKey
+        from orin.engine.promptcache import PromptCache, model_digest
 
         pc = cfg.prompt_cache
         assert pc is not None

@@ -13,14 +13,13 @@ import numpy.typing as npt
 import pytest
 
 from orin.engine.backend import Backend
+from orin.engine.cachekey import CacheKey, resolved_flash_attn
 from orin.engine.config import EngineConfig, engine_config
 from orin.engine.promptcache import (
     RETRY_S,
-    CacheKey,
     Entry,
     PromptCache,
     model_digest,
-    resolved_flash_attn,
 )
 from orin.engine.runner import Runner
 from orin.engine.scheduler import Batch, BatchItem

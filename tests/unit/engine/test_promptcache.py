@@ -18,15 +18,13 @@ from typing import Any
 import pytest
 
 from orin.engine import promptcache
+from orin.engine.cachekey import CacheKey, entry_name, resolved_flash_attn
 from orin.engine.config import EngineConfig
 from orin.engine.promptcache import (
     STALE_S,
-    CacheKey,
     Entry,
     PromptCache,
-    entry_name,
     model_digest,
-    resolved_flash_attn,
 )
 from orin.engine.scheduler import ContextPolicy
 
