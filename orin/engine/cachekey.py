@@ -144,7 +144,7 @@ def entry_name(key: CacheKey, tokens: Sequence[int]) -> str:
     return f"{key.digest[:16]}-{h.hexdigest()[:32]}"
 
 
-# -- checks of what is read back from disk ---------------------------------------------
+# -- checks of what is read back from disk --------------------------------------------
 
 
 def is_number(value: object) -> bool:

@@ -37,53 +37,59 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import hashlib
 import json
 import logging
 import math
 import os
-import re
 import secrets
-import stat
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from orin.engine.cachefiles import (
+    CHUNK,
+    ENTRY_NAME,
+    FILE_MODE,
+    MAX_SIDECAR_BYTES,
+    SIDECAR_SUFFIX,
+    STATE_SUFFIX,
+    TEMP_PREFIX,
+    Entry,
+    OtherFormat,
+    cannot_create,
+    ensure_dir,
+    exists,
+    open_file,
+    parse_sidecar,
+    read_trusted,
+    synced,
+    untrusted,
+    untrusted_dir,
+    verify_state,
+    write_atomic,
+)
 from orin.engine.cachekey import (
-    FORMAT_VERSION,
     HEX64,
-    TOKEN_MAX,
     CacheKey,
     checked_int,
     checked_text,
     entry_name,
-    is_number,
 )
 from orin.llamacpp import capture_log, reported_by_caller
-from orin.system.root import GROUP_OR_OTHER_WRITE
 
 log = logging.getLogger("orin.engine")
 
-DIR_MODE = 0o700
-FILE_MODE = 0o600
-STATE_SUFFIX = ".state"
-SIDECAR_SUFFIX = ".json"
-TEMP_PREFIX = ".tmp-"
 MEMO_NAME = "model-digests.json"
 MEMO_LIMIT = 32  # model files remembered in the digest memo
 STALE_S = 600.0  # a temp or orphan file this old is a crashed writer's, not one in progress
-CHUNK = 1 << 20
-MAX_SIDECAR_BYTES = 64 << 20  # far above a sidecar of the longest context's tokens
 RETRY_S = 30.0
 """Seconds before a state llama.cpp refused while other sequences held cells of the
 shared KV buffer is offered again (the buffer may only have had no room for it then),
 and before an entry whose files could not be read (too many open files, no memory, an
 I/O error, a permission taken away) is read again."""
-
-_NAME = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{32}$")  # key hash, then key and tokens hash
 
 
 class KVHandles(Protocol):
@@ -136,8 +142,8 @@ def model_digest(path: Path, memo_dir: Path) -> str:
     while len(memo) > MEMO_LIMIT:
         memo.pop(next(iter(memo)))
     try:
-        _ensure_dir(memo_dir)
-        _write_atomic(memo_path, json.dumps(memo, indent=1).encode())
+        ensure_dir(memo_dir)
+        write_atomic(memo_path, json.dumps(memo, indent=1).encode())
     except OSError as exc:
         log.warning("cannot remember the digest of %s in %s: %s", resolved, memo_path, exc)
     return digest
@@ -158,7 +164,7 @@ def _identity(st: os.stat_result) -> dict[str, int]:
 def _read_memo(path: Path) -> dict[str, dict[str, Any]]:
     """The memo's records (file path -> identity and digest); {} when absent or off."""
     try:
-        raw = json.loads(_read_trusted(path, MAX_SIDECAR_BYTES))
+        raw = json.loads(read_trusted(path, MAX_SIDECAR_BYTES))
         if not isinstance(raw, dict):
             raise ValueError("not an object")
         memo: dict[str, dict[str, Any]] = {}
@@ -175,93 +181,6 @@ def _read_memo(path: Path) -> dict[str, dict[str, Any]]:
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         log.debug("not using the digest memo %s: %s", path, exc)
         return {}
-
-
-# -- entries --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One saved prompt: ``<name>.state`` (llama.cpp's file) and ``<name>.json``."""
-
-    directory: Path
-    name: str
-    key: CacheKey
-    tokens: tuple[int, ...]
-    state_sha256: str
-    state_bytes: int
-    created: float
-    last_used: float
-    sidecar_bytes: int = 0
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def state_path(self) -> Path:
-        return self.directory / (self.name + STATE_SUFFIX)
-
-    @property
-    def sidecar_path(self) -> Path:
-        return self.directory / (self.name + SIDECAR_SUFFIX)
-
-    @property
-    def disk_bytes(self) -> int:
-        """Disk the entry takes: the state file and the sidecar."""
-        return self.state_bytes + self.sidecar_bytes
-
-    def sidecar(self) -> bytes:
-        doc = {
-            "key": self.key.to_json(),
-            "tokens": list(self.tokens),
-            "state_sha256": self.state_sha256,
-            "state_bytes": self.state_bytes,
-            "created": self.created,
-            "last_used": self.last_used,
-        }
-        return json.dumps(doc, separators=(",", ":")).encode()
-
-
-SIDECAR_KEYS = frozenset({"key", "tokens", "state_sha256", "state_bytes", "created", "last_used"})
-
-
-class OtherFormat(ValueError):
-    """A sidecar of another format version: not this version's to judge or remove."""
-
-
-def parse_sidecar(directory: Path, name: str, data: bytes) -> Entry:
-    """The entry a sidecar describes; ValueError names the first thing that is off."""
-    raw = json.loads(data)
-    if isinstance(raw, dict) and isinstance(raw.get("key"), dict):
-        fmt = raw["key"].get("format")
-        if fmt != FORMAT_VERSION:
-            raise OtherFormat(f"format {fmt!r}")
-    if not isinstance(raw, dict) or set(raw) != SIDECAR_KEYS:
-        raise ValueError(f"expected exactly the keys {', '.join(sorted(SIDECAR_KEYS))}")
-    key = CacheKey.from_json(raw["key"])
-    tokens = raw["tokens"]
-    if not isinstance(tokens, list) or not 0 < len(tokens) <= key.n_ctx_seq:
-        raise ValueError(f"tokens must be a list of 1 to {key.n_ctx_seq} token ids")
-    if not all(type(t) is int and 0 <= t <= TOKEN_MAX for t in tokens):
-        raise ValueError("tokens must be non-negative 32-bit integers")
-    if entry_name(key, tokens) != name:
-        raise ValueError("the key and tokens do not give this file's name")
-    created, last_used = raw["created"], raw["last_used"]
-    for value, what in ((created, "created"), (last_used, "last_used")):
-        if not is_number(value) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{what} is not a time: {value!r}")
-    return Entry(
-        directory=directory,
-        name=name,
-        key=key,
-        tokens=tuple(tokens),
-        state_sha256=checked_text(raw["state_sha256"], "state_sha256", HEX64),
-        state_bytes=checked_int(raw["state_bytes"], "state_bytes", 12, 2**63),
-        created=float(created),
-        last_used=float(last_used),
-        sidecar_bytes=len(data),
-    )
 
 
 @dataclass
@@ -319,9 +238,9 @@ class PromptCache:
         self._warned: dict[str, str] = {}
         self._touch_failed = False  # a last-use time could not be written: said once
         try:
-            _ensure_dir(self.directory)
+            ensure_dir(self.directory)
         except OSError as exc:
-            self._disable(_cannot_create(self.directory, exc))
+            self._disable(cannot_create(self.directory, exc))
             return
         self.refresh()
 
@@ -415,8 +334,8 @@ class PromptCache:
         if (
             known is not None
             and name not in self._refused
-            and _exists(known.state_path)
-            and _exists(known.sidecar_path)
+            and exists(known.state_path)
+            and exists(known.sidecar_path)
         ):
             return self._touch(known)
         state_tmp = self._temp_path(name + STATE_SUFFIX)
@@ -458,7 +377,7 @@ class PromptCache:
                 _reason(problems or lines),
             )
             return None
-        size, digest = _synced(state_tmp)
+        size, digest = synced(state_tmp)
         if size != written:  # llama.cpp does not check the flush when it closes the file
             log.warning(
                 "prompt cache: llama.cpp wrote %d bytes of sequence %d's state but %s holds "
@@ -496,7 +415,7 @@ class PromptCache:
             entry.sidecar_path.unlink()
         os.replace(state_tmp, entry.state_path)
         try:
-            _write_atomic(entry.sidecar_path, data, self._temp_path(name + SIDECAR_SUFFIX))
+            write_atomic(entry.sidecar_path, data, self._temp_path(name + SIDECAR_SUFFIX))
         except OSError:  # a state without its sidecar only takes room (a full disk's)
             with contextlib.suppress(OSError):
                 entry.state_path.unlink()
@@ -550,7 +469,7 @@ class PromptCache:
         if current.key != self.key or current.tokens != entry.tokens:
             return self._refuse(entry, "its sidecar describes another prompt", delete=False)
         try:
-            fd = _open_file(current.state_path)
+            fd = open_file(current.state_path)
         except FileNotFoundError:
             return self._refuse(entry, "its state file is missing", delete=True)
         except OSError as exc:
@@ -559,7 +478,7 @@ class PromptCache:
             return self._refuse(entry, f"state file: {exc}", delete=True)
         try:
             try:
-                reason = _verify_state(fd, current)
+                reason = verify_state(fd, current)
             except OSError as exc:
                 return self._unreadable(entry, current.state_path, exc)
             if reason is not None:
@@ -662,7 +581,7 @@ class PromptCache:
         used = replace(used, sidecar_bytes=len(data))
         self._index[used.name] = used
         try:
-            _write_atomic(used.sidecar_path, data, self._temp_path(used.name + SIDECAR_SUFFIX))
+            write_atomic(used.sidecar_path, data, self._temp_path(used.name + SIDECAR_SUFFIX))
         except OSError as exc:  # a read-only directory of prompts computed elsewhere, say
             level = logging.DEBUG if self._touch_failed else logging.WARNING
             self._touch_failed = True
@@ -693,7 +612,7 @@ class PromptCache:
         """
         if self.problem is not None:
             return
-        reason = _untrusted_dir(self.directory)
+        reason = untrusted_dir(self.directory)
         if reason is not None:
             self._disable(reason)
             return
@@ -707,7 +626,7 @@ class PromptCache:
         self._unread = {}
         for item in listing:
             stem, suffix = os.path.splitext(item.name)
-            if suffix == SIDECAR_SUFFIX and _NAME.match(stem):
+            if suffix == SIDECAR_SUFFIX and ENTRY_NAME.match(stem):
                 names.add(stem)
                 entry = self._scan_one(stem)
                 if entry is not None:
@@ -715,7 +634,7 @@ class PromptCache:
         self._index = index
         for item in listing:
             stem, suffix = os.path.splitext(item.name)
-            orphan = suffix == STATE_SUFFIX and _NAME.match(stem) and stem not in names
+            orphan = suffix == STATE_SUFFIX and ENTRY_NAME.match(stem) and stem not in names
             if orphan or item.name.startswith(TEMP_PREFIX):
                 self._remove_stale(Path(item.path))
 
@@ -756,7 +675,7 @@ class PromptCache:
             self._unread_now(name, entry.state_path, exc)
             return None
         else:
-            reason = _untrusted(st) or (
+            reason = untrusted(st) or (
                 None
                 if st.st_size == entry.state_bytes
                 else f"its state file has {st.st_size} bytes, the sidecar says {entry.state_bytes}"
@@ -773,7 +692,7 @@ class PromptCache:
         self._warn_once(name, path, exc)
 
     def _read_entry(self, name: str) -> Entry:
-        data = _read_trusted(self.directory / (name + SIDECAR_SUFFIX), MAX_SIDECAR_BYTES)
+        data = read_trusted(self.directory / (name + SIDECAR_SUFFIX), MAX_SIDECAR_BYTES)
         return parse_sidecar(self.directory, name, data)
 
     def _remove(self, entry: Entry, only_own: bool = False) -> None:
@@ -809,157 +728,6 @@ class PromptCache:
         self.problem = f"{self.directory}: {reason}"
         self._index = {}
         log.warning("prompt cache disabled: %s", self.problem)
-
-
-# -- files ----------------------------------------------------------------------------
-
-
-def _untrusted(st: os.stat_result) -> str | None:
-    """Why a file could hold what someone else wrote, or None when it is fine to read:
-    a regular file (not a link) of this user or root, not writable by group or others."""
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_uid not in (0, os.geteuid()):
-        return f"owned by uid {st.st_uid}, neither this user ({os.geteuid()}) nor root"
-    if st.st_mode & GROUP_OR_OTHER_WRITE:
-        return f"writable by group or others (mode {st.st_mode & 0o7777:04o})"
-    return None
-
-
-def _untrusted_dir(path: Path) -> str | None:
-    try:
-        st = path.stat()
-    except OSError as exc:
-        return f"cannot read it: {exc.strerror or exc}"
-    if not stat.S_ISDIR(st.st_mode):
-        return "not a directory"
-    if st.st_uid not in (0, os.geteuid()):
-        return f"owned by uid {st.st_uid}, neither this user ({os.geteuid()}) nor root"
-    if st.st_mode & GROUP_OR_OTHER_WRITE:
-        return f"writable by group or others (mode {st.st_mode & 0o7777:04o}); chmod 0700 it"
-    return None
-
-
-def _exists(path: Path) -> bool:
-    """Whether ``path`` is there; an error that says nothing (EIO, EACCES) is a no,
-    where ``Path.exists`` raises it."""
-    try:
-        path.lstat()
-    except OSError:
-        return False
-    return True
-
-
-def _open_file(path: Path) -> int:
-    """A descriptor of ``path`` opened for reading, not through a symbolic link: a
-    link is a ValueError (not this cache's file), any other failure an OSError."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ValueError("a symbolic link, not a regular file") from None
-        raise
-
-
-def _read_trusted(path: Path, limit: int) -> bytes:
-    """A small file's bytes, checked on the open file itself (no link followed)."""
-    fd = _open_file(path)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        reason = _untrusted(st)
-        if reason is not None:
-            raise ValueError(reason)
-        if st.st_size > limit:
-            raise ValueError(f"{st.st_size} bytes, more than {limit}")
-        return f.read(limit + 1)
-
-
-def _verify_state(fd: int, entry: Entry) -> str | None:
-    """Why the open state file is not the one the sidecar describes, or None."""
-    st = os.fstat(fd)
-    reason = _untrusted(st)
-    if reason is not None:
-        return reason
-    if st.st_size != entry.state_bytes:
-        return f"it has {st.st_size} bytes, the sidecar says {entry.state_bytes}"
-    h = hashlib.sha256()
-    for block in _blocks(fd):
-        h.update(block)
-    if h.hexdigest() != entry.state_sha256:
-        return "its SHA-256 does not match the sidecar's (altered or damaged)"
-    return None
-
-
-def _blocks(fd: int) -> Iterator[bytes]:
-    offset = 0
-    while block := os.pread(fd, CHUNK, offset):
-        offset += len(block)
-        yield block
-
-
-def _cannot_create(path: Path, exc: OSError) -> str:
-    """Why ``_ensure_dir`` failed: a file where a folder on the way should be is named
-    as such (mkdir's own "File exists" says nothing about which)."""
-    for folder in (path, *path.parents):
-        if folder.exists() or folder.is_symlink():
-            if not folder.is_dir():
-                return f"cannot create it: {folder} is not a directory"
-            break
-    return f"cannot create it: {exc.strerror or exc}"
-
-
-def _ensure_dir(path: Path) -> None:
-    """Create the directory (0700; missing parents with the umask's modes)."""
-    if path.is_dir():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        path.mkdir(mode=DIR_MODE)
-    except FileExistsError:
-        return
-    os.chmod(path, DIR_MODE)
-
-
-def _write_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None:
-    """Write ``data`` under a temporary name (0600), flushed to the disk, and rename it
-    over ``path``: after a power cut the name holds the old bytes or the new ones."""
-    tmp = tmp or path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _sync_dir(path.parent)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-
-
-def _synced(path: Path) -> tuple[int, str]:
-    """Flush a file another writer (llama.cpp) closed to the disk: its size and SHA-256
-    as the disk has them."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-        h = hashlib.sha256()
-        for block in _blocks(fd):
-            h.update(block)
-        return os.fstat(fd).st_size, h.hexdigest()
-    finally:
-        os.close(fd)
-
-
-def _sync_dir(path: Path) -> None:
-    """Flush a directory's renames to the disk (best effort: some file systems refuse
-    it, and a rename that a power cut forgets leaves the old file, never half of one)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 REASON_LINES = 3  # llama.cpp's lines a refusal quotes, at most

@@ -32,7 +32,8 @@ from orin.engine.speculative import (
 )
 
 if TYPE_CHECKING:
-    from orin.engine.promptcache import Entry, PromptCache
+    from orin.engine.cachefiles import Entry
+    from orin.engine.promptcache import PromptCache
     from orin.engine.runner import Runner
 
 log = logging.getLogger("orin.engine")

@@ -17,15 +17,11 @@ from typing import Any
 
 import pytest
 
-from orin.engine import promptcache
+from orin.engine import cachefiles, promptcache
+from orin.engine.cachefiles import Entry
 from orin.engine.cachekey import CacheKey, entry_name, resolved_flash_attn
 from orin.engine.config import EngineConfig
-from orin.engine.promptcache import (
-    STALE_S,
-    Entry,
-    PromptCache,
-    model_digest,
-)
+from orin.engine.promptcache import STALE_S, PromptCache, model_digest
 from orin.engine.scheduler import ContextPolicy
 
 MAGIC = b"QSGG"  # llama.cpp's LLAMA_FILE_MAGIC_GGSQ, as a little-endian u32
@@ -659,7 +655,7 @@ def test_model_digest_is_remembered_until_the_file_changes(
 
 def failing_open(monkeypatch: pytest.MonkeyPatch, path: Path, code: int) -> dict[str, bool]:
     """Opening ``path`` fails with ``code`` while the returned switch is on."""
-    real = promptcache._open_file
+    real = cachefiles.open_file
     switch = {"on": True}
 
     def opener(p: Path) -> int:
@@ -667,7 +663,8 @@ def failing_open(monkeypatch: pytest.MonkeyPatch, path: Path, code: int) -> dict
             raise OSError(code, os.strerror(code), str(p))
         return real(p)
 
-    monkeypatch.setattr(promptcache, "_open_file", opener)
+    for module in (cachefiles, promptcache):  # sidecars are read by one, states by the other
+        monkeypatch.setattr(module, "open_file", opener)
     return switch
 
 
@@ -743,7 +740,7 @@ def test_an_io_error_while_the_state_is_checked_keeps_it(
         raise OSError(errno.EIO, os.strerror(errno.EIO))
         yield b""
 
-    monkeypatch.setattr(promptcache, "_blocks", flaky)
+    monkeypatch.setattr(cachefiles, "blocks", flaky)
     with caplog.at_level(logging.WARNING):
         assert not pc.load(kv, 0, entry)
     assert f"cannot read {entry.state_path}: {os.strerror(errno.EIO)}; kept" in caplog.text
@@ -822,7 +819,7 @@ def test_a_sidecar_that_cannot_be_written_leaves_no_state_behind(
     def full(path: Path, data: bytes, tmp: Path | None = None) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
 
-    monkeypatch.setattr(promptcache, "_write_atomic", full)
+    monkeypatch.setattr(promptcache, "write_atomic", full)
     kv.prefill(0, [1, 2, 3])
     with caplog.at_level(logging.WARNING):
         assert pc.save(kv, 0, [1, 2, 3]) is None
@@ -883,7 +880,7 @@ def test_a_directory_that_cannot_be_written_is_said_once_not_at_every_restore(
     def read_only(path: Path, data: bytes, tmp: Path | None = None) -> None:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp))
 
-    monkeypatch.setattr(promptcache, "_write_atomic", read_only)
+    monkeypatch.setattr(promptcache, "write_atomic", read_only)
     with caplog.at_level(logging.WARNING):
         for seq in (0, 1, 2):
             assert pc.load(kv, seq, entry)
