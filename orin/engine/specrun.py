@@ -167,7 +167,8 @@ class WarmCache:
         self, cfg: EngineConfig, backend: Backend, runner: Runner, chat: ChatTemplate
     ) -> None:
         from orin.engine.cachekey import CacheKey
-        from orin.engine.promptcache import PromptCache, model_digest
+        from orin.engine.modeldigest import model_digest
+        from orin.engine.promptcache import PromptCache
 
         pc = cfg.prompt_cache
         assert pc is not None

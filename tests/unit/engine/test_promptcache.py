@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 
-from orin.engine import cachefiles, promptcache
+from orin.engine import cachefiles, modeldigest, promptcache
 from orin.engine.cachefiles import Entry
 from orin.engine.cachekey import CacheKey, entry_name, resolved_flash_attn
 from orin.engine.config import EngineConfig
-from orin.engine.promptcache import STALE_S, PromptCache, model_digest
+from orin.engine.modeldigest import model_digest
+from orin.engine.promptcache import STALE_S, PromptCache
 from orin.engine.scheduler import ContextPolicy
 
 MAGIC = b"QSGG"  # llama.cpp's LLAMA_FILE_MAGIC_GGSQ, as a little-endian u32
@@ -623,13 +624,13 @@ def test_model_digest_is_remembered_until_the_file_changes(
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + bytes(range(256)) * 64)
     hashed: list[Path] = []
-    real = promptcache.file_sha256
+    real = modeldigest.file_sha256
 
     def counting(path: Path) -> str:
         hashed.append(path)
         return real(path)
 
-    monkeypatch.setattr(promptcache, "file_sha256", counting)
+    monkeypatch.setattr(modeldigest, "file_sha256", counting)
     memo_dir = tmp_path / "memo"
     first = model_digest(model, memo_dir)
     assert model_digest(model, memo_dir) == first and len(hashed) == 1
