@@ -28,9 +28,9 @@ ENOMEM, EIO, EACCES...) is kept, warned about once and read again after
 
 All llama.cpp calls belong to the engine thread, so ``PromptCache`` is not
 thread-safe: one thread (the engine's) uses it. Several processes may share
-a directory: files are replaced atomically, each load re-reads the sidecar,
-and ``refresh`` picks up what others wrote (a save calls it before it evicts,
-so the size bound counts every process's entries).
+a directory: files are replaced atomically (``cachefiles``), each load re-reads
+the sidecar, and the directory's index (``cacheindex``) picks up what others
+wrote, so the size bound counts every process's entries.
 """
 
 from __future__ import annotations
@@ -38,50 +38,30 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import math
 import os
-import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from orin.engine.cachefiles import (
-    ENTRY_NAME,
     FILE_MODE,
-    MAX_SIDECAR_BYTES,
     SIDECAR_SUFFIX,
     STATE_SUFFIX,
-    TEMP_PREFIX,
     Entry,
     OtherFormat,
-    cannot_create,
-    ensure_dir,
     exists,
     open_file,
-    parse_sidecar,
-    read_trusted,
     synced,
-    untrusted,
-    untrusted_dir,
     verify_state,
     write_atomic,
 )
-from orin.engine.cachekey import (
-    CacheKey,
-    entry_name,
-)
+from orin.engine.cacheindex import RETRY_S, CacheCounters, CacheIndex
+from orin.engine.cachekey import CacheKey, entry_name
 from orin.llamacpp import capture_log, reported_by_caller
 
 log = logging.getLogger("orin.engine")
-
-STALE_S = 600.0  # a temp or orphan file this old is a crashed writer's, not one in progress
-RETRY_S = 30.0
-"""Seconds before a state llama.cpp refused while other sequences held cells of the
-shared KV buffer is offered again (the buffer may only have had no room for it then),
-and before an entry whose files could not be read (too many open files, no memory, an
-I/O error, a permission taken away) is read again."""
 
 
 class KVHandles(Protocol):
@@ -95,21 +75,6 @@ class KVHandles(Protocol):
 
     @property
     def memory(self) -> Any: ...
-
-
-@dataclass
-class CacheCounters:
-    """Running totals for the engine's metrics."""
-
-    hits: int = 0  # find/get answered with an entry
-    misses: int = 0  # find/get found nothing
-    saves: int = 0  # entries written
-    loads: int = 0  # states restored into a sequence
-    rejected: int = 0  # entries refused: failed verification or llama.cpp refused them
-    evicted: int = 0  # entries removed to stay within max_bytes
-
-
-# -- the cache ------------------------------------------------------------------------
 
 
 class PromptCache:
@@ -137,8 +102,6 @@ class PromptCache:
         self.max_bytes = max_bytes
         self.clock = clock
         self.counters = CacheCounters()
-        self.problem: str | None = None
-        self._index: dict[str, Entry] = {}
         # entries this process's llama.cpp refused to load, by name, with the digest of
         # the state it refused: that state is not offered again (find, get), and the
         # next save of the same prompt writes it anew instead of keeping it
@@ -146,28 +109,27 @@ class PromptCache:
         # entries refused while the shared KV buffer may have had no room for them, by
         # name: when (``clock``) they are offered again
         self._retry_at: dict[str, float] = {}
-        # sidecars a passing error kept out of the index, by name: when they are read again
-        self._unread: dict[str, float] = {}
-        # the last warning about a passing error, by entry name: said once, not each retry
-        self._warned: dict[str, str] = {}
-        self._touch_failed = False  # a last-use time could not be written: said once
-        try:
-            ensure_dir(self.directory)
-        except OSError as exc:
-            self._disable(cannot_create(self.directory, exc))
-            return
-        self.refresh()
+        self._index = CacheIndex(directory, clock, self.counters)
+
+    @property
+    def problem(self) -> str | None:
+        """What is wrong with the directory, when the cache finds and saves nothing."""
+        return self._index.problem
+
+    def refresh(self) -> None:
+        """Read the directory again: entries other processes wrote or removed."""
+        self._index.refresh()
 
     # -- lookup -----------------------------------------------------------------------
 
     def find(self, tokens: Sequence[int]) -> Entry | None:
         """The longest saved prompt of this key whose tokens start ``tokens`` (or are
         all of them)."""
-        self._read_again()
+        self._index.read_again()
         best: Entry | None = None
         n = len(tokens)
         now = self.clock() if self._retry_at else 0.0
-        for e in self._index.values():
+        for e in self._index.by_name.values():
             if (
                 e.key == self.key
                 and not self._was_refused(e, now)
@@ -181,8 +143,8 @@ class PromptCache:
 
     def get(self, tokens: Sequence[int]) -> Entry | None:
         """The saved prompt of exactly these tokens."""
-        self._read_again()
-        e = self._index.get(entry_name(self.key, tokens)) if tokens else None
+        self._index.read_again()
+        e = self._index.by_name.get(entry_name(self.key, tokens)) if tokens else None
         now = self.clock() if self._retry_at else 0.0
         usable = e is not None and e.key == self.key and not self._was_refused(e, now)
         found = e if usable else None
@@ -191,13 +153,13 @@ class PromptCache:
 
     def entries(self) -> list[Entry]:
         """This key's entries, most recently used first."""
-        ours = [e for e in self._index.values() if e.key == self.key]
+        ours = [e for e in self._index.by_name.values() if e.key == self.key]
         return sorted(ours, key=lambda e: e.last_used, reverse=True)
 
     @property
     def total_bytes(self) -> int:
         """Disk the directory's entries take, every key's."""
-        return sum(e.disk_bytes for e in self._index.values())
+        return self._index.total_bytes
 
     def _was_refused(self, entry: Entry, now: float) -> bool:
         """Whether llama.cpp refused this very state (the same digest) in this process,
@@ -244,15 +206,15 @@ class PromptCache:
             )
             return None
         name = entry_name(self.key, tokens)
-        known = self._index.get(name)
+        known = self._index.by_name.get(name)
         if (
             known is not None
             and name not in self._refused
             and exists(known.state_path)
             and exists(known.sidecar_path)
         ):
-            return self._touch(known)
-        state_tmp = self._temp_path(name + STATE_SUFFIX)
+            return self._index.touch(known)
+        state_tmp = self._index.temp_path(name + STATE_SUFFIX)
         try:
             entry = self._write(kv, seq, tokens, name, state_tmp)
         except OSError as exc:
@@ -262,13 +224,13 @@ class PromptCache:
             with contextlib.suppress(FileNotFoundError):
                 state_tmp.unlink()
         if entry is not None:
-            self._index[name] = entry
-            for pending in (self._refused, self._retry_at, self._unread, self._warned):
+            self._index.saved(entry)
+            for pending in (self._refused, self._retry_at):
                 pending.pop(name, None)
             self.counters.saves += 1
-            self.refresh()  # the bound is the directory's: what others saved counts too
-            self._index.setdefault(name, entry)
-            self._evict(keep=name)
+            self._index.refresh()  # the bound is the directory's: what others saved counts too
+            self._index.by_name.setdefault(name, entry)
+            self._index.evict(name, self.max_bytes)
         return entry
 
     def _write(
@@ -311,7 +273,7 @@ class PromptCache:
             state_sha256=digest,
             state_bytes=size,
             created=now,
-            last_used=self._used_now(),
+            last_used=self._index.used_now(),
         )
         data = entry.sidecar()
         entry = replace(entry, sidecar_bytes=len(data))
@@ -329,27 +291,12 @@ class PromptCache:
             entry.sidecar_path.unlink()
         os.replace(state_tmp, entry.state_path)
         try:
-            write_atomic(entry.sidecar_path, data, self._temp_path(name + SIDECAR_SUFFIX))
+            write_atomic(entry.sidecar_path, data, self._index.temp_path(name + SIDECAR_SUFFIX))
         except OSError:  # a state without its sidecar only takes room (a full disk's)
             with contextlib.suppress(OSError):
                 entry.state_path.unlink()
             raise
         return entry
-
-    def _evict(self, keep: str) -> None:
-        while self.total_bytes > self.max_bytes:
-            victims = [e for e in self._index.values() if e.name != keep]
-            if not victims:
-                return
-            victim = min(victims, key=lambda e: e.last_used)
-            log.info(
-                "prompt cache: evicting %s (%d tokens, %d bytes, least recently used)",
-                victim.state_path,
-                victim.n_tokens,
-                victim.disk_bytes,
-            )
-            self._remove(victim)
-            self.counters.evicted += 1
 
     # -- load -------------------------------------------------------------------------
 
@@ -369,12 +316,12 @@ class PromptCache:
         if entry.key != self.key:
             return self._refuse(entry, "it was saved for another model or context", delete=False)
         try:
-            current = self._read_entry(entry.name)
+            current = self._index.read(entry.name)
         except FileNotFoundError:
-            self._index.pop(entry.name, None)
+            self._index.by_name.pop(entry.name, None)
             return self._refuse(entry, "its sidecar is gone", delete=False)
         except OtherFormat as exc:
-            self._index.pop(entry.name, None)
+            self._index.by_name.pop(entry.name, None)
             return self._refuse(entry, f"its sidecar is now of {exc}", delete=False)
         except OSError as exc:
             return self._unreadable(entry, entry.sidecar_path, exc)
@@ -406,7 +353,7 @@ class PromptCache:
         if not ok:
             with contextlib.suppress(Exception):
                 lib.llama_memory_seq_rm(kv.memory, seq, 0, -1)
-            self._index[current.name] = current  # its digest is what find and get see
+            self._index.by_name[current.name] = current  # its digest is what find and get see
             if by_llama and self._shares_buffer(kv, seq):  # perhaps no room only then
                 self._retry_at[current.name] = self.clock() + RETRY_S
                 return self._refuse(
@@ -422,8 +369,8 @@ class PromptCache:
                 entry, f"{reason}; not trying it again until it is saved anew", delete=False
             )
         self._retry_at.pop(current.name, None)
-        self._warned.pop(current.name, None)
-        self._touch(current)
+        self._index.readable(current.name)
+        self._index.touch(current)
         self.counters.loads += 1
         return True
 
@@ -467,181 +414,15 @@ class PromptCache:
         """A file of the entry could not be read now: kept, offered again after RETRY_S."""
         self._retry_at[entry.name] = self.clock() + RETRY_S
         self.counters.rejected += 1
-        self._warn_once(entry.name, path, exc)
+        self._index.warn_once(entry.name, path, exc)
         return False
-
-    def _warn_once(self, name: str, path: Path, exc: OSError) -> None:
-        """One warning for a passing error (the same one again at each retry is a debug
-        line): the file is kept and read again after RETRY_S."""
-        message = (
-            f"prompt cache: cannot read {path}: {exc.strerror or exc}; "
-            f"kept, trying it again in {RETRY_S:g} s"
-        )
-        level = logging.DEBUG if self._warned.get(name) == message else logging.WARNING
-        self._warned[name] = message
-        log.log(level, "%s", message)
 
     def _refuse(self, entry: Entry, reason: str, delete: bool) -> bool:
         log.warning("prompt cache: not loading %s: %s", entry.state_path, reason)
         self.counters.rejected += 1
         if delete:
-            self._remove(entry, only_own=True)
+            self._index.remove(entry, only_own=True)
         return False
-
-    def _touch(self, entry: Entry) -> Entry:
-        """Mark an entry used now, in memory and in its sidecar (best effort)."""
-        used = replace(entry, last_used=self._used_now())
-        data = used.sidecar()
-        used = replace(used, sidecar_bytes=len(data))
-        self._index[used.name] = used
-        try:
-            write_atomic(used.sidecar_path, data, self._temp_path(used.name + SIDECAR_SUFFIX))
-        except OSError as exc:  # a read-only directory of prompts computed elsewhere, say
-            level = logging.DEBUG if self._touch_failed else logging.WARNING
-            self._touch_failed = True
-            log.log(
-                level,
-                "prompt cache: cannot record the last use in %s: %s (said once)",
-                used.sidecar_path,
-                exc,
-            )
-        return used
-
-    def _used_now(self) -> float:
-        """A last-used time after every entry's: the clock's, unless it is behind them
-        (a board that starts at an old time until NTP sets it), when the entry just used
-        must still be the most recent, not the first to be evicted."""
-        newest = max((e.last_used for e in self._index.values()), default=0.0)
-        return max(self.clock(), math.nextafter(newest, math.inf))
-
-    # -- the directory ----------------------------------------------------------------
-
-    def refresh(self) -> None:
-        """Read the directory again: entries other processes wrote or removed.
-
-        A sidecar that fails its checks is skipped with a warning (and removed
-        with its state file when this user owns it); one of another format
-        version is left alone. Temporary and orphaned state files older than
-        STALE_S, left by a writer that crashed, are removed.
-        """
-        if self.problem is not None:
-            return
-        reason = untrusted_dir(self.directory)
-        if reason is not None:
-            self._disable(reason)
-            return
-        index: dict[str, Entry] = {}
-        names: set[str] = set()
-        try:
-            listing = list(os.scandir(self.directory))
-        except OSError as exc:
-            log.warning("prompt cache: cannot list %s: %s", self.directory, exc)
-            return
-        self._unread = {}
-        for item in listing:
-            stem, suffix = os.path.splitext(item.name)
-            if suffix == SIDECAR_SUFFIX and ENTRY_NAME.match(stem):
-                names.add(stem)
-                entry = self._scan_one(stem)
-                if entry is not None:
-                    index[stem] = entry
-        self._index = index
-        for item in listing:
-            stem, suffix = os.path.splitext(item.name)
-            orphan = suffix == STATE_SUFFIX and ENTRY_NAME.match(stem) and stem not in names
-            if orphan or item.name.startswith(TEMP_PREFIX):
-                self._remove_stale(Path(item.path))
-
-    def _read_again(self) -> None:
-        """Read the sidecars a passing error kept out of the index, once RETRY_S passed."""
-        if not self._unread:
-            return
-        now = self.clock()
-        for name in [n for n, due in self._unread.items() if due <= now]:
-            del self._unread[name]
-            entry = self._scan_one(name)
-            if entry is not None:
-                self._index[name] = entry
-                self._warned.pop(name, None)
-
-    def _scan_one(self, name: str) -> Entry | None:
-        sidecar = self.directory / (name + SIDECAR_SUFFIX)
-        try:
-            entry = self._read_entry(name)
-        except FileNotFoundError:
-            return None
-        except OtherFormat as exc:
-            log.debug("prompt cache: leaving %s alone: %s", sidecar, exc)
-            return None
-        except OSError as exc:
-            self._unread_now(name, sidecar, exc)
-            return None
-        except (ValueError, UnicodeDecodeError) as exc:
-            log.warning("prompt cache: skipping %s: %s", sidecar, exc)
-            self.counters.rejected += 1
-            self._remove_files(name, only_own=True)
-            return None
-        try:
-            st = entry.state_path.lstat()
-        except FileNotFoundError:
-            reason: str | None = "its state file is missing"
-        except OSError as exc:
-            self._unread_now(name, entry.state_path, exc)
-            return None
-        else:
-            reason = untrusted(st) or (
-                None
-                if st.st_size == entry.state_bytes
-                else f"its state file has {st.st_size} bytes, the sidecar says {entry.state_bytes}"
-            )
-        if reason is not None:
-            log.warning("prompt cache: skipping %s: %s", sidecar, reason)
-            self.counters.rejected += 1
-            self._remove(entry, only_own=True)
-            return None
-        return entry
-
-    def _unread_now(self, name: str, path: Path, exc: OSError) -> None:
-        self._unread[name] = self.clock() + RETRY_S
-        self._warn_once(name, path, exc)
-
-    def _read_entry(self, name: str) -> Entry:
-        data = read_trusted(self.directory / (name + SIDECAR_SUFFIX), MAX_SIDECAR_BYTES)
-        return parse_sidecar(self.directory, name, data)
-
-    def _remove(self, entry: Entry, only_own: bool = False) -> None:
-        self._index.pop(entry.name, None)
-        self._remove_files(entry.name, only_own)
-
-    def _remove_files(self, name: str, only_own: bool) -> None:
-        """The sidecar first: a reader never finds one without its state file."""
-        for suffix in (SIDECAR_SUFFIX, STATE_SUFFIX):
-            path = self.directory / (name + suffix)
-            try:
-                if only_own and path.lstat().st_uid != os.geteuid():
-                    continue
-                path.unlink()
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                log.warning("prompt cache: cannot remove %s: %s", path, exc)
-
-    def _remove_stale(self, path: Path) -> None:
-        try:
-            st = path.lstat()
-            if st.st_uid == os.geteuid() and self.clock() - st.st_mtime > STALE_S:
-                path.unlink()
-                log.info("prompt cache: removed %s, left by an interrupted save", path)
-        except OSError:
-            pass
-
-    def _temp_path(self, final: str) -> Path:
-        return self.directory / f"{TEMP_PREFIX}{final}.{os.getpid()}.{secrets.token_hex(4)}"
-
-    def _disable(self, reason: str) -> None:
-        self.problem = f"{self.directory}: {reason}"
-        self._index = {}
-        log.warning("prompt cache disabled: %s", self.problem)
 
 
 REASON_LINES = 3  # llama.cpp's lines a refusal quotes, at most
