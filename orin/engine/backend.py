@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from orin.engine.cachekey import resolved_flash_attn
 from orin.engine.config import EngineConfig
 from orin.engine.errors import BackendError, ContextShiftUnsupported
-from orin.engine.promptcache import resolved_flash_attn
 from orin.llamacpp import capture_log, expected_warnings, llama
 from orin.model.gguf import ModelInfo, read_model_info
 

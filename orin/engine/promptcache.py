@@ -6,11 +6,8 @@ JSON sidecar records what it holds. A restarted server loads the state into a
 sequence with ``llama_state_seq_load_file`` instead of recomputing the prompt.
 
 A saved state is only valid for the model file and the context it came from:
-``CacheKey`` gathers everything that shapes the cells (the model's SHA-256,
-the K and V types, the V layout flash attention decides, the sliding-window
-cache, the number of KV streams, the RoPE base, the cells per sequence), and
-file names derive from a hash of the key and the tokens, so a change of any of
-them gives other names and an old file is never considered.
+its files are named after a ``CacheKey`` of both (``cachekey``), so a state
+of another model or context is never considered.
 
 Nothing is loaded on trust. Before llama.cpp reads a state file the sidecar
 must parse, carry this key and name the tokens its own file name derives
@@ -31,63 +28,40 @@ ENOMEM, EIO, EACCES...) is kept, warned about once and read again after
 
 All llama.cpp calls belong to the engine thread, so ``PromptCache`` is not
 thread-safe: one thread (the engine's) uses it. Several processes may share
-a directory: files are replaced atomically, each load re-reads the sidecar,
-and ``refresh`` picks up what others wrote (a save calls it before it evicts,
-so the size bound counts every process's entries).
+a directory: files are replaced atomically (``cachefiles``), each load re-reads
+the sidecar, and the directory's index (``cacheindex``) picks up what others
+wrote, so the size bound counts every process's entries.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
-import hashlib
-import json
 import logging
-import math
 import os
-import re
-import secrets
-import stat
-import struct
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from orin.engine.cachefiles import (
+    FILE_MODE,
+    SIDECAR_SUFFIX,
+    STATE_SUFFIX,
+    Entry,
+    OtherFormat,
+    exists,
+    open_file,
+    synced,
+    verify_state,
+    write_atomic,
+)
+from orin.engine.cacheindex import RETRY_S, CacheCounters, CacheIndex
+from orin.engine.cachekey import CacheKey, entry_name
 from orin.llamacpp import capture_log, reported_by_caller
-from orin.system.root import GROUP_OR_OTHER_WRITE
-
-if TYPE_CHECKING:
-    from orin.engine.config import EngineConfig
 
 log = logging.getLogger("orin.engine")
-
-FORMAT_VERSION = 1
-"""Part of every key: bump when the sidecar or the meaning of a key field changes."""
-
-DIR_MODE = 0o700
-FILE_MODE = 0o600
-STATE_SUFFIX = ".state"
-SIDECAR_SUFFIX = ".json"
-TEMP_PREFIX = ".tmp-"
-MEMO_NAME = "model-digests.json"
-MEMO_LIMIT = 32  # model files remembered in the digest memo
-STALE_S = 600.0  # a temp or orphan file this old is a crashed writer's, not one in progress
-CHUNK = 1 << 20
-MAX_SIDECAR_BYTES = 64 << 20  # far above a sidecar of the longest context's tokens
-RETRY_S = 30.0
-"""Seconds before a state llama.cpp refused while other sequences held cells of the
-shared KV buffer is offered again (the buffer may only have had no room for it then),
-and before an entry whose files could not be read (too many open files, no memory, an
-I/O error, a permission taken away) is read again."""
-
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_TYPE = re.compile(r"^[a-z0-9_]{1,16}$")
-_NAME = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{32}$")  # key hash, then key and tokens hash
-_FLASH = ("on", "off", "auto")
-_TOKEN_MAX = 2**31 - 1
 
 
 class KVHandles(Protocol):
@@ -101,300 +75,6 @@ class KVHandles(Protocol):
 
     @property
     def memory(self) -> Any: ...
-
-
-# -- the key --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CacheKey:
-    """Everything that makes a saved sequence state valid for a context.
-
-    ``flash_attn`` is ``on`` or ``off`` as the context resolved it when the
-    caller knows (``flash_attn=`` of ``from_config``), else the configured
-    value, ``auto`` included. llama.cpp lays out the V cache from the
-    configured value (non-transposed for ``on`` and ``auto``, transposed for
-    ``off``) before it resolves ``auto``, and refuses a state of the other
-    layout itself, so a configured ``auto`` keys the layout correctly; it only
-    cannot tell apart the attention kernels the cells were computed with.
-
-    ``n_stream`` is the number of KV streams (the slots, or 1 with
-    ``kv_unified``): llama.cpp writes it into a sequence's state and refuses to
-    load a state into a context with another count ("n_stream mismatch").
-    """
-
-    model_sha256: str
-    type_k: str
-    type_v: str
-    flash_attn: str
-    swa_full: bool
-    kv_unified: bool
-    n_stream: int
-    n_ctx_seq: int
-    rope_freq_base: float | None  # None: the model's
-    format: int = FORMAT_VERSION
-
-    @classmethod
-    def from_config(
-        cls,
-        cfg: EngineConfig,
-        digest: str,
-        n_ctx_seq: int,
-        flash_attn: bool | None = None,
-    ) -> CacheKey:
-        """The key of a context built from ``cfg``: ``digest`` from ``model_digest``,
-        ``n_ctx_seq`` the cells per sequence llama.cpp reports (``Backend.n_ctx_seq``),
-        ``flash_attn`` whether the context uses flash attention, when known."""
-        fa = cfg.flash_attn if flash_attn is None else ("on" if flash_attn else "off")
-        return cls(
-            model_sha256=digest,
-            type_k=cfg.type_k,
-            type_v=cfg.type_v,
-            flash_attn=fa,
-            swa_full=cfg.swa_full,
-            kv_unified=cfg.kv_unified,
-            n_stream=1 if cfg.kv_unified else cfg.slots,
-            n_ctx_seq=n_ctx_seq,
-            rope_freq_base=cfg.rope_freq_base,
-        )
-
-    @property
-    def digest(self) -> str:
-        """SHA-256 of the key's canonical JSON: the first part of every file name."""
-        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, raw: object) -> CacheKey:
-        """A key read back from a sidecar; ValueError names the first field that is off."""
-        if not isinstance(raw, dict) or set(raw) != {f.name for f in fields(cls)}:
-            raise ValueError("the key does not have exactly the expected fields")
-        base = raw["rope_freq_base"]
-        if base is not None and not (_number(base) and math.isfinite(base) and base > 0):
-            raise ValueError(f"rope_freq_base is not a positive number: {base!r}")
-        if raw["flash_attn"] not in _FLASH:
-            raise ValueError(f"flash_attn is not one of {', '.join(_FLASH)}")
-        return cls(
-            model_sha256=_text(raw["model_sha256"], "model_sha256", _HEX64),
-            type_k=_text(raw["type_k"], "type_k", _TYPE),
-            type_v=_text(raw["type_v"], "type_v", _TYPE),
-            flash_attn=raw["flash_attn"],
-            swa_full=_flag(raw["swa_full"], "swa_full"),
-            kv_unified=_flag(raw["kv_unified"], "kv_unified"),
-            n_stream=_int(raw["n_stream"], "n_stream", 1, 1 << 16),
-            n_ctx_seq=_int(raw["n_ctx_seq"], "n_ctx_seq", 1, _TOKEN_MAX),
-            rope_freq_base=None if base is None else float(base),
-            format=_int(raw["format"], "format", 1, 1 << 16),
-        )
-
-
-def resolved_flash_attn(context_log: Sequence[str], configured: str) -> bool | None:
-    """Whether a context uses flash attention, from llama.cpp's log of its creation.
-
-    llama.cpp has no call that reports how ``auto`` was resolved; it logs it
-    ("Flash Attention enabled", or "... not supported, set to disabled") while
-    it reserves the compute graphs in ``llama_init_from_model``. None when
-    ``auto`` was asked and the log says neither.
-    """
-    if configured != "auto":
-        return configured == "on"
-    for line in reversed("".join(context_log).splitlines()):
-        if "Flash Attention" in line:
-            if "set to disabled" in line or "not supported" in line:
-                return False
-            if line.rstrip().endswith("enabled"):
-                return True
-    return None
-
-
-def entry_name(key: CacheKey, tokens: Sequence[int]) -> str:
-    """The file stem of a saved prompt: the key's hash, then a hash of key and tokens."""
-    h = hashlib.sha256(key.digest.encode())
-    h.update(struct.pack(f"<{len(tokens)}i", *tokens))
-    return f"{key.digest[:16]}-{h.hexdigest()[:32]}"
-
-
-# -- model digest ---------------------------------------------------------------------
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            h.update(block)
-    return h.hexdigest()
-
-
-def model_digest(path: Path, memo_dir: Path) -> str:
-    """SHA-256 of a model file, read once per version of the file.
-
-    The digest is remembered in ``memo_dir/model-digests.json`` under the
-    file's resolved path with its size, mtime (ns), inode and device: a 4 GB
-    model is hashed at the first start and after it changes, not at every
-    start. The memo is read only when nobody else could have written it, and
-    a problem with it is a debug line: the file is hashed again.
-    """
-    resolved = path.resolve()
-    before = resolved.stat()
-    ident = _identity(before)
-    memo_path = memo_dir / MEMO_NAME
-    memo = _read_memo(memo_path)
-    known = memo.get(str(resolved))
-    if known is not None and {k: known[k] for k in ident} == ident:
-        return str(known["sha256"])
-    digest = file_sha256(resolved)
-    if _identity(resolved.stat()) != ident:
-        log.debug("%s changed while it was hashed: digest not remembered", resolved)
-        return digest
-    memo.pop(str(resolved), None)
-    memo[str(resolved)] = {**ident, "sha256": digest}
-    while len(memo) > MEMO_LIMIT:
-        memo.pop(next(iter(memo)))
-    try:
-        _ensure_dir(memo_dir)
-        _write_atomic(memo_path, json.dumps(memo, indent=1).encode())
-    except OSError as exc:
-        log.warning("cannot remember the digest of %s in %s: %s", resolved, memo_path, exc)
-    return digest
-
-
-IDENTITY = ("size", "mtime_ns", "inode", "device")  # a memo record's file identity
-
-
-def _identity(st: os.stat_result) -> dict[str, int]:
-    return {
-        "size": st.st_size,
-        "mtime_ns": st.st_mtime_ns,
-        "inode": st.st_ino,
-        "device": st.st_dev,
-    }
-
-
-def _read_memo(path: Path) -> dict[str, dict[str, Any]]:
-    """The memo's records (file path -> identity and digest); {} when absent or off."""
-    try:
-        raw = json.loads(_read_trusted(path, MAX_SIDECAR_BYTES))
-        if not isinstance(raw, dict):
-            raise ValueError("not an object")
-        memo: dict[str, dict[str, Any]] = {}
-        for name, rec in raw.items():
-            if not isinstance(rec, dict) or set(rec) != {*IDENTITY, "sha256"}:
-                raise ValueError(f"record {name!r} does not have the expected fields")
-            for k in IDENTITY:
-                _int(rec[k], k, 0, 2**64)
-            _text(rec["sha256"], "sha256", _HEX64)
-            memo[str(name)] = rec
-        return memo
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        log.debug("not using the digest memo %s: %s", path, exc)
-        return {}
-
-
-# -- entries --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One saved prompt: ``<name>.state`` (llama.cpp's file) and ``<name>.json``."""
-
-    directory: Path
-    name: str
-    key: CacheKey
-    tokens: tuple[int, ...]
-    state_sha256: str
-    state_bytes: int
-    created: float
-    last_used: float
-    sidecar_bytes: int = 0
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def state_path(self) -> Path:
-        return self.directory / (self.name + STATE_SUFFIX)
-
-    @property
-    def sidecar_path(self) -> Path:
-        return self.directory / (self.name + SIDECAR_SUFFIX)
-
-    @property
-    def disk_bytes(self) -> int:
-        """Disk the entry takes: the state file and the sidecar."""
-        return self.state_bytes + self.sidecar_bytes
-
-    def sidecar(self) -> bytes:
-        doc = {
-            "key": self.key.to_json(),
-            "tokens": list(self.tokens),
-            "state_sha256": self.state_sha256,
-            "state_bytes": self.state_bytes,
-            "created": self.created,
-            "last_used": self.last_used,
-        }
-        return json.dumps(doc, separators=(",", ":")).encode()
-
-
-SIDECAR_KEYS = frozenset({"key", "tokens", "state_sha256", "state_bytes", "created", "last_used"})
-
-
-class OtherFormat(ValueError):
-    """A sidecar of another format version: not this version's to judge or remove."""
-
-
-def parse_sidecar(directory: Path, name: str, data: bytes) -> Entry:
-    """The entry a sidecar describes; ValueError names the first thing that is off."""
-    raw = json.loads(data)
-    if isinstance(raw, dict) and isinstance(raw.get("key"), dict):
-        fmt = raw["key"].get("format")
-        if fmt != FORMAT_VERSION:
-            raise OtherFormat(f"format {fmt!r}")
-    if not isinstance(raw, dict) or set(raw) != SIDECAR_KEYS:
-        raise ValueError(f"expected exactly the keys {', '.join(sorted(SIDECAR_KEYS))}")
-    key = CacheKey.from_json(raw["key"])
-    tokens = raw["tokens"]
-    if not isinstance(tokens, list) or not 0 < len(tokens) <= key.n_ctx_seq:
-        raise ValueError(f"tokens must be a list of 1 to {key.n_ctx_seq} token ids")
-    if not all(type(t) is int and 0 <= t <= _TOKEN_MAX for t in tokens):
-        raise ValueError("tokens must be non-negative 32-bit integers")
-    if entry_name(key, tokens) != name:
-        raise ValueError("the key and tokens do not give this file's name")
-    created, last_used = raw["created"], raw["last_used"]
-    for value, what in ((created, "created"), (last_used, "last_used")):
-        if not _number(value) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{what} is not a time: {value!r}")
-    return Entry(
-        directory=directory,
-        name=name,
-        key=key,
-        tokens=tuple(tokens),
-        state_sha256=_text(raw["state_sha256"], "state_sha256", _HEX64),
-        state_bytes=_int(raw["state_bytes"], "state_bytes", 12, 2**63),
-        created=float(created),
-        last_used=float(last_used),
-        sidecar_bytes=len(data),
-    )
-
-
-@dataclass
-class CacheCounters:
-    """Running totals for the engine's metrics."""
-
-    hits: int = 0  # find/get answered with an entry
-    misses: int = 0  # find/get found nothing
-    saves: int = 0  # entries written
-    loads: int = 0  # states restored into a sequence
-    rejected: int = 0  # entries refused: failed verification or llama.cpp refused them
-    evicted: int = 0  # entries removed to stay within max_bytes
-
-
-# -- the cache ------------------------------------------------------------------------
 
 
 class PromptCache:
@@ -422,8 +102,6 @@ class PromptCache:
         self.max_bytes = max_bytes
         self.clock = clock
         self.counters = CacheCounters()
-        self.problem: str | None = None
-        self._index: dict[str, Entry] = {}
         # entries this process's llama.cpp refused to load, by name, with the digest of
         # the state it refused: that state is not offered again (find, get), and the
         # next save of the same prompt writes it anew instead of keeping it
@@ -431,28 +109,27 @@ class PromptCache:
         # entries refused while the shared KV buffer may have had no room for them, by
         # name: when (``clock``) they are offered again
         self._retry_at: dict[str, float] = {}
-        # sidecars a passing error kept out of the index, by name: when they are read again
-        self._unread: dict[str, float] = {}
-        # the last warning about a passing error, by entry name: said once, not each retry
-        self._warned: dict[str, str] = {}
-        self._touch_failed = False  # a last-use time could not be written: said once
-        try:
-            _ensure_dir(self.directory)
-        except OSError as exc:
-            self._disable(_cannot_create(self.directory, exc))
-            return
-        self.refresh()
+        self._index = CacheIndex(directory, clock, self.counters)
+
+    @property
+    def problem(self) -> str | None:
+        """What is wrong with the directory, when the cache finds and saves nothing."""
+        return self._index.problem
+
+    def refresh(self) -> None:
+        """Read the directory again: entries other processes wrote or removed."""
+        self._index.refresh()
 
     # -- lookup -----------------------------------------------------------------------
 
     def find(self, tokens: Sequence[int]) -> Entry | None:
         """The longest saved prompt of this key whose tokens start ``tokens`` (or are
         all of them)."""
-        self._read_again()
+        self._index.read_again()
         best: Entry | None = None
         n = len(tokens)
         now = self.clock() if self._retry_at else 0.0
-        for e in self._index.values():
+        for e in self._index.by_name.values():
             if (
                 e.key == self.key
                 and not self._was_refused(e, now)
@@ -466,8 +143,8 @@ class PromptCache:
 
     def get(self, tokens: Sequence[int]) -> Entry | None:
         """The saved prompt of exactly these tokens."""
-        self._read_again()
-        e = self._index.get(entry_name(self.key, tokens)) if tokens else None
+        self._index.read_again()
+        e = self._index.by_name.get(entry_name(self.key, tokens)) if tokens else None
         now = self.clock() if self._retry_at else 0.0
         usable = e is not None and e.key == self.key and not self._was_refused(e, now)
         found = e if usable else None
@@ -476,13 +153,13 @@ class PromptCache:
 
     def entries(self) -> list[Entry]:
         """This key's entries, most recently used first."""
-        ours = [e for e in self._index.values() if e.key == self.key]
+        ours = [e for e in self._index.by_name.values() if e.key == self.key]
         return sorted(ours, key=lambda e: e.last_used, reverse=True)
 
     @property
     def total_bytes(self) -> int:
         """Disk the directory's entries take, every key's."""
-        return sum(e.disk_bytes for e in self._index.values())
+        return self._index.total_bytes
 
     def _was_refused(self, entry: Entry, now: float) -> bool:
         """Whether llama.cpp refused this very state (the same digest) in this process,
@@ -529,15 +206,15 @@ class PromptCache:
             )
             return None
         name = entry_name(self.key, tokens)
-        known = self._index.get(name)
+        known = self._index.by_name.get(name)
         if (
             known is not None
             and name not in self._refused
-            and _exists(known.state_path)
-            and _exists(known.sidecar_path)
+            and exists(known.state_path)
+            and exists(known.sidecar_path)
         ):
-            return self._touch(known)
-        state_tmp = self._temp_path(name + STATE_SUFFIX)
+            return self._index.touch(known)
+        state_tmp = self._index.temp_path(name + STATE_SUFFIX)
         try:
             entry = self._write(kv, seq, tokens, name, state_tmp)
         except OSError as exc:
@@ -547,13 +224,13 @@ class PromptCache:
             with contextlib.suppress(FileNotFoundError):
                 state_tmp.unlink()
         if entry is not None:
-            self._index[name] = entry
-            for pending in (self._refused, self._retry_at, self._unread, self._warned):
+            self._index.saved(entry)
+            for pending in (self._refused, self._retry_at):
                 pending.pop(name, None)
             self.counters.saves += 1
-            self.refresh()  # the bound is the directory's: what others saved counts too
-            self._index.setdefault(name, entry)
-            self._evict(keep=name)
+            self._index.refresh()  # the bound is the directory's: what others saved counts too
+            self._index.by_name.setdefault(name, entry)
+            self._index.evict(name, self.max_bytes)
         return entry
 
     def _write(
@@ -576,7 +253,7 @@ class PromptCache:
                 _reason(problems or lines),
             )
             return None
-        size, digest = _synced(state_tmp)
+        size, digest = synced(state_tmp)
         if size != written:  # llama.cpp does not check the flush when it closes the file
             log.warning(
                 "prompt cache: llama.cpp wrote %d bytes of sequence %d's state but %s holds "
@@ -596,7 +273,7 @@ class PromptCache:
             state_sha256=digest,
             state_bytes=size,
             created=now,
-            last_used=self._used_now(),
+            last_used=self._index.used_now(),
         )
         data = entry.sidecar()
         entry = replace(entry, sidecar_bytes=len(data))
@@ -614,27 +291,12 @@ class PromptCache:
             entry.sidecar_path.unlink()
         os.replace(state_tmp, entry.state_path)
         try:
-            _write_atomic(entry.sidecar_path, data, self._temp_path(name + SIDECAR_SUFFIX))
+            write_atomic(entry.sidecar_path, data, self._index.temp_path(name + SIDECAR_SUFFIX))
         except OSError:  # a state without its sidecar only takes room (a full disk's)
             with contextlib.suppress(OSError):
                 entry.state_path.unlink()
             raise
         return entry
-
-    def _evict(self, keep: str) -> None:
-        while self.total_bytes > self.max_bytes:
-            victims = [e for e in self._index.values() if e.name != keep]
-            if not victims:
-                return
-            victim = min(victims, key=lambda e: e.last_used)
-            log.info(
-                "prompt cache: evicting %s (%d tokens, %d bytes, least recently used)",
-                victim.state_path,
-                victim.n_tokens,
-                victim.disk_bytes,
-            )
-            self._remove(victim)
-            self.counters.evicted += 1
 
     # -- load -------------------------------------------------------------------------
 
@@ -654,12 +316,12 @@ class PromptCache:
         if entry.key != self.key:
             return self._refuse(entry, "it was saved for another model or context", delete=False)
         try:
-            current = self._read_entry(entry.name)
+            current = self._index.read(entry.name)
         except FileNotFoundError:
-            self._index.pop(entry.name, None)
+            self._index.by_name.pop(entry.name, None)
             return self._refuse(entry, "its sidecar is gone", delete=False)
         except OtherFormat as exc:
-            self._index.pop(entry.name, None)
+            self._index.by_name.pop(entry.name, None)
             return self._refuse(entry, f"its sidecar is now of {exc}", delete=False)
         except OSError as exc:
             return self._unreadable(entry, entry.sidecar_path, exc)
@@ -668,7 +330,7 @@ class PromptCache:
         if current.key != self.key or current.tokens != entry.tokens:
             return self._refuse(entry, "its sidecar describes another prompt", delete=False)
         try:
-            fd = _open_file(current.state_path)
+            fd = open_file(current.state_path)
         except FileNotFoundError:
             return self._refuse(entry, "its state file is missing", delete=True)
         except OSError as exc:
@@ -677,7 +339,7 @@ class PromptCache:
             return self._refuse(entry, f"state file: {exc}", delete=True)
         try:
             try:
-                reason = _verify_state(fd, current)
+                reason = verify_state(fd, current)
             except OSError as exc:
                 return self._unreadable(entry, current.state_path, exc)
             if reason is not None:
@@ -691,7 +353,7 @@ class PromptCache:
         if not ok:
             with contextlib.suppress(Exception):
                 lib.llama_memory_seq_rm(kv.memory, seq, 0, -1)
-            self._index[current.name] = current  # its digest is what find and get see
+            self._index.by_name[current.name] = current  # its digest is what find and get see
             if by_llama and self._shares_buffer(kv, seq):  # perhaps no room only then
                 self._retry_at[current.name] = self.clock() + RETRY_S
                 return self._refuse(
@@ -707,8 +369,8 @@ class PromptCache:
                 entry, f"{reason}; not trying it again until it is saved anew", delete=False
             )
         self._retry_at.pop(current.name, None)
-        self._warned.pop(current.name, None)
-        self._touch(current)
+        self._index.readable(current.name)
+        self._index.touch(current)
         self.counters.loads += 1
         return True
 
@@ -752,332 +414,15 @@ class PromptCache:
         """A file of the entry could not be read now: kept, offered again after RETRY_S."""
         self._retry_at[entry.name] = self.clock() + RETRY_S
         self.counters.rejected += 1
-        self._warn_once(entry.name, path, exc)
+        self._index.warn_once(entry.name, path, exc)
         return False
-
-    def _warn_once(self, name: str, path: Path, exc: OSError) -> None:
-        """One warning for a passing error (the same one again at each retry is a debug
-        line): the file is kept and read again after RETRY_S."""
-        message = (
-            f"prompt cache: cannot read {path}: {exc.strerror or exc}; "
-            f"kept, trying it again in {RETRY_S:g} s"
-        )
-        level = logging.DEBUG if self._warned.get(name) == message else logging.WARNING
-        self._warned[name] = message
-        log.log(level, "%s", message)
 
     def _refuse(self, entry: Entry, reason: str, delete: bool) -> bool:
         log.warning("prompt cache: not loading %s: %s", entry.state_path, reason)
         self.counters.rejected += 1
         if delete:
-            self._remove(entry, only_own=True)
+            self._index.remove(entry, only_own=True)
         return False
-
-    def _touch(self, entry: Entry) -> Entry:
-        """Mark an entry used now, in memory and in its sidecar (best effort)."""
-        used = replace(entry, last_used=self._used_now())
-        data = used.sidecar()
-        used = replace(used, sidecar_bytes=len(data))
-        self._index[used.name] = used
-        try:
-            _write_atomic(used.sidecar_path, data, self._temp_path(used.name + SIDECAR_SUFFIX))
-        except OSError as exc:  # a read-only directory of prompts computed elsewhere, say
-            level = logging.DEBUG if self._touch_failed else logging.WARNING
-            self._touch_failed = True
-            log.log(
-                level,
-                "prompt cache: cannot record the last use in %s: %s (said once)",
-                used.sidecar_path,
-                exc,
-            )
-        return used
-
-    def _used_now(self) -> float:
-        """A last-used time after every entry's: the clock's, unless it is behind them
-        (a board that starts at an old time until NTP sets it), when the entry just used
-        must still be the most recent, not the first to be evicted."""
-        newest = max((e.last_used for e in self._index.values()), default=0.0)
-        return max(self.clock(), math.nextafter(newest, math.inf))
-
-    # -- the directory ----------------------------------------------------------------
-
-    def refresh(self) -> None:
-        """Read the directory again: entries other processes wrote or removed.
-
-        A sidecar that fails its checks is skipped with a warning (and removed
-        with its state file when this user owns it); one of another format
-        version is left alone. Temporary and orphaned state files older than
-        STALE_S, left by a writer that crashed, are removed.
-        """
-        if self.problem is not None:
-            return
-        reason = _untrusted_dir(self.directory)
-        if reason is not None:
-            self._disable(reason)
-            return
-        index: dict[str, Entry] = {}
-        names: set[str] = set()
-        try:
-            listing = list(os.scandir(self.directory))
-        except OSError as exc:
-            log.warning("prompt cache: cannot list %s: %s", self.directory, exc)
-            return
-        self._unread = {}
-        for item in listing:
-            stem, suffix = os.path.splitext(item.name)
-            if suffix == SIDECAR_SUFFIX and _NAME.match(stem):
-                names.add(stem)
-                entry = self._scan_one(stem)
-                if entry is not None:
-                    index[stem] = entry
-        self._index = index
-        for item in listing:
-            stem, suffix = os.path.splitext(item.name)
-            orphan = suffix == STATE_SUFFIX and _NAME.match(stem) and stem not in names
-            if orphan or item.name.startswith(TEMP_PREFIX):
-                self._remove_stale(Path(item.path))
-
-    def _read_again(self) -> None:
-        """Read the sidecars a passing error kept out of the index, once RETRY_S passed."""
-        if not self._unread:
-            return
-        now = self.clock()
-        for name in [n for n, due in self._unread.items() if due <= now]:
-            del self._unread[name]
-            entry = self._scan_one(name)
-            if entry is not None:
-                self._index[name] = entry
-                self._warned.pop(name, None)
-
-    def _scan_one(self, name: str) -> Entry | None:
-        sidecar = self.directory / (name + SIDECAR_SUFFIX)
-        try:
-            entry = self._read_entry(name)
-        except FileNotFoundError:
-            return None
-        except OtherFormat as exc:
-            log.debug("prompt cache: leaving %s alone: %s", sidecar, exc)
-            return None
-        except OSError as exc:
-            self._unread_now(name, sidecar, exc)
-            return None
-        except (ValueError, UnicodeDecodeError) as exc:
-            log.warning("prompt cache: skipping %s: %s", sidecar, exc)
-            self.counters.rejected += 1
-            self._remove_files(name, only_own=True)
-            return None
-        try:
-            st = entry.state_path.lstat()
-        except FileNotFoundError:
-            reason: str | None = "its state file is missing"
-        except OSError as exc:
-            self._unread_now(name, entry.state_path, exc)
-            return None
-        else:
-            reason = _untrusted(st) or (
-                None
-                if st.st_size == entry.state_bytes
-                else f"its state file has {st.st_size} bytes, the sidecar says {entry.state_bytes}"
-            )
-        if reason is not None:
-            log.warning("prompt cache: skipping %s: %s", sidecar, reason)
-            self.counters.rejected += 1
-            self._remove(entry, only_own=True)
-            return None
-        return entry
-
-    def _unread_now(self, name: str, path: Path, exc: OSError) -> None:
-        self._unread[name] = self.clock() + RETRY_S
-        self._warn_once(name, path, exc)
-
-    def _read_entry(self, name: str) -> Entry:
-        data = _read_trusted(self.directory / (name + SIDECAR_SUFFIX), MAX_SIDECAR_BYTES)
-        return parse_sidecar(self.directory, name, data)
-
-    def _remove(self, entry: Entry, only_own: bool = False) -> None:
-        self._index.pop(entry.name, None)
-        self._remove_files(entry.name, only_own)
-
-    def _remove_files(self, name: str, only_own: bool) -> None:
-        """The sidecar first: a reader never finds one without its state file."""
-        for suffix in (SIDECAR_SUFFIX, STATE_SUFFIX):
-            path = self.directory / (name + suffix)
-            try:
-                if only_own and path.lstat().st_uid != os.geteuid():
-                    continue
-                path.unlink()
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                log.warning("prompt cache: cannot remove %s: %s", path, exc)
-
-    def _remove_stale(self, path: Path) -> None:
-        try:
-            st = path.lstat()
-            if st.st_uid == os.geteuid() and self.clock() - st.st_mtime > STALE_S:
-                path.unlink()
-                log.info("prompt cache: removed %s, left by an interrupted save", path)
-        except OSError:
-            pass
-
-    def _temp_path(self, final: str) -> Path:
-        return self.directory / f"{TEMP_PREFIX}{final}.{os.getpid()}.{secrets.token_hex(4)}"
-
-    def _disable(self, reason: str) -> None:
-        self.problem = f"{self.directory}: {reason}"
-        self._index = {}
-        log.warning("prompt cache disabled: %s", self.problem)
-
-
-# -- files ----------------------------------------------------------------------------
-
-
-def _untrusted(st: os.stat_result) -> str | None:
-    """Why a file could hold what someone else wrote, or None when it is fine to read:
-    a regular file (not a link) of this user or root, not writable by group or others."""
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_uid not in (0, os.geteuid()):
-        return f"owned by uid {st.st_uid}, neither this user ({os.geteuid()}) nor root"
-    if st.st_mode & GROUP_OR_OTHER_WRITE:
-        return f"writable by group or others (mode {st.st_mode & 0o7777:04o})"
-    return None
-
-
-def _untrusted_dir(path: Path) -> str | None:
-    try:
-        st = path.stat()
-    except OSError as exc:
-        return f"cannot read it: {exc.strerror or exc}"
-    if not stat.S_ISDIR(st.st_mode):
-        return "not a directory"
-    if st.st_uid not in (0, os.geteuid()):
-        return f"owned by uid {st.st_uid}, neither this user ({os.geteuid()}) nor root"
-    if st.st_mode & GROUP_OR_OTHER_WRITE:
-        return f"writable by group or others (mode {st.st_mode & 0o7777:04o}); chmod 0700 it"
-    return None
-
-
-def _exists(path: Path) -> bool:
-    """Whether ``path`` is there; an error that says nothing (EIO, EACCES) is a no,
-    where ``Path.exists`` raises it."""
-    try:
-        path.lstat()
-    except OSError:
-        return False
-    return True
-
-
-def _open_file(path: Path) -> int:
-    """A descriptor of ``path`` opened for reading, not through a symbolic link: a
-    link is a ValueError (not this cache's file), any other failure an OSError."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ValueError("a symbolic link, not a regular file") from None
-        raise
-
-
-def _read_trusted(path: Path, limit: int) -> bytes:
-    """A small file's bytes, checked on the open file itself (no link followed)."""
-    fd = _open_file(path)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        reason = _untrusted(st)
-        if reason is not None:
-            raise ValueError(reason)
-        if st.st_size > limit:
-            raise ValueError(f"{st.st_size} bytes, more than {limit}")
-        return f.read(limit + 1)
-
-
-def _verify_state(fd: int, entry: Entry) -> str | None:
-    """Why the open state file is not the one the sidecar describes, or None."""
-    st = os.fstat(fd)
-    reason = _untrusted(st)
-    if reason is not None:
-        return reason
-    if st.st_size != entry.state_bytes:
-        return f"it has {st.st_size} bytes, the sidecar says {entry.state_bytes}"
-    h = hashlib.sha256()
-    for block in _blocks(fd):
-        h.update(block)
-    if h.hexdigest() != entry.state_sha256:
-        return "its SHA-256 does not match the sidecar's (altered or damaged)"
-    return None
-
-
-def _blocks(fd: int) -> Iterator[bytes]:
-    offset = 0
-    while block := os.pread(fd, CHUNK, offset):
-        offset += len(block)
-        yield block
-
-
-def _cannot_create(path: Path, exc: OSError) -> str:
-    """Why ``_ensure_dir`` failed: a file where a folder on the way should be is named
-    as such (mkdir's own "File exists" says nothing about which)."""
-    for folder in (path, *path.parents):
-        if folder.exists() or folder.is_symlink():
-            if not folder.is_dir():
-                return f"cannot create it: {folder} is not a directory"
-            break
-    return f"cannot create it: {exc.strerror or exc}"
-
-
-def _ensure_dir(path: Path) -> None:
-    """Create the directory (0700; missing parents with the umask's modes)."""
-    if path.is_dir():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        path.mkdir(mode=DIR_MODE)
-    except FileExistsError:
-        return
-    os.chmod(path, DIR_MODE)
-
-
-def _write_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None:
-    """Write ``data`` under a temporary name (0600), flushed to the disk, and rename it
-    over ``path``: after a power cut the name holds the old bytes or the new ones."""
-    tmp = tmp or path.with_name(f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _sync_dir(path.parent)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-
-
-def _synced(path: Path) -> tuple[int, str]:
-    """Flush a file another writer (llama.cpp) closed to the disk: its size and SHA-256
-    as the disk has them."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-        h = hashlib.sha256()
-        for block in _blocks(fd):
-            h.update(block)
-        return os.fstat(fd).st_size, h.hexdigest()
-    finally:
-        os.close(fd)
-
-
-def _sync_dir(path: Path) -> None:
-    """Flush a directory's renames to the disk (best effort: some file systems refuse
-    it, and a rename that a power cut forgets leaves the old file, never half of one)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 REASON_LINES = 3  # llama.cpp's lines a refusal quotes, at most
@@ -1090,25 +435,3 @@ def _reason(lines: list[str]) -> str:
     ("failed to restore kv cache")."""
     text = [ln.strip() for ln in "".join(lines).splitlines() if ln.strip()]
     return "; ".join(list(dict.fromkeys(text))[-REASON_LINES:]) or "no reason given"
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _int(value: object, name: str, lo: int, hi: int) -> int:
-    if type(value) is not int or not lo <= value <= hi:
-        raise ValueError(f"{name} must be an integer from {lo} to {hi}, not {value!r}")
-    return value
-
-
-def _flag(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, not {value!r}")
-    return value
-
-
-def _text(value: object, name: str, pattern: re.Pattern[str]) -> str:
-    if not isinstance(value, str) or not pattern.match(value):
-        raise ValueError(f"{name} is not an accepted value: {value!r}")
-    return value

@@ -32,7 +32,8 @@ from orin.engine.speculative import (
 )
 
 if TYPE_CHECKING:
-    from orin.engine.promptcache import Entry, PromptCache
+    from orin.engine.cachefiles import Entry
+    from orin.engine.promptcache import PromptCache
     from orin.engine.runner import Runner
 
 log = logging.getLogger("orin.engine")
@@ -165,7 +166,9 @@ class WarmCache:
     def __init__(
         self, cfg: EngineConfig, backend: Backend, runner: Runner, chat: ChatTemplate
     ) -> None:
-        from orin.engine.promptcache import CacheKey, PromptCache, model_digest
+        from orin.engine.cachekey import CacheKey
+        from orin.engine.modeldigest import model_digest
+        from orin.engine.promptcache import PromptCache
 
         pc = cfg.prompt_cache
         assert pc is not None

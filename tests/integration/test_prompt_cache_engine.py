@@ -13,7 +13,7 @@ import pytest
 
 from orin.engine.config import engine_config
 from orin.engine.engine import Engine
-from orin.engine.promptcache import MEMO_NAME
+from orin.engine.modeldigest import MEMO_NAME
 from orin.engine.types import SamplingParams
 from orin.model import demo
 from orin.model.gguf import read_model_info

@@ -13,15 +13,12 @@ import numpy.typing as npt
 import pytest
 
 from orin.engine.backend import Backend
+from orin.engine.cachefiles import Entry
+from orin.engine.cacheindex import RETRY_S
+from orin.engine.cachekey import CacheKey, resolved_flash_attn
 from orin.engine.config import EngineConfig, engine_config
-from orin.engine.promptcache import (
-    RETRY_S,
-    CacheKey,
-    Entry,
-    PromptCache,
-    model_digest,
-    resolved_flash_attn,
-)
+from orin.engine.modeldigest import model_digest
+from orin.engine.promptcache import PromptCache
 from orin.engine.runner import Runner
 from orin.engine.scheduler import Batch, BatchItem
 from orin.llamacpp import capture_log

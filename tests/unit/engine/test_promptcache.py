@@ -17,17 +17,13 @@ from typing import Any
 
 import pytest
 
-from orin.engine import promptcache
+from orin.engine import cachefiles, cacheindex, modeldigest, promptcache
+from orin.engine.cachefiles import Entry
+from orin.engine.cacheindex import RETRY_S, STALE_S
+from orin.engine.cachekey import CacheKey, entry_name, resolved_flash_attn
 from orin.engine.config import EngineConfig
-from orin.engine.promptcache import (
-    STALE_S,
-    CacheKey,
-    Entry,
-    PromptCache,
-    entry_name,
-    model_digest,
-    resolved_flash_attn,
-)
+from orin.engine.modeldigest import model_digest
+from orin.engine.promptcache import PromptCache
 from orin.engine.scheduler import ContextPolicy
 
 MAGIC = b"QSGG"  # llama.cpp's LLAMA_FILE_MAGIC_GGSQ, as a little-endian u32
@@ -512,11 +508,11 @@ def test_a_state_refused_while_the_shared_buffer_was_in_use_is_tried_again_later
     with caplog.at_level(logging.WARNING):
         assert not pc.load(kv, 1, entry)
     assert caplog.text.rstrip().endswith(
-        f"so it may only have found no room: trying it again in {promptcache.RETRY_S:g} s"
+        f"so it may only have found no room: trying it again in {RETRY_S:g} s"
     )
     assert pc.get([1, 2, 3]) is None and pc.find([1, 2, 3, 4]) is None
     assert isinstance(pc.clock, Clock)
-    pc.clock.t += promptcache.RETRY_S
+    pc.clock.t += RETRY_S
     kv.lib.refuse = False  # the other slot's cells are gone, or room was found
     found = pc.find([1, 2, 3, 4])
     assert found is not None and found.name == entry.name and pc.get([1, 2, 3]) == found
@@ -538,7 +534,7 @@ def test_a_state_refused_with_room_to_spare_is_not_tried_again(
     kv.lib.refuse = True
     assert not pc.load(kv, 1, entry)
     assert isinstance(pc.clock, Clock)
-    pc.clock.t += 100 * promptcache.RETRY_S
+    pc.clock.t += 100 * RETRY_S
     kv.lib.refuse = False
     assert pc.get([1, 2, 3]) is None and pc.find([1, 2, 3, 4]) is None
 
@@ -629,13 +625,13 @@ def test_model_digest_is_remembered_until_the_file_changes(
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + bytes(range(256)) * 64)
     hashed: list[Path] = []
-    real = promptcache.file_sha256
+    real = modeldigest.file_sha256
 
     def counting(path: Path) -> str:
         hashed.append(path)
         return real(path)
 
-    monkeypatch.setattr(promptcache, "file_sha256", counting)
+    monkeypatch.setattr(modeldigest, "file_sha256", counting)
     memo_dir = tmp_path / "memo"
     first = model_digest(model, memo_dir)
     assert model_digest(model, memo_dir) == first and len(hashed) == 1
@@ -661,7 +657,7 @@ def test_model_digest_is_remembered_until_the_file_changes(
 
 def failing_open(monkeypatch: pytest.MonkeyPatch, path: Path, code: int) -> dict[str, bool]:
     """Opening ``path`` fails with ``code`` while the returned switch is on."""
-    real = promptcache._open_file
+    real = cachefiles.open_file
     switch = {"on": True}
 
     def opener(p: Path) -> int:
@@ -669,7 +665,8 @@ def failing_open(monkeypatch: pytest.MonkeyPatch, path: Path, code: int) -> dict
             raise OSError(code, os.strerror(code), str(p))
         return real(p)
 
-    monkeypatch.setattr(promptcache, "_open_file", opener)
+    for module in (cachefiles, promptcache):  # sidecars are read by one, states by the other
+        monkeypatch.setattr(module, "open_file", opener)
     return switch
 
 
@@ -697,16 +694,16 @@ def test_a_file_that_cannot_be_opened_now_is_kept_and_loaded_later(
         assert kv.lib.loaded == [] and 0 not in kv.lib.seqs
         assert pc.get([1, 2, 3]) is None and pc.find([1, 2, 3, 4]) is None  # not at once
         assert isinstance(pc.clock, Clock)
-        pc.clock.t += promptcache.RETRY_S
+        pc.clock.t += RETRY_S
         found = pc.get([1, 2, 3])
         assert found is not None and not pc.load(kv, 0, found)  # still failing: no new warning
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
         f"prompt cache: cannot read {path}: {os.strerror(code)}; kept, trying it again in "
-        f"{promptcache.RETRY_S:g} s"
+        f"{RETRY_S:g} s"
     ]
     switch["on"] = False
-    pc.clock.t += promptcache.RETRY_S
+    pc.clock.t += RETRY_S
     found = pc.find([1, 2, 3, 4])
     assert found is not None and pc.load(kv, 0, found) and kv.lib.seqs[0] == [1, 2, 3]
 
@@ -728,7 +725,7 @@ def test_a_sidecar_that_cannot_be_read_at_start_is_kept_and_read_later(
     assert entry.state_path.exists() and entry.sidecar_path.exists()
     switch["on"] = False
     assert isinstance(pc.clock, Clock)
-    pc.clock.t += promptcache.RETRY_S
+    pc.clock.t += RETRY_S
     found = pc.find([1, 2, 3, 4])
     assert found is not None and pc.load(kv, 0, found)
 
@@ -745,7 +742,7 @@ def test_an_io_error_while_the_state_is_checked_keeps_it(
         raise OSError(errno.EIO, os.strerror(errno.EIO))
         yield b""
 
-    monkeypatch.setattr(promptcache, "_blocks", flaky)
+    monkeypatch.setattr(cachefiles, "blocks", flaky)
     with caplog.at_level(logging.WARNING):
         assert not pc.load(kv, 0, entry)
     assert f"cannot read {entry.state_path}: {os.strerror(errno.EIO)}; kept" in caplog.text
@@ -824,7 +821,7 @@ def test_a_sidecar_that_cannot_be_written_leaves_no_state_behind(
     def full(path: Path, data: bytes, tmp: Path | None = None) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
 
-    monkeypatch.setattr(promptcache, "_write_atomic", full)
+    monkeypatch.setattr(promptcache, "write_atomic", full)
     kv.prefill(0, [1, 2, 3])
     with caplog.at_level(logging.WARNING):
         assert pc.save(kv, 0, [1, 2, 3]) is None
@@ -885,7 +882,7 @@ def test_a_directory_that_cannot_be_written_is_said_once_not_at_every_restore(
     def read_only(path: Path, data: bytes, tmp: Path | None = None) -> None:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp))
 
-    monkeypatch.setattr(promptcache, "_write_atomic", read_only)
+    monkeypatch.setattr(cacheindex, "write_atomic", read_only)
     with caplog.at_level(logging.WARNING):
         for seq in (0, 1, 2):
             assert pc.load(kv, seq, entry)
