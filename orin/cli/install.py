@@ -25,7 +25,7 @@ from rich.progress import (
 
 from orin.cli.deps import HttpGet, deps
 from orin.cli.errors import fail, handle_errors
-from orin.cli.options import ApiKeyOpt, JsonOpt, RootOpt, bearer, check_url, service_user
+from orin.cli.options import ApiKeyOpt, JsonOpt, RootOpt, bearer, check_url, named, service_user
 from orin.cli.options import unit_dir as unit_dir_option
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.doctor.report import Report
@@ -69,6 +69,7 @@ ProfileOpt = Annotated[
     typer.Option(
         "--profile",
         envvar="ORIN_LLM_PROFILE",
+        callback=named,
         help="Built-in profile or YAML file (default: the demo profile).",
     ),
 ]

@@ -21,7 +21,7 @@ from rich.progress import (
 from orin.cli.deps import deps
 from orin.cli.errors import EXIT_FAILED, handle_errors, usage_error
 from orin.cli.help import Typer
-from orin.cli.options import CtxOpt, JsonOpt, RootOpt, file_to_write, folder_to_write
+from orin.cli.options import CtxOpt, JsonOpt, RootOpt, file_to_write, folder_to_write, named
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.errors import ModelFileError, OrinError, ProfileError
 from orin.model import store
@@ -781,7 +781,9 @@ def _find_in(folders: list[Path], name: str) -> tuple[Path, Path]:
 @app.command()
 @handle_errors
 def rm(
-    name: Annotated[str, typer.Argument(help="File name (as model list shows it).")],
+    name: Annotated[
+        str, typer.Argument(callback=named, help="File name (as model list shows it).")
+    ],
     models_dir: SeenDirOpt = None,
     profiles: ProfilesOpt = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,

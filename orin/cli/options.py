@@ -39,9 +39,24 @@ BoardRootOpt = Annotated[
         file_okay=False,
     ),
 ]
+
+
+def named(value: str | None) -> str | None:
+    """An argument or option callback for a name or file: an empty one (``''``, a
+    variable that expanded to nothing) is a usage error, not the current folder."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("an empty name")
+    return value
+
+
 ProfileOpt = Annotated[
     str | None,
-    typer.Option("--profile", envvar="ORIN_LLM_PROFILE", help="Built-in profile or YAML file."),
+    typer.Option(
+        "--profile",
+        envvar="ORIN_LLM_PROFILE",
+        callback=named,
+        help="Built-in profile or YAML file.",
+    ),
 ]
 
 ApiKeyOpt = Annotated[

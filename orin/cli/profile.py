@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from orin.cli.deps import Deps, deps
 from orin.cli.errors import EXIT_FAILED, handle_errors
 from orin.cli.help import Typer
-from orin.cli.options import BoardRootOpt, CtxOpt, JsonOpt, apply_ctx
+from orin.cli.options import BoardRootOpt, CtxOpt, JsonOpt, apply_ctx, named
 from orin.cli.output import Output
 from orin.doctor.context import model_path_for
 from orin.engine.config import draft_model_problem, mmproj_problem, prompt_file_problems
@@ -70,7 +70,9 @@ def field_rows(model: BaseModel, prefix: str = "") -> Iterator[tuple[str, Any, s
 @app.command()
 @handle_errors
 def show(
-    name: Annotated[str, typer.Argument(help="Built-in profile name or YAML file.")],
+    name: Annotated[
+        str, typer.Argument(callback=named, help="Built-in profile name or YAML file.")
+    ],
     as_json: JsonOpt = False,
 ) -> None:
     """Every setting of a profile with what it means."""
@@ -88,7 +90,9 @@ def show(
 @handle_errors
 def validate(
     ctx: typer.Context,
-    file: Annotated[str, typer.Argument(help="Profile YAML file or built-in name.")],
+    file: Annotated[
+        str, typer.Argument(callback=named, help="Profile YAML file or built-in name.")
+    ],
     model: Annotated[
         Path | None, typer.Option("--model", help="Check the profile against this GGUF file.")
     ] = None,

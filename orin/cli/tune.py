@@ -45,6 +45,7 @@ from orin.cli.options import (
     file_to_write,
     finite,
     folder_to_write,
+    named,
 )
 from orin.cli.output import Output, progress_wanted
 from orin.doctor.context import model_path_for
@@ -80,6 +81,7 @@ ProfileOpt = Annotated[
     typer.Option(
         "--profile",
         envvar="ORIN_LLM_PROFILE",
+        callback=named,
         help="Built-in profile or YAML file (default: the built-in system defaults).",
     ),
 ]
@@ -93,6 +95,7 @@ def run(
         typer.Option(
             "--profile",
             envvar="ORIN_LLM_PROFILE",
+            callback=named,
             help="Built-in profile or YAML file whose slo section is tuned for (default: the "
             "one serve runs: smollm2 when its package's model is here, else demo).",
         ),

@@ -304,6 +304,28 @@ def test_an_infinite_time_is_a_usage_error(args: tuple[str, ...]) -> None:
     assert code == 2 and f"{args[-2]}': inf is not a finite number" in said
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("model", "rm", ""),
+        ("profile", "show", ""),
+        ("profile", "validate", " "),
+        ("serve", "--profile", ""),
+        ("doctor", "--profile", ""),
+        ("tune", "run", "--profile", ""),
+        ("tune", "system", "--profile", ""),
+        ("install", "--profile", "", "--dry-run"),
+        ("deploy", "k8s", "--profile", ""),
+    ],
+)
+def test_an_empty_name_is_a_usage_error(args: tuple[str, ...]) -> None:
+    """An empty name (a shell variable that expanded to nothing) was read as the
+    current folder: ".: a folder, not a profile file", exit 3 or 4."""
+    code, _, err = invoke(*args)
+    said = " ".join(err.replace("│", " ").split())
+    assert code == 2 and "an empty name" in said, said
+
+
 def test_tune_options_before_a_subcommand_are_named_as_typed() -> None:
     """The message names the options the user gave, not their parameters' names."""
     code, _, err = invoke("tune", "--profile", "demo", "-q", "system")
