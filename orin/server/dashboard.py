@@ -139,6 +139,9 @@ class History:
         self.interval_s = interval_s
         self.rows: deque[dict[str, Any]] = deque(maxlen=max(1, int(seconds / interval_s)))
         self._clock = clock
+        # when this process began keeping rows: a page that sees it change knows the
+        # server restarted, and that its rows do not join the ones it held before
+        self.started = round(clock(), 3)
         self._lock = threading.Lock()
         self._window = _Window()
         self._finished: deque[tuple[float, float | None, float | None]] = deque()
@@ -288,6 +291,7 @@ def data_body(state: ServerState, history: History | None, since: float | None) 
         "meta": state.model_meta(),
         "interval_s": history.interval_s if history is not None else INTERVAL_S,
         "history_s": HISTORY_S,
+        "started": history.started if history is not None else None,
         "telemetry": {
             "source": telemetry.source_name if telemetry is not None else None,
             "phase": telemetry.tracker.phase if telemetry is not None else None,

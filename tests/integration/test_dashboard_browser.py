@@ -280,6 +280,72 @@ def test_board_charts_show_what_a_board_reports(
         assert errors == []
 
 
+class FakeData:
+    """A route answering /dashboard/data as a server started at ``started`` whose
+    history has one row at each of ``ts`` (every figure 1.0, one thermal zone at
+    50 °C), honouring ``since``; the rest of the answer is ``template``'s."""
+
+    def __init__(self, template: dict[str, Any], started: float, ts: list[float]) -> None:
+        self.template, self.started, self.ts = template, started, ts
+
+    def __call__(self, route: Any) -> None:
+        since = httpx.URL(route.request.url).params.get("since")
+        rows = [t for t in self.ts if since is None or t > float(since)]
+        h: dict[str, Any] = {"t": rows}
+        for key in self.template["history"]:
+            if key not in ("t", "temp_c"):
+                h[key] = [1.0] * len(rows)
+        h["temp_c"] = {"gpu-thermal": [50.0] * len(rows)}
+        route.fulfill(json={**self.template, "started": self.started, "history": h})
+
+
+def test_a_gap_and_a_restart_break_the_lines(
+    browser: BrowserContext, server: tuple[str, ServerState]
+) -> None:
+    """Rows further apart than a few sampling intervals (the server or the tab asleep)
+    get a row of nulls between them, where uPlot breaks its lines; a server that
+    restarted (its start time changed) gets one however short the downtime, and the
+    header says so. Hours of data keep only the server's history window."""
+    base, _ = server
+    template = httpx.get(f"{base}/dashboard/data").json()
+    t0 = 1_700_000_000.0
+    # the first server: five rows, then none for 60 s
+    fake = FakeData(template, t0 - 10, [t0 + i for i in range(5)] + [t0 + 65])
+
+    def column(page: Page, key: str = "tokens_per_s") -> list[Any]:
+        """One column the page holds; empty before its first answer."""
+        js = f"() => {{ const c = window.orinDashboard.store.cols; return c ? c.{key} : []; }}"
+        return list(page.evaluate(js))
+
+    browser.route("**/dashboard/data*", fake)  # from the page's first poll on
+    try:
+        with watched_page(browser, base) as (page, errors):
+            poll(lambda: len(column(page, "t")) == 7, "the first server's rows and a gap")
+            assert column(page) == [1.0] * 5 + [None, 1.0]
+            assert column(page, "temp_c['gpu-thermal']") == [50.0] * 5 + [None, 50.0]
+            assert t0 + 4 < column(page, "t")[5] < t0 + 65
+            drawn = page.evaluate("() => window.orinDashboard.charts.throughput.plot.data[1]")
+            assert drawn[5] is None  # what uPlot draws: the line breaks there
+            assert page.locator("#restarted").is_hidden()
+
+            # another process, up 2 s after the last row: less than a gap, still a break
+            fake.started, fake.ts = t0 + 66, [t0 + 67, t0 + 68]
+            poll(lambda: len(column(page, "t")) == 10, "the restarted server's rows")
+            assert column(page) == [1.0] * 5 + [None, 1.0, None, 1.0, 1.0]
+            assert page.locator("#restarted").is_visible()
+            assert "server restarted at" in (page.locator("#restarted").text_content() or "")
+
+            # two hours later (a tab asleep): the page keeps the server's window only
+            fake.ts = [t0 + 7200 + i for i in range(400)]
+            poll(lambda: column(page, "t")[-1] == fake.ts[-1], "rows two hours later")
+            held = column(page, "t")
+            assert held[0] > fake.ts[-1] - template["history_s"]
+            assert len(held) <= template["history_s"] / template["interval_s"]
+            assert errors == []
+    finally:
+        browser.unroute("**/dashboard/data*")
+
+
 @pytest.fixture(scope="module")
 def keyed_server() -> Iterator[tuple[str, ServerState]]:
     old = os.environ.get(KEY_ENV)

@@ -259,6 +259,7 @@ def test_data_and_slots_shapes() -> None:
         assert d["now"]["slots_total"] == 2 and len(d["now"]["slots"]) == 2
         hist = d["history"]
         assert len(hist["t"]) >= 1  # the lifespan's first tick
+        assert d["started"] <= hist["t"][0]  # this process's start: a page sees a restart
         assert set(dashboard.SERIES) <= set(hist)
         assert all(len(hist[k]) == len(hist["t"]) for k in dashboard.SERIES)
         later = c.get("/dashboard/data", params={"since": hist["t"][-1]}).json()
@@ -323,7 +324,7 @@ def test_login_refuses_a_wrong_key_and_sets_the_cookie_for_the_right_one(
 def test_dashboard_off_leaves_slots_only() -> None:
     state = _state(FakeEngine())
     # server.dashboard: false, as the composition root passes it on
-    state.dashboard = False  # type: ignore[attr-defined]
+    state.dashboard = False
     with TestClient(create_app(state)) as c:
         assert c.get("/").status_code == 404
         assert c.get("/dashboard/data").status_code == 404
