@@ -317,8 +317,18 @@ def test_login_refuses_a_wrong_key_and_sets_the_cookie_for_the_right_one(
     out = keyed.post("/logout", follow_redirects=False)
     assert out.status_code == 303 and f'{auth.COOKIE}=""' in out.headers["set-cookie"]
     assert "max-age=0" in out.headers["set-cookie"].lower()
-    keyed.cookies.clear()
-    assert keyed.post("/logout", follow_redirects=False).status_code == 401  # behind the key
+
+
+@pytest.mark.parametrize("cookie", ["sesame", "the-key-before-it-changed", None])
+def test_logout_always_deletes_the_cookie_and_goes_back_to_the_login(
+    keyed: TestClient, cookie: str | None
+) -> None:
+    if cookie is not None:
+        keyed.cookies.set(auth.COOKIE, cookie)
+    out = keyed.post("/logout", follow_redirects=False)
+    assert out.status_code == 303 and out.headers["location"] == "/"
+    assert f'{auth.COOKIE}=""' in out.headers["set-cookie"]
+    assert "max-age=0" in out.headers["set-cookie"].lower()
 
 
 def test_dashboard_off_leaves_slots_only() -> None:
