@@ -346,6 +346,23 @@ def test_a_gap_and_a_restart_break_the_lines(
         browser.unroute("**/dashboard/data*")
 
 
+@pytest.mark.parametrize("width", [320, 390])
+def test_a_phone_width_window_does_not_scroll_sideways(
+    browser: BrowserContext, server: tuple[str, ServerState], width: int
+) -> None:
+    """Tiles, slots table and charts fit a phone held upright (the slots table
+    scrolls inside its panel), the charts drawn no wider than the window."""
+    base, _ = server
+    with watched_page(browser, base) as (page, errors):
+        page.set_viewport_size({"width": width, "height": 740})
+        poll(lambda: points(page, "throughput") >= 1, "the first history row")
+        poll(lambda: page.locator("#slots-body tr").count() >= 1, "the slots")
+        assert page.evaluate("document.documentElement.scrollWidth") <= width
+        canvas = page.locator("#chart-throughput canvas").bounding_box()
+        assert canvas is not None and canvas["x"] + canvas["width"] <= width
+        assert errors == []
+
+
 @pytest.fixture(scope="module")
 def keyed_server() -> Iterator[tuple[str, ServerState]]:
     old = os.environ.get(KEY_ENV)

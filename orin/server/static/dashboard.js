@@ -69,7 +69,7 @@
   }
 
   function plotWidth(c) {
-    return Math.max(240, c.el.clientWidth - 24);
+    return Math.max(120, c.el.clientWidth - 24);
   }
 
   function uplotOpts(c, labels) {
