@@ -363,6 +363,25 @@ def test_a_phone_width_window_does_not_scroll_sideways(
         assert errors == []
 
 
+UNNAMED_CONTROLS = """() => [...document.querySelectorAll("input, textarea, select, button")]
+    .filter((el) => !(el.labels && el.labels.length) && !el.getAttribute("aria-label")
+                    && !(el.tagName === "BUTTON" && el.textContent.trim()))
+    .map((el) => el.id || el.outerHTML)"""
+
+
+def test_every_control_has_a_name_a_screen_reader_reads(
+    browser: BrowserContext, server: tuple[str, ServerState]
+) -> None:
+    """A label (or an aria-label) for every field and a text for every button, so a
+    screen reader says more than "edit text"; the connection state is a live status."""
+    base, _ = server
+    with watched_page(browser, base) as (page, errors):
+        poll(lambda: points(page, "throughput") >= 1, "the first history row")
+        assert page.evaluate(UNNAMED_CONTROLS) == []
+        assert page.locator("#conn").get_attribute("role") == "status"
+        assert errors == []
+
+
 @pytest.fixture(scope="module")
 def keyed_server() -> Iterator[tuple[str, ServerState]]:
     old = os.environ.get(KEY_ENV)
