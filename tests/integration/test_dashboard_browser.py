@@ -382,6 +382,46 @@ def test_every_control_has_a_name_a_screen_reader_reads(
         assert errors == []
 
 
+# The WCAG contrast ratio of an element's text against the colour behind it, and
+# the luminance of that colour (0 black .. 1 white).
+CONTRAST = """(sel) => {
+    const rgb = (c) => c.match(/[\\d.]+/g).slice(0, 3).map(Number);
+    const lum = ([r, g, b]) => [r, g, b].map((v) => {
+        v /= 255;
+        return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4;
+    }).reduce((a, v, i) => a + v * [0.2126, 0.7152, 0.0722][i], 0);
+    const el = document.querySelector(sel);
+    let bg = el;
+    while (bg && getComputedStyle(bg).backgroundColor === "rgba(0, 0, 0, 0)") bg = bg.parentElement;
+    const back = lum(rgb(getComputedStyle(bg || document.body).backgroundColor));
+    const text = lum(rgb(getComputedStyle(el).color));
+    return [(Math.max(back, text) + 0.05) / (Math.min(back, text) + 0.05), back];
+}"""
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_page_follows_the_browsers_colour_scheme_with_readable_text(
+    browser: BrowserContext, server: tuple[str, ServerState], scheme: Any
+) -> None:
+    """A dark-mode browser gets a dark page, charts included (their axes drawn in the
+    page's colours); text keeps a contrast of at least 4.5:1 in both."""
+    base, _ = server
+    with watched_page(browser, base) as (page, errors):
+        page.emulate_media(color_scheme=scheme)
+        page.reload()
+        poll(lambda: points(page, "throughput") >= 1, "the first history row")
+        for sel in ("#model", "#meta", ".tile .label", "#tile-slots", "#chart-throughput h3"):
+            ratio, back = page.evaluate(CONTRAST, sel)
+            assert ratio >= 4.5, (sel, ratio)
+            assert (back < 0.2) == (scheme == "dark"), (sel, back)
+        axis = page.evaluate("() => window.orinDashboard.charts.throughput.plot.axes[1].stroke()")
+        muted = page.evaluate(
+            "() => getComputedStyle(document.documentElement).getPropertyValue('--muted').trim()"
+        )
+        assert axis == muted
+        assert errors == []
+
+
 @pytest.fixture(scope="module")
 def keyed_server() -> Iterator[tuple[str, ServerState]]:
     old = os.environ.get(KEY_ENV)

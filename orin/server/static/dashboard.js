@@ -61,6 +61,14 @@
       host.append(el);
       charts[def.id] = { def, el, target: plot, plot: null, keys: [] };
     }
+    // the browser switched between light and dark: the charts are drawn anew in its colours
+    window.matchMedia("(prefers-color-scheme: dark)").addEventListener("change", () => {
+      for (const c of Object.values(charts)) {
+        if (c.plot) c.plot.destroy();
+        c.plot = null;
+      }
+      if (store.cols) drawCharts();
+    });
     window.addEventListener("resize", () => {
       for (const c of Object.values(charts)) {
         if (c.plot) c.plot.setSize({ width: plotWidth(c), height: HEIGHT });
@@ -88,14 +96,18 @@
     const y = { auto: true };
     if (def.range) y.range = def.range;
     else y.range = (u, min, max) => [Math.min(0, min ?? 0), Math.max(max ?? 1, 1)];
+    // the page's colours (light or dark, as the browser is set): a canvas reads no CSS
+    const css = getComputedStyle(document.documentElement);
+    const ink = css.getPropertyValue("--muted").trim();
+    const grid = { stroke: css.getPropertyValue("--grid").trim() };
     return {
       width: plotWidth(c), height: HEIGHT, series,
       scales: { x: { time: true }, y },
       // one line of wall-clock time under each tick (uPlot's default adds a date row,
       // whose labels collide at a minute boundary in a five-minute window)
-      axes: [{ stroke: "#667085", grid: { stroke: "#eef0f3" }, space: 60,
+      axes: [{ stroke: ink, grid, space: 60,
                values: (u, vals) => vals.map(fmtClock) },
-             Object.assign({ stroke: "#667085", grid: { stroke: "#eef0f3" }, size: 76,
+             Object.assign({ stroke: ink, grid, size: 76,
                values: (u, vals) => vals.map((v) => (def.axis || def.fmt)(v)) },
                // counts tick at whole numbers only: 0.2 steps would print "0 0 0 1 1 1"
                def.counts ? { incrs: COUNT_STEPS } : {})],
