@@ -363,6 +363,22 @@ def test_a_phone_width_window_does_not_scroll_sideways(
         assert errors == []
 
 
+def test_the_memory_axis_ticks_at_round_gib(
+    browser: BrowserContext, server: tuple[str, ServerState]
+) -> None:
+    """The memory chart's ticks are whole quarters of a GiB and read as such ("2 GiB"),
+    not a byte count's decimal steps ("0.47 GiB, 0.93 GiB")."""
+    base, _ = server
+    with watched_page(browser, base) as (page, errors):
+        poll(lambda: points(page, "memory") >= 1, "the memory chart")
+        axis = "window.orinDashboard.charts.memory.plot.axes[1]"
+        splits = page.evaluate(f"() => {axis}._splits")
+        labels = page.evaluate(f"() => {axis}._values")
+        assert splits and all(v % (2**30 / 4) == 0 for v in splits), splits
+        assert labels == [f"{v / 2**30:g} GiB" for v in splits]
+        assert errors == []
+
+
 UNNAMED_CONTROLS = """() => [...document.querySelectorAll("input, textarea, select, button")]
     .filter((el) => !(el.labels && el.labels.length) && !el.getAttribute("aria-label")
                     && !(el.tagName === "BUTTON" && el.textContent.trim()))

@@ -13,9 +13,13 @@
   const fmtLat = (v) => (v == null ? "–" : v >= 1000 ? (v / 1000).toFixed(2) + " s" : fmtMs(v) + " ms");
   const fmtPct = (v) => (v == null ? "–" : Math.round(v * 100) + " %");
   const fmtGiB = (v) => (v == null ? "–" : (v / 2 ** 30).toFixed(2) + " GiB");
+  const axisGiB = (v) => (v == null ? "" : Number((v / 2 ** 30).toFixed(2)) + " GiB");
   const fmtNum = (v) => (v == null ? "–" : v < 10 ? v.toFixed(1) : Math.round(v).toString());
   const fmtClock = (t) => new Date(t * 1000).toLocaleTimeString("en-GB");
   const axisNum = (v) => (v == null ? "" : Number(v.toPrecision(4)).toLocaleString("en-US"));
+
+  // memory ticks at round GiB figures (bytes' decimal steps read "0.47 GiB, 0.93 GiB")
+  const GIB_STEPS = [1 / 4, 1 / 2, 1, 2, 4, 8, 16, 32, 64, 128, 256].map((g) => g * 2 ** 30);
 
   // One chart per entry; `optional` ones are shown only while the server reports a value.
   const CHARTS = [
@@ -30,7 +34,7 @@
     { id: "gpu", title: "GPU utilization by phase", fmt: fmtPct, range: [0, 1], optional: true,
       absent: "GPU utilization (no GPU counter in this telemetry source)",
       series: [["gpu_util_prefill", "prefill"], ["gpu_util_decode", "decode"], ["gpu_util", "all samples"]] },
-    { id: "memory", title: "Memory used (unified: CPU and GPU)", fmt: fmtGiB, optional: true,
+    { id: "memory", title: "Memory used (unified: CPU and GPU)", fmt: fmtGiB, axis: axisGiB, optional: true, incrs: GIB_STEPS,
       absent: "memory", series: [["mem_used_bytes", "MemTotal − MemAvailable"], ["gpu_mem_used_bytes", "GPU memory (discrete GPU)"]] },
     { id: "kv", title: "KV cells", fmt: fmtInt, counts: true,
       series: [["kv_cells_used", "held by requests"], ["kv_cells_cached", "kept as prefixes"]] },
@@ -110,7 +114,7 @@
              Object.assign({ stroke: ink, grid, size: 76,
                values: (u, vals) => vals.map((v) => (def.axis || def.fmt)(v)) },
                // counts tick at whole numbers only: 0.2 steps would print "0 0 0 1 1 1"
-               def.counts ? { incrs: COUNT_STEPS } : {})],
+               def.counts ? { incrs: COUNT_STEPS } : def.incrs ? { incrs: def.incrs } : {})],
       legend: { live: true },
       cursor: { drag: { x: false, y: false } },
     };
