@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 
 COOKIE = "orin_llm_key"
 
-# "/" and "/login" are the dashboard's: "/" checks the key itself and answers
-# with the login page when it is missing; "/login" is that page's form.
-PUBLIC_PATHS = frozenset({"/health", "/", "/login"})
+# "/", "/login" and "/logout" are the dashboard's: "/" checks the key itself and
+# answers with the login page when it is missing; "/login" is that page's form;
+# "/logout" only deletes the cookie, and must do so for a cookie that no longer
+# holds the key (the key changed since the login), which the check would refuse.
+PUBLIC_PATHS = frozenset({"/health", "/", "/login", "/logout"})
 PUBLIC_PREFIXES = ("/dashboard/assets/",)
 
 # What a browser may send cross-origin besides the safelisted headers.

@@ -18,12 +18,13 @@ tick reads the engine's status, /proc/meminfo and the thermal zones (as
 touches no GPU counter itself: the telemetry sampler alone decides how often
 the GPU is read (at 1 Hz while idle, so that it can rail-gate).
 
-Auth (orin/server/auth.py): ``/``, ``/login`` and ``/dashboard/assets/`` are
-public. ``/`` serves the dashboard to a caller with the key (header or cookie)
-and otherwise a login page with nothing of the server's in it; the login form
-posts the key to ``/login``, which sets it as an HttpOnly, SameSite=Strict
-cookie, so the page's own requests (``/dashboard/data``, ``/slots``, the
-playground's ``/v1/chat/completions``) carry it.
+Auth (orin/server/auth.py): ``/``, ``/login``, ``/logout`` and
+``/dashboard/assets/`` are public. ``/`` serves the dashboard to a caller with
+the key (header or cookie) and otherwise a login page with nothing of the
+server's in it; the login form posts the key to ``/login``, which sets it as
+an HttpOnly, SameSite=Strict cookie, so the page's own requests
+(``/dashboard/data``, ``/slots``, the playground's ``/v1/chat/completions``)
+carry it.
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ class History:
         self.interval_s = interval_s
         self.rows: deque[dict[str, Any]] = deque(maxlen=max(1, int(seconds / interval_s)))
         self._clock = clock
+        # when this process began keeping rows: a page that sees it change knows the
+        # server restarted, and that its rows do not join the ones it held before
+        self.started = round(clock(), 3)
         self._lock = threading.Lock()
         self._window = _Window()
         self._finished: deque[tuple[float, float | None, float | None]] = deque()
@@ -288,6 +292,7 @@ def data_body(state: ServerState, history: History | None, since: float | None) 
         "meta": state.model_meta(),
         "interval_s": history.interval_s if history is not None else INTERVAL_S,
         "history_s": HISTORY_S,
+        "started": history.started if history is not None else None,
         "telemetry": {
             "source": telemetry.source_name if telemetry is not None else None,
             "phase": telemetry.tracker.phase if telemetry is not None else None,
@@ -350,7 +355,8 @@ def register(app: FastAPI, state: ServerState) -> History | None:
 
     @app.post("/logout", include_in_schema=False)
     async def logout() -> Response:
-        """Forget the key in this browser (behind the key itself, like every route)."""
+        """Forget the key in this browser, whatever the cookie holds (a public path: a
+        stale cookie, from before the key changed, is deleted too)."""
         response = RedirectResponse("/", status_code=303)
         response.delete_cookie(auth.COOKIE, path="/", httponly=True, samesite="strict")
         return response

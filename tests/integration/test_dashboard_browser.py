@@ -280,6 +280,164 @@ def test_board_charts_show_what_a_board_reports(
         assert errors == []
 
 
+class FakeData:
+    """A route answering /dashboard/data as a server started at ``started`` whose
+    history has one row at each of ``ts`` (every figure 1.0, one thermal zone at
+    50 °C), honouring ``since``; the rest of the answer is ``template``'s."""
+
+    def __init__(self, template: dict[str, Any], started: float, ts: list[float]) -> None:
+        self.template, self.started, self.ts = template, started, ts
+
+    def __call__(self, route: Any) -> None:
+        since = httpx.URL(route.request.url).params.get("since")
+        rows = [t for t in self.ts if since is None or t > float(since)]
+        h: dict[str, Any] = {"t": rows}
+        for key in self.template["history"]:
+            if key not in ("t", "temp_c"):
+                h[key] = [1.0] * len(rows)
+        h["temp_c"] = {"gpu-thermal": [50.0] * len(rows)}
+        route.fulfill(json={**self.template, "started": self.started, "history": h})
+
+
+def test_a_gap_and_a_restart_break_the_lines(
+    browser: BrowserContext, server: tuple[str, ServerState]
+) -> None:
+    """Rows further apart than a few sampling intervals (the server or the tab asleep)
+    get a row of nulls between them, where uPlot breaks its lines; a server that
+    restarted (its start time changed) gets one however short the downtime, and the
+    header says so. Hours of data keep only the server's history window."""
+    base, _ = server
+    template = httpx.get(f"{base}/dashboard/data").json()
+    t0 = 1_700_000_000.0
+    # the first server: five rows, then none for 60 s
+    fake = FakeData(template, t0 - 10, [t0 + i for i in range(5)] + [t0 + 65])
+
+    def column(page: Page, key: str = "tokens_per_s") -> list[Any]:
+        """One column the page holds; empty before its first answer."""
+        js = f"() => {{ const c = window.orinDashboard.store.cols; return c ? c.{key} : []; }}"
+        return list(page.evaluate(js))
+
+    browser.route("**/dashboard/data*", fake)  # from the page's first poll on
+    try:
+        with watched_page(browser, base) as (page, errors):
+            poll(lambda: len(column(page, "t")) == 7, "the first server's rows and a gap")
+            assert column(page) == [1.0] * 5 + [None, 1.0]
+            assert column(page, "temp_c['gpu-thermal']") == [50.0] * 5 + [None, 50.0]
+            assert t0 + 4 < column(page, "t")[5] < t0 + 65
+            drawn = page.evaluate("() => window.orinDashboard.charts.throughput.plot.data[1]")
+            assert drawn[5] is None  # what uPlot draws: the line breaks there
+            assert page.locator("#restarted").is_hidden()
+
+            # another process, up 2 s after the last row: less than a gap, still a break
+            fake.started, fake.ts = t0 + 66, [t0 + 67, t0 + 68]
+            poll(lambda: len(column(page, "t")) == 10, "the restarted server's rows")
+            assert column(page) == [1.0] * 5 + [None, 1.0, None, 1.0, 1.0]
+            assert page.locator("#restarted").is_visible()
+            assert "server restarted at" in (page.locator("#restarted").text_content() or "")
+
+            # two hours later (a tab asleep): the page keeps the server's window only
+            fake.ts = [t0 + 7200 + i for i in range(400)]
+            poll(lambda: column(page, "t")[-1] == fake.ts[-1], "rows two hours later")
+            held = column(page, "t")
+            assert held[0] > fake.ts[-1] - template["history_s"]
+            assert len(held) <= template["history_s"] / template["interval_s"]
+            assert errors == []
+    finally:
+        browser.unroute("**/dashboard/data*")
+
+
+@pytest.mark.parametrize("width", [320, 390])
+def test_a_phone_width_window_does_not_scroll_sideways(
+    browser: BrowserContext, server: tuple[str, ServerState], width: int
+) -> None:
+    """Tiles, slots table and charts fit a phone held upright (the slots table
+    scrolls inside its panel), the charts drawn no wider than the window."""
+    base, _ = server
+    with watched_page(browser, base) as (page, errors):
+        page.set_viewport_size({"width": width, "height": 740})
+        poll(lambda: points(page, "throughput") >= 1, "the first history row")
+        poll(lambda: page.locator("#slots-body tr").count() >= 1, "the slots")
+        assert page.evaluate("document.documentElement.scrollWidth") <= width
+        canvas = page.locator("#chart-throughput canvas").bounding_box()
+        assert canvas is not None and canvas["x"] + canvas["width"] <= width
+        assert errors == []
+
+
+def test_the_memory_axis_ticks_at_round_gib(
+    browser: BrowserContext, server: tuple[str, ServerState]
+) -> None:
+    """The memory chart's ticks are whole quarters of a GiB and read as such ("2 GiB"),
+    not a byte count's decimal steps ("0.47 GiB, 0.93 GiB")."""
+    base, _ = server
+    with watched_page(browser, base) as (page, errors):
+        poll(lambda: points(page, "memory") >= 1, "the memory chart")
+        axis = "window.orinDashboard.charts.memory.plot.axes[1]"
+        splits = page.evaluate(f"() => {axis}._splits")
+        labels = page.evaluate(f"() => {axis}._values")
+        assert splits and all(v % (2**30 / 4) == 0 for v in splits), splits
+        assert labels == [f"{v / 2**30:g} GiB" for v in splits]
+        assert errors == []
+
+
+UNNAMED_CONTROLS = """() => [...document.querySelectorAll("input, textarea, select, button")]
+    .filter((el) => !(el.labels && el.labels.length) && !el.getAttribute("aria-label")
+                    && !(el.tagName === "BUTTON" && el.textContent.trim()))
+    .map((el) => el.id || el.outerHTML)"""
+
+
+def test_every_control_has_a_name_a_screen_reader_reads(
+    browser: BrowserContext, server: tuple[str, ServerState]
+) -> None:
+    """A label (or an aria-label) for every field and a text for every button, so a
+    screen reader says more than "edit text"; the connection state is a live status."""
+    base, _ = server
+    with watched_page(browser, base) as (page, errors):
+        poll(lambda: points(page, "throughput") >= 1, "the first history row")
+        assert page.evaluate(UNNAMED_CONTROLS) == []
+        assert page.locator("#conn").get_attribute("role") == "status"
+        assert errors == []
+
+
+# The WCAG contrast ratio of an element's text against the colour behind it, and
+# the luminance of that colour (0 black .. 1 white).
+CONTRAST = """(sel) => {
+    const rgb = (c) => c.match(/[\\d.]+/g).slice(0, 3).map(Number);
+    const lum = ([r, g, b]) => [r, g, b].map((v) => {
+        v /= 255;
+        return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4;
+    }).reduce((a, v, i) => a + v * [0.2126, 0.7152, 0.0722][i], 0);
+    const el = document.querySelector(sel);
+    let bg = el;
+    while (bg && getComputedStyle(bg).backgroundColor === "rgba(0, 0, 0, 0)") bg = bg.parentElement;
+    const back = lum(rgb(getComputedStyle(bg || document.body).backgroundColor));
+    const text = lum(rgb(getComputedStyle(el).color));
+    return [(Math.max(back, text) + 0.05) / (Math.min(back, text) + 0.05), back];
+}"""
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_page_follows_the_browsers_colour_scheme_with_readable_text(
+    browser: BrowserContext, server: tuple[str, ServerState], scheme: Any
+) -> None:
+    """A dark-mode browser gets a dark page, charts included (their axes drawn in the
+    page's colours); text keeps a contrast of at least 4.5:1 in both."""
+    base, _ = server
+    with watched_page(browser, base) as (page, errors):
+        page.emulate_media(color_scheme=scheme)
+        page.reload()
+        poll(lambda: points(page, "throughput") >= 1, "the first history row")
+        for sel in ("#model", "#meta", ".tile .label", "#tile-slots", "#chart-throughput h3"):
+            ratio, back = page.evaluate(CONTRAST, sel)
+            assert ratio >= 4.5, (sel, ratio)
+            assert (back < 0.2) == (scheme == "dark"), (sel, back)
+        axis = page.evaluate("() => window.orinDashboard.charts.throughput.plot.axes[1].stroke()")
+        muted = page.evaluate(
+            "() => getComputedStyle(document.documentElement).getPropertyValue('--muted').trim()"
+        )
+        assert axis == muted
+        assert errors == []
+
+
 @pytest.fixture(scope="module")
 def keyed_server() -> Iterator[tuple[str, ServerState]]:
     old = os.environ.get(KEY_ENV)

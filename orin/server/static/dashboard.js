@@ -13,8 +13,13 @@
   const fmtLat = (v) => (v == null ? "–" : v >= 1000 ? (v / 1000).toFixed(2) + " s" : fmtMs(v) + " ms");
   const fmtPct = (v) => (v == null ? "–" : Math.round(v * 100) + " %");
   const fmtGiB = (v) => (v == null ? "–" : (v / 2 ** 30).toFixed(2) + " GiB");
+  const axisGiB = (v) => (v == null ? "" : Number((v / 2 ** 30).toFixed(2)) + " GiB");
   const fmtNum = (v) => (v == null ? "–" : v < 10 ? v.toFixed(1) : Math.round(v).toString());
+  const fmtClock = (t) => new Date(t * 1000).toLocaleTimeString("en-GB");
   const axisNum = (v) => (v == null ? "" : Number(v.toPrecision(4)).toLocaleString("en-US"));
+
+  // memory ticks at round GiB figures (bytes' decimal steps read "0.47 GiB, 0.93 GiB")
+  const GIB_STEPS = [1 / 4, 1 / 2, 1, 2, 4, 8, 16, 32, 64, 128, 256].map((g) => g * 2 ** 30);
 
   // One chart per entry; `optional` ones are shown only while the server reports a value.
   const CHARTS = [
@@ -29,7 +34,7 @@
     { id: "gpu", title: "GPU utilization by phase", fmt: fmtPct, range: [0, 1], optional: true,
       absent: "GPU utilization (no GPU counter in this telemetry source)",
       series: [["gpu_util_prefill", "prefill"], ["gpu_util_decode", "decode"], ["gpu_util", "all samples"]] },
-    { id: "memory", title: "Memory used (unified: CPU and GPU)", fmt: fmtGiB, optional: true,
+    { id: "memory", title: "Memory used (unified: CPU and GPU)", fmt: fmtGiB, axis: axisGiB, optional: true, incrs: GIB_STEPS,
       absent: "memory", series: [["mem_used_bytes", "MemTotal − MemAvailable"], ["gpu_mem_used_bytes", "GPU memory (discrete GPU)"]] },
     { id: "kv", title: "KV cells", fmt: fmtInt, counts: true,
       series: [["kv_cells_used", "held by requests"], ["kv_cells_cached", "kept as prefixes"]] },
@@ -40,7 +45,7 @@
   ];
 
   const COUNT_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];
-  const store = { cols: null, lastT: null, maxPoints: 300, data: null };
+  const store = { cols: null, lastT: null, started: null, restartedAt: null, data: null };
   const charts = {}; // id -> { def, el, plot, keys }
   const $ = (id) => document.getElementById(id);
 
@@ -60,6 +65,14 @@
       host.append(el);
       charts[def.id] = { def, el, target: plot, plot: null, keys: [] };
     }
+    // the browser switched between light and dark: the charts are drawn anew in its colours
+    window.matchMedia("(prefers-color-scheme: dark)").addEventListener("change", () => {
+      for (const c of Object.values(charts)) {
+        if (c.plot) c.plot.destroy();
+        c.plot = null;
+      }
+      if (store.cols) drawCharts();
+    });
     window.addEventListener("resize", () => {
       for (const c of Object.values(charts)) {
         if (c.plot) c.plot.setSize({ width: plotWidth(c), height: HEIGHT });
@@ -68,7 +81,7 @@
   }
 
   function plotWidth(c) {
-    return Math.max(240, c.el.clientWidth - 24);
+    return Math.max(120, c.el.clientWidth - 24);
   }
 
   function uplotOpts(c, labels) {
@@ -80,24 +93,28 @@
       for (let i = col.length - 1; i >= 0; i--) if (col[i] != null) return def.fmt(col[i]);
       return "–";
     };
-    const series = [{ value: (u, v, si, idx) => (idx == null ? "latest" : new Date(v * 1000).toLocaleTimeString("en-GB")) }]
+    const series = [{ value: (u, v, si, idx) => (idx == null ? "latest" : fmtClock(v)) }]
       .concat(labels.map((label, i) => ({
         label, stroke: PALETTE[i % PALETTE.length], width: 1.5, points: { show: false }, value: latest,
       })));
     const y = { auto: true };
     if (def.range) y.range = def.range;
     else y.range = (u, min, max) => [Math.min(0, min ?? 0), Math.max(max ?? 1, 1)];
+    // the page's colours (light or dark, as the browser is set): a canvas reads no CSS
+    const css = getComputedStyle(document.documentElement);
+    const ink = css.getPropertyValue("--muted").trim();
+    const grid = { stroke: css.getPropertyValue("--grid").trim() };
     return {
       width: plotWidth(c), height: HEIGHT, series,
       scales: { x: { time: true }, y },
       // one line of wall-clock time under each tick (uPlot's default adds a date row,
       // whose labels collide at a minute boundary in a five-minute window)
-      axes: [{ stroke: "#667085", grid: { stroke: "#eef0f3" }, space: 60,
-               values: (u, vals) => vals.map((v) => new Date(v * 1000).toLocaleTimeString("en-GB")) },
-             Object.assign({ stroke: "#667085", grid: { stroke: "#eef0f3" }, size: 76,
+      axes: [{ stroke: ink, grid, space: 60,
+               values: (u, vals) => vals.map(fmtClock) },
+             Object.assign({ stroke: ink, grid, size: 76,
                values: (u, vals) => vals.map((v) => (def.axis || def.fmt)(v)) },
                // counts tick at whole numbers only: 0.2 steps would print "0 0 0 1 1 1"
-               def.counts ? { incrs: COUNT_STEPS } : {})],
+               def.counts ? { incrs: COUNT_STEPS } : def.incrs ? { incrs: def.incrs } : {})],
       legend: { live: true },
       cursor: { drag: { x: false, y: false } },
     };
@@ -137,8 +154,46 @@
     $("absent").textContent = absent.length ? "Not reported here: " + absent.join("; ") + "." : "";
   }
 
-  // Append the rows after the newest one held, and keep the last maxPoints.
-  function merge(hist) {
+  // Consecutive rows further apart than this many sampling intervals have a gap
+  // between them (the server was down, or this tab asleep longer than the history):
+  // a row of nulls goes in between, and uPlot breaks its lines there.
+  const GAP_INTERVALS = 3;
+
+  // `hist` with a row of nulls after each row (the one held before it, `prevT`,
+  // included) that its successor is more than `maxGap` seconds after, or before
+  // its first row when `restart` (a restarted server: nothing joins its rows to
+  // the ones before, however short the downtime).
+  function withGaps(prevT, hist, maxGap, restart) {
+    const t = hist.t;
+    const cuts = [];
+    for (let i = 0; i < t.length; i++) {
+      const before = i === 0 ? prevT : t[i - 1];
+      if (before != null && (t[i] - before > maxGap || (i === 0 && restart))) cuts.push(i);
+    }
+    if (!cuts.length) return hist;
+    const gapped = (col, gapT) => {
+      const out = [];
+      let from = 0;
+      for (const i of cuts) {
+        out.push(...col.slice(from, i), gapT ? gapT(i) : null);
+        from = i;
+      }
+      out.push(...col.slice(from));
+      return out;
+    };
+    const out = { temp_c: {} };
+    for (const key of Object.keys(hist)) {
+      if (key === "t") out.t = gapped(t, (i) => Math.min(t[i], (i === 0 ? prevT : t[i - 1]) + maxGap / GAP_INTERVALS));
+      else if (key === "temp_c") for (const z of Object.keys(hist.temp_c)) out.temp_c[z] = gapped(hist.temp_c[z]);
+      else out[key] = gapped(hist[key]);
+    }
+    return out;
+  }
+
+  // Append the rows after the newest one held, marking the gaps, and keep those of
+  // the last `windowS` seconds (the server's history: hours in a tab keep that many).
+  function merge(hist, interval, windowS, restart) {
+    hist = withGaps(store.lastT, hist, GAP_INTERVALS * interval, restart);
     if (!store.cols) {
       store.cols = hist;
     } else {
@@ -160,14 +215,21 @@
       }
     }
     const cols = store.cols;
-    const extra = cols.t.length - store.maxPoints;
+    const newest = cols.t.length ? cols.t[cols.t.length - 1] : null;
+    let extra = 0;
+    while (extra < cols.t.length && cols.t[extra] <= newest - windowS) extra++;
     if (extra > 0) {
       for (const key of Object.keys(cols)) {
-        if (key === "temp_c") for (const z of Object.keys(cols.temp_c)) cols.temp_c[z].splice(0, extra);
-        else cols[key].splice(0, extra);
+        if (key === "temp_c") {
+          for (const z of Object.keys(cols.temp_c)) {
+            cols.temp_c[z].splice(0, extra);
+            // a zone gone from every row held (its sensor switched off) leaves the chart
+            if (cols.temp_c[z].every((v) => v == null)) delete cols.temp_c[z];
+          }
+        } else cols[key].splice(0, extra);
       }
     }
-    if (cols.t.length) store.lastT = cols.t[cols.t.length - 1];
+    if (newest != null) store.lastT = newest;
   }
 
   function last(key) {
@@ -181,8 +243,10 @@
     const m = d.meta || {};
     $("meta").textContent = [m.quantization, m.slots + " slots × " + m.n_ctx_per_slot + " tokens",
       "K " + m.type_k + " / V " + m.type_v, "telemetry: " + (d.telemetry.source || "off"),
-      "v" + d.version].filter(Boolean).join(" · ");
+      "v" + d.version, "started " + fmtClock(d.started)].filter(Boolean).join(" · ");
     document.title = "orin-llm · " + d.model;
+    $("restarted").hidden = store.restartedAt == null;
+    $("restarted").textContent = store.restartedAt == null ? "" : "server restarted at " + fmtClock(store.restartedAt);
     $("logout").hidden = !d.auth;
     $("tile-slots").textContent = now.slots_busy + " / " + now.slots_total;
     $("tile-queue").textContent = fmtInt(now.queue);
@@ -241,8 +305,12 @@
       if (!r.ok) throw new Error("HTTP " + r.status);
       const d = await r.json();
       store.data = d;
-      store.maxPoints = Math.max(1, Math.round(d.history_s / d.interval_s));
-      if (d.history) merge(d.history);
+      // a server that started since the last answer is another process: its history
+      // begins after a downtime, however short
+      const restart = store.started != null && d.started !== store.started;
+      if (restart) store.restartedAt = d.started;
+      store.started = d.started;
+      if (d.history) merge(d.history, d.interval_s, d.history_s, restart);
       drawNow(d);
       if (store.cols) drawCharts();
       setConn("live", "live · " + d.state);

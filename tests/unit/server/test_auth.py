@@ -214,6 +214,7 @@ def test_authorized_reads_header_and_cookie() -> None:
         ("/health", True),
         ("/", True),
         ("/login", True),
+        ("/logout", True),
         ("/dashboard/assets/app.js", True),
         ("/dashboard/assets/../../v1/models", False),
         ("/dashboard/assets", False),

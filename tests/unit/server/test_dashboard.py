@@ -259,6 +259,7 @@ def test_data_and_slots_shapes() -> None:
         assert d["now"]["slots_total"] == 2 and len(d["now"]["slots"]) == 2
         hist = d["history"]
         assert len(hist["t"]) >= 1  # the lifespan's first tick
+        assert d["started"] <= hist["t"][0]  # this process's start: a page sees a restart
         assert set(dashboard.SERIES) <= set(hist)
         assert all(len(hist[k]) == len(hist["t"]) for k in dashboard.SERIES)
         later = c.get("/dashboard/data", params={"since": hist["t"][-1]}).json()
@@ -316,14 +317,24 @@ def test_login_refuses_a_wrong_key_and_sets_the_cookie_for_the_right_one(
     out = keyed.post("/logout", follow_redirects=False)
     assert out.status_code == 303 and f'{auth.COOKIE}=""' in out.headers["set-cookie"]
     assert "max-age=0" in out.headers["set-cookie"].lower()
-    keyed.cookies.clear()
-    assert keyed.post("/logout", follow_redirects=False).status_code == 401  # behind the key
+
+
+@pytest.mark.parametrize("cookie", ["sesame", "the-key-before-it-changed", None])
+def test_logout_always_deletes_the_cookie_and_goes_back_to_the_login(
+    keyed: TestClient, cookie: str | None
+) -> None:
+    if cookie is not None:
+        keyed.cookies.set(auth.COOKIE, cookie)
+    out = keyed.post("/logout", follow_redirects=False)
+    assert out.status_code == 303 and out.headers["location"] == "/"
+    assert f'{auth.COOKIE}=""' in out.headers["set-cookie"]
+    assert "max-age=0" in out.headers["set-cookie"].lower()
 
 
 def test_dashboard_off_leaves_slots_only() -> None:
     state = _state(FakeEngine())
     # server.dashboard: false, as the composition root passes it on
-    state.dashboard = False  # type: ignore[attr-defined]
+    state.dashboard = False
     with TestClient(create_app(state)) as c:
         assert c.get("/").status_code == 404
         assert c.get("/dashboard/data").status_code == 404
