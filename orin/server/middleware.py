@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from starlette.routing import BaseRoute, Match
 
@@ -139,7 +140,7 @@ class RequestContext:
             "request_id": rid,
             "status": status,
             "method": scope["method"],
-            "path": scope["path"],
+            "path": _logged_path(scope["path"]),
             "duration_ms": round(seconds * 1e3, 1),
         }
         if t is not None:
@@ -172,6 +173,13 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key.lower() == name:
             return str(value.decode("latin-1"))
     return None
+
+
+def _logged_path(path: str) -> str:
+    """The path percent-encoded again where it needs to be, as a client sent it: the
+    server decodes ``%0a`` into a newline, and a client must not be able to write a
+    line of its own (a forged access line) into the log."""
+    return quote(path, safe="/:@!$&'()*+,;=~")
 
 
 def _request_id(scope: Scope) -> str:
