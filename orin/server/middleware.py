@@ -16,7 +16,8 @@ from urllib.parse import quote
 
 from starlette.routing import BaseRoute, Match
 
-from orin.server.errors import ApiError, BodyTooLarge, to_response
+from orin.server import deadlines
+from orin.server.errors import ApiError, BodyTimeout, BodyTooLarge, to_response
 
 if TYPE_CHECKING:
     from orin.server.state import ServerState
@@ -44,10 +45,17 @@ class RequestContext:
     """``routes``: the app's, to name the route of a request answered before routing
     (a 401 without the key, a 413, a 503 while draining) in the HTTP metrics."""
 
-    def __init__(self, app: ASGIApp, state: ServerState, routes: Sequence[BaseRoute] = ()) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        state: ServerState,
+        routes: Sequence[BaseRoute] = (),
+        body_s: float = deadlines.BODY_S,
+    ) -> None:
         self.app = app
         self.state = state
         self.routes = routes
+        self.body_s = body_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -100,14 +108,22 @@ class RequestContext:
         return None
 
     async def _read_body(self, scope: Scope, receive: Receive) -> Receive | ApiError | None:
-        """Read a POST body up to the limit, then replay it to the app."""
+        """Read a POST body up to the limit, within ``deadlines.BODY_S``, then replay it
+        to the app."""
         if scope["method"] != "POST":
             return None
         chunks: list[bytes] = []
         size = 0
         more = True
+        read = deadlines.read_within(receive, self.body_s)
         while more:
-            message = await receive()
+            try:
+                message = await read()
+            except deadlines.BodyTimeout:
+                return BodyTimeout(
+                    f"the request body was not sent whole within {self.body_s:g} s "
+                    f"({size} bytes came)"
+                )
             if message["type"] != "http.request":
                 break
             chunk = message.get("body", b"")
