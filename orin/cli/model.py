@@ -495,8 +495,8 @@ def _service_chown(runner: CommandRunner, root: SysRoot) -> Chown | None:
     if not runner.run(("getent", "passwd", user), timeout=10.0).ok:
         return None
 
-    def chown(path: Path) -> None:
-        res = runner.run(("chown", f"{user}:", str(path)), timeout=30.0)
+    def chown(path: Path) -> None:  # -h: a symbolic link itself, never what it names
+        res = runner.run(("chown", "-h", f"{user}:", str(path)), timeout=30.0)
         if not res.ok:
             raise OrinError(f"chown {user}: {path} failed: {(res.stderr or res.stdout).strip()}")
 

@@ -56,6 +56,7 @@ whose text says ``<__media__>`` (a question about llama.cpp) beside an image is
 served as written instead of refused for a marker without an image."""
 
 _ID_SPAN = 1 << 20  # image tokens one image may have at most (ids of one image)
+_ID_BITS = 128  # of the image's SHA-256 in every one of its ids
 _CHUNK_TEXT, _CHUNK_IMAGE = 0, 1  # mtmd_input_chunk_type
 
 
@@ -66,10 +67,18 @@ def is_image(token: int) -> bool:
 
 def image_ids(digest: bytes, n: int) -> list[int]:
     """The ``n`` prompt ids of an image with this hash: negative, distinct per
-    image and row, the same for the same pixels (the prefix cache's key)."""
+    image and row, the same for the same pixels (the prefix cache's key).
+
+    Every id carries 128 bits of the hash, so that a prefix match of even one row
+    means the same pixels: with fewer (40 bits were once used), whoever knows
+    another client's image could make one whose ids collide with it in reach of a
+    GPU and be served that client's cached cells. The ids are Python ints (up to
+    2**148) and never leave the scheduler's lists: image rows go to llama.cpp as
+    embeddings, and a prompt with images is neither saved to the prompt cache nor
+    scored nor drafted from."""
     if n > _ID_SPAN:
         raise InvalidRequest("messages", f"an image of {n} tokens; at most {_ID_SPAN}")
-    base = int.from_bytes(digest[:5], "big") * _ID_SPAN  # < 2**60
+    base = int.from_bytes(digest[: _ID_BITS // 8], "big") * _ID_SPAN
     return [-(base + i + 1) for i in range(n)]
 
 

@@ -226,6 +226,8 @@ def _download(
     expected = meta.size if meta.size is not None else remote.size
     with _hub_errors(ref, endpoint):
         part.parent.mkdir(parents=True, exist_ok=True)
+    if part.is_symlink():  # in a folder another user may own: never written through
+        part.unlink()
     have = part.stat().st_size if part.is_file() else 0
     if expected is not None and have > expected:
         part.unlink()  # not a prefix of this file

@@ -14,6 +14,7 @@ for the next pull to resume them. Nothing here touches the network (hub.py does)
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
@@ -142,10 +143,16 @@ def meta_path(models_dir: Path, name: str) -> Path:
 
 
 def write_provenance(models_dir: Path, name: str, prov: Provenance) -> Path:
+    """Written to a new file, then renamed into place. Root pulls into the service's
+    folder, whose ``.hub`` the service user owns: whatever is at the temporary name (a
+    symbolic link to /etc/shadow) is removed, never written through."""
     path = meta_path(models_dir, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(prov.to_dict(), indent=2) + "\n", encoding="utf-8")
+    tmp.unlink(missing_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with os.fdopen(os.open(tmp, flags, 0o644), "w", encoding="utf-8") as f:
+        f.write(json.dumps(prov.to_dict(), indent=2) + "\n")
     tmp.replace(path)
     return path
 

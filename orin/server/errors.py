@@ -55,6 +55,10 @@ class BodyTooLarge(ApiError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
 
+class BodyTimeout(ApiError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class Loading(ApiError):
     status, type, code = 503, "service_unavailable", "model_loading"
 

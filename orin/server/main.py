@@ -81,6 +81,7 @@ def build_server(
     from orin.engine.engine import Engine
     from orin.llamacpp import build_info
     from orin.model.gguf import read_model_info
+    from orin.server import deadlines
     from orin.server.app import create_app
     from orin.server.images import ImageLimits
     from orin.server.lifecycle import FLUSH_S, OrinServer
@@ -150,7 +151,7 @@ def build_server(
         host=host,
         port=port,
         loop=loop,
-        http=http,
+        http=deadlines.protocol(http),  # a request's headers within deadlines.HEADERS_S
         log_config=None,
         access_log=False,
         # the drain sets it to what is left of the grace period (lifecycle.py)

@@ -12,10 +12,12 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from starlette.routing import BaseRoute, Match
 
-from orin.server.errors import ApiError, BodyTooLarge, to_response
+from orin.server import deadlines
+from orin.server.errors import ApiError, BodyTimeout, BodyTooLarge, to_response
 
 if TYPE_CHECKING:
     from orin.server.state import ServerState
@@ -43,10 +45,17 @@ class RequestContext:
     """``routes``: the app's, to name the route of a request answered before routing
     (a 401 without the key, a 413, a 503 while draining) in the HTTP metrics."""
 
-    def __init__(self, app: ASGIApp, state: ServerState, routes: Sequence[BaseRoute] = ()) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        state: ServerState,
+        routes: Sequence[BaseRoute] = (),
+        body_s: float = deadlines.BODY_S,
+    ) -> None:
         self.app = app
         self.state = state
         self.routes = routes
+        self.body_s = body_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -99,14 +108,22 @@ class RequestContext:
         return None
 
     async def _read_body(self, scope: Scope, receive: Receive) -> Receive | ApiError | None:
-        """Read a POST body up to the limit, then replay it to the app."""
+        """Read a POST body up to the limit, within ``deadlines.BODY_S``, then replay it
+        to the app."""
         if scope["method"] != "POST":
             return None
         chunks: list[bytes] = []
         size = 0
         more = True
+        read = deadlines.read_within(receive, self.body_s)
         while more:
-            message = await receive()
+            try:
+                message = await read()
+            except deadlines.BodyTimeout:
+                return BodyTimeout(
+                    f"the request body was not sent whole within {self.body_s:g} s "
+                    f"({size} bytes came)"
+                )
             if message["type"] != "http.request":
                 break
             chunk = message.get("body", b"")
@@ -139,7 +156,7 @@ class RequestContext:
             "request_id": rid,
             "status": status,
             "method": scope["method"],
-            "path": scope["path"],
+            "path": _logged_path(scope["path"]),
             "duration_ms": round(seconds * 1e3, 1),
         }
         if t is not None:
@@ -172,6 +189,13 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key.lower() == name:
             return str(value.decode("latin-1"))
     return None
+
+
+def _logged_path(path: str) -> str:
+    """The path percent-encoded again where it needs to be, as a client sent it: the
+    server decodes ``%0a`` into a newline, and a client must not be able to write a
+    line of its own (a forged access line) into the log."""
+    return quote(path, safe="/:@!$&'()*+,;=~")
 
 
 def _request_id(scope: Scope) -> str:

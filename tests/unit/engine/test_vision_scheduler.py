@@ -51,6 +51,34 @@ def test_image_ids_are_negative_distinct_and_follow_the_pixels() -> None:
     assert not is_image(0)
 
 
+def test_image_ids_carry_128_bits_of_the_hash_in_every_row() -> None:
+    """Hashes that agree on their first 40 bits (what the ids once took) and differ
+    in any bit up to the 128th give ids with nothing in common: no row of one image
+    is a prefix match for another that a client could craft to collide."""
+    same = bytes(32)
+    a = image_ids(same, 8)
+    for bit in (40, 64, 100, 127):
+        other = (int.from_bytes(same, "big") | 1 << (255 - bit)).to_bytes(32, "big")
+        assert other[:5] == same[:5]
+        assert not set(a) & set(image_ids(other, 8)), bit
+    assert a == image_ids(bytes(32), 8)
+
+
+def test_images_alike_in_40_bits_of_their_hash_share_no_cells() -> None:
+    digest = bytes(32)
+    twin = bytes(15) + b"\x01" + bytes(16)  # only the 128th bit differs
+    s = sched()
+    s.add(Req("a", [1, *image_ids(digest, 16), 7]))
+    prefill(s)
+    s.add(Req("c", [9, 9, 9]))  # the other slot is busy: "b" has to take "a"'s
+    prefill(s)
+    s.release(s.slots[0], keep_cache=True)
+    s.add(Req("b", [1, *image_ids(twin, 16), 7]))
+    s.schedule()
+    slot = s.slot_of("b")
+    assert slot is s.slots[0] and slot.cached_prompt == 1
+
+
 def test_a_prompt_chunk_never_mixes_text_and_image_rows() -> None:
     img = image_ids(picture(1).digest, 16)
     prompt = [1, 2, 3, *img, 4, 5, 6]

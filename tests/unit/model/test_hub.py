@@ -457,7 +457,25 @@ def test_cli_root_pulls_into_the_service_directory_for_its_user(
     assert code == 0, err
     target = root / "var/lib/orin-llm/models" / Q4
     assert target.is_file()
-    assert ("chown", "orin-llm:", str(target)) in runner.calls
+    assert ("chown", "-h", "orin-llm:", str(target)) in runner.calls
+
+
+def test_a_pull_writes_through_no_link_planted_in_the_models_folder(
+    fake_hub: FakeHub, tmp_path: Path
+) -> None:
+    """Root pulls into the service's folder, whose .hub and .partial the service user
+    may write: links planted at the names a pull writes are replaced, not followed."""
+    models = tmp_path / "models"
+    victim = tmp_path / "shadow"
+    victim.write_text("root:secret\n")
+    part = models / ".partial" / f"{Q4}.{fake_hub.sha256(REPO, Q4)[:16]}.part"
+    for planted in (models / ".hub" / f"{Q4}.json.tmp", part):
+        planted.parent.mkdir(parents=True, exist_ok=True)
+        planted.symlink_to(victim)
+    code, _, err = cli("model", "pull", f"{REPO}:Q4_K_M", "--dir", str(models))
+    assert code == 0, err
+    assert victim.read_text() == "root:secret\n"
+    assert not (models / ".hub" / f"{Q4}.json").is_symlink()
 
 
 # -- doctor --
