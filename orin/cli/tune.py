@@ -52,7 +52,7 @@ from orin.doctor.context import model_path_for
 from orin.errors import OrinError, ProfileError, Terminated
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.profile.board import board_settings
-from orin.profile.loader import load_profile
+from orin.profile.loader import builtin_profile_dirs, find_profile, load_profile
 from orin.profile.schema import Profile
 from orin.profile.select import serve_profile
 from orin.system.changes import (
@@ -64,7 +64,7 @@ from orin.system.changes import (
     revert_plan,
 )
 from orin.system.platform import Platform
-from orin.system.root import SysRoot
+from orin.system.root import SysRoot, untrusted_file
 from orin.system.statefile import DEFAULT_STATE_PATH, StateFile
 
 if TYPE_CHECKING:
@@ -216,12 +216,13 @@ def system(
     cache); change them with --apply, undo with --revert. Without either, nothing changes."""
     if apply and revert:
         raise usage_error("give --apply or --revert, not both")
-    profile = load_profile(profile_name) if profile_name else Profile(name="defaults")
     d = deps(ctx)
+    as_root = d.effective_uid() == 0
+    profile = _system_profile(profile_name, as_root) if profile_name else Profile(name="defaults")
     sysroot = SysRoot(root)
     state = StateFile(sysroot, state_path)
     out = Output(as_json)
-    info = _model_info(profile, out, as_root=d.effective_uid() == 0)
+    info = _model_info(profile, out, as_root=as_root)
     n_layer = info.n_layer if info is not None else None
     board = board_context(
         sysroot,
@@ -266,6 +267,22 @@ def _stopped(plan: Plan, state: StateFile, by: str) -> str:
         f"--{plan.mode} stopped by {by}; {state.location} lists {', '.join(listed)}: "
         f"{again} restores {'them' if len(listed) > 1 else 'it'}"
     )
+
+
+def _system_profile(name: str, as_root: bool) -> Profile:
+    """The profile ``tune system`` plans from. As root (``--apply`` at every boot, from
+    the tuning unit) a profile file another user could write is not read: its
+    settings would be root's changes to the board. Built-in profiles come with the
+    program, which ``install`` checks the same way."""
+    path = find_profile(name)
+    if as_root and not any(path.parent == d for d in builtin_profile_dirs()):
+        reason = untrusted_file(path)
+        if reason is not None:
+            raise ProfileError(
+                f"not reading the profile {path} as root: {reason}; put it where only root "
+                f"can write (sudo install -m 0644 -o root -g root {path} /etc/orin-llm/)"
+            )
+    return load_profile(path)
 
 
 def _gpu_offload(d: Deps) -> bool | None:

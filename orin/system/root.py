@@ -75,3 +75,27 @@ class SysRoot:
             if st.st_mode & GROUP_OR_OTHER_WRITE:
                 return f"{current} is writable by group or others (mode {st.st_mode & 0o7777:04o})"
         return None
+
+
+def untrusted_file(path: Path) -> str | None:
+    """Why another user could have written a file root is asked to read (a profile
+    named on root's command line), or None when only this process's user can.
+
+    The file and every folder above it must be owned by root or by this process's
+    real user (root under sudo; the test's user in tests that fake the effective
+    uid), and none may be writable by group or others, save a folder with the sticky
+    bit (/tmp), whose files nobody else can replace. A symbolic link is followed,
+    and the file it names is what is checked."""
+    trusted = {0, os.getuid()}
+    try:
+        target = path.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:
+        return f"{path} cannot be resolved ({exc})"
+    for current in (target, *target.parents):
+        st = current.stat()
+        if st.st_uid not in trusted:
+            return f"{current} is owned by uid {st.st_uid}, not root"
+        sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+        if st.st_mode & GROUP_OR_OTHER_WRITE and not sticky_dir:
+            return f"{current} is writable by group or others (mode {st.st_mode & 0o7777:04o})"
+    return None

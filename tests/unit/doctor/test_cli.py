@@ -94,6 +94,34 @@ def test_tune_system_apply_needs_root(fake: FakeJetson, profile_file: Path) -> N
     assert fake.changes() == []
 
 
+@pytest.mark.parametrize("writable", ["file", "folder"])
+def test_tune_system_as_root_reads_no_profile_another_user_can_write(
+    fake: FakeJetson, tmp_path: Path, writable: str
+) -> None:
+    """The tuning unit runs `tune system --apply --profile FILE` as root at every boot:
+    a profile anyone could write was read, and its settings became root's changes."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    path = folder / "board-test.yaml"
+    path.write_text(PROFILE)
+    (path if writable == "file" else folder).chmod(0o666 if writable == "file" else 0o777)
+    code, out, err = invoke(fake, "tune", "system", "--profile", str(path), "--apply")
+    assert code == 4, err
+    where = path if writable == "file" else folder
+    assert f"not reading the profile {path} as root: {where} is writable by group or" in err
+    assert "sudo install -m 0644 -o root -g root" in err
+    assert fake.changes() == [] and out == ""
+    # a user may plan from it: only root's run refuses it
+    user = dataclasses.replace(board_deps(fake), effective_uid=lambda: 1000)
+    code, out, err = invoke(fake, "tune", "system", "--profile", str(path), deps=user)
+    assert code == 0 and "plan only" in out, err
+    # a profile that only its owner can write is read, in a sticky folder too
+    path.chmod(0o644)
+    folder.chmod(0o1777)
+    code, out, err = invoke(fake, "tune", "system", "--profile", str(path), "--apply")
+    assert code == 0 and "making these changes" in out, err
+
+
 def test_tune_system_apply_then_revert_json(fake: FakeJetson, profile_file: Path) -> None:
     code, out, err = invoke(
         fake, "tune", "system", "--profile", str(profile_file), "--apply", "--json"
