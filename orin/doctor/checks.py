@@ -18,7 +18,7 @@ from orin.doctor.findings import Finding
 from orin.errors import ProfileError
 from orin.install.layout import ENV_FILE, env_values
 from orin.profile.board import load_settings
-from orin.profile.fit import gib, memory_fit, projector_bytes, projector_path
+from orin.profile.fit import draft_info, gib, memory_fit, projector_bytes, projector_path
 from orin.severity import worst
 from orin.system.loadmode import mmap_policy
 
@@ -244,8 +244,9 @@ def check_memory_fit(ctx: DoctorContext) -> Finding:
         return Finding("memory-fit", "warn", "cannot read /proc/meminfo", fix="check /proc")
     d = ctx.kv
     proj = projector_bytes(ctx.profile)
+    draft = draft_info(ctx.profile)
     fit = memory_fit(
-        info, ctx.profile.engine, d.type_k, d.type_v, d.flash_attn != "off", avail, proj
+        info, ctx.profile.engine, d.type_k, d.type_v, d.flash_attn != "off", avail, proj, draft
     )
     return Finding("memory-fit", fit.severity, fit.found, why=fit.why, fix=fit.fix)
 
