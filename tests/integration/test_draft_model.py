@@ -337,3 +337,28 @@ def test_a_missing_or_corrupt_draft_file_is_a_clear_error(tmp_path: Path, tiny_f
     half.write_bytes(tiny_f16.read_bytes()[: tiny_f16.stat().st_size // 2])
     with pytest.raises(DraftModelError, match=r"draft model .*half\.gguf"):
         open_draft(half)
+
+
+def test_the_memory_plan_counts_the_cache_llama_cpp_gives_the_draft_model(
+    tiny_f16: Path, target: Backend
+) -> None:
+    """The plans' draft figure (memplan.draft_bytes) holds the KV cache llama.cpp
+    allocates for the draft model, as load_draft_model creates it."""
+    import re
+
+    from orin.llamacpp import capture_log
+    from orin.model.memplan import DRAFT_KV_TYPE, kv_caches
+
+    cfg = config(tiny_f16).with_(
+        speculative=SpecConfig(mode="draft", draft_model=tiny_f16, draft_gpu_layers=0)
+    )
+    with capture_log() as lines:
+        model = load_draft_model(cfg, target)
+    model.close()
+    sizes = re.findall(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells", "".join(lines))
+    info = read_model_info(tiny_f16)
+    planned = kv_caches(
+        info, cfg.n_ctx, cfg.slots, DRAFT_KV_TYPE, DRAFT_KV_TYPE, cfg.n_ubatch, cfg.n_batch,
+        swa_full=True,
+    )  # fmt: skip
+    assert [(f"{c.total / 2**20:.2f}", str(c.cells_per_seq)) for c in planned] == sizes
