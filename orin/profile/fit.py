@@ -80,11 +80,16 @@ def draft_path(profile: Profile) -> Path | None:
     return profile.path_from(s.draft_model)
 
 
-def draft_info(profile: Profile) -> ModelInfo | None:
+def draft_info(profile: Profile, named: bool = False) -> ModelInfo | None:
     """The draft model's header, for its weights and KV cache in the memory plans; None
     without one, or while its file is not there or unreadable (doctor's draft-model
-    check reports that)."""
-    path = draft_path(profile)
+    check reports that). ``named``: the file ``speculative.draft_model`` names whatever
+    the mode (tune tries it on any profile that names one)."""
+    s = profile.speculative
+    if named:
+        path = None if s.draft_model is None else profile.path_from(s.draft_model)
+    else:
+        path = draft_path(profile)
     if path is None:
         return None
     from orin.model.gguf import read_model_info

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from orin.errors import OrinError, ProfileError
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, read_model_info
+from orin.profile.fit import draft_info
 from orin.profile.loader import describe_error, resolve_model_path
 from orin.profile.schema import Profile
 from orin.system.commands import SubprocessRunner
@@ -32,7 +33,7 @@ from orin.tune.explain import explain
 from orin.tune.figures import Grid, Measurement, has_targets, score
 from orin.tune.measure import EngineMeasurer, workload
 from orin.tune.search import SearchResult, Trial, successive_halving
-from orin.tune.space import Candidate, Space, build_space
+from orin.tune.space import Candidate, Space, build_space, fits
 from orin.tune.speculation import SPEC_SHARE, SpecChoice, refine
 
 Progress = Callable[[str], None]
@@ -206,12 +207,14 @@ def tune(
             on_trial=lambda t: say(_describe(t, targets=has_targets(profile.slo))),
         )  # fmt: skip
         chosen = _chosen(result, measurer)
+        draft = draft_info(profile, named=True)
         spec = refine(
             chosen, space.speculation, measurer.evaluate, measurer.results, profile.slo,
             result.fidelities, budget - result.spent_s, workload(grid),
             on_trial=lambda t: say(
                 _describe(t, "speculation", targets=has_targets(profile.slo))
             ),
+            fits=lambda c: fits(profile, info, available, c, draft),
         )  # fmt: skip
         result.spent_s += spec.spent_s
         reps = measurer.results[spec.chosen].reps
