@@ -135,7 +135,7 @@ def test_a_speculating_engine_answers_an_image_without_drafts(tiny: Path, engine
     """A prompt with images holds image rows, which neither drafter can look up or feed:
     the request does not speculate (draft_n 0), its text-only neighbours do, and its
     tokens are those of an engine without speculation."""
-    params = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params: dict[str, Any] = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = list(ask(engine, "Describe it.", picture(21), **params).result().token_ids)
     spec = "speculative: {mode: draft, n_draft: 4, cost_aware: false, draft_model: %s}\n"
     profile = parse_profile(f"name: t\n{VISION}{ENGINE}{spec % tiny}")
