@@ -139,6 +139,14 @@ def kubernetes(
             "limits, when the file the profile names is not on this machine.",
         ),
     ] = None,
+    draft_model: Annotated[
+        Path | None,
+        typer.Option(
+            "--draft-model",
+            help="A copy of the profile's speculative draft model (speculative.draft_model) "
+            "for the memory limits, when the file the profile names is not on this machine.",
+        ),
+    ] = None,
     name: Annotated[
         str | None,
         typer.Option(
@@ -226,8 +234,12 @@ def kubernetes(
     profile = load_profile(profile_name or "demo")
     if mmproj is not None and profile.model.mmproj is None:
         raise usage_error(f"--mmproj: profile '{profile.name}' names no model.mmproj")
+    if draft_model is not None and profile.speculative.mode != "draft":
+        raise usage_error(
+            f"--draft-model: profile '{profile.name}' does not set speculative.mode: draft"
+        )
     path, info = k8s.model_for_plan(profile, model)
-    plan = k8s.plan_for(profile, info, mmproj)
+    plan = k8s.plan_for(profile, info, mmproj, draft_model)
     opts = k8s.K8sOptions(
         name=name,
         namespace=namespace,

@@ -209,6 +209,14 @@ def plan(
             "(the default, as the engine runs unless the profile sets engine.swa_full).",
         ),
     ] = False,
+    draft_model: Annotated[
+        Path | None,
+        typer.Option(
+            "--draft-model",
+            help="A speculative draft model loaded beside it (speculative.draft_model): its "
+            "weights, f16 KV cache and compute buffers are counted.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     root: RootOpt = Path("/"),
 ) -> None:
@@ -216,12 +224,23 @@ def plan(
     ctx = ctx if ctx is not None else DEFAULT_CTX
     _check_batches(n_ubatch, n_batch)
     info = read_model_info(path)
+    draft = read_model_info(draft_model) if draft_model is not None else None
     try:
         available: int | None = read_meminfo(SysRoot(root)).available
     except OrinError:
         available = None
     p = plan_memory(
-        info, ctx, slots, kv_type_k, kv_type_v, available, n_ubatch, flash_attn, n_batch, swa_full
+        info,
+        ctx,
+        slots,
+        kv_type_k,
+        kv_type_v,
+        available,
+        n_ubatch,
+        flash_attn,
+        n_batch,
+        swa_full,
+        draft=draft,
     )
     refused = _refusals(kv_type_k, kv_type_v, flash_attn)
     out = Output(as_json)
@@ -304,8 +323,10 @@ def _print_plan(out: Output, info: ModelInfo, p: MemoryPlan, refused: list[str])
     ]
     if p.state_bytes or info.kv_layout in ("recurrent", "hybrid"):
         rows.append(("recurrent state (estimate)", human_bytes(p.state_bytes)))
+    rows.append(("compute buffers (estimate)", human_bytes(p.compute_bytes)))
+    if p.draft_bytes:
+        rows.append(("draft model (weights, KV, compute)", human_bytes(p.draft_bytes)))
     rows += [
-        ("compute buffers (estimate)", human_bytes(p.compute_bytes)),
         ("total", human_bytes(p.total_bytes)),
         ("available (MemAvailable)", human_bytes(p.available_bytes)),
         ("fits", fits),

@@ -108,7 +108,8 @@ def validate(
     else:
         report = _with_own_model(profile, build, root)
     report = _with_prompt_dir(report, profile)
-    report = _with_draft_model(report, profile)
+    served = model if model is not None else model_path_for(profile, None)[0]
+    report = _with_draft_model(report, profile, served)
     report = _with_mmproj(report, profile)
     out = Output(as_json)
     if as_json:
@@ -174,10 +175,13 @@ def _with_prompt_dir(report: ValidationReport, profile: Profile) -> ValidationRe
     return dataclasses.replace(report, findings=(*report.findings, *findings))
 
 
-def _with_draft_model(report: ValidationReport, profile: Profile) -> ValidationReport:
-    """With speculative.mode draft, the draft model must read as a GGUF file, or serve
-    stops at start (doctor's draft-model check)."""
-    draft = draft_model_problem(profile)
+def _with_draft_model(
+    report: ValidationReport, profile: Profile, served: Path | None
+) -> ValidationReport:
+    """With speculative.mode draft, the draft model must read as a GGUF file with the
+    ``served`` model's vocabulary, or serve stops at start (doctor's draft-model
+    check)."""
+    draft = draft_model_problem(profile, served)
     if draft is None or draft[1] is None:
         return report
     finding = KVFinding(

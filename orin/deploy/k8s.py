@@ -39,7 +39,7 @@ from orin.install.units import UnitConfig, service_plan, unit_config
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.model.memplan import MemoryPlan
 from orin.model.mmproj import read_projector_info
-from orin.profile.fit import projector_path
+from orin.profile.fit import draft_path, projector_path
 from orin.profile.loader import named_model_path, resolve_model_path
 from orin.profile.schema import PATH_FIELDS, Profile
 
@@ -201,10 +201,33 @@ def unit_limits(profile: Profile, plan: MemoryPlan) -> UnitConfig:
     return unit_config(profile, plan, APP, DEFAULT_USER, GPU_GROUPS, ())
 
 
-def plan_for(profile: Profile, info: ModelInfo, mmproj: Path | None = None) -> MemoryPlan:
+def plan_for(
+    profile: Profile, info: ModelInfo, mmproj: Path | None = None, draft: Path | None = None
+) -> MemoryPlan:
     """The memory plan the unit's limits are computed from (``auto`` KV types resolved
-    to the larger choice), the vision projector's weights and compute buffer included."""
-    return service_plan(profile, info, projector_for_plan(profile, mmproj))
+    to the larger choice), the vision projector's weights and compute buffer and the
+    draft model's weights and cache included."""
+    return service_plan(
+        profile, info, projector_for_plan(profile, mmproj), draft_for_plan(profile, draft)
+    )
+
+
+def draft_for_plan(profile: Profile, draft: Path | None = None) -> ModelInfo | None:
+    """The header of the profile's speculative draft model for the memory limits, read
+    from ``draft`` (``--draft-model``), else from the file the profile names; None
+    unless ``speculative.mode`` is draft. The pods load it beside the model, so a file
+    that is in neither place is a ModelFileError, as the model's is."""
+    path = draft_path(profile)
+    if path is None:
+        return None
+    path = draft if draft is not None else path
+    if not path.is_file():
+        raise ModelFileError(
+            f"the memory limits count the draft model, and {path} "
+            "(speculative.draft_model) is not here: give a copy of the file with "
+            "--draft-model PATH"
+        )
+    return read_model_info(path)
 
 
 def projector_for_plan(profile: Profile, mmproj: Path | None = None) -> int | None:

@@ -18,7 +18,7 @@ from orin.doctor.findings import Finding
 from orin.errors import ProfileError
 from orin.install.layout import ENV_FILE, env_values
 from orin.profile.board import load_settings
-from orin.profile.fit import gib, memory_fit, projector_bytes, projector_path
+from orin.profile.fit import draft_info, gib, memory_fit, projector_bytes, projector_path
 from orin.severity import worst
 from orin.system.loadmode import mmap_policy
 
@@ -244,8 +244,9 @@ def check_memory_fit(ctx: DoctorContext) -> Finding:
         return Finding("memory-fit", "warn", "cannot read /proc/meminfo", fix="check /proc")
     d = ctx.kv
     proj = projector_bytes(ctx.profile)
+    draft = draft_info(ctx.profile)
     fit = memory_fit(
-        info, ctx.profile.engine, d.type_k, d.type_v, d.flash_attn != "off", avail, proj
+        info, ctx.profile.engine, d.type_k, d.type_v, d.flash_attn != "off", avail, proj, draft
     )
     return Finding("memory-fit", fit.severity, fit.found, why=fit.why, fix=fit.fix)
 
@@ -398,12 +399,12 @@ def check_prompt_cache(ctx: DoctorContext) -> Finding:
 
 
 def check_draft_model(ctx: DoctorContext) -> Finding:
-    """With speculative.mode draft, the draft model's header reads (serve checks the
-    same before it loads anything)."""
+    """With speculative.mode draft, the draft model's header reads and its vocabulary is
+    the served model's (serve checks the same before it loads anything)."""
     from orin.engine.config import draft_model_problem
 
     mode = ctx.profile.speculative.mode
-    draft = draft_model_problem(ctx.profile)
+    draft = draft_model_problem(ctx.profile, ctx.model_path)
     if draft is None:
         return Finding("draft-model", "ok", f"no draft model: speculative.mode is {mode}")
     path, problem = draft
@@ -412,7 +413,8 @@ def check_draft_model(ctx: DoctorContext) -> Finding:
             "draft-model",
             "fail",
             f"speculative.draft_model: {problem}",
-            why="serve stops at start (exit 3) when it cannot read the draft model",
+            why="serve stops at start (exit 3) when it cannot read the draft model or "
+            "its tokens mean other text than the served model's",
             fix="put the draft GGUF there (a small model with the served model's "
             "vocabulary), or speculative.mode: ngram, which needs no second model",
         )

@@ -247,13 +247,17 @@ def mmproj_problem(profile: Profile) -> tuple[Path, str] | None:
     return None
 
 
-def draft_model_problem(profile: Profile) -> tuple[Path, str | None] | None:
+def draft_model_problem(
+    profile: Profile, served: Path | None = None
+) -> tuple[Path, str | None] | None:
     """With ``speculative.mode: draft``, the draft model's file and why serve could not
-    load it (missing, unreadable, not GGUF, truncated: its header is read), or None for
-    the reason when it reads; None without a draft model. Doctor, ``profile validate``
-    and serve ask before the model loads."""
+    use it (missing, unreadable, not GGUF, truncated: its header is read; with the
+    ``served`` model's file, a vocabulary that differs from it, by the GGUF field), or
+    None for the reason when it reads; None without a draft model. Doctor, ``profile
+    validate`` and serve ask before the model loads."""
     from orin.errors import ModelFileError
     from orin.model.gguf import read_model_info
+    from orin.model.vocabmatch import vocab_mismatch
 
     s = profile.speculative
     if s.mode != "draft" or s.draft_model is None:
@@ -263,7 +267,13 @@ def draft_model_problem(profile: Profile) -> tuple[Path, str | None] | None:
         read_model_info(path)
     except ModelFileError as exc:
         return path, str(exc)
-    return path, None
+    if served is None or not served.is_file():
+        return path, None
+    try:
+        mismatch = vocab_mismatch(served, path)
+    except ModelFileError:  # the served model's own problem: reported as the model's
+        return path, None
+    return path, None if mismatch is None else f"{path}: {mismatch}"
 
 
 def spec_config(profile: Profile) -> SpecConfig:

@@ -1281,6 +1281,7 @@ class Engine:
             slot.shifts if slot else 0,
             request.drafted,
             request.accepted,
+            request.spec is not None and request.spec.stopped,
         )
         text = request.tail_text() if reason != "cancelled" else ""
         request.stream.put(TokenEvent(request.id, None, text, None, reason, timings, error))

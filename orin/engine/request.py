@@ -30,6 +30,11 @@ class Drafter(Protocol):
 
     def verified(self, drafted: int, accepted: int) -> None: ...
 
+    @property
+    def stopped(self) -> bool:
+        """Speculation switched itself off for the request (its drafts kept failing)."""
+        ...
+
 
 @dataclass
 class ActiveRequest:

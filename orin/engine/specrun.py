@@ -81,6 +81,10 @@ class RequestSpec:
         accepted = self.acceptance.accepted
         return (accepted + 1.8) / (accepted + self.stops + 2)
 
+    @property
+    def stopped(self) -> bool:
+        return not self.acceptance.enabled
+
     def verified(self, drafted: int, accepted: int) -> None:
         if accepted < drafted:
             self.stops += 1

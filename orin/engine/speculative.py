@@ -46,6 +46,13 @@ from orin.engine.scheduler import common_prefix
 from orin.errors import OrinError
 from orin.llamacpp import capture_log, llama
 from orin.model.gguf import read_model_info
+from orin.model.vocabmatch import (
+    TOKENIZER_FIELD,
+    TOKENIZER_NAMES,
+    TOKENS_FIELD,
+    VOCAB_MAX_SIZE_DIFFERENCE,
+    vocab_sample,
+)
 
 log = logging.getLogger("orin.engine")
 
@@ -277,28 +284,6 @@ class NgramState:
 
 # -- draft model ------------------------------------------------------------------
 
-VOCAB_MAX_SIZE_DIFFERENCE = 128
-"""Vocabulary sizes may differ this much (llama-server's limit): models of one family
-often pad their token tables to different multiples."""
-VOCAB_CHECK_START = 5
-"""The first ids whose text is compared (llama-server's): the few special tokens below
-are spelled differently by otherwise identical tokenizers."""
-VOCAB_CHECK_HEAD = 2048
-VOCAB_CHECK_SPREAD = 4096
-
-
-def _vocab_sample(n: int) -> list[int]:
-    """Ids whose text must agree: the first VOCAB_CHECK_HEAD (special and byte tokens,
-    the most frequent merges) and VOCAB_CHECK_SPREAD spread over the rest, up to the
-    last. Two different tokenizers differ almost everywhere (a merge learnt in another
-    order moves every later id), so this catches them at a bounded cost per start."""
-    head = range(VOCAB_CHECK_START, min(n, VOCAB_CHECK_START + VOCAB_CHECK_HEAD))
-    rest = n - head.stop
-    if rest <= 0:
-        return list(head)
-    spread = range(head.stop, n, max(1, rest // VOCAB_CHECK_SPREAD))
-    return [*head, *spread] if spread[-1] == n - 1 else [*head, *spread, n - 1]
-
 
 @dataclass
 class _SlotCells:
@@ -436,44 +421,46 @@ class DraftModel:
         llama-server's rules: the same tokenizer type; the same BOS (EOS) token
         where the tokenizer adds one to a prompt; sizes within
         VOCAB_MAX_SIZE_DIFFERENCE; the same text for every id compared (a
-        sample, see ``_vocab_sample``). An EOS that is never added may differ: a
+        sample, see ``vocabmatch.vocab_sample``). Each refusal names the draft
+        model's file and the GGUF field that differs (``orin.model.vocabmatch``
+        checks the same fields before anything loads). An EOS that is never added may differ: a
         base draft model for an instruct target ends text with another token,
         and a drafted end is verified like any other token. Drafts are then kept
         to the ids both vocabularies have.
         """
         lib, mine, theirs = self.lib, self.vocab, target.vocab
-        name = f"draft model {self.path.name}"
-        if lib.llama_vocab_type(mine) != lib.llama_vocab_type(theirs):
+        name = f"draft model {self.path}"
+        must = "a draft model must share the served model's vocabulary"
+        kind_mine, kind_theirs = lib.llama_vocab_type(mine), lib.llama_vocab_type(theirs)
+        if kind_mine != kind_theirs:
             raise DraftModelError(
-                f"{name}: its tokenizer type ({lib.llama_vocab_type(mine)}) differs from the "
-                f"served model's ({lib.llama_vocab_type(theirs)}); a draft model must share "
-                "the served model's vocabulary"
+                f"{name}: {TOKENIZER_FIELD} is {_tokenizer(kind_mine)!r}, the served "
+                f"model's {_tokenizer(kind_theirs)!r}; {must}"
             )
         for what, add, tok in (
-            ("BOS", lib.llama_vocab_get_add_bos, lib.llama_vocab_bos),
-            ("EOS", lib.llama_vocab_get_add_eos, lib.llama_vocab_eos),
+            ("bos", lib.llama_vocab_get_add_bos, lib.llama_vocab_bos),
+            ("eos", lib.llama_vocab_get_add_eos, lib.llama_vocab_eos),
         ):
             a, b = bool(add(mine)), bool(add(theirs))
             if a != b or (a and tok(mine) != tok(theirs)):
                 raise DraftModelError(
-                    f"{name}: its {what} token differs from the served model's "
-                    f"(adds {what}: {a}, id {tok(mine)}; served: {b}, id {tok(theirs)})"
+                    f"{name}: its {what.upper()} token differs from the served model's "
+                    f"(tokenizer.ggml.add_{what}_token {a}, tokenizer.ggml.{what}_token_id "
+                    f"{tok(mine)}; served: {b}, {tok(theirs)}); {must}"
                 )
         n_mine, n_theirs = self.n_vocab, target.n_vocab
         if abs(n_mine - n_theirs) > VOCAB_MAX_SIZE_DIFFERENCE:
             raise DraftModelError(
-                f"{name}: its vocabulary has {n_mine} tokens, the served model's "
-                f"{n_theirs}; a draft model must share the served model's vocabulary "
-                f"(sizes may differ by {VOCAB_MAX_SIZE_DIFFERENCE} at most)"
+                f"{name}: {TOKENS_FIELD} has {n_mine} tokens, the served model's "
+                f"{n_theirs} (sizes may differ by {VOCAB_MAX_SIZE_DIFFERENCE} at most); {must}"
             )
         n = min(n_mine, n_theirs)
-        for token in _vocab_sample(n):
+        for token in vocab_sample(n):
             a_text, b_text = self._text(mine, token), self._text(theirs, token)
             if a_text != b_text:
                 raise DraftModelError(
-                    f"{name}: token {token} is {a_text!r} in the draft model and {b_text!r} "
-                    "in the served model; a draft model must share the served model's "
-                    "vocabulary"
+                    f"{name}: {TOKENS_FIELD}[{token}] is {a_text!r}, the served model's "
+                    f"{b_text!r}; {must}"
                 )
         self.n_out = n
 
@@ -639,6 +626,11 @@ class DraftModel:
         model, self.model = self.model, None
         if model:
             self.lib.llama_model_free(model)
+
+
+def _tokenizer(vocab_type: int) -> str:
+    """The tokenizer.ggml.model value of a llama_vocab_type."""
+    return TOKENIZER_NAMES.get(vocab_type, str(vocab_type))
 
 
 def load_draft_model(cfg: EngineConfig, target: Backend) -> DraftModel:

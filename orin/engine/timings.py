@@ -38,6 +38,7 @@ class TimingRecorder:
         shifts: int,
         drafted: int = 0,
         accepted: int = 0,
+        draft_stopped: bool = False,
     ) -> RequestTimings:
         ms = 1e-6
         start = self.prefill_start_ns if self.prefill_start_ns is not None else end_ns
@@ -58,6 +59,7 @@ class TimingRecorder:
             context_shifts=shifts,
             drafted_tokens=drafted,
             accepted_tokens=accepted,
+            draft_stopped=draft_stopped,
             encode_ms=self.encode_ns * ms,
             images=self.images,
             arrival_ns=self.arrival_ns,

@@ -117,6 +117,9 @@ class RequestTimings:
     context_shifts: int
     drafted_tokens: int = 0  # speculative decoding: tokens drafted for this request
     accepted_tokens: int = 0  # of those, the ones the model confirmed
+    # speculation switched itself off for this request: its drafts were accepted below
+    # speculative.min_acceptance after speculative.probation drafted tokens
+    draft_stopped: bool = False
     encode_ms: float = 0.0  # images encoded for this request (inside prefill_ms)
     images: int = 0  # images in the prompt
     # the same instants on time.perf_counter_ns, for lining requests up with telemetry

@@ -29,7 +29,7 @@ from orin.install.layout import (
 )
 from orin.model.gguf import ModelInfo
 from orin.model.memplan import MemoryPlan, plan_memory
-from orin.profile.fit import projector_bytes
+from orin.profile.fit import draft_info, projector_bytes
 from orin.profile.kvmatch import resolve_kv
 from orin.profile.schema import PATH_FIELDS, Profile
 from orin.system.root import SysRoot
@@ -144,14 +144,21 @@ class UnitConfig:
         return math.ceil(self.grace_seconds) + STOP_MARGIN_S
 
 
-def service_plan(profile: Profile, info: ModelInfo, mmproj_bytes: int | None = None) -> MemoryPlan:
+def service_plan(
+    profile: Profile,
+    info: ModelInfo,
+    mmproj_bytes: int | None = None,
+    draft: ModelInfo | None = None,
+) -> MemoryPlan:
     """The most the server will allocate for this profile and model.
 
     ``auto`` cache types are resolved without the free memory, which picks
     q8_0 over q4_0 for 4- and 5-bit weights: the larger of the two, so the
     limits hold whichever the server picks when it starts. ``mmproj_bytes``: the
     vision projector's, where the caller read them from another copy of its file
-    (None: the file the profile names, where it is).
+    (None: the file the profile names, where it is). ``draft``: the speculative
+    draft model's header, where the caller read it from another copy (None: the
+    file the profile names, where it is); its weights and cache are counted.
     """
     e = profile.engine
     decision = resolve_kv(e, info.quantization, info, None, None)
@@ -170,6 +177,7 @@ def service_plan(profile: Profile, info: ModelInfo, mmproj_bytes: int | None = N
         e.n_batch,
         e.swa_full,
         mmproj_bytes=projector_bytes(profile) if mmproj_bytes is None else mmproj_bytes,
+        draft=draft_info(profile) if draft is None else draft,
     )
 
 
@@ -284,10 +292,11 @@ def _values(cfg: UnitConfig) -> dict[str, str]:
 
 def describe_plan(cfg: UnitConfig) -> str:
     p = cfg.plan
+    draft = f" + draft model ~{_gib(p.draft_bytes)}" if p.draft_bytes else ""
     return (
         f"weights {_gib(p.weights_bytes)} + KV {_gib(p.kv_bytes)} "
         f"({p.slots} slots x {p.ctx} tokens, K={p.type_k}, V={p.type_v}) + compute "
-        f"~{_gib(p.compute_bytes)} = {_gib(p.total_bytes)}; MemoryHigh adds "
+        f"~{_gib(p.compute_bytes)}{draft} = {_gib(p.total_bytes)}; MemoryHigh adds "
         f"{_gib(PROCESS_OVERHEAD)} for the process, MemoryMax a quarter more"
     )
 

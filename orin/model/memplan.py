@@ -310,6 +310,9 @@ class MemoryPlan:
     ctx_train: int = 0  # the model's training context (0: the file does not say)
     # a vision projector's weights and compute buffer (orin.model.mmproj), 0 without one
     mmproj_bytes: int = 0
+    # a speculative draft model's weights, KV cache and compute buffers (draft_bytes),
+    # 0 without one
+    draft_bytes: int = 0
 
     @property
     def max_ctx_usable(self) -> dict[str, int | None]:
@@ -339,6 +342,7 @@ class MemoryPlan:
             + self.state_bytes
             + self.compute_bytes
             + self.mmproj_bytes
+            + self.draft_bytes
         )
 
     @property
@@ -376,11 +380,35 @@ def total_bytes(
     flash_attn: bool,
     n_batch: int | None = None,
     swa_full: bool = False,
+    draft: ModelInfo | None = None,
 ) -> int:
     caches = kv_caches(info, ctx, slots, type_k, type_v, n_ubatch, n_batch, flash_attn, swa_full)
     kv = sum(c.total for c in caches)
     compute = _compute(info, ctx, slots, n_ubatch, n_batch, flash_attn, swa_full)
-    return info.weights_bytes + kv + recurrent_state_bytes(info, slots) + compute
+    beside = 0 if draft is None else draft_bytes(draft, ctx, slots, n_ubatch, flash_attn, n_batch)
+    return info.weights_bytes + kv + recurrent_state_bytes(info, slots) + compute + beside
+
+
+DRAFT_KV_TYPE = "f16"  # the draft model's cache type (DraftModel.from_config)
+
+
+def draft_bytes(
+    draft: ModelInfo,
+    ctx: int,
+    slots: int,
+    n_ubatch: int,
+    flash_attn: bool,
+    n_batch: int | None = None,
+) -> int:
+    """What a speculative draft model (``speculative.draft_model``) takes beside the
+    served model: its weights, KV cache and compute buffers. The engine gives it a
+    context of its own with the served model's context per slot, slots and batch
+    sizes, an f16 cache, llama.cpp's default of full sliding-window layers, and flash
+    attention where the served model has it (orin/engine/speculative.py,
+    ``DraftModel.from_config``)."""
+    return total_bytes(
+        draft, ctx, slots, DRAFT_KV_TYPE, DRAFT_KV_TYPE, n_ubatch, flash_attn, n_batch, True
+    )
 
 
 def _compute(
@@ -410,12 +438,14 @@ def max_context(
     flash_attn: bool = True,
     n_batch: int | None = None,
     swa_full: bool = False,
+    draft: ModelInfo | None = None,
 ) -> int | None:
-    """Largest per-slot context (a multiple of 256) that fits; None if even 256 does not."""
+    """Largest per-slot context (a multiple of 256) that fits; None if even 256 does not.
+    A ``draft`` model's cache grows with the context too (``draft_bytes``)."""
 
     def fits(ctx: int) -> bool:
         need = total_bytes(
-            info, ctx, slots, type_k, type_v, n_ubatch, flash_attn, n_batch, swa_full
+            info, ctx, slots, type_k, type_v, n_ubatch, flash_attn, n_batch, swa_full, draft
         )
         return need <= available
 
@@ -443,12 +473,14 @@ def plan_memory(
     n_batch: int | None = None,
     swa_full: bool = False,
     mmproj_bytes: int = 0,
+    draft: ModelInfo | None = None,
 ) -> MemoryPlan:
     """The memory a configuration needs, and the largest context per KV type.
 
     ``mmproj_bytes``: a vision projector loaded beside the model
     (``orin.model.mmproj.ProjectorInfo.total_bytes``), taken from the memory the
-    context may use.
+    context may use. ``draft``: the header of a speculative draft model loaded beside
+    it (``draft_bytes``), whose cache grows with the context.
 
     ``swa_full`` follows llama.cpp's context parameter of that name (the profile's
     engine.swa_full, off by default); ``n_batch`` (default: n_ubatch) only matters for the
@@ -467,7 +499,16 @@ def plan_memory(
             continue
         if available is not None:
             max_ctx[t] = max_context(
-                info, slots, t, t, available - mmproj_bytes, n_ubatch, flash_attn, n_batch, swa_full
+                info,
+                slots,
+                t,
+                t,
+                available - mmproj_bytes,
+                n_ubatch,
+                flash_attn,
+                n_batch,
+                swa_full,
+                draft,
             )
     return MemoryPlan(
         ctx=ctx,
@@ -491,6 +532,9 @@ def plan_memory(
         kv_note=info.kv_note,
         ctx_train=info.n_ctx_train or 0,
         mmproj_bytes=mmproj_bytes,
+        draft_bytes=0
+        if draft is None
+        else draft_bytes(draft, ctx, slots, n_ubatch, flash_attn, n_batch),
     )
 
 

@@ -71,6 +71,35 @@ def projector_bytes(profile: Profile) -> int:
         return 0
 
 
+def draft_path(profile: Profile) -> Path | None:
+    """The speculative draft model serve would load beside the model (relative paths
+    from the profile's folder); None unless ``speculative.mode`` is draft."""
+    s = profile.speculative
+    if s.mode != "draft" or s.draft_model is None:
+        return None
+    return profile.path_from(s.draft_model)
+
+
+def draft_info(profile: Profile, named: bool = False) -> ModelInfo | None:
+    """The draft model's header, for its weights and KV cache in the memory plans; None
+    without one, or while its file is not there or unreadable (doctor's draft-model
+    check reports that). ``named``: the file ``speculative.draft_model`` names whatever
+    the mode (tune tries it on any profile that names one)."""
+    s = profile.speculative
+    if named:
+        path = None if s.draft_model is None else profile.path_from(s.draft_model)
+    else:
+        path = draft_path(profile)
+    if path is None:
+        return None
+    from orin.model.gguf import read_model_info
+
+    try:
+        return read_model_info(path)
+    except (OrinError, OSError):
+        return None
+
+
 def memory_fit(
     info: ModelInfo,
     engine: EngineSection,
@@ -79,11 +108,13 @@ def memory_fit(
     flash_attn: bool,
     available: int,
     mmproj_bytes: int = 0,
+    draft: ModelInfo | None = None,
 ) -> MemoryFit:
     """Weights + KV at ``engine.n_ctx`` x ``engine.slots`` + compute, against ``available``.
 
     ``type_k``/``type_v``/``flash_attn`` are the resolved ones (no ``auto``:
-    ``orin.profile.kvmatch.resolve_kv``).
+    ``orin.profile.kvmatch.resolve_kv``); ``draft``: a speculative draft model's header
+    (``draft_info``), its weights and cache counted too.
     """
     e = engine
     try:
@@ -99,15 +130,26 @@ def memory_fit(
             e.n_batch,
             e.swa_full,
             mmproj_bytes=mmproj_bytes,
+            draft=draft,
         )
     except KVConfigError as exc:
         return MemoryFit("fail", str(exc), fix="engine.type_k/type_v: f16 or q8_0")
     best = max_context(
-        info, e.slots, type_k, type_v, available, e.n_ubatch, flash_attn, e.n_batch, e.swa_full
+        info,
+        e.slots,
+        type_k,
+        type_v,
+        available - mmproj_bytes,
+        e.n_ubatch,
+        flash_attn,
+        e.n_batch,
+        e.swa_full,
+        draft,
     )
+    beside = f" + draft model ~{gib(plan.draft_bytes)}" if plan.draft_bytes else ""
     found = (
         f"weights {gib(plan.weights_bytes)} + KV {gib(plan.kv_bytes)} + compute "
-        f"~{gib(plan.compute_bytes)} = {gib(plan.total_bytes)} at n_ctx={e.n_ctx} x "
+        f"~{gib(plan.compute_bytes)}{beside} = {gib(plan.total_bytes)} at n_ctx={e.n_ctx} x "
         f"{e.slots} slots (K={type_k}, V={type_v}); available {gib(available)}; "
         f"largest per-slot context that fits: {best if best is not None else 'none'}"
     )

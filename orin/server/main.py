@@ -91,7 +91,7 @@ def build_server(
 
     path = resolve_model_path(profile, model)
     info = read_model_info(path)
-    draft = draft_model_problem(profile)
+    draft = draft_model_problem(profile, path)
     if draft is not None and draft[1] is not None:  # before minutes of loading, exit 3
         raise ModelFileError(f"speculative.draft_model: {draft[1]}")
     projector = mmproj_problem(profile)

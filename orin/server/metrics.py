@@ -274,6 +274,12 @@ class ServerMetrics:
             "Accepted / drafted speculative tokens, per finished request that drafted any.",
             RATIO_BUCKETS,
         )
+        self.spec_stopped = Counter(
+            PREFIX + "spec_stopped_requests",
+            "Finished requests whose speculation switched itself off: drafts accepted below "
+            "speculative.min_acceptance after speculative.probation drafted tokens.",
+            registry=r,
+        )
         self._engine_totals = _EngineTotals()
         r.register(self._engine_totals)
         self.engine_steps = Counter(
@@ -424,6 +430,8 @@ class ServerMetrics:
         self.prompt_tokens_cached.inc(timings.cached_tokens)
         if timings.acceptance_rate is not None:
             self.spec_acceptance.observe(timings.acceptance_rate)
+        if timings.draft_stopped:
+            self.spec_stopped.inc()
         self.generation_tokens.inc(timings.generated_tokens)
         if timings.generated_tokens < 1:
             return

@@ -1082,6 +1082,7 @@ def timings(t: RequestTimings | None) -> dict[str, Any] | None:
         "draft_n": t.drafted_tokens,
         "draft_n_accepted": t.accepted_tokens,
         "draft_acceptance": t.acceptance_rate,
+        "draft_stopped": t.draft_stopped,  # switched off: acceptance below min_acceptance
         # images: their encoding, a phase of its own inside prefill (prompt_ms)
         "encode_ms": t.encode_ms,
         "images_n": t.images,

@@ -154,9 +154,10 @@ def speculation(
         )
     elif not choice.trials:
         skipped = ", ".join(s.label for s in choice.skipped)
+        budget = f": the budget left no time to try {skipped or 'another setting'}"
         lines.append(
-            f"speculative decoding stays {own} (the profile's): the budget left no time to "
-            f"try {skipped or 'another setting'}"
+            f"speculative decoding stays {own} (the profile's)"
+            f"{budget if skipped or not choice.unfit else ''}"
         )
     else:
         reasons = "; ".join(
@@ -173,6 +174,11 @@ def speculation(
         lines.append(f"{c.speculation.label}: {state}")
     if choice.skipped and choice.trials:
         lines.append(f"not tried (budget): {', '.join(s.label for s in choice.skipped)}")
+    if choice.unfit:
+        lines.append(
+            "not tried (the draft model's weights and cache would not fit in the available "
+            f"memory beside the chosen configuration): {', '.join(s.label for s in choice.unfit)}"
+        )
     lines.append(
         f"measured on {choice.workload}. N-gram drafts are accepted where the output "
         "repeats its context: copying, quoting, editing and code gain the most, free text "

@@ -11,6 +11,7 @@ speculation settings, when there are any to try.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 from orin.errors import OrinError, ProfileError, Terminated, interruption
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, read_model_info
+from orin.profile.fit import draft_info
 from orin.profile.loader import describe_error, resolve_model_path
 from orin.profile.schema import Profile
 from orin.system.commands import SubprocessRunner
@@ -32,7 +34,7 @@ from orin.tune.explain import explain
 from orin.tune.figures import Grid, Measurement, has_targets, score
 from orin.tune.measure import EngineMeasurer, workload
 from orin.tune.search import SearchInterrupted, SearchResult, Trial, successive_halving
-from orin.tune.space import Candidate, Space, build_space
+from orin.tune.space import Candidate, Space, build_space, fits
 from orin.tune.speculation import SPEC_SHARE, SpecChoice, refine
 
 Progress = Callable[[str], None]
@@ -212,7 +214,9 @@ def tune(
     try:
         budget = s.budget_s - report_reserve(s.budget_s) - (time.perf_counter() - start)
         measurer.deadline = time.perf_counter() + budget
-        result, spec, stopped_by = _search(measurer, space, profile, s, budget, say)
+        draft = draft_info(profile, named=True)
+        fit = functools.partial(fits, profile, info, available, draft=draft)
+        result, spec, stopped_by = _search(measurer, space, profile, s, budget, say, fit)
     finally:
         if sampler is not None:
             sampler.stop()
@@ -247,8 +251,10 @@ def _search(
     s: TuneSettings,
     budget: float,
     say: Progress,
+    fit: Callable[[Candidate], bool],
 ) -> tuple[SearchResult[Candidate], SpecChoice | None, str | None]:
-    """The search, speculation tried on its winner, and the profile's own settings
+    """The search, speculation tried on its winner (where ``fit`` says it holds in
+    memory, a draft model counted), and the profile's own settings
     topped up: (search, speculation, what interrupted it). Ctrl-C or SIGTERM keeps what
     was measured before it (``Ctrl-C`` or ``SIGTERM``, else None; no speculation choice
     unless it was made)."""
@@ -266,6 +272,7 @@ def _search(
             _chosen(result, measurer), space.speculation, measurer.evaluate, measurer.results,
             profile.slo, result.fidelities, budget - result.spent_s, workload(measurer.grid),
             on_trial=lambda t: say(_describe(t, "speculation", targets=targets)),
+            fits=fit,
         )  # fmt: skip
         result.spent_s += spec.spent_s
         reps = measurer.results[spec.chosen].reps

@@ -38,6 +38,7 @@ from orin.engine.config import default_threads
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo
 from orin.model.memplan import total_bytes
+from orin.profile.fit import draft_info
 from orin.profile.kvmatch import check_kv, resolve_kv
 from orin.profile.schema import EngineSection, Profile
 
@@ -232,13 +233,14 @@ def build_space(
     spec = speculation_options(profile)
     axes["speculative"] = tuple(s.label for s in spec)
     own = spec[0]
+    draft = draft_info(profile) if own.mode == "draft" else None
     out, dropped = [], 0
     for (b, ub), fa, th, sl, ngl, load in itertools.product(
         axes["batch"], FLASH, axes["threads"], axes["slots"], layers, loads
     ):
         for k, v in kv[fa]:
             c = Candidate(b, ub, fa, k, v, th, sl, ngl, load, own.mode, own.n_draft)
-            if available is not None and _bytes(profile, info, c) > available:
+            if not fits(profile, info, available, c, draft):
                 dropped += 1
                 continue
             out.append(c)
@@ -248,7 +250,23 @@ def build_space(
     return Space(tuple(out), baseline, axes, tuple(notes), spec)
 
 
-def _bytes(profile: Profile, info: ModelInfo, c: Candidate) -> int:
+def fits(
+    profile: Profile,
+    info: ModelInfo,
+    available: int | None,
+    c: Candidate,
+    draft: ModelInfo | None = None,
+) -> bool:
+    """Whether candidate ``c`` holds in ``available`` bytes (unknown: it does), the
+    draft model's weights and cache counted when ``c`` speculates with it (``draft``,
+    its header: ``orin.profile.fit.draft_info``)."""
+    if available is None:
+        return True
+    beside = draft if c.speculative == "draft" else None
+    return _bytes(profile, info, c, beside) <= available
+
+
+def _bytes(profile: Profile, info: ModelInfo, c: Candidate, draft: ModelInfo | None) -> int:
     n_ctx = profile.engine.n_ctx
     e = profile.engine
     return total_bytes(
@@ -261,4 +279,5 @@ def _bytes(profile: Profile, info: ModelInfo, c: Candidate) -> int:
         c.flash_attn != "off",
         e.n_batch,
         e.swa_full,
+        draft,
     )

@@ -72,6 +72,8 @@ class SpecChoice:
     workload: str
     trials: list[Trial[Candidate]] = field(default_factory=list)
     skipped: list[Speculation] = field(default_factory=list)  # left out by the budget
+    # left out because the winner with them would not fit in the available memory
+    unfit: list[Speculation] = field(default_factory=list)
     spent_s: float = 0.0
 
     @property
@@ -91,6 +93,7 @@ class SpecChoice:
             "min_gain": MIN_GAIN,
             "tried": [_tried(t) for t in self.trials],
             "skipped": [s.label for s in self.skipped],
+            "unfit": [s.label for s in self.unfit],
             "spent_s": self.spent_s,
         }
 
@@ -188,17 +191,22 @@ def refine(
     budget_s: float,
     workload: str,
     on_trial: Callable[[Trial[Candidate]], None] | None = None,
+    fits: Callable[[Candidate], bool] | None = None,
 ) -> SpecChoice:
     """Measure ``winner`` with each other setting of ``options`` within ``budget_s``
     and decide. ``results`` holds the measurements ``evaluate`` makes (the winner's
     among them); a repetition is predicted to cost what the winner's did on
-    average, model loads included."""
+    average, model loads included. A setting with which the winner would not ``fit``
+    in memory (a draft model beside it) is not measured."""
     out = SpecChoice(winner, winner, workload)
     have = results[winner]
     unit = have.cost_s / max(have.reps, 1)
     for s in options:
         c = winner.with_speculation(s)
         if c == winner:
+            continue
+        if fits is not None and not fits(c):
+            out.unfit.append(s)
             continue
         fid = fidelity_for(levels, have.reps, unit, budget_s - out.spent_s)
         if fid is None:

@@ -262,6 +262,8 @@ def test_speculation_switches_itself_off_when_drafts_fail(smol: Path) -> None:
     assert strict.token_ids == free.token_ids
     assert free.timings.accepted_tokens < free.timings.drafted_tokens  # some were rejected
     assert strict.timings.drafted_tokens < free.timings.drafted_tokens
+    # the switch is reported with the request: timings.draft_stopped and its metric
+    assert strict.timings.draft_stopped and not free.timings.draft_stopped
 
 
 def test_draft_model_speculation_is_token_identical(small: Path, plain: Engine) -> None:

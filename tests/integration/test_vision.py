@@ -131,6 +131,23 @@ def test_same_image_and_seed_give_the_same_tokens_alone_and_among_streams(
     assert any(s.encoded_images and s.decode_tokens >= 8 for s in steps)
 
 
+def test_a_speculating_engine_answers_an_image_without_drafts(tiny: Path, engine: Engine) -> None:
+    """A prompt with images holds image rows, which neither drafter can look up or feed:
+    the request does not speculate (draft_n 0), its text-only neighbours do, and its
+    tokens are those of an engine without speculation."""
+    params: dict[str, Any] = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = list(ask(engine, "Describe it.", picture(21), **params).result().token_ids)
+    spec = "speculative: {mode: draft, n_draft: 4, cost_aware: false, draft_model: %s}\n"
+    profile = parse_profile(f"name: t\n{VISION}{ENGINE}{spec % tiny}")
+    with Engine(engine_config(profile, tiny, read_model_info(tiny))) as e:
+        image = ask(e, "Describe it.", picture(21), **params)
+        text = e.submit(e.tokenize(chat("Describe a cat.", 0)), SamplingParams(**params))
+        got, alone = image.result(), text.result()
+    assert list(got.token_ids) == want
+    assert got.timings is not None and got.timings.drafted_tokens == 0
+    assert alone.timings is not None and alone.timings.drafted_tokens > 0
+
+
 def test_a_different_image_changes_the_prompt_state(engine: Engine) -> None:
     """The image rows reach the model: a different picture changes the logits."""
     a = ask(engine, "Which?", picture(3), max_tokens=4, logprobs=0, temperature=0.0).result()

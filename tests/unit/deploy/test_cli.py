@@ -118,6 +118,24 @@ def test_a_projector_that_is_not_here_is_exit_3_and_mmproj_gives_a_copy(
     assert code == 2 and "names no model.mmproj" in err
 
 
+def test_a_draft_model_that_is_not_here_is_exit_3_and_draft_model_gives_a_copy(
+    model: Path, tmp_path: Path
+) -> None:
+    source = tmp_path / "drafting.yaml"
+    source.write_text(
+        f"name: drafting\nmodel: {{path: {model}}}\n"
+        "speculative: {mode: draft, draft_model: /home/me/draft.gguf}\n",
+        encoding="utf-8",
+    )
+    code, out, err = invoke("--profile", str(source))
+    assert code == 3 and out == "" and "--draft-model PATH" in err
+    code, out, err = invoke("--profile", str(source), "--draft-model", str(model))
+    assert code == 0, err
+    # a profile without a draft model: the option would be ignored
+    code, _, err = invoke("--profile", "demo", "--model", str(model), "--draft-model", str(model))
+    assert code == 2 and "speculative.mode: draft" in err
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -428,6 +428,32 @@ def test_the_memory_limits_count_the_vision_projector(models: Path, tmp_path: Pa
         k8s.plan_for(elsewhere, info, models / "model-Q4_K_M.gguf")
 
 
+def test_the_memory_limits_count_the_draft_model(models: Path) -> None:
+    """speculative.mode draft loads a second model with a cache of its own in the pod:
+    the plan, and with it the memory request and limit, is larger by the draft's
+    weights and cache, read from the profile's file or a copy (--draft-model)."""
+    from orin.errors import ModelFileError
+    from orin.model.memplan import draft_bytes
+
+    plain = load_profile("llama2-7b-q4_k_m")
+    info = model_info(models, plain.model.quantization)
+    draft_file = models / "model-Q4_K_M.gguf"  # the model itself, as its own draft
+    data = plain.model_dump(mode="json", exclude_unset=True)
+    data["speculative"] = {"mode": "draft", "draft_model": str(draft_file)}
+    here = parse_profile(yaml.safe_dump(data))
+    data["speculative"]["draft_model"] = "/home/me/elsewhere/draft.gguf"
+    elsewhere = parse_profile(yaml.safe_dump(data))
+    e = plain.engine
+    extra = draft_bytes(info, e.n_ctx, e.slots, e.n_ubatch, True, e.n_batch)
+    base = k8s.plan_for(plain, info)
+    assert k8s.plan_for(here, info).total_bytes == base.total_bytes + extra
+    assert k8s.plan_for(elsewhere, info, draft=draft_file).total_bytes == base.total_bytes + extra
+    with pytest.raises(ModelFileError, match=r"draft\.gguf \(speculative\.draft_model\)"):
+        k8s.plan_for(elsewhere, info)
+    limits = k8s.unit_limits(here, k8s.plan_for(here, info))
+    assert limits.memory_max > k8s.unit_limits(plain, base).memory_max
+
+
 def test_an_rpc_worker_on_loopback_is_said_to_be_the_pods_own(models: Path) -> None:
     """engine.rpc on 127.0.0.1 names a worker on the board itself; in a pod it is the
     pod's own loopback, where no worker listens, and every start would exit 6."""

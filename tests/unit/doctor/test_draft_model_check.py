@@ -88,3 +88,55 @@ def test_serve_stops_before_loading_with_the_model_file_error(tmp_path: Path) ->
     )
     with pytest.raises(ModelFileError, match=r"^speculative.draft_model: .*d.gguf: no such file$"):
         build_server(load_profile(path), None)
+
+
+def test_a_draft_model_with_another_vocabulary_fails_before_anything_loads(
+    make_ctx: MakeCtx, tmp_path: Path
+) -> None:
+    """Its drafts would be ids of other tokens: serve refuses it from the headers (exit
+    3) before minutes of loading the served model, and doctor and profile validate name
+    the file and the field that differs."""
+    import gguf
+
+    from orin.server.main import build_server
+
+    def write(path: Path, kind: str) -> None:
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_file_type(15)
+        for key, value in LLAMA2_7B.items():
+            if isinstance(value, float):
+                w.add_float32(f"llama.{key}", value)
+            else:
+                w.add_uint32(f"llama.{key}", value)
+        w.add_tokenizer_model(kind)
+        w.add_token_list([f"t{i}" for i in range(300)])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.close()
+
+    write(tmp_path / "m.gguf", "gpt2")
+    write(tmp_path / "draft.gguf", "llama")
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "name: t\nmodel: {path: m.gguf}\nspeculative: {mode: draft, draft_model: draft.gguf}\n"
+    )
+    expected = (
+        f"speculative.draft_model: {tmp_path / 'draft.gguf'}: tokenizer.ggml.model is "
+        "'llama', the served model's 'gpt2'; a draft model must share the served model's "
+        "vocabulary"
+    )
+    with pytest.raises(ModelFileError) as err:
+        build_server(load_profile(path), None)
+    assert str(err.value) == expected
+    profile = load_profile(path)
+    ctx = make_ctx(SysRoot(tmp_path / "root"), FakeRunner(), profile)
+    ctx.model_path = tmp_path / "m.gguf"
+    f = checks.check_draft_model(ctx)
+    assert (f.severity, f.found) == ("fail", expected)
+    result = CliRunner().invoke(app, ["profile", "validate", str(path), "--json"])
+    failed = [
+        x["message"] for x in json.loads(result.stdout)["findings"] if x["rule"] == "draft-model"
+    ]
+    assert result.exit_code == 1 and failed == [f"{expected}: serve would stop (exit 3)"]
+    write(tmp_path / "draft.gguf", "gpt2")  # the same vocabulary
+    assert checks.check_draft_model(ctx).severity == "ok"

@@ -8,7 +8,8 @@ import pytest
 
 from orin.engine.config import SpecConfig
 from orin.engine.scheduler import common_prefix
-from orin.engine.speculative import Acceptance, NgramDrafter, _vocab_sample, verify
+from orin.engine.speculative import Acceptance, NgramDrafter, verify
+from orin.model.vocabmatch import vocab_sample
 
 
 def naive_draft(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
@@ -253,7 +254,7 @@ def testcommon_prefix() -> None:
 
 
 def test_vocab_sample_covers_small_vocabularies_and_bounds_large_ones() -> None:
-    assert _vocab_sample(800) == list(range(5, 800))
-    big = _vocab_sample(150_000)
+    assert vocab_sample(800) == list(range(5, 800))
+    big = vocab_sample(150_000)
     assert big[:3] == [5, 6, 7] and big[-1] == 149_999
     assert len(big) < 7000 and big == sorted(set(big))

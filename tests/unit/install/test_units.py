@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 
 from orin.install.layout import SERVICE, TUNE_SERVICE
 from orin.install.plan import service_model
@@ -227,3 +228,38 @@ def test_kv_rule_errors_stop_the_render(tmp_path: Path) -> None:
 
     with pytest.raises(KVConfigError):
         service_plan(profile, info)
+
+
+def test_a_draft_model_raises_the_memory_limits_by_its_plan(tmp_path: Path) -> None:
+    """speculative.mode draft loads a second model with a cache of its own beside the
+    served one: MemoryHigh and MemoryMax count its weights and cache, or the kernel
+    would kill the server as the draft model loads."""
+    import numpy as np
+
+    from orin.model.gguf import read_model_info
+    from orin.model.memplan import draft_bytes
+    from tests.ggufutil import LLAMA2_7B, write_gguf
+
+    small = dict(LLAMA2_7B, block_count=4, embedding_length=512, feed_forward_length=1024)
+    path = write_gguf(
+        tmp_path / "draft.gguf",
+        params=small,
+        tensors={"token_embd.weight": np.zeros((256, 512), np.float16)},
+    )
+    base = config_for(tmp_path / "a", "llama3.1-8b-q4_k_m")
+    profile = load_profile("llama3.1-8b-q4_k_m")
+    data = profile.model_dump(mode="json", exclude_unset=True)
+    data["speculative"] = {"mode": "draft", "draft_model": str(path)}
+    drafting = parse_profile(yaml.safe_dump(data))
+    _, info = service_model(profile, SysRoot(make_root(tmp_path / "b", profile.name)))
+    plan = service_plan(drafting, info)
+    e = profile.engine
+    extra = draft_bytes(read_model_info(path), e.n_ctx, e.slots, e.n_ubatch, True, e.n_batch)
+    assert extra > read_model_info(path).weights_bytes > 0
+    assert plan.draft_bytes == extra
+    assert plan.total_bytes == base.plan.total_bytes + extra
+    cfg = dataclasses.replace(base, plan=plan)
+    assert cfg.memory_high >= base.memory_high + extra - (1 << 20)
+    assert cfg.memory_max > base.memory_max
+    assert "+ draft model ~" in render_units(cfg)[SERVICE]
+    assert "draft model" not in render_units(base)[SERVICE]

@@ -10,6 +10,7 @@ from orin.model.gguf import ModelInfo, read_model_info
 from orin.model.memplan import (
     KV_TYPES,
     bytes_per_element,
+    draft_bytes,
     kv_cache_bytes,
     kv_caches,
     kv_cells_per_seq,
@@ -318,3 +319,35 @@ def test_next_token_prediction_layers_cache_nothing(tmp_path: Path) -> None:
     (cache,) = kv_caches(info, 256, 1, "f16", "f16")
     assert cache.layers == 3
     assert plan_memory(info, 256).kv_estimated
+
+
+def test_a_draft_model_adds_its_weights_cache_and_compute(tmp_path: Path) -> None:
+    """speculative.draft_model loads beside the model with a context of its own: the
+    served model's context per slot and slots, an f16 cache, full sliding-window layers
+    (DraftModel.from_config). The plan counts all of it, and the largest context that
+    fits is smaller, since the draft's cache grows with the context too."""
+    target = read_model_info(write_gguf(tmp_path / "t.gguf", params=LLAMA2_7B, file_type=15))
+    small = dict(LLAMA2_7B, block_count=16, embedding_length=512, feed_forward_length=1024)
+    weights = {"token_embd.weight": np.zeros((256, 512), np.float16)}
+    draft = read_model_info(write_gguf(tmp_path / "d.gguf", params=small, tensors=weights))
+    assert draft.weights_bytes == 256 * 512 * 2
+    alone = plan_memory(target, 4096, 4, "q8_0", "q8_0", available=64 * 1024 * MiB)
+    both = plan_memory(target, 4096, 4, "q8_0", "q8_0", available=64 * 1024 * MiB, draft=draft)
+    expected = total_bytes(draft, 4096, 4, "f16", "f16", 512, True, None, True)
+    assert both.draft_bytes == expected == draft_bytes(draft, 4096, 4, 512, True)
+    assert expected > draft.weights_bytes + kv_cache_bytes(draft, 4 * 4096, "f16", "f16").total
+    assert both.total_bytes == alone.total_bytes + expected
+    assert both.to_dict()["draft_bytes"] == expected
+    room = both.total_bytes  # the draft's place is the context the target alone would get
+    alone_best = plan_memory(target, 4096, 4, "q8_0", "q8_0", available=room)
+    both_best = plan_memory(target, 4096, 4, "q8_0", "q8_0", available=room, draft=draft)
+    assert both_best.max_ctx_by_kv_type["q8_0"] == 4096
+    assert (alone_best.max_ctx_by_kv_type["q8_0"] or 0) > 4096
+    engine = EngineSection(n_ctx=4096, slots=4)
+    need = both.total_bytes
+    assert memory_fit(target, engine, "q8_0", "q8_0", True, need - 1, draft=draft).severity == (
+        "fail"
+    )
+    fit = memory_fit(target, engine, "q8_0", "q8_0", True, 2 * need, draft=draft)
+    assert fit.plan is not None and fit.plan.total_bytes == need
+    assert "+ draft model ~" in fit.found

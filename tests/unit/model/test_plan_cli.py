@@ -89,3 +89,25 @@ def test_compute_buffers_are_planned_for_the_micro_batch_llamacpp_uses(tmp_path:
     capped = plan_memory(info, 256, 1, n_ubatch=2048, n_batch=2048)
     assert capped.compute_bytes == plan_memory(info, 256, 1, n_ubatch=256).compute_bytes
     assert capped.total_bytes < plan_memory(info, 4096, 1, n_ubatch=2048).total_bytes
+
+
+def test_a_draft_model_is_counted(tmp_path: Path, board: FakeBoard) -> None:
+    """--draft-model: the speculative draft model's weights, f16 cache and compute are
+    in the total and in the largest context that fits."""
+    from orin.model.memplan import draft_bytes
+
+    board.meminfo(total=64 * GiB, available=48 * GiB)
+    path = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    args = ("--ctx", "2048", "--slots", "2", "--json")
+    code, out, err = plan(board, path, *args)
+    assert code == 0, err
+    alone = json.loads(out)
+    code, out, err = plan(board, path, *args, "--draft-model", str(path))
+    assert code == 0, err
+    both = json.loads(out)
+    extra = draft_bytes(read_model_info(path), 2048, 2, 512, True)
+    assert both["draft_bytes"] == extra > 0 and alone["draft_bytes"] == 0
+    assert both["total_bytes"] == alone["total_bytes"] + extra
+    assert both["max_ctx_by_kv_type"]["f16"] < alone["max_ctx_by_kv_type"]["f16"]
+    code, out, _ = plan(board, path, "--draft-model", str(path))
+    assert "draft model (weights, KV, compute)" in out

@@ -205,6 +205,23 @@ def test_finished_request_samples(metrics: ServerMetrics) -> None:
     assert value(metrics, "requests_total", finish_reason="stop") == 1
 
 
+def test_speculation_per_request_and_its_switching_off(metrics: ServerMetrics) -> None:
+    """The acceptance ratio of each request that drafted, and the requests whose
+    speculation switched itself off (timings.draft_stopped)."""
+    import dataclasses
+
+    kept = dataclasses.replace(timings(), drafted_tokens=8, accepted_tokens=6)
+    stopped = dataclasses.replace(
+        timings(), drafted_tokens=32, accepted_tokens=2, draft_stopped=True
+    )
+    assert value(metrics, "spec_stopped_requests_total") == 0
+    metrics.on_finish("a", "stop", kept)
+    metrics.on_finish("b", "stop", stopped)
+    metrics.on_finish("c", "stop", timings())
+    assert count(metrics, "spec_acceptance_ratio") == 2
+    assert value(metrics, "spec_stopped_requests_total") == 1
+
+
 def test_one_token_request_has_no_tpot_or_itl(metrics: ServerMetrics) -> None:
     metrics.on_finish("r1", "length", timings(n_out=1))
     assert count(metrics, "time_to_first_token_seconds") == 1

@@ -189,6 +189,55 @@ def test_a_short_budget_lowers_the_repetitions_then_skips() -> None:
     assert fidelity_for((1, 3, 9), 9, 2.0, 5.9) == 1 and fidelity_for((1, 3, 9), 3, 1.0, 9) == 3
 
 
+def test_a_draft_model_that_would_not_fit_beside_the_winner_is_not_measured() -> None:
+    """On a unified-memory board a setting that does not fit is a killed process, not a
+    slow measurement: the refinement leaves it out and says why."""
+    draft = Speculation("draft", 8)
+    ev = Fake({NGRAM8: 15.0, draft: 10.0})
+    out = refine(
+        WINNER, (OFF, NGRAM8, draft), ev, ev.results, SLO, (1, 3, 9), 100.0, "words",
+        fits=lambda c: c.speculative != "draft",
+    )  # fmt: skip
+    assert ev.calls == [(WINNER.with_speculation(NGRAM8), 9)]
+    assert out.unfit == [draft] and not out.skipped
+    assert out.to_dict()["unfit"] == ["draft/8"]
+    assert any(
+        line.startswith("not tried (the draft model's weights and cache would not fit")
+        and line.endswith(": draft/8")
+        for line in speculation(out, ev.results, SLO)
+    )
+    out = refine(
+        WINNER, (OFF, draft), ev, ev.results, SLO, (1, 3, 9), 100.0, "words",
+        fits=lambda c: c.speculative != "draft",
+    )  # fmt: skip
+    assert speculation(out, ev.results, SLO)[0] == "speculative decoding stays off (the profile's)"
+
+
+def test_the_grid_counts_the_draft_model_of_a_profile_that_drafts(
+    info: ModelInfo, tiny_f16: Path
+) -> None:
+    """A profile with speculative.mode draft runs every grid candidate with the draft
+    model beside it: a candidate is kept only when both fit."""
+    from orin.model.memplan import draft_bytes, total_bytes
+    from orin.tune.space import fits
+
+    drafting = profile(f"speculative: {{mode: draft, draft_model: {tiny_f16}}}\n")
+    c = WINNER.with_speculation(Speculation("draft", 8))
+    plain = WINNER
+    own = build_space(profile(), info, cores=2)
+    e = drafting.engine
+    need = total_bytes(info, e.n_ctx, plain.slots, "f16", "f16", plain.n_ubatch, True, e.n_batch)
+    extra = draft_bytes(info, e.n_ctx, c.slots, c.n_ubatch, True, e.n_batch)
+    room = need + extra // 2  # the winner fits, the draft model beside it not
+    assert fits(drafting, info, room, plain, info)
+    assert not fits(drafting, info, room, c, info)
+    assert fits(drafting, info, room + extra, c, info)
+    assert len(build_space(drafting, info, available=room, cores=2)) < len(
+        build_space(profile(), info, available=room, cores=2)
+    )
+    assert len(own) == len(build_space(drafting, info, cores=2))  # no memory limit given
+
+
 # -- the wording: report, explanation and tuned profile -----------------------------------
 
 
