@@ -192,6 +192,11 @@ def error_message(error: Any) -> str:
     puts before what a validator raised."""
     if error["type"] in ("value_error", "assertion_error") and "error" in error.get("ctx", {}):
         return str(error["ctx"]["error"])
+    if error["type"] == "string_type" and isinstance(error.get("input"), bool):
+        return (  # YAML 1.1, which PyYAML reads: yes/no/on/off/true/false are booleans
+            f"{error['msg']}, and YAML reads yes, no, on, off, true and false as "
+            "true or false: put the word in quotes ('off')"
+        )
     return str(error["msg"])
 
 

@@ -67,6 +67,14 @@ def test_a_yaml_boolean_is_no_number(text: str, field: str) -> None:
         parse_profile("name: x\n" + text, "p.yaml")
 
 
+@pytest.mark.parametrize("word", ["off", "no", "yes", "on"])
+def test_a_word_yaml_reads_as_a_boolean_says_to_quote_it(word: str) -> None:
+    """`name: off` said only "Input should be a valid string", naming no cause."""
+    with pytest.raises(ProfileError, match=r"^p.yaml:1: name: .*put the word in quotes"):
+        parse_profile(f"name: {word}\n", "p.yaml")
+    assert parse_profile(f"name: '{word}'\n", "p.yaml").name == word
+
+
 def test_bad_enum_value() -> None:
     text = "name: x\nengine:\n  type_k: q3_k\n"
     with pytest.raises(ProfileError, match=r"p.yaml:3: engine.type_k: Input should be 'auto'"):
