@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the HTTP client stack loads only when a benchmark runs
     from orin.bench.loadgen import BenchRun, LoadSpec
 
 EXIT_ALL_FAILED = 1
+EXIT_SLO_MISSED = 1
 
 
 def _check_lens(text: str) -> str:
@@ -183,6 +184,21 @@ def bench(
         out.note(f"wrote {output}")
     if not any(r.ok for r in result.results):  # said on stderr, --json or not
         raise fail(_all_failed(result.summary()["errors"]), EXIT_ALL_FAILED)
+    missed = _slo_missed(result.summary()["slo"])
+    if missed:  # targets given are a test: CI fails when one is missed
+        raise fail(missed, EXIT_SLO_MISSED)
+
+
+def _slo_missed(checked: dict[str, dict[str, Any]]) -> str | None:
+    """``SLO missed: ttft_p95_ms 312.40 ms > 200 ms``, or None when every target is met."""
+    parts = [
+        f"{key} not measured (target {v['target']:g} ms)"
+        if v["measured"] is None
+        else f"{key} {_ms(v['measured'])} ms > {v['target']:g} ms"
+        for key, v in checked.items()
+        if not v["met"]
+    ]
+    return "SLO missed: " + ", ".join(parts) if parts else None
 
 
 def _all_failed(errors: dict[str, int]) -> str:

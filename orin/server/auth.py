@@ -17,6 +17,10 @@ without the key would be closed before it is accepted.
 from __future__ import annotations
 
 import hmac
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -57,6 +61,43 @@ def authorized(state: ServerState, request: HTTPConnection) -> bool:
         return True
     cookie = request.cookies.get(COOKIE)
     return cookie is not None and hmac.compare_digest(cookie.encode(), expected)
+
+
+class LoginLimiter:
+    """Wrong keys posted to the dashboard's login, per client address: a token bucket
+    of ``burst`` failures refilled at ``per_s`` a second. An address out of tokens
+    gets 429 before its key is compared, so guessing runs at ``per_s`` keys a
+    second at most; a right key within the limit and every other route are never
+    held back. The table keeps the ``size`` addresses that failed last (the oldest
+    is forgotten first), so a flood of addresses costs bounded memory. Used on the
+    event loop only: no lock."""
+
+    def __init__(
+        self,
+        burst: int = 5,
+        per_s: float = 1.0,
+        size: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.burst, self.per_s, self.size, self.clock = burst, per_s, size, clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, at
+
+    def _tokens(self, address: str, now: float) -> float:
+        tokens, at = self._buckets.get(address, (float(self.burst), now))
+        return min(float(self.burst), tokens + (now - at) * self.per_s)
+
+    def retry_after(self, address: str) -> int:
+        """Whole seconds until ``address`` may try a key again; 0: it may now."""
+        tokens = self._tokens(address, self.clock())
+        return 0 if tokens >= 1 else math.ceil((1 - tokens) / self.per_s)
+
+    def failed(self, address: str) -> None:
+        """Count a wrong key from ``address``."""
+        now = self.clock()
+        self._buckets[address] = (self._tokens(address, now) - 1, now)
+        self._buckets.move_to_end(address)
+        while len(self._buckets) > self.size:
+            self._buckets.popitem(last=False)
 
 
 def is_public(state: ServerState, path: str) -> bool:

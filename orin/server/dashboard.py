@@ -339,8 +339,15 @@ def register(app: FastAPI, state: ServerState) -> History | None:
     async def login(request: Request) -> Response:
         if state.api_key is None:
             return RedirectResponse("/", status_code=303)
+        address = request.client.host if request.client else ""
+        wait = state.login_limiter.retry_after(address)
+        if wait:  # before the key is compared: a guess here tells nothing
+            page = _login_page(f"Too many wrong keys: try again in {wait} s.", 429)
+            page.headers["Retry-After"] = str(wait)
+            return page
         key = await _form_key(request)
         if key is None or not hmac.compare_digest(key.encode(), state.api_key.encode()):
+            state.login_limiter.failed(address)
             return _login_page("That key is not the server's API key.", 401)
         response = RedirectResponse("/", status_code=303)
         response.set_cookie(

@@ -15,6 +15,7 @@ from orin.engine.client import EngineClient, EngineStatus
 from orin.engine.types import RequestTimings
 from orin.profile.schema import SamplingSection
 from orin.server import protocol
+from orin.server.auth import LoginLimiter
 from orin.server.images import ImageLimits
 from orin.server.metrics import ServerMetrics
 
@@ -34,6 +35,8 @@ class ServerState:
     # /metrics without the key (server.metrics_public); every other route but
     # /health and the dashboard's login page needs it (orin/server/auth.py)
     metrics_public: bool = False
+    # wrong keys posted to the dashboard's /login, per client address
+    login_limiter: LoginLimiter = field(default_factory=LoginLimiter)
     cors_origins: tuple[str, ...] = ()  # server.cors_origins; empty: no CORS headers
     dashboard: bool = True  # server.dashboard: the web page at / (off: 404)
     # server.image_url_hosts / max_image_bytes / max_image_pixels

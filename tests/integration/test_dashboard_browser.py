@@ -280,6 +280,33 @@ def test_board_charts_show_what_a_board_reports(
         assert errors == []
 
 
+def test_with_telemetry_off_the_page_says_so_not_that_a_source_lacks_a_counter(
+    browser: BrowserContext, server: tuple[str, ServerState]
+) -> None:
+    """`serve --telemetry off` has no source at all: the GPU and power charts are absent
+    because telemetry is off, not because a source has no GPU counter or rails."""
+    base, _ = server
+    absent = "#absent"
+
+    def off(route: Any) -> None:
+        data = httpx.get(route.request.url).json()
+        data["telemetry"] = {"source": None, "phase": None}
+        route.fulfill(json=data)
+
+    with watched_page(browser, base) as (page, errors):
+        poll(lambda: points(page, "throughput") >= 1, "the first history row")
+        text = page.locator(absent).text_content() or ""
+        assert "GPU utilization (no GPU counter in this telemetry source)" in text  # cpu
+        page.route("**/dashboard/data*", off)
+        said = lambda: page.locator(absent).text_content() or ""  # noqa: E731
+        poll(lambda: "telemetry is off" in said(), "the page saying telemetry is off")
+        assert "GPU utilization (telemetry is off)" in said()
+        assert "power (telemetry is off)" in said() and "no GPU counter" not in said()
+        assert page.locator("#tile-phase").text_content() == "telemetry off"
+        page.unroute("**/dashboard/data*")
+        assert errors == []
+
+
 class FakeData:
     """A route answering /dashboard/data as a server started at ``started`` whose
     history has one row at each of ``ts`` (every figure 1.0, one thermal zone at
@@ -435,6 +462,70 @@ def test_the_page_follows_the_browsers_colour_scheme_with_readable_text(
             "() => getComputedStyle(document.documentElement).getPropertyValue('--muted').trim()"
         )
         assert axis == muted
+        assert errors == []
+
+
+def _luminance(rgb: tuple[float, ...]) -> float:
+    c = [v / 255 for v in rgb]
+    c = [v / 12.92 if v <= 0.03928 else ((v + 0.055) / 1.055) ** 2.4 for v in c]
+    return 0.2126 * c[0] + 0.7152 * c[1] + 0.0722 * c[2]
+
+
+def _rgb(css: str) -> tuple[float, ...]:
+    """``#12869a`` or ``rgb(26, 31, 39)``."""
+    if css.startswith("#"):
+        return tuple(int(css[i : i + 2], 16) for i in (1, 3, 5))
+    return tuple(float(v) for v in css[css.index("(") + 1 : css.index(")")].split(",")[:3])
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_every_chart_line_stands_out_from_the_chart_and_says_what_it_plots(
+    browser: BrowserContext, server: tuple[str, ServerState], scheme: Any
+) -> None:
+    """Each series colour, all eight (an Orin has that many thermal zones), keeps at
+    least 3:1 against the chart's background (WCAG's rule for graphics) in both
+    schemes; each drawing is an image named for a screen reader."""
+    base, _ = server
+    zones = [f"zone{i}" for i in range(8)]
+
+    def board(route: Any) -> None:
+        data = httpx.get(route.request.url).json()
+        n = len(data["history"]["t"])
+        data["history"]["temp_c"] = {z: [40.0 + i] * n for i, z in enumerate(zones)}
+        route.fulfill(json=data)
+
+    with watched_page(browser, base) as (page, errors):
+        page.route("**/dashboard/data*", board)
+        page.emulate_media(color_scheme=scheme)
+        page.reload()
+        poll(lambda: points(page, "temp") >= 1, "the temperature chart")
+        strokes = page.evaluate(
+            "() => window.orinDashboard.charts.temp.plot.series.slice(1).map((s) => s.stroke())"
+        )
+        assert len(set(strokes)) == len(zones)
+        back = _luminance(_rgb(page.evaluate(
+            "() => getComputedStyle(document.querySelector('#chart-temp')).backgroundColor"
+        )))  # fmt: skip
+        assert (back < 0.2) == (scheme == "dark")
+        for stroke in strokes:
+            line = _luminance(_rgb(stroke))
+            ratio = (max(line, back) + 0.05) / (min(line, back) + 0.05)
+            assert ratio >= 3, (stroke, round(ratio, 2))
+        images = page.evaluate(
+            """() => [...document.querySelectorAll(".chart:not([hidden])")].map((c) => {
+                const img = c.querySelector("[role=img]");
+                const label = img && img.getAttribute("aria-label");
+                return [c.id, label, !!(img && img.querySelector("canvas"))];
+            })"""
+        )
+        assert len(images) >= 6
+        for chart, label, has_canvas in images:
+            assert label and label.startswith("Line chart of ") and has_canvas, chart
+        labels = {c: label for c, label, _ in images}
+        assert "thermal zone" in labels["chart-temp"] and "per second" in labels["chart-throughput"]
+        legend = page.locator("#chart-temp .u-legend")
+        assert legend.is_visible() and "zone7" in (legend.text_content() or "")
+        page.unroute("**/dashboard/data*")
         assert errors == []
 
 

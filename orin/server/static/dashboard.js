@@ -6,7 +6,9 @@
 (() => {
   const POLL_MS = 1000;
   const HEIGHT = 170;
-  const PALETTE = ["#2f6fde", "#e8590c", "#2b8a3e", "#ae3ec9", "#c92a2a", "#0b7285", "#5c940d", "#862e9c"];
+  // every colour at least 3:1 against the charts' background in both schemes (WCAG's
+  // rule for graphics): #ffffff light, #1a1f27 dark
+  const PALETTE = ["#2f6fde", "#e8590c", "#2b8a3e", "#ae3ec9", "#c92a2a", "#12869a", "#5c940d", "#8b5cf6"];
 
   const fmtInt = (v) => (v == null ? "–" : Math.round(v).toLocaleString("en-US"));
   const fmtMs = (v) => (v == null ? "–" : v < 10 ? v.toFixed(2) : v < 100 ? v.toFixed(1) : Math.round(v).toString());
@@ -21,27 +23,38 @@
   // memory ticks at round GiB figures (bytes' decimal steps read "0.47 GiB, 0.93 GiB")
   const GIB_STEPS = [1 / 4, 1 / 2, 1, 2, 4, 8, 16, 32, 64, 128, 256].map((g) => g * 2 ** 30);
 
-  // One chart per entry; `optional` ones are shown only while the server reports a value.
+  // One chart per entry; `optional` ones are shown only while the server reports a value,
+  // and named under the charts when it does not: `absent` (why), or "telemetry is off"
+  // for a `telemetry` one when the server has no telemetry source. `alt` is what it plots,
+  // for a screen reader (the canvas has no text).
   const CHARTS = [
     { id: "throughput", title: "Tokens per second", unit: "tok/s", fmt: fmtNum, axis: axisNum,
+      alt: "generated and prompt tokens per second, one point a second",
       series: [["tokens_per_s", "generated"], ["prompt_tokens_per_s", "prompt (prefill)"]] },
     { id: "ttft", title: "TTFT, requests of the last 60 s", unit: "ms", fmt: fmtMs, axis: axisNum,
+      alt: "time to first token in milliseconds, p50 and p95 of the requests of the last 60 seconds",
       series: [["ttft_p50_ms", "p50"], ["ttft_p95_ms", "p95"]] },
     { id: "tpot", title: "TPOT, requests of the last 60 s", unit: "ms", fmt: fmtMs, axis: axisNum,
+      alt: "time per output token in milliseconds, p50 and p95 of the requests of the last 60 seconds",
       series: [["tpot_p50_ms", "p50"], ["tpot_p95_ms", "p95"]] },
     { id: "load", title: "Slots and queue", fmt: fmtInt, counts: true,
+      alt: "busy slots and queued requests",
       series: [["slots_busy", "busy slots"], ["queue", "queued requests"]] },
     { id: "gpu", title: "GPU utilization by phase", fmt: fmtPct, range: [0, 1], optional: true,
-      absent: "GPU utilization (no GPU counter in this telemetry source)",
+      name: "GPU utilization", absent: "no GPU counter in this telemetry source", telemetry: true,
+      alt: "GPU utilization in percent while prefilling, while decoding and over all samples",
       series: [["gpu_util_prefill", "prefill"], ["gpu_util_decode", "decode"], ["gpu_util", "all samples"]] },
     { id: "memory", title: "Memory used (unified: CPU and GPU)", fmt: fmtGiB, axis: axisGiB, optional: true, incrs: GIB_STEPS,
-      absent: "memory", series: [["mem_used_bytes", "MemTotal − MemAvailable"], ["gpu_mem_used_bytes", "GPU memory (discrete GPU)"]] },
+      name: "memory", alt: "memory used in GiB, MemTotal minus MemAvailable, and a discrete GPU's memory", series: [["mem_used_bytes", "MemTotal − MemAvailable"], ["gpu_mem_used_bytes", "GPU memory (discrete GPU)"]] },
     { id: "kv", title: "KV cells", fmt: fmtInt, counts: true,
+      alt: "KV cache cells held by requests and kept as prefixes",
       series: [["kv_cells_used", "held by requests"], ["kv_cells_cached", "kept as prefixes"]] },
     { id: "power", title: "Power (board)", unit: "W", fmt: fmtNum, axis: axisNum, optional: true,
-      absent: "power (the board reports no rails)", series: [["power_w", "power"]] },
+      name: "power", absent: "the board reports no rails", telemetry: true,
+      alt: "the board's power in watts", series: [["power_w", "power"]] },
     { id: "temp", title: "Temperatures", unit: "°C", fmt: fmtNum, axis: axisNum, optional: true,
-      absent: "temperatures (no thermal zone)", dynamic: "temp_c", series: [] },
+      name: "temperatures", absent: "no thermal zone", dynamic: "temp_c", series: [],
+      alt: "temperature of each thermal zone in degrees Celsius" },
   ];
 
   const COUNT_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6];
@@ -133,18 +146,25 @@
   function drawCharts() {
     const cols = store.cols;
     const absent = [];
+    const off = store.data != null && !store.data.telemetry.source;
     for (const c of Object.values(charts)) {
       const { keys, labels, values } = chartColumns(c, cols);
       const show = keys.length > 0;
       c.el.hidden = !show;
       if (!show) {
-        if (c.def.absent) absent.push(c.def.absent);
+        const why = off && c.def.telemetry ? "telemetry is off" : c.def.absent;
+        if (c.def.optional) absent.push(c.def.name + (why ? " (" + why + ")" : ""));
         continue;
       }
       const data = [cols.t].concat(values);
       if (!c.plot || keys.join("\n") !== c.keys.join("\n")) {
         if (c.plot) c.plot.destroy();
         c.plot = new uPlot(uplotOpts(c, labels), data, c.target);
+        // the drawing (canvas and axes) is an image with a text; the legend under it,
+        // the latest values, stays text a screen reader reads
+        const wrap = c.plot.root.querySelector(".u-wrap");
+        wrap.setAttribute("role", "img");
+        wrap.setAttribute("aria-label", "Line chart of " + c.def.alt);
         c.keys = keys;
       } else {
         c.plot.setData(data);

@@ -215,6 +215,39 @@ def test_bench_json_with_every_request_failed_says_why_on_stderr() -> None:
     assert err == "orin-llm: every request failed: http 400 context_length_exceeded 3\n"
 
 
+def test_bench_exits_1_when_a_slo_target_is_missed() -> None:
+    """Targets are a test for CI: a missed one fails the run, after the figures are
+    printed; targets that are met, or none given, leave exit 0."""
+    args = ["bench", "--num-requests", "2", "--input-len", "8", "--output-len", "4",
+            "--concurrency", "1", "--warmup", "0"]  # fmt: skip
+    with serving(FakeServer(usage=True)) as url:
+        code, out, err = invoke(*args, "--url", url, "--json",
+                                "--slo", "ttft_p95_ms=0.000001,tpot_p90_ms=1e9")  # fmt: skip
+        assert code == 1, err
+        slo = json.loads(out)["slo"]  # everything printed as before
+        assert slo["ttft_p95_ms"]["met"] is False and slo["tpot_p90_ms"]["met"] is True
+        assert err.startswith("orin-llm: SLO missed: ttft_p95_ms ") and "> 1e-06 ms" in err
+        assert "tpot_p90_ms" not in err
+        code, out, err = invoke(*args, "--url", url, "--slo", "ttft_p95_ms=0.000001")
+        assert code == 1 and "SLO" in out and "NO" in out
+        code, _, err = invoke(*args, "--url", url, "--slo", "ttft_p95_ms=1e9,tpot_p90_ms=1e9")
+        assert code == 0 and "SLO missed" not in err
+        code, _, err = invoke(*args, "--url", url)
+        assert code == 0, err
+
+
+def test_bench_says_a_target_it_could_not_measure_is_missed() -> None:
+    """One output token has no TPOT: a TPOT target is not met, and the line says why."""
+    with serving(FakeServer(usage=True)) as url:
+        code, _, err = invoke(
+            "bench", "--url", url, "--num-requests", "2", "--input-len", "8",
+            "--output-len", "1", "--concurrency", "1", "--warmup", "0",
+            "--slo", "tpot_p90_ms=50",
+        )  # fmt: skip
+    assert code == 1
+    assert err.endswith("orin-llm: SLO missed: tpot_p90_ms not measured (target 50 ms)\n")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

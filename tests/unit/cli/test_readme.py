@@ -45,6 +45,7 @@ def test_the_exit_code_table_matches_the_code() -> None:
     mapped = set(EXIT_CODES.values()) | {0, EXIT_USAGE, EXIT_INTERNAL} | signals
     assert set(table) == mapped
     assert EXIT_CODES[OrinError] == 1 and "failed check" in table[1]
+    assert "`--slo` target missed (`bench`)" in table[1]
     assert EXIT_USAGE == 2 and "usage" in table[2]
     assert EXIT_CODES[ModelFileError] == 3 and "model file" in table[3]
     assert EXIT_CODES[ProfileError] == 4 and "profile" in table[4]

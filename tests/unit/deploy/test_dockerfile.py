@@ -7,6 +7,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from dockerfile_parse import DockerfileParser
 
 from orin.model.store import SYSTEM_MODELS_DIR
 from orin.profile.schema import ServerSection
+from tests.unit.bench.test_loadgen import Answer, serving
 
 REPO = Path(__file__).resolve().parents[3]
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
@@ -115,8 +117,54 @@ def test_the_server_runs_as_a_user_that_is_not_root(parser: DockerfileParser) ->
 
 def test_healthcheck_asks_health(parser: DockerfileParser) -> None:
     (check,) = final(parser, "HEALTHCHECK")
-    assert "/health" in check["value"]
     assert "--start-period=" in check["value"]  # loading a model is not unhealthy
+    assert healthcheck_argv(parser) == ["python3", "-m", "orin.deploy.healthcheck"]
+
+
+def healthcheck_argv(parser: DockerfileParser) -> list[str]:
+    (check,) = final(parser, "HEALTHCHECK")
+    argv: list[str] = json.loads(check["value"].split(" CMD ", 1)[1])
+    return argv
+
+
+def run_healthcheck(parser: DockerfileParser, port: int) -> subprocess.CompletedProcess[str]:
+    """The image's HEALTHCHECK command as Docker runs it, with this Python, a proxy in
+    the environment that would swallow a request sent through it."""
+    argv = [sys.executable, *healthcheck_argv(parser)[1:]]
+    env = {**os.environ, "ORIN_LLM_PORT": str(port), "PYTHONPATH": str(REPO),
+           "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}  # fmt: skip
+    env.pop("no_proxy", None), env.pop("NO_PROXY", None)
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "code", "line"),
+    [
+        (200, {"status": "ok", "model": "m"}, 0, "200 ok"),
+        (503, {"status": "loading"}, 1, "503 loading"),
+        (503, {"status": "failed", "error": "out of memory"}, 1, "503 failed: out of memory"),
+        (502, "<html>bad gateway</html>", 1, "502 Bad Gateway"),
+    ],
+)
+def test_healthcheck_says_the_status_in_one_line(
+    parser: DockerfileParser, status: int, body: Any, code: int, line: str
+) -> None:
+    """docker inspect keeps what the check prints: one line, never a traceback."""
+    with serving(lambda seen: Answer(status, body)) as url:
+        port = int(url.split(":")[-1].split("/")[0])
+        done = run_healthcheck(parser, port)
+    assert (done.returncode, done.stdout, done.stderr) == (code, line + "\n", "")
+
+
+def test_healthcheck_of_a_server_that_is_down_says_so_in_one_line(
+    parser: DockerfileParser,
+) -> None:
+    with socket.socket() as held:  # bound, never listening: the connection is refused
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        done = run_healthcheck(parser, port)
+    assert done.returncode == 1 and done.stderr == ""
+    assert done.stdout == f"http://127.0.0.1:{port}/health: connection refused\n"
 
 
 def test_models_volume_and_port(parser: DockerfileParser) -> None:
@@ -136,10 +184,9 @@ def test_it_serves_a_profile_on_every_address_of_the_container(
     assert argv[argv.index("--host") + 1] == "0.0.0.0"
     env = parser.envs  # the final stage's
     assert env["ORIN_LLM_HOST"] == "0.0.0.0"  # also for `docker run IMAGE serve --profile X`
-    # the port the HEALTHCHECK asks, whatever the profile says
+    # the port the HEALTHCHECK asks (it reads ORIN_LLM_PORT: the tests below run it
+    # on another), whatever the profile says
     assert "--port" not in argv and env["ORIN_LLM_PORT"] == "8080"
-    (check,) = final(parser, "HEALTHCHECK")
-    assert "ORIN_LLM_PORT" in check["value"]
     assert env["ORIN_LLM_CACHE_DIR"].startswith("/var/cache/")
 
 

@@ -319,6 +319,45 @@ def test_login_refuses_a_wrong_key_and_sets_the_cookie_for_the_right_one(
     assert "max-age=0" in out.headers["set-cookie"].lower()
 
 
+def test_login_limits_wrong_keys_per_address_and_never_a_right_key_in_time() -> None:
+    """Five wrong keys, then 429 with Retry-After before any key is compared (a right
+    one too: a guess must tell nothing); a token back each second; other addresses,
+    the API and the key's own bearer are never held back."""
+    clock = Clock()
+    state = _state(FakeEngine(), api_key="sesame")
+    state.login_limiter = auth.LoginLimiter(burst=5, per_s=1.0, clock=clock)
+    app = create_app(state)
+    guesser = TestClient(app, client=("192.0.2.7", 40000))
+    other = TestClient(app, client=("192.0.2.8", 40000))
+
+    def login(c: TestClient, key: str) -> int:
+        return c.post("/login", data={"key": key}, follow_redirects=False).status_code
+
+    assert [login(guesser, f"guess{i}") for i in range(5)] == [401] * 5
+    refused = guesser.post("/login", data={"key": "sesame"}, follow_redirects=False)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert 'id="login-error"' in refused.text and auth.COOKIE not in refused.cookies
+    assert login(other, "sesame") == 303  # another address logs in at once
+    assert guesser.get("/slots", headers={"Authorization": "Bearer sesame"}).status_code == 200
+    clock.t += 1  # one more try a second
+    assert login(guesser, "guess5") == 401 and login(guesser, "guess6") == 429
+    clock.t += 1
+    assert login(guesser, "sesame") == 303  # a right key is never counted
+    assert login(guesser, "guess7") == 401 and login(guesser, "guess8") == 429
+
+
+def test_login_limiter_forgets_the_oldest_address_beyond_its_table() -> None:
+    clock = Clock()
+    limiter = auth.LoginLimiter(burst=1, per_s=0.5, size=3, clock=clock)
+    for address in ("a", "b", "c", "d"):
+        limiter.failed(address)
+    assert len(limiter._buckets) == 3
+    assert limiter.retry_after("a") == 0  # forgotten: memory stays bounded
+    assert limiter.retry_after("d") == 2  # half a token a second
+    clock.t += 2
+    assert limiter.retry_after("d") == 0
+
+
 @pytest.mark.parametrize("cookie", ["sesame", "the-key-before-it-changed", None])
 def test_logout_always_deletes_the_cookie_and_goes_back_to_the_login(
     keyed: TestClient, cookie: str | None
