@@ -4,8 +4,9 @@ Docker keeps what a check prints in ``docker inspect`` (``State.Health.Log``):
 one line with the status and why (``503 loading``, ``connection refused``),
 never a traceback. Exit 0 is healthy and 1 unhealthy (Docker reserves 2).
 Only the standard library: the check costs a Python start every 30 s and
-nothing more. No proxy: the server is on 127.0.0.1, whatever ``HTTP_PROXY``
-the container was given.
+nothing more. No proxy: the server is in this container, whatever
+``HTTP_PROXY`` the container was given. It asks the address the server binds
+(``ORIN_LLM_HOST``), or loopback where that is every address (``0.0.0.0``, ``::``).
 
     python3 -m orin.deploy.healthcheck
 """
@@ -54,9 +55,19 @@ def check(url: str, timeout: float = TIMEOUT_S) -> tuple[int, str]:
     return (0 if status == 200 else 1), summary(status, body)
 
 
+def health_url(env: dict[str, str] | os._Environ[str]) -> str:
+    """The server's /health as ``serve`` binds it from the container's environment."""
+    host = env.get("ORIN_LLM_HOST", "").strip() or "127.0.0.1"
+    if host in ("0.0.0.0", "::", "[::]"):  # every address: loopback is one of them
+        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+    host = host.strip("[]")
+    if ":" in host:  # an IPv6 address goes in brackets in a URL
+        host = f"[{host}]"
+    return f"http://{host}:{env.get('ORIN_LLM_PORT', '8080')}/health"
+
+
 def main() -> int:
-    port = os.environ.get("ORIN_LLM_PORT", "8080")
-    code, line = check(f"http://127.0.0.1:{port}/health")
+    code, line = check(health_url(os.environ))
     print(line)
     return code
 

@@ -167,6 +167,24 @@ def test_healthcheck_of_a_server_that_is_down_says_so_in_one_line(
     assert done.stdout == f"http://127.0.0.1:{port}/health: connection refused\n"
 
 
+@pytest.mark.parametrize(
+    ("env", "url"),
+    [
+        ({}, "http://127.0.0.1:8080/health"),
+        ({"ORIN_LLM_HOST": "0.0.0.0", "ORIN_LLM_PORT": "9000"}, "http://127.0.0.1:9000/health"),
+        ({"ORIN_LLM_HOST": "::"}, "http://[::1]:8080/health"),
+        ({"ORIN_LLM_HOST": "10.1.2.3"}, "http://10.1.2.3:8080/health"),
+        ({"ORIN_LLM_HOST": "fd00::5"}, "http://[fd00::5]:8080/health"),
+    ],
+)
+def test_healthcheck_asks_the_address_the_server_binds(env: dict[str, str], url: str) -> None:
+    """A container whose server listens on one address was asked on 127.0.0.1,
+    where nothing answers: unhealthy for ever."""
+    from orin.deploy.healthcheck import health_url
+
+    assert health_url(env) == url
+
+
 def test_models_volume_and_port(parser: DockerfileParser) -> None:
     volumes = [v for i in final(parser, "VOLUME") for v in json.loads(i["value"])]
     assert SYSTEM_MODELS_DIR in volumes
