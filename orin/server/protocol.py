@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal, TypedDict, cast
+from typing import Annotated, Any, ClassVar, Literal, TypedDict, cast
 
 from pydantic import (
     BaseModel,
@@ -366,12 +366,24 @@ class _Common(_Lenient):
             value = extra.get(name)
             if value is not None and not neutral(value):
                 raise InvalidRequest(name, f"{name} is not supported by this server: {why}")
+        for name, (neutral, why) in self.OTHER_ENDPOINT.items():
+            value = extra.get(name)
+            if value is not None and not neutral(value):
+                raise InvalidRequest(name, f"{name} is not a field of this endpoint: {why}")
         best_of = extra.get("best_of")
         if best_of is not None and best_of != getattr(self, "n", 1):
             raise InvalidRequest("best_of", "best_of is not supported; it may only equal n")
         modalities = extra.get("modalities")
-        if isinstance(modalities, list) and set(modalities) - {"text"}:
-            raise InvalidRequest("modalities", "this server answers with text only")
+        if modalities is not None and not (
+            isinstance(modalities, list) and all(m == "text" for m in modalities)
+        ):
+            raise InvalidRequest(
+                "modalities", 'this server answers with text only: give ["text"] or leave it out'
+            )
+
+    # the other endpoint's fields that change its output, sent here by mistake (a
+    # client that moved between chat and completions): refused, never ignored
+    OTHER_ENDPOINT: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
 
     def max_new_tokens(self) -> int | None:
         raise NotImplementedError
@@ -708,6 +720,11 @@ _MAX_TOKENS = "Tokens to generate at most; none = the profile's sampling.max_tok
 
 
 class ChatCompletionRequest(_Common):
+    OTHER_ENDPOINT: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        "echo": (lambda v: v is False, "the prompt is echoed on /v1/completions"),
+        "prompt": (lambda v: not v, "a chat's prompt is its messages"),
+    }
+
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=params.MAX_TOKENS.lo, description=_MAX_TOKENS)
     max_completion_tokens: int | None = Field(
@@ -835,7 +852,21 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+_CHAT = "it is read on /v1/chat/completions"
+
+# chat's fields that change an answer: on /v1/completions, what to use instead
+_CHAT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_completion_tokens": (lambda v: False, "use max_tokens"),
+    "top_logprobs": (lambda v: v == 0, "use logprobs (the number of alternatives)"),
+    "tools": (lambda v: not v, _CHAT),
+    "tool_choice": (lambda v: v == "none", _CHAT),
+    "messages": (lambda v: not v, _CHAT + "; a completion's prompt is its prompt field"),
+}
+
+
 class CompletionRequest(_Common):
+    OTHER_ENDPOINT = _CHAT_ONLY
+
     prompt: str | list[int] | list[str] | list[list[int]]
     # before max_tokens, whose 0 it allows
     echo: bool = Field(
