@@ -1039,7 +1039,7 @@ class Envelope(TypedDict):
 
 
 class Figures(TypedDict, total=False):  # in full responses; a stream's final chunk
-    usage: Usage
+    usage: Usage | None  # null in a stream's chunks before the usage chunk (include_usage)
     timings: dict[str, Any] | None
 
 
