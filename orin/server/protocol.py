@@ -652,13 +652,21 @@ def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+# a token id as OpenAI's logit_bias keys write it: digits only, where Python's int()
+# would also take " 12" (a token's text, " 12", taken for id 12), "+12" or "1_2"
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
 def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, bias in (raw or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise InvalidRequest("logit_bias", f"key {key!r} is not a token id") from None
+        if not _TOKEN_ID.fullmatch(key):
+            raise InvalidRequest(
+                "logit_bias",
+                f"key {key!r} is not a token id (the keys are token ids written as "
+                'strings, such as "1234"; /tokenize gives a text\'s ids)',
+            )
+        token = int(key)
         if not -params.LOGIT_BIAS_LIMIT <= bias <= params.LOGIT_BIAS_LIMIT:
             raise InvalidRequest(
                 "logit_bias",

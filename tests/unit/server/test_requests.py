@@ -218,3 +218,20 @@ def test_modalities_other_than_a_list_of_text_are_refused(modalities: object) ->
         assert caught.value.param == "modalities"
         for fine in (["text"], [], None):
             model.model_validate({**body, "modalities": fine}).refuse_unsupported()
+
+
+@pytest.mark.parametrize("key", [" 12", "12 ", "+12", "1_2", "١٢", "12.0", "x"])
+def test_logit_bias_keys_are_token_ids_written_in_digits(key: str) -> None:
+    """Python's int() took " 12" (a client that keyed the bias by a token's text, " 12")
+    as token 12, and "1_2" and Arabic-Indic digits too: a bias on a token nobody named."""
+    from orin.engine.errors import InvalidRequest
+    from orin.profile.schema import SamplingSection
+
+    for model, body in ((protocol.CompletionRequest, TEXT), (protocol.ChatCompletionRequest, CHAT)):
+        with pytest.raises(InvalidRequest) as caught:
+            model.model_validate({**body, "logit_bias": {key: -100}}).to_sampling(
+                SamplingSection(), 4096
+            )
+        assert caught.value.param == "logit_bias" and repr(key) in str(caught.value)
+        ok = model.model_validate({**body, "logit_bias": {"12": -100, "7": 5}})
+        assert ok.to_sampling(SamplingSection(), 4096).logit_bias == {12: -100, 7: 5}
