@@ -101,6 +101,14 @@ class TextPart(_Lenient):
     text: str
 
 
+class RefusalPart(_Lenient):
+    """An assistant's refusal in a conversation's history (OpenAI's part of that type,
+    which its answers carry): the template renders it as the assistant's text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 class ImageURL(_Lenient):
     url: str = Field(..., min_length=1)
     detail: Literal["auto", "low", "high"] | None = None  # accepted; the projector decides
@@ -121,20 +129,22 @@ class ImagePart(_Lenient):
 def _part_kind(part: Any) -> str | None:
     """Which model a content part is, by its `type` (a part without one is text)."""
     kind = part.get("type", "text") if isinstance(part, dict) else getattr(part, "type", None)
-    return (
-        {"text": "TextPart", "image_url": "ImagePart"}.get(kind) if isinstance(kind, str) else None
-    )
+    tags = {"text": "TextPart", "image_url": "ImagePart", "refusal": "RefusalPart"}
+    return tags.get(kind) if isinstance(kind, str) else None
 
 
 # a part of another type (OpenAI's input_audio, file) is refused by its own error, not
 # by the complaints of every member of the union
 ContentPart = Annotated[
-    Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, Tag("ImagePart")],
+    Annotated[TextPart, Tag("TextPart")]
+    | Annotated[ImagePart, Tag("ImagePart")]
+    | Annotated[RefusalPart, Tag("RefusalPart")],
     Discriminator(
         _part_kind,
         custom_error_type="invalid_content_part",
         custom_error_message="a content part's type must be 'text' or 'image_url' "
-        "(parts of other types, such as audio and files, are not supported)",
+        "('refusal' in an assistant's message; parts of other types, such as audio "
+        "and files, are not supported)",
     ),
 ]
 
@@ -172,6 +182,7 @@ class ChatMessage(_Lenient):
     # tool: the id of the call it answers; checked when left out too
     tool_call_id: str | None = Field(None, validate_default=True)
     reasoning_content: str | None = None  # assistant: its thinking, for templates that show it
+    refusal: str | None = None  # assistant: an answer OpenAI refused, rendered as its text
 
     @field_validator("content")
     @classmethod
@@ -181,6 +192,15 @@ class ChatMessage(_Lenient):
         role = info.data.get("role")
         if content is None and role is not None and role != "assistant":
             raise _missing(f"a {role} message needs content (a string or a list of parts)")
+        if role not in (None, "assistant") and isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, RefusalPart):  # OpenAI's rule: the assistant's alone
+                    raise PydanticCustomError(
+                        "invalid_content_part",
+                        "a refusal part is the assistant's; content[{j}] of a {role} "
+                        "message is one",
+                        {"j": j, "role": role},
+                    )
         return content
 
     @field_validator("tool_call_id")
@@ -194,9 +214,9 @@ class ChatMessage(_Lenient):
 
     def text(self) -> str:
         if isinstance(self.content, list):  # an image is a marker where its rows go
-            return "".join(
-                p.text if isinstance(p, TextPart) else MEDIA_MARKER for p in self.content
-            )
+            return "".join(_part_text(p) for p in self.content)
+        if self.content is None and self.refusal is not None:
+            return self.refusal  # an answer OpenAI refused: what the assistant said
         return self.content or ""
 
     def images(self) -> list[tuple[int, ImagePart]]:
@@ -225,6 +245,12 @@ class ChatMessage(_Lenient):
         if self.reasoning_content is not None:
             out["reasoning_content"] = self.reasoning_content
         return out
+
+
+def _part_text(part: TextPart | ImagePart | RefusalPart) -> str:
+    if isinstance(part, TextPart):
+        return part.text
+    return part.refusal if isinstance(part, RefusalPart) else MEDIA_MARKER
 
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
