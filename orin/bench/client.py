@@ -401,10 +401,19 @@ def stream(url: str, prompt: str, n: int, timeout: float = 900.0) -> Timed:
 def _lean_event(out: Timed, event: bytes, now: float) -> None:
     if event == b"[DONE]":
         return
-    if b'"usage"' in event or b'"timings"' in event or b'"error"' in event:
+    if _has_figures(event):
         _final(out, json.loads(event), now)
     elif _is_token(event):
         out.token_times.append(now)
+
+
+def _has_figures(event: bytes) -> bool:
+    """Whether a chunk may carry usage, timings or an error: parsed in full then. With
+    include_usage every token chunk has ``"usage": null`` (OpenAI's shape), which
+    stays on the cheap path."""
+    if b'"timings"' in event or b'"error"' in event:
+        return True
+    return b'"usage"' in event and b'"usage": null' not in event and b'"usage":null' not in event
 
 
 def _final(out: Timed, data: dict[str, object], now: float) -> None:

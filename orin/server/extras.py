@@ -55,6 +55,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         _check_model(state, body.model)
+        body.refuse_unsupported()
         rid = str(request.state.request_id)
         ignored = body.ignored_fields()
         if ignored:

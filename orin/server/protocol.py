@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal, TypedDict, cast
+from typing import Annotated, Any, ClassVar, Literal, TypedDict, cast
 
 from pydantic import (
     BaseModel,
@@ -101,6 +101,14 @@ class TextPart(_Lenient):
     text: str
 
 
+class RefusalPart(_Lenient):
+    """An assistant's refusal in a conversation's history (OpenAI's part of that type,
+    which its answers carry): the template renders it as the assistant's text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 class ImageURL(_Lenient):
     url: str = Field(..., min_length=1)
     detail: Literal["auto", "low", "high"] | None = None  # accepted; the projector decides
@@ -121,20 +129,22 @@ class ImagePart(_Lenient):
 def _part_kind(part: Any) -> str | None:
     """Which model a content part is, by its `type` (a part without one is text)."""
     kind = part.get("type", "text") if isinstance(part, dict) else getattr(part, "type", None)
-    return (
-        {"text": "TextPart", "image_url": "ImagePart"}.get(kind) if isinstance(kind, str) else None
-    )
+    tags = {"text": "TextPart", "image_url": "ImagePart", "refusal": "RefusalPart"}
+    return tags.get(kind) if isinstance(kind, str) else None
 
 
 # a part of another type (OpenAI's input_audio, file) is refused by its own error, not
 # by the complaints of every member of the union
 ContentPart = Annotated[
-    Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, Tag("ImagePart")],
+    Annotated[TextPart, Tag("TextPart")]
+    | Annotated[ImagePart, Tag("ImagePart")]
+    | Annotated[RefusalPart, Tag("RefusalPart")],
     Discriminator(
         _part_kind,
         custom_error_type="invalid_content_part",
         custom_error_message="a content part's type must be 'text' or 'image_url' "
-        "(parts of other types, such as audio and files, are not supported)",
+        "('refusal' in an assistant's message; parts of other types, such as audio "
+        "and files, are not supported)",
     ),
 ]
 
@@ -172,6 +182,7 @@ class ChatMessage(_Lenient):
     # tool: the id of the call it answers; checked when left out too
     tool_call_id: str | None = Field(None, validate_default=True)
     reasoning_content: str | None = None  # assistant: its thinking, for templates that show it
+    refusal: str | None = None  # assistant: an answer OpenAI refused, rendered as its text
 
     @field_validator("content")
     @classmethod
@@ -181,6 +192,15 @@ class ChatMessage(_Lenient):
         role = info.data.get("role")
         if content is None and role is not None and role != "assistant":
             raise _missing(f"a {role} message needs content (a string or a list of parts)")
+        if role not in (None, "assistant") and isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, RefusalPart):  # OpenAI's rule: the assistant's alone
+                    raise PydanticCustomError(
+                        "invalid_content_part",
+                        "a refusal part is the assistant's; content[{j}] of a {role} "
+                        "message is one",
+                        {"j": j, "role": role},
+                    )
         return content
 
     @field_validator("tool_call_id")
@@ -194,9 +214,9 @@ class ChatMessage(_Lenient):
 
     def text(self) -> str:
         if isinstance(self.content, list):  # an image is a marker where its rows go
-            return "".join(
-                p.text if isinstance(p, TextPart) else MEDIA_MARKER for p in self.content
-            )
+            return "".join(_part_text(p) for p in self.content)
+        if self.content is None and self.refusal is not None:
+            return self.refusal  # an answer OpenAI refused: what the assistant said
         return self.content or ""
 
     def images(self) -> list[tuple[int, ImagePart]]:
@@ -225,6 +245,12 @@ class ChatMessage(_Lenient):
         if self.reasoning_content is not None:
             out["reasoning_content"] = self.reasoning_content
         return out
+
+
+def _part_text(part: TextPart | ImagePart | RefusalPart) -> str:
+    if isinstance(part, TextPart):
+        return part.text
+    return part.refusal if isinstance(part, RefusalPart) else MEDIA_MARKER
 
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -366,12 +392,24 @@ class _Common(_Lenient):
             value = extra.get(name)
             if value is not None and not neutral(value):
                 raise InvalidRequest(name, f"{name} is not supported by this server: {why}")
+        for name, (neutral, why) in self.OTHER_ENDPOINT.items():
+            value = extra.get(name)
+            if value is not None and not neutral(value):
+                raise InvalidRequest(name, f"{name} is not a field of this endpoint: {why}")
         best_of = extra.get("best_of")
         if best_of is not None and best_of != getattr(self, "n", 1):
             raise InvalidRequest("best_of", "best_of is not supported; it may only equal n")
         modalities = extra.get("modalities")
-        if isinstance(modalities, list) and set(modalities) - {"text"}:
-            raise InvalidRequest("modalities", "this server answers with text only")
+        if modalities is not None and not (
+            isinstance(modalities, list) and all(m == "text" for m in modalities)
+        ):
+            raise InvalidRequest(
+                "modalities", 'this server answers with text only: give ["text"] or leave it out'
+            )
+
+    # the other endpoint's fields that change its output, sent here by mistake (a
+    # client that moved between chat and completions): refused, never ignored
+    OTHER_ENDPOINT: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
 
     def max_new_tokens(self) -> int | None:
         raise NotImplementedError
@@ -640,13 +678,21 @@ def _pick(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+# a token id as OpenAI's logit_bias keys write it: digits only, where Python's int()
+# would also take " 12" (a token's text, " 12", taken for id 12), "+12" or "1_2"
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
 def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, bias in (raw or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise InvalidRequest("logit_bias", f"key {key!r} is not a token id") from None
+        if not _TOKEN_ID.fullmatch(key):
+            raise InvalidRequest(
+                "logit_bias",
+                f"key {key!r} is not a token id (the keys are token ids written as "
+                'strings, such as "1234"; /tokenize gives a text\'s ids)',
+            )
+        token = int(key)
         if not -params.LOGIT_BIAS_LIMIT <= bias <= params.LOGIT_BIAS_LIMIT:
             raise InvalidRequest(
                 "logit_bias",
@@ -708,6 +754,11 @@ _MAX_TOKENS = "Tokens to generate at most; none = the profile's sampling.max_tok
 
 
 class ChatCompletionRequest(_Common):
+    OTHER_ENDPOINT: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        "echo": (lambda v: v is False, "the prompt is echoed on /v1/completions"),
+        "prompt": (lambda v: not v, "a chat's prompt is its messages"),
+    }
+
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=params.MAX_TOKENS.lo, description=_MAX_TOKENS)
     max_completion_tokens: int | None = Field(
@@ -835,7 +886,21 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+_CHAT = "it is read on /v1/chat/completions"
+
+# chat's fields that change an answer: on /v1/completions, what to use instead
+_CHAT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_completion_tokens": (lambda v: False, "use max_tokens"),
+    "top_logprobs": (lambda v: v == 0, "use logprobs (the number of alternatives)"),
+    "tools": (lambda v: not v, _CHAT),
+    "tool_choice": (lambda v: v == "none", _CHAT),
+    "messages": (lambda v: not v, _CHAT + "; a completion's prompt is its prompt field"),
+}
+
+
 class CompletionRequest(_Common):
+    OTHER_ENDPOINT = _CHAT_ONLY
+
     prompt: str | list[int] | list[str] | list[list[int]]
     # before max_tokens, whose 0 it allows
     echo: bool = Field(
@@ -1008,7 +1073,7 @@ class Envelope(TypedDict):
 
 
 class Figures(TypedDict, total=False):  # in full responses; a stream's final chunk
-    usage: Usage
+    usage: Usage | None  # null in a stream's chunks before the usage chunk (include_usage)
     timings: dict[str, Any] | None
 
 

@@ -11,6 +11,7 @@ vocabulary, the width, the pooling, the longest input) the engine checks.
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -18,6 +19,7 @@ import numpy.typing as npt
 from pydantic import Field, field_validator
 
 from orin.engine.embed import Embeddings
+from orin.engine.errors import InvalidRequest
 from orin.server.protocol import _Lenient
 
 
@@ -93,6 +95,28 @@ class EmbeddingRequest(_Lenient):
     def inputs(self) -> list[Prompt]:
         """The prompts, one per embedding (validation made a list of them)."""
         return cast("list[Prompt]", self.input)
+
+    def refuse_unsupported(self) -> None:
+        """Other servers' fields that change the vectors are a 400 naming them, never
+        ignored; with the value that changes nothing they are accepted."""
+        extra = self.model_extra or {}
+        for name, (neutral, why) in EMBEDDING_UNSUPPORTED.items():
+            value = extra.get(name)
+            if value is not None and not neutral(value):
+                raise InvalidRequest(name, f"{name} is not supported by this server: {why}")
+
+
+_UNIT = "every vector is scaled to unit Euclidean norm"
+
+# llama-server's and vLLM's embedding fields that change the vectors
+EMBEDDING_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "embd_normalize": (lambda v: v == 2, _UNIT + " (llama-server's embd_normalize 2)"),
+    "normalize": (lambda v: v is True, _UNIT),  # vLLM's
+    "truncate_prompt_tokens": (
+        lambda v: False,
+        "an input is never cut; one longer than engine.n_ubatch is refused",
+    ),  # vLLM's
+}
 
 
 def encode_vector(vector: npt.NDArray[np.float32], encoding: str) -> list[float] | str:

@@ -111,6 +111,14 @@ class Formatter(ABC):
             "system_fingerprint": self.served.system_fingerprint,
         }
 
+    def _chunk_of(self, choice: Any) -> Any:
+        """A stream chunk with one choice; with ``include_usage``, ``usage: null`` in it,
+        as OpenAI sends it in every chunk but the last (the usage chunk)."""
+        out: Any = {**self._envelope(self.CHUNK_OBJECT), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
     def figures(self, cs: Sequence[Completion], out: Figures, final_chunk: bool = False) -> None:
         """usage (of every choice) and timings (the first choice's): a final chunk
         leaves usage to its own chunk when asked."""
@@ -257,7 +265,7 @@ class ChatFormatter(Formatter):
         return choice
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
-        return {**self._envelope(self.CHUNK_OBJECT), "choices": [choice]}
+        return cast(ChatCompletionChunk, self._chunk_of(choice))
 
     def opening(self, index: int = 0) -> ChatCompletionChunk:
         """The role first, with OpenAI's empty content; null content where the answer
@@ -415,7 +423,7 @@ class CompletionFormatter(Formatter):
         return choice
 
     def _chunk(self, choice: TextChoice) -> TextCompletion:
-        return {**self._envelope(self.OBJECT), "choices": [choice]}
+        return cast(TextCompletion, self._chunk_of(choice))
 
     def opening(self, index: int = 0) -> TextCompletion | None:
         """With ``echo``, the prompt's text, before the answer's (as OpenAI streams it);

@@ -197,6 +197,23 @@ def test_streamed_chat_chunks_have_openais_shape(client: openai.OpenAI) -> None:
     assert text == chat_text(client, max_tokens=10, temperature=0)
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "x"})],
+)
+def test_include_usage_puts_a_null_usage_in_every_chunk_before_the_last(
+    server: tuple[str, ServerState], path: str, body: dict[str, Any]
+) -> None:
+    """OpenAI's stream with include_usage, as sent on the wire (the client reads a
+    missing key as null too): `"usage": null` in each chunk, the usage last."""
+    asked = {**body, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    lines = post(server, path, asked).text.split("\n\n")
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert lines[-2] == "data: [DONE]" and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+
+
 def test_streamed_completion_without_include_usage(client: openai.OpenAI) -> None:
     chunks = list(
         client.completions.create(
@@ -423,6 +440,12 @@ def test_llama_cpp_structured_output_forms(
         ("/v1/completions", {"prompt": "x", "echo": "maybe"}, "echo"),
         ("/v1/completions", {"prompt": [10**9]}, "prompt"),
         ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**9]}, "stop_token_ids"),
+        # the other endpoint's fields, never ignored
+        ("/v1/completions", {"prompt": "x", "max_completion_tokens": 2}, "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": USER, "echo": True}, "echo"),
+        ("/v1/chat/completions", {"messages": USER, "modalities": "audio"}, "modalities"),
+        ("/v1/chat/completions", {"messages": USER, "logit_bias": {" 12": -100}}, "logit_bias"),
     ],
 )
 def test_each_bad_parameter_is_a_400_naming_it(

@@ -200,6 +200,25 @@ def test_an_empty_token_list_is_named_by_its_index(
     assert r.json()["error"]["message"] == f"input: {says}is an empty list of token ids"
 
 
+@pytest.mark.parametrize(
+    ("field", "on", "off"),
+    [
+        ("embd_normalize", -1, 2),  # llama-server's: -1 is no normalization
+        ("embd_normalize", 1, 2),
+        ("normalize", False, True),  # vLLM's
+        ("truncate_prompt_tokens", 3, None),  # vLLM's
+    ],
+)
+def test_other_servers_fields_that_change_the_vectors_are_refused(
+    client: TestClient, field: str, on: object, off: object
+) -> None:
+    """`embd_normalize: -1` (llama-server's raw vectors) or vLLM's `normalize: false`
+    were answered with unit vectors, `truncate_prompt_tokens: 3` with the whole
+    input's: vectors other than the ones asked for, in silence."""
+    error(client.post("/v1/embeddings", json={"input": "a", field: on}), 400, field)
+    assert client.post("/v1/embeddings", json={"input": "a", field: off}).status_code == 200
+
+
 def test_dimensions_equal_to_the_width_is_accepted(client: TestClient) -> None:
     r = client.post("/v1/embeddings", json={"input": "a", "dimensions": WIDTH})
     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == WIDTH

@@ -179,3 +179,59 @@ def test_other_servers_output_fields_are_refused_not_ignored(
             model.model_validate({**body, field: on}).refuse_unsupported()
         assert caught.value.param == field
         model.model_validate({**body, field: off}).refuse_unsupported()
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "field", "on", "off"),
+    [
+        (protocol.CompletionRequest, TEXT, "max_completion_tokens", 2, None),
+        (protocol.CompletionRequest, TEXT, "top_logprobs", 3, 0),
+        (protocol.CompletionRequest, TEXT, "tools", [{"type": "function"}], []),
+        (protocol.CompletionRequest, TEXT, "tool_choice", "required", "none"),
+        (protocol.CompletionRequest, TEXT, "messages", [{"role": "user"}], []),
+        (protocol.ChatCompletionRequest, CHAT, "echo", True, False),
+        (protocol.ChatCompletionRequest, CHAT, "prompt", "hi", ""),
+    ],
+)
+def test_the_other_endpoints_fields_are_refused_not_ignored(
+    model: type[protocol._Common], body: dict[str, object], field: str, on: object, off: object
+) -> None:
+    """A client that moved between chat and completions keeps sending the other's
+    fields: `max_completion_tokens: 2` on /v1/completions was served at the profile's
+    length, `top_logprobs: 3` without logprobs, `tools` as if none were offered."""
+    from orin.engine.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest) as caught:
+        model.model_validate({**body, field: on}).refuse_unsupported()
+    assert caught.value.param == field
+    model.model_validate({**body, field: off}).refuse_unsupported()
+
+
+@pytest.mark.parametrize("modalities", ["text", "audio", ["text", "audio"], [1], [{}]])
+def test_modalities_other_than_a_list_of_text_are_refused(modalities: object) -> None:
+    """`"modalities": "audio"` (not a list) was accepted and answered with text."""
+    from orin.engine.errors import InvalidRequest
+
+    for model, body in ((protocol.CompletionRequest, TEXT), (protocol.ChatCompletionRequest, CHAT)):
+        with pytest.raises(InvalidRequest) as caught:
+            model.model_validate({**body, "modalities": modalities}).refuse_unsupported()
+        assert caught.value.param == "modalities"
+        for fine in (["text"], [], None):
+            model.model_validate({**body, "modalities": fine}).refuse_unsupported()
+
+
+@pytest.mark.parametrize("key", [" 12", "12 ", "+12", "1_2", "١٢", "12.0", "x"])
+def test_logit_bias_keys_are_token_ids_written_in_digits(key: str) -> None:
+    """Python's int() took " 12" (a client that keyed the bias by a token's text, " 12")
+    as token 12, and "1_2" and Arabic-Indic digits too: a bias on a token nobody named."""
+    from orin.engine.errors import InvalidRequest
+    from orin.profile.schema import SamplingSection
+
+    for model, body in ((protocol.CompletionRequest, TEXT), (protocol.ChatCompletionRequest, CHAT)):
+        with pytest.raises(InvalidRequest) as caught:
+            model.model_validate({**body, "logit_bias": {key: -100}}).to_sampling(
+                SamplingSection(), 4096
+            )
+        assert caught.value.param == "logit_bias" and repr(key) in str(caught.value)
+        ok = model.model_validate({**body, "logit_bias": {"12": -100, "7": 5}})
+        assert ok.to_sampling(SamplingSection(), 4096).logit_bias == {12: -100, 7: 5}

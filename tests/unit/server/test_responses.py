@@ -187,7 +187,8 @@ def test_final_and_usage_chunks(kind: str, include_usage: bool) -> None:
     assert final["choices"][0]["finish_reason"] == "stop"
     assert final["choices"][0].get("delta", final["choices"][0].get("text")) in ({}, "")
     assert final["timings"]["predicted_n"] == 3
-    assert ("usage" in final) is not include_usage  # the usage chunk carries it then
+    # the usage chunk carries it then, and every chunk before it a null usage, as OpenAI's
+    assert final["usage"] is None if include_usage else final["usage"]["total_tokens"] == 9
     usage = parsed(encode(fmt.usage_chunk(completion("stop"))))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 9
 
@@ -227,8 +228,10 @@ def test_a_streamed_chat_from_opening_to_done() -> None:
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     deltas = [c["choices"][0]["delta"].get("content") for c in chunks[1:-2]]
     assert deltas == ["a", "bc", "!"]  # the empty text sends nothing
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and "usage" not in chunks[-2]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    # OpenAI's shape with include_usage: a null usage in every chunk before the last
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
     assert [c.text for c in finished[0]] == ["abc!"] and stream.cancelled
 
 

@@ -147,6 +147,29 @@ def test_a_content_part_of_another_type_is_named_and_refused_as_such(
     assert "'text' or 'image_url'" in err["message"]
 
 
+def test_an_assistants_refusal_in_the_history_is_its_text() -> None:
+    """A conversation carried over from OpenAI's API holds its refusals, as a refusal
+    part or as the message's refusal beside null content: they were a 400 ("a content
+    part's type must be 'text' or 'image_url'") or rendered as an empty turn."""
+    for said in (
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+        {"role": "assistant", "content": None, "refusal": "I cannot."},
+    ):
+        body = ChatCompletionRequest.model_validate({"messages": [*USER, said, *USER]})
+        assert body.template_messages()[1] == {"role": "assistant", "content": "I cannot."}
+    given = {"role": "assistant", "content": "Sure.", "refusal": None}
+    body = ChatCompletionRequest.model_validate({"messages": [*USER, given, *USER]})
+    assert body.template_messages()[1]["content"] == "Sure."
+
+
+def test_a_refusal_part_is_only_the_assistants(client: TestClient) -> None:
+    content = [{"type": "text", "text": "hi"}, {"type": "refusal", "refusal": "no"}]
+    err = refused(
+        client, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}]}
+    )
+    assert err["param"] == "messages[0].content" and "content[1]" in err["message"]
+
+
 @pytest.mark.parametrize(
     "message",
     [
