@@ -143,11 +143,7 @@ def untrusted(st: os.stat_result) -> str | None:
     a regular file (not a link) of this user or root, not writable by group or others."""
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file"
-    if st.st_uid not in (0, os.geteuid()):
-        return f"owned by uid {st.st_uid}, neither this user ({os.geteuid()}) nor root"
-    if st.st_mode & GROUP_OR_OTHER_WRITE:
-        return f"writable by group or others (mode {st.st_mode & 0o7777:04o})"
-    return None
+    return _foreign(st)
 
 
 def untrusted_dir(path: Path) -> str | None:
@@ -157,10 +153,15 @@ def untrusted_dir(path: Path) -> str | None:
         return f"cannot read it: {exc.strerror or exc}"
     if not stat.S_ISDIR(st.st_mode):
         return "not a directory"
+    return _foreign(st, "; chmod 0700 it")
+
+
+def _foreign(st: os.stat_result, fix: str = "") -> str | None:
+    """Why another user could have written it: its owner, or its mode (and ``fix``)."""
     if st.st_uid not in (0, os.geteuid()):
         return f"owned by uid {st.st_uid}, neither this user ({os.geteuid()}) nor root"
     if st.st_mode & GROUP_OR_OTHER_WRITE:
-        return f"writable by group or others (mode {st.st_mode & 0o7777:04o}); chmod 0700 it"
+        return f"writable by group or others (mode {st.st_mode & 0o7777:04o}){fix}"
     return None
 
 

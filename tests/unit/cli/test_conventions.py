@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,18 +154,23 @@ def test_bench_with_a_model_the_server_does_not_list_is_a_usage_error() -> None:
     assert fake.bodies == []  # no completion was sent
 
 
+def with_context(fake: FakeServer, n_ctx: int) -> Callable[[Seen], Answer]:
+    """``fake``, its /v1/models saying orin-llm's context per slot, as orin-llm does."""
+
+    def sized(seen: Seen) -> Answer:
+        if seen.path == "/v1/models":
+            meta = {"n_ctx_per_slot": n_ctx}
+            return Answer(body={"data": [{"id": "m", "owned_by": "orin-llm", "meta": meta}]})
+        return fake(seen)
+
+    return sized
+
+
 def test_bench_with_an_input_length_beyond_the_servers_context_is_a_usage_error() -> None:
     """orin-llm says its context per slot in /v1/models: a prompt it cannot take is
     refused before any completion is sent or any prompt of that length is built."""
     fake = FakeServer(usage=True)
-
-    def sized(seen: Seen) -> Answer:
-        if seen.path == "/v1/models":
-            meta = {"n_ctx_per_slot": 512}
-            return Answer(body={"data": [{"id": "m", "owned_by": "orin-llm", "meta": meta}]})
-        return fake(seen)
-
-    with serving(sized) as url:
+    with serving(with_context(fake, 512)) as url:
         code, out, err = invoke("bench", "--url", url, "--input-len", "8,600", "--concurrency", "1")
     assert code == 2, err
     assert "Invalid value for '--input-len'" in err and "context of 512 tokens" in err
@@ -177,14 +182,7 @@ def test_bench_with_input_and_output_beyond_the_servers_context_is_a_usage_error
     """Only the input was checked: 500 + 64 tokens on a 512-token slot ran a whole
     bench of refused (or context-shifted) requests."""
     fake = FakeServer(usage=True)
-
-    def sized(seen: Seen) -> Answer:
-        if seen.path == "/v1/models":
-            meta = {"n_ctx_per_slot": 512}
-            return Answer(body={"data": [{"id": "m", "owned_by": "orin-llm", "meta": meta}]})
-        return fake(seen)
-
-    with serving(sized) as url:
+    with serving(with_context(fake, 512)) as url:
         code, out, err = invoke(
             "bench", "--url", url, "--input-len", "8,500", "--output-len", "64",
             "--concurrency", "1",
