@@ -146,7 +146,8 @@ def memory_fit(
         e.swa_full,
         draft,
     )
-    beside = f" + draft model ~{gib(plan.draft_bytes)}" if plan.draft_bytes else ""
+    beside = f" + vision projector {gib(plan.mmproj_bytes)}" if plan.mmproj_bytes else ""
+    beside += f" + draft model ~{gib(plan.draft_bytes)}" if plan.draft_bytes else ""
     found = (
         f"weights {gib(plan.weights_bytes)} + KV {gib(plan.kv_bytes)} + compute "
         f"~{gib(plan.compute_bytes)}{beside} = {gib(plan.total_bytes)} at n_ctx={e.n_ctx} x "

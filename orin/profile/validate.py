@@ -15,7 +15,7 @@ from typing import Any
 from orin.errors import OrinError
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, read_model_info
-from orin.profile.fit import draft_info, memory_fit
+from orin.profile.fit import draft_info, memory_fit, projector_bytes
 from orin.profile.kvmatch import KVDecision, KVFinding, resolve_kv
 from orin.profile.schema import Profile
 from orin.severity import Severity
@@ -106,8 +106,8 @@ def _memory_findings(
     profile: Profile, info: ModelInfo, kv: KVDecision, available: int
 ) -> list[KVFinding]:
     flash = kv.flash_attn != "off"
-    draft = draft_info(profile)
-    fit = memory_fit(info, profile.engine, kv.type_k, kv.type_v, flash, available, draft=draft)
+    draft, proj = draft_info(profile), projector_bytes(profile)
+    fit = memory_fit(info, profile.engine, kv.type_k, kv.type_v, flash, available, proj, draft)
     if fit.severity == "ok":
         return []
     # A KV type this model cannot hold fails anywhere; a shortage of memory is this machine's.

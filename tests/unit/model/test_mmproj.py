@@ -71,3 +71,34 @@ def test_the_memory_plans_count_the_projector(tmp_path: Path) -> None:
     e = text.engine
     fit = memory_fit(info, e, "f16", "f16", True, 2**40, projector_bytes(vision))
     assert fit.plan is not None and fit.plan.total_bytes == base.total_bytes + size
+
+
+def test_profile_validate_counts_the_projector(tmp_path: Path) -> None:
+    """profile validate's memory-fit left the projector out: a vision profile that
+    does not fit beside it was called fine (doctor and the unit counted it)."""
+    from orin.model.gguf import read_model_info
+    from orin.profile.fit import WHY_FAIL, WHY_WARN, memory_fit
+    from orin.profile.loader import parse_profile
+    from orin.profile.validate import validate_profile
+
+    model = demo.ensure("tiny", "f16")
+    proj = mmproj.generate("tiny", tmp_path / "p.gguf")
+    size = mmproj.read_projector_info(proj).total_bytes
+    text = parse_profile(f"name: t\nmodel: {{path: {model}}}\n")
+    vision = parse_profile(f"name: v\nmodel: {{path: {model}, mmproj: {proj}}}\n")
+    plan = memory_fit(read_model_info(model), text.engine, "f16", "f16", True, 2**40).plan
+    assert plan is not None
+    room = plan.total_bytes + size // 2  # the text model fits; with the projector, not
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text(
+        f"MemTotal: {2 * room // 1024} kB\nMemAvailable: {room // 1024} kB\n"
+    )
+
+    def fit_of(profile: object) -> list[str]:
+        report = validate_profile(profile, model, None, tmp_path)  # type: ignore[arg-type]
+        return [f"{f.severity} {f.message}" for f in report.findings if f.rule == "memory-fit"]
+
+    (alone,) = fit_of(text)  # it fits, within the headroom kept for the runtime
+    (beside,) = fit_of(vision)  # it does not
+    assert WHY_WARN in alone and "projector" not in alone
+    assert WHY_FAIL in beside and "+ vision projector 0.00 GiB" in beside
