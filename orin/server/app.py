@@ -89,7 +89,7 @@ def _register(app: FastAPI, state: ServerState) -> None:
             text, add_bos = state.engine.render_chat(
                 body.template_messages(),
                 body.offered_tools(),
-                body.chat_template_kwargs,
+                body.template_kwargs(),
                 body.generation_prompt(),
                 body.continue_final_message,
             )

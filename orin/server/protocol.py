@@ -777,6 +777,11 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template (enable_thinking, ...)."
     )
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None,
+        description="OpenAI's: passed to the chat template as the variable reasoning_effort "
+        "(gpt-oss's templates read it); a template that does not read it is unchanged.",
+    )
     continue_final_message: bool = Field(
         False,
         description="vLLM's: the answer continues the final assistant message (text the "
@@ -847,6 +852,13 @@ class ChatCompletionRequest(_Common):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: ``chat_template_kwargs``, and
+        ``reasoning_effort`` unless those name it too (theirs is the one that counts)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def generation_prompt(self) -> bool:
         """Whether the template opens the assistant's turn after the messages."""

@@ -383,6 +383,34 @@ def test_reasoning_is_split_from_the_content(model: Path) -> None:
         assert prompt.endswith("<think>\n\n</think>\n\n")
 
 
+def test_reasoning_effort_reaches_the_template(model: Path) -> None:
+    """OpenAI's reasoning_effort was accepted and logged as unknown: gpt-oss's
+    templates read it, so the answer changed nothing it should have."""
+    template = (
+        "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+        "effort={{ reasoning_effort | default('unset') }}\n"
+    )
+    text = f"model:\n  chat_template: |\n{textwrap.indent(template, '    ')}\n{ENGINE}{SERVER}"
+    with live_server(model, text) as (base, state):
+
+        def prompt(**extra: Any) -> str:
+            body = {"messages": ASK, "max_tokens": 1, "return_token_ids": True, **extra}
+            r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return state.engine.detokenize(r.json()["choices"][0]["prompt_token_ids"])
+
+        assert prompt().endswith("effort=unset")
+        assert prompt(reasoning_effort="low").endswith("effort=low")
+        kwargs = {"chat_template_kwargs": {"reasoning_effort": "high"}}
+        assert prompt(reasoning_effort="low", **kwargs).endswith("effort=high")
+        r = httpx.post(
+            f"{base}/v1/chat/completions",
+            json={"messages": ASK, "reasoning_effort": "extreme"},
+            timeout=60,
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+
+
 def test_an_answer_that_starts_inside_the_think_block(model: Path) -> None:
     with live_server(model, profile("r1")) as (base, _):
         r = client(base).chat.completions.create(
