@@ -49,7 +49,7 @@ from orin.cli.options import (
 )
 from orin.cli.output import Output, progress_wanted
 from orin.doctor.context import model_path_for
-from orin.errors import OrinError, ProfileError, Terminated
+from orin.errors import OrinError, ProfileError, Terminated, interruption
 from orin.model.gguf import ModelInfo, read_model_info
 from orin.profile.board import board_settings
 from orin.profile.loader import builtin_profile_dirs, find_profile, load_profile
@@ -243,9 +243,9 @@ def system(
             elif revert:
                 done = revert_plan(board, plan, state, d.effective_uid)
     except (KeyboardInterrupt, Terminated) as exc:
-        sigterm = isinstance(exc, Terminated)
-        message = _stopped(plan, state, "SIGTERM" if sigterm else "Ctrl-C")
-        raise fail(message, EXIT_TERMINATED if sigterm else EXIT_INTERRUPTED) from None
+        by = interruption(exc)
+        code = EXIT_TERMINATED if by == "SIGTERM" else EXIT_INTERRUPTED
+        raise fail(_stopped(plan, state, by), code) from None
     if as_json:
         data = plan.to_dict()
         data.update(profile=profile.name, platform=board.platform.to_dict(), done=done)

@@ -70,11 +70,23 @@ class SysRoot:
                 continue
             if stat.S_ISLNK(st.st_mode):
                 return f"{current} is a symbolic link"
-            if st.st_uid not in trusted:
-                return f"{current} is owned by uid {st.st_uid}, not root"
-            if st.st_mode & GROUP_OR_OTHER_WRITE:
-                return f"{current} is writable by group or others (mode {st.st_mode & 0o7777:04o})"
+            if (why := _written_by_others(current, st, trusted)) is not None:
+                return why
         return None
+
+
+def _written_by_others(
+    path: object, st: os.stat_result, trusted: set[int], sticky_ok: bool = False
+) -> str | None:
+    """Why another user than ``trusted`` could write ``path`` (its stat ``st``): its
+    owner, or its group or other write bit (with ``sticky_ok``, not on a folder with
+    the sticky bit, whose files nobody else can replace)."""
+    if st.st_uid not in trusted:
+        return f"{path} is owned by uid {st.st_uid}, not root"
+    sticky_dir = sticky_ok and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+    if st.st_mode & GROUP_OR_OTHER_WRITE and not sticky_dir:
+        return f"{path} is writable by group or others (mode {st.st_mode & 0o7777:04o})"
+    return None
 
 
 def untrusted_file(path: Path) -> str | None:
@@ -92,10 +104,6 @@ def untrusted_file(path: Path) -> str | None:
     except (OSError, RuntimeError) as exc:
         return f"{path} cannot be resolved ({exc})"
     for current in (target, *target.parents):
-        st = current.stat()
-        if st.st_uid not in trusted:
-            return f"{current} is owned by uid {st.st_uid}, not root"
-        sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
-        if st.st_mode & GROUP_OR_OTHER_WRITE and not sticky_dir:
-            return f"{current} is writable by group or others (mode {st.st_mode & 0o7777:04o})"
+        if (why := _written_by_others(current, current.stat(), trusted, True)) is not None:
+            return why
     return None
