@@ -42,6 +42,11 @@ from orin.profile.schema import SamplingSection
 log = logging.getLogger("orin.server")
 
 
+# other servers' (or the other endpoint's) fields: the value that changes nothing,
+# and why another one is refused
+Refused = dict[str, tuple[Callable[[Any], bool], str]]
+
+
 class _Lenient(BaseModel):
     # lenient about fields, strict about types: an unknown field is accepted and
     # logged, a known one must have its JSON type ("2" is no integer, "yes" no boolean;
@@ -64,6 +69,16 @@ class _Lenient(BaseModel):
 
     def ignored_fields(self) -> list[str]:
         return sorted((self.model_extra or {}).keys())
+
+    def refuse_fields(self, table: Refused, said: str) -> None:
+        """A field of ``table`` (unknown to this model, so among its extras) given with
+        a value other than the one that changes nothing is a 400 naming it: "NAME is
+        ``said``: why"; never ignored."""
+        extra = self.model_extra or {}
+        for name, (neutral, why) in table.items():
+            value = extra.get(name)
+            if value is not None and not neutral(value):
+                raise InvalidRequest(name, f"{name} is {said}: {why}")
 
 
 class StreamOptions(_Lenient):
@@ -387,15 +402,9 @@ class _Common(_Lenient):
     def refuse_unsupported(self) -> None:
         """A field that would change the output but is not implemented is a 400 naming
         it, never ignored (unknown fields that cannot change the output are logged)."""
+        self.refuse_fields(UNSUPPORTED, "not supported by this server")
+        self.refuse_fields(self.OTHER_ENDPOINT, "not a field of this endpoint")
         extra = self.model_extra or {}
-        for name, (neutral, why) in UNSUPPORTED.items():
-            value = extra.get(name)
-            if value is not None and not neutral(value):
-                raise InvalidRequest(name, f"{name} is not supported by this server: {why}")
-        for name, (neutral, why) in self.OTHER_ENDPOINT.items():
-            value = extra.get(name)
-            if value is not None and not neutral(value):
-                raise InvalidRequest(name, f"{name} is not a field of this endpoint: {why}")
         best_of = extra.get("best_of")
         if best_of is not None and best_of != getattr(self, "n", 1):
             raise InvalidRequest("best_of", "best_of is not supported; it may only equal n")
@@ -409,7 +418,7 @@ class _Common(_Lenient):
 
     # the other endpoint's fields that change its output, sent here by mistake (a
     # client that moved between chat and completions): refused, never ignored
-    OTHER_ENDPOINT: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+    OTHER_ENDPOINT: ClassVar[Refused] = {}
 
     def max_new_tokens(self) -> int | None:
         raise NotImplementedError
@@ -550,7 +559,7 @@ def _neutral_samplers(value: Any) -> bool:
     return [v for v in value if v in _OUR_ORDER] == _OUR_ORDER
 
 
-UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+UNSUPPORTED: Refused = {
     "mirostat": (lambda v: v == 0, _SAMPLER),
     "mirostat_mode": (lambda v: v == 0, _SAMPLER),  # llama-cpp-python's server's name
     "typical_p": (lambda v: v == 1, _SAMPLER),
@@ -754,7 +763,7 @@ _MAX_TOKENS = "Tokens to generate at most; none = the profile's sampling.max_tok
 
 
 class ChatCompletionRequest(_Common):
-    OTHER_ENDPOINT: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+    OTHER_ENDPOINT: ClassVar[Refused] = {
         "echo": (lambda v: v is False, "the prompt is echoed on /v1/completions"),
         "prompt": (lambda v: not v, "a chat's prompt is its messages"),
     }
@@ -901,7 +910,7 @@ class ChatCompletionRequest(_Common):
 _CHAT = "it is read on /v1/chat/completions"
 
 # chat's fields that change an answer: on /v1/completions, what to use instead
-_CHAT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
+_CHAT_ONLY: Refused = {
     "max_completion_tokens": (lambda v: False, "use max_tokens"),
     "top_logprobs": (lambda v: v == 0, "use logprobs (the number of alternatives)"),
     "tools": (lambda v: not v, _CHAT),

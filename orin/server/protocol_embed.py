@@ -11,7 +11,6 @@ vocabulary, the width, the pooling, the longest input) the engine checks.
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -19,8 +18,7 @@ import numpy.typing as npt
 from pydantic import Field, field_validator
 
 from orin.engine.embed import Embeddings
-from orin.engine.errors import InvalidRequest
-from orin.server.protocol import _Lenient
+from orin.server.protocol import Refused, _Lenient
 
 
 def _is_id(x: object) -> bool:
@@ -99,17 +97,13 @@ class EmbeddingRequest(_Lenient):
     def refuse_unsupported(self) -> None:
         """Other servers' fields that change the vectors are a 400 naming them, never
         ignored; with the value that changes nothing they are accepted."""
-        extra = self.model_extra or {}
-        for name, (neutral, why) in EMBEDDING_UNSUPPORTED.items():
-            value = extra.get(name)
-            if value is not None and not neutral(value):
-                raise InvalidRequest(name, f"{name} is not supported by this server: {why}")
+        self.refuse_fields(EMBEDDING_UNSUPPORTED, "not supported by this server")
 
 
 _UNIT = "every vector is scaled to unit Euclidean norm"
 
 # llama-server's and vLLM's embedding fields that change the vectors
-EMBEDDING_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+EMBEDDING_UNSUPPORTED: Refused = {
     "embd_normalize": (lambda v: v == 2, _UNIT + " (llama-server's embd_normalize 2)"),
     "normalize": (lambda v: v is True, _UNIT),  # vLLM's
     "truncate_prompt_tokens": (
