@@ -68,8 +68,7 @@ class _Reader(io.BytesIO):
         self.stop = stop
 
     def read(self, size: int | None = -1, /) -> bytes:
-        if self.stop.is_set():
-            raise DecodeStopped
+        _check(self.stop)
         return super().read(size)
 
 
