@@ -217,17 +217,26 @@ def draft_for_plan(profile: Profile, draft: Path | None = None) -> ModelInfo | N
     from ``draft`` (``--draft-model``), else from the file the profile names; None
     unless ``speculative.mode`` is draft. The pods load it beside the model, so a file
     that is in neither place is a ModelFileError, as the model's is."""
-    path = draft_path(profile)
-    if path is None:
+    named = draft_path(profile)
+    if named is None:
         return None
-    path = draft if draft is not None else path
-    if not path.is_file():
+    return read_model_info(
+        _file_for_plan(draft, named, "draft model", "speculative.draft_model", "--draft-model")
+    )
+
+
+def _file_for_plan(
+    given: Path | None, named: Path | None, what: str, field: str, option: str
+) -> Path:
+    """The copy given with ``option``, else the file the profile's ``field`` names;
+    one that is in neither place is a ModelFileError saying which option gives it."""
+    path = given if given is not None else named
+    if path is None or not path.is_file():
         raise ModelFileError(
-            f"the memory limits count the draft model, and {path} "
-            "(speculative.draft_model) is not here: give a copy of the file with "
-            "--draft-model PATH"
+            f"the memory limits count the {what}, and {path} ({field}) is not here: give "
+            f"a copy of the file with {option} PATH"
         )
-    return read_model_info(path)
+    return path
 
 
 def projector_for_plan(profile: Profile, mmproj: Path | None = None) -> int | None:
@@ -238,12 +247,9 @@ def projector_for_plan(profile: Profile, mmproj: Path | None = None) -> int | No
     place is a ModelFileError, as the model's is (model_for_plan)."""
     if profile.model.mmproj is None:
         return None
-    path = mmproj if mmproj is not None else projector_path(profile)
-    if path is None or not path.is_file():
-        raise ModelFileError(
-            f"the memory limits count the vision projector, and {path} (model.mmproj) is "
-            "not here: give a copy of the file with --mmproj PATH"
-        )
+    path = _file_for_plan(
+        mmproj, projector_path(profile), "vision projector", "model.mmproj", "--mmproj"
+    )
     try:
         return read_projector_info(path).total_bytes
     except (OSError, ValueError) as exc:
