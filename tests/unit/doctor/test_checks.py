@@ -82,8 +82,40 @@ def test_memory_fit_fails_with_the_largest_context_that_fits(
     assert f.severity == "fail"
     assert "available 54.00 GiB" in f.found
     best = int(f.found.rsplit(": ", 1)[1])
-    assert f.fix.startswith(f"engine.n_ctx: {best} ")
     assert 0 < best < 65536 and best % 256 == 0
+    fixed = int(f.fix.removeprefix("engine.n_ctx: ").split(",")[0])
+    assert 0 < fixed < best and fixed % 256 == 0  # the fix leaves the headroom too
+    assert f.fix.endswith("the largest that leaves 10% free (or fewer slots, or a smaller KV type)")
+
+
+@pytest.mark.parametrize("available_gib", [4.3, 4.5])  # under the plan: fail; 4.5: warn
+def test_following_the_memory_fit_fix_passes(
+    tmp_path: Path, make_ctx: MakeCtx, available_gib: float
+) -> None:
+    """The context the fix names passes the check: not the largest that only fits, which
+    warns again (and is larger than the context of a fit that warns)."""
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    fake.board.meminfo(total=8 * GiB, available=int(available_gib * GiB))
+
+    def fit(n_ctx: int) -> Finding:
+        ctx = make_ctx(
+            fake.board.root,
+            fake.runner,
+            model=model,
+            n_ctx=n_ctx,
+            slots=4,
+            type_k="q8_0",
+            type_v="q8_0",
+        )
+        return checks.check_memory_fit(ctx)
+
+    before = fit(4096)
+    assert before.severity == ("fail" if available_gib < 4.33 else "warn")
+    fixed = int(before.fix.removeprefix("engine.n_ctx: ").split(",")[0])
+    assert fixed < 4096
+    after = fit(fixed)
+    assert after.severity == "ok", after.found
 
 
 def test_memory_fit_warns_without_headroom(tmp_path: Path, make_ctx: MakeCtx) -> None:
