@@ -122,7 +122,8 @@ def test_memory_fit_warns_without_headroom(tmp_path: Path, make_ctx: MakeCtx) ->
     fake = agx_orin_64gb_jp6(tmp_path / "board")
     model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
     fake.board.meminfo(total=8 * GiB, available=int(4.5 * GiB))
-    f = checks.check_memory_fit(make_ctx(fake.board.root, fake.runner, model=model))
+    ctx = make_ctx(fake.board.root, fake.runner, model=model, type_k="q8_0", type_v="q8_0")
+    f = checks.check_memory_fit(ctx)
     assert f.severity == "warn" and "= 4.33 GiB at n_ctx=4096 x 4 slots" in f.found
     assert "CUDA runtime" in f.why
 
