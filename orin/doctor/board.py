@@ -116,6 +116,10 @@ def check_zram(ctx: DoctorContext) -> Finding:
     if not jetson:
         return Finding("zram", "info", found)
     swapoff = f"sudo swapoff {' '.join(d.path for d in devices)}"
+    # systemctl disable of a unit that is not installed fails, and `&&` would then skip the
+    # swapoff; one that is disabled already sets nothing up at the next boot
+    if unit_file_state(ctx.runner, ZRAM_SERVICE) == "enabled":
+        swapoff = f"sudo systemctl disable {ZRAM_SERVICE} && {swapoff}"
     return Finding(
         "zram",
         "warn",
@@ -125,7 +129,7 @@ def check_zram(ctx: DoctorContext) -> Finding:
             ctx,
             "system.disable_zram: true",
             ctx.profile.system.disable_zram,
-            f"sudo systemctl disable {ZRAM_SERVICE} && {swapoff}",
+            swapoff,
         )
         + "; use an NVMe swap file if you want swap",
     )

@@ -14,6 +14,7 @@ from orin.profile.loader import load_profile
 from tests.fakes.boards_system import (
     CPU_BUILD,
     R35_LINE,
+    FakeJetson,
     agx_orin_32gb_devkit_tree_jp6,
     agx_orin_32gb_jp5_tuned,
     agx_orin_64gb_jp6,
@@ -308,6 +309,37 @@ def test_zram_that_returns_at_the_next_boot_is_found(tmp_path: Path, make_ctx: M
     fake.zram_service = "disabled"
     f = board_checks.check_zram(make_ctx(fake.board.root, fake.runner))
     assert (f.severity, f.found) == ("ok", "no zram swap; no swap")
+
+
+def run_at_once(fake: FakeJetson, fix: str) -> None:
+    """The fix's "at once" commands on the fake board, as a shell runs `a && b`: each
+    only when the one before succeeded."""
+    command = fix.split("(or at once: ", 1)[1].split(")", 1)[0]
+    for step in command.split(" && "):
+        argv = step.split()
+        assert argv[0] == "sudo"
+        program, *args = argv[1:]
+        answers = [(program, a) for a in args] if program == "swapoff" else [(program, *args)]
+        for a in answers:
+            result = fake.runner.run(a)
+            assert result.returncode == 0, f"{step}: {result.stderr}"
+
+
+@pytest.mark.parametrize("service", ["enabled", "disabled", "not-found"])
+def test_following_the_zram_fix_at_once_swaps_zram_off(
+    tmp_path: Path, make_ctx: MakeCtx, service: str
+) -> None:
+    """zram set up by other means than nvzramconfig (or with it disabled since): the fix
+    does not start with a systemctl disable that fails on a unit not installed and stops
+    the swapoff after its `&&`."""
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    fake.zram_service = service
+    f = board_checks.check_zram(make_ctx(fake.board.root, fake.runner))
+    assert f.severity == "warn"
+    assert ("systemctl disable" in f.fix) == (service == "enabled")
+    run_at_once(fake, f.fix)
+    after = board_checks.check_zram(make_ctx(fake.board.root, fake.runner))
+    assert after.severity == "ok", after.found
 
 
 def test_a_profile_whose_power_mode_would_lower_the_board_is_found(
