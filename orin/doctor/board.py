@@ -27,6 +27,7 @@ THERMAL_MARGIN_C = 10.0
 DISK_FAIL = 256 * 2**20
 DISK_WARN = 2 * 2**30
 LOG_DIR = "/var/log"
+RELEASE_FILE = "/etc/nv_tegra_release"
 JTOP_UNITS = (
     "/etc/systemd/system/jtop.service",
     "/lib/systemd/system/jtop.service",
@@ -264,7 +265,17 @@ def _release(ctx: DoctorContext) -> tuple[Severity, str, str, str]:
     """The L4T release against the supported one: (severity, found, why, fix)."""
     l4t = ctx.platform.l4t
     if l4t is None:
-        return "info", "no /etc/nv_tegra_release", "", ""
+        text = ctx.root.read_text(RELEASE_FILE)
+        if text is None:
+            return "info", f"no {RELEASE_FILE}", "", ""
+        first = text.strip().splitlines()[0][:80] if text.strip() else ""
+        return (
+            "warn",
+            f"{RELEASE_FILE} names no L4T release ({first!r})",
+            "the release decides which JetPack, CUDA and Python this board has; L4T writes "
+            "its first line as '# R36 (release), REVISION: 4.3, ...'",
+            "sudo apt install --reinstall nvidia-l4t-core (the package that writes it)",
+        )
     found = f"L4T {l4t.version} (JetPack {l4t.jetpack or '?'})"
     if l4t.support == "supported":
         return "ok", found, "", ""

@@ -217,6 +217,24 @@ def test_jetpack_release_other_than_6(
         assert f.fix.startswith("flash JetPack 6 (L4T R36) with NVIDIA SDK Manager")
 
 
+@pytest.mark.parametrize("line", ["", "# R36 (release)\n", "\x00\x00garbage"])
+def test_a_release_file_without_a_release_is_not_called_missing(
+    tmp_path: Path, make_ctx: MakeCtx, line: str
+) -> None:
+    """An empty or damaged /etc/nv_tegra_release is there: doctor says what it holds and
+    how to write it again, not that there is no such file."""
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    fake.board.write("/etc/nv_tegra_release", line)
+    f = board_checks.check_board(make_ctx(fake.board.root, fake.runner))
+    assert f.severity == "warn"
+    first = line.strip().splitlines()[0] if line.strip() else ""
+    assert f.found.endswith(f"; /etc/nv_tegra_release names no L4T release ({first!r})")
+    assert f.fix == "sudo apt install --reinstall nvidia-l4t-core (the package that writes it)"
+    fake.board.root.path("/etc/nv_tegra_release").unlink()
+    f = board_checks.check_board(make_ctx(fake.board.root, fake.runner))
+    assert (f.severity, f.found.rpartition("; ")[2]) == ("info", "no /etc/nv_tegra_release")
+
+
 def test_gpu_lock_alone_is_not_called_locked(tmp_path: Path, make_ctx: MakeCtx) -> None:
     """Without root only the GPU's devfreq is readable: CPU and EMC stay unknown."""
     fake = agx_orin_64gb_jp6(tmp_path / "board")
