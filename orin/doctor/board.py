@@ -11,6 +11,7 @@ from pathlib import Path
 
 from orin.doctor.context import DoctorContext
 from orin.doctor.findings import Finding
+from orin.install.layout import TUNE_SERVICE, UNIT_DIR
 from orin.profile.loader import builtin_profiles
 from orin.severity import Severity, worst
 from orin.system.services import unit_active_state, unit_file_state
@@ -244,7 +245,19 @@ def check_clocks(ctx: DoctorContext) -> Finding:
         fix=_install_jetson_clocks(ctx)
         + tune_fix(
             ctx, "system.lock_clocks: true", ctx.profile.system.lock_clocks, "sudo jetson_clocks"
-        ),
+        )
+        + _at_boot(ctx),
+    )
+
+
+def _at_boot(ctx: DoctorContext) -> str:
+    """The lock is lost at every reboot: without orin-llm's boot-time tuning unit,
+    whatever locked the clocks today leaves them unlocked after the next one."""
+    if ctx.root.exists(f"{UNIT_DIR}/{TUNE_SERVICE}"):
+        return ""
+    return (
+        f"; the lock does not survive a reboot: sudo orin-llm install adds {TUNE_SERVICE}, "
+        "which applies the profile's system settings at every boot"
     )
 
 
