@@ -253,7 +253,15 @@ def check_memory_fit(ctx: DoctorContext) -> Finding:
     if info is None:
         return skipped("memory-fit", ctx)
     if avail is None:
-        return Finding("memory-fit", "warn", "cannot read /proc/meminfo", fix="check /proc")
+        return Finding(
+            "memory-fit",
+            "warn",
+            f"unchecked: {ctx.memory_problem}",
+            why="the fit is judged against MemAvailable in /proc/meminfo: without it the "
+            "memory the model and its KV cache need is compared with nothing",
+            fix="run doctor where the board's /proc/meminfo can be read (on the board itself, "
+            "or with --root at a copy of its tree)",
+        )
     d = ctx.kv
     proj = projector_bytes(ctx.profile)
     draft = draft_info(ctx.profile)

@@ -128,6 +128,23 @@ def test_memory_fit_warns_without_headroom(tmp_path: Path, make_ctx: MakeCtx) ->
     assert "CUDA runtime" in f.why
 
 
+@pytest.mark.parametrize("meminfo", [None, "", "MemFree: lots\n"])
+def test_unreadable_meminfo_says_why_the_fit_is_unchecked(
+    tmp_path: Path, make_ctx: MakeCtx, meminfo: str | None
+) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    path = fake.board.root.path("/proc/meminfo")
+    if meminfo is None:
+        path.unlink()
+    else:
+        path.write_text(meminfo)
+    f = checks.check_memory_fit(make_ctx(fake.board.root, fake.runner, model=model))
+    reason = f"cannot read {path}" if meminfo is None else "meminfo has no MemTotal line"
+    assert (f.severity, f.found) == ("warn", f"unchecked: {reason}")
+    assert "MemAvailable" in f.why and f.fix.startswith("run doctor where the board's")
+
+
 def test_profile_validate_reports_doctors_memory_fit(tmp_path: Path, make_ctx: MakeCtx) -> None:
     """One check: validate shows doctor's figures, as a warning at most (this machine's memory
     is not necessarily the board's)."""
