@@ -11,6 +11,7 @@ from pathlib import Path
 
 from orin.doctor.context import DoctorContext
 from orin.doctor.findings import Finding
+from orin.install.layout import TUNE_SERVICE, UNIT_DIR
 from orin.profile.loader import builtin_profiles
 from orin.severity import Severity, worst
 from orin.system.services import unit_active_state, unit_file_state
@@ -27,6 +28,7 @@ THERMAL_MARGIN_C = 10.0
 DISK_FAIL = 256 * 2**20
 DISK_WARN = 2 * 2**30
 LOG_DIR = "/var/log"
+RELEASE_FILE = "/etc/nv_tegra_release"
 JTOP_UNITS = (
     "/etc/systemd/system/jtop.service",
     "/lib/systemd/system/jtop.service",
@@ -116,6 +118,10 @@ def check_zram(ctx: DoctorContext) -> Finding:
     if not jetson:
         return Finding("zram", "info", found)
     swapoff = f"sudo swapoff {' '.join(d.path for d in devices)}"
+    # systemctl disable of a unit that is not installed fails, and `&&` would then skip the
+    # swapoff; one that is disabled already sets nothing up at the next boot
+    if unit_file_state(ctx.runner, ZRAM_SERVICE) == "enabled":
+        swapoff = f"sudo systemctl disable {ZRAM_SERVICE} && {swapoff}"
     return Finding(
         "zram",
         "warn",
@@ -125,7 +131,7 @@ def check_zram(ctx: DoctorContext) -> Finding:
             ctx,
             "system.disable_zram: true",
             ctx.profile.system.disable_zram,
-            f"sudo systemctl disable {ZRAM_SERVICE} && {swapoff}",
+            swapoff,
         )
         + "; use an NVMe swap file if you want swap",
     )
@@ -239,7 +245,19 @@ def check_clocks(ctx: DoctorContext) -> Finding:
         fix=_install_jetson_clocks(ctx)
         + tune_fix(
             ctx, "system.lock_clocks: true", ctx.profile.system.lock_clocks, "sudo jetson_clocks"
-        ),
+        )
+        + _at_boot(ctx),
+    )
+
+
+def _at_boot(ctx: DoctorContext) -> str:
+    """The lock is lost at every reboot: without orin-llm's boot-time tuning unit,
+    whatever locked the clocks today leaves them unlocked after the next one."""
+    if ctx.root.exists(f"{UNIT_DIR}/{TUNE_SERVICE}"):
+        return ""
+    return (
+        f"; the lock does not survive a reboot: sudo orin-llm install adds {TUNE_SERVICE}, "
+        "which applies the profile's system settings at every boot"
     )
 
 
@@ -260,7 +278,17 @@ def _release(ctx: DoctorContext) -> tuple[Severity, str, str, str]:
     """The L4T release against the supported one: (severity, found, why, fix)."""
     l4t = ctx.platform.l4t
     if l4t is None:
-        return "info", "no /etc/nv_tegra_release", "", ""
+        text = ctx.root.read_text(RELEASE_FILE)
+        if text is None:
+            return "info", f"no {RELEASE_FILE}", "", ""
+        first = text.strip().splitlines()[0][:80] if text.strip() else ""
+        return (
+            "warn",
+            f"{RELEASE_FILE} names no L4T release ({first!r})",
+            "the release decides which JetPack, CUDA and Python this board has; L4T writes "
+            "its first line as '# R36 (release), REVISION: 4.3, ...'",
+            "sudo apt install --reinstall nvidia-l4t-core (the package that writes it)",
+        )
     found = f"L4T {l4t.version} (JetPack {l4t.jetpack or '?'})"
     if l4t.support == "supported":
         return "ok", found, "", ""

@@ -16,7 +16,7 @@ from orin.doctor import board
 from orin.doctor.context import DoctorContext
 from orin.doctor.findings import Finding
 from orin.errors import ProfileError
-from orin.install.layout import ENV_FILE, env_values
+from orin.install.layout import DEFAULT_USER, ENV_FILE, ENV_MODE, env_values
 from orin.profile.board import load_settings
 from orin.profile.fit import draft_info, gib, memory_fit, projector_bytes, projector_path
 from orin.severity import worst
@@ -186,8 +186,9 @@ def check_openmp_wait(ctx: DoctorContext) -> Finding:
         return Finding("openmp-wait", "ok", "llama.cpp's CPU threads are not OpenMP threads")
     sources = [("this shell's environment", ctx.environ.get("OMP_WAIT_POLICY"))]
     # doctor runs as root under `orin-llm install`: a file another user could have
-    # written is not read
-    if ctx.root.untrusted_reason(ENV_FILE) is None:
+    # written is not read, but systemd reads it into the service all the same
+    untrusted = ctx.root.untrusted_reason(ENV_FILE) if ctx.root.exists(ENV_FILE) else None
+    if untrusted is None:
         service = ctx.root.read_text(ENV_FILE)  # None when absent or unreadable
         if service is not None:
             sources.append((ENV_FILE, env_values(service).get("OMP_WAIT_POLICY")))
@@ -202,6 +203,17 @@ def check_openmp_wait(ctx: DoctorContext) -> Finding:
             "(a CPU decode 2.4-4x)",
             fix=f"remove OMP_WAIT_POLICY from {' and '.join(passive)}; set it only for a "
             "measurement that needs idle CPU threads to read as idle",
+        )
+    if untrusted is not None:
+        return Finding(
+            "openmp-wait",
+            "warn",
+            f"{ENV_FILE}, the service's environment, not read: {untrusted}",
+            why="systemd reads it into the service whatever its mode, so its OMP_WAIT_POLICY "
+            "is unknown here; and whoever can write it sets the service's environment "
+            "(LD_PRELOAD among it)",
+            fix=f"sudo chown root:{DEFAULT_USER} {ENV_FILE} && sudo chmod {ENV_MODE} {ENV_FILE} "
+            "(the owner and mode orin-llm install gives it), then run doctor again",
         )
     return Finding(
         "openmp-wait", "ok", "OpenMP threads spin at barriers (OMP_WAIT_POLICY not PASSIVE)"
@@ -241,7 +253,15 @@ def check_memory_fit(ctx: DoctorContext) -> Finding:
     if info is None:
         return skipped("memory-fit", ctx)
     if avail is None:
-        return Finding("memory-fit", "warn", "cannot read /proc/meminfo", fix="check /proc")
+        return Finding(
+            "memory-fit",
+            "warn",
+            f"unchecked: {ctx.memory_problem}",
+            why="the fit is judged against MemAvailable in /proc/meminfo: without it the "
+            "memory the model and its KV cache need is compared with nothing",
+            fix="run doctor where the board's /proc/meminfo can be read (on the board itself, "
+            "or with --root at a copy of its tree)",
+        )
     d = ctx.kv
     proj = projector_bytes(ctx.profile)
     draft = draft_info(ctx.profile)

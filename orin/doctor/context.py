@@ -127,11 +127,20 @@ class DoctorContext:
         return self._build[1]
 
     @cached_property
-    def available(self) -> int | None:
+    def _available(self) -> tuple[int | None, str | None]:
         try:
-            return read_meminfo(self.root).available
-        except OrinError:
-            return None
+            return read_meminfo(self.root).available, None
+        except OrinError as exc:
+            return None, str(exc)
+
+    @property
+    def available(self) -> int | None:
+        return self._available[0]
+
+    @property
+    def memory_problem(self) -> str | None:
+        """Why MemAvailable could not be read (``available`` is then None)."""
+        return self._available[1]
 
     @property
     def quantization(self) -> str | None:

@@ -20,6 +20,7 @@ UNITS = (TUNE_SERVICE, SERVICE)  # the order they start in
 UNIT_DIR = "/etc/systemd/system"
 CONF_DIR = "/etc/orin-llm"
 ENV_FILE = "/etc/orin-llm/orin-llm.env"
+ENV_MODE = "0640"  # root:<the service's group>: the API key, read by the service alone
 PROFILE_FILE = "/etc/orin-llm/profile.yaml"
 STATE_DIR = "/var/lib/orin-llm"  # the service user's home and StateDirectory
 MODELS_DIR = SYSTEM_MODELS_DIR  # root's `model pull` and install's pull put files here

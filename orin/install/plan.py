@@ -24,6 +24,7 @@ from orin.install.layout import (
     CACHE_DIR,
     CONF_DIR,
     ENV_FILE,
+    ENV_MODE,
     GPU_GROUPS,
     MODELS_DIR,
     PROFILE_FILE,
@@ -54,7 +55,6 @@ ENV_TEMPLATE = """\
 #ORIN_LLM_LOG_FORMAT=json
 #ORIN_LLM_TELEMETRY=auto
 """
-ENV_MODE = "0640"
 ENV_LAX = 0o037  # what ENV_MODE leaves out: group write or execute, anything for others
 NOLOGIN = "/usr/sbin/nologin"
 

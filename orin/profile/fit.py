@@ -146,6 +146,20 @@ def memory_fit(
         e.swa_full,
         draft,
     )
+    # the context the fix names leaves the headroom too: the largest that only fits would
+    # be a warning again (and, for a fit that warns, no smaller than the context it has)
+    roomy = max_context(
+        info,
+        e.slots,
+        type_k,
+        type_v,
+        int(available * (1 - HEADROOM)) - mmproj_bytes,
+        e.n_ubatch,
+        flash_attn,
+        e.n_batch,
+        e.swa_full,
+        draft,
+    )
     beside = f" + vision projector {gib(plan.mmproj_bytes)}" if plan.mmproj_bytes else ""
     beside += f" + draft model ~{gib(plan.draft_bytes)}" if plan.draft_bytes else ""
     found = (
@@ -154,10 +168,15 @@ def memory_fit(
         f"{e.slots} slots (K={type_k}, V={type_v}); available {gib(available)}; "
         f"largest per-slot context that fits: {best if best is not None else 'none'}"
     )
-    if best is None:
-        fix = "a smaller quantization or model, or fewer slots"
-    else:
+    if roomy is not None:
+        fix = (
+            f"engine.n_ctx: {roomy}, the largest that leaves {HEADROOM:.0%} free (or fewer "
+            "slots, or a smaller KV type)"
+        )
+    elif best is not None:
         fix = f"engine.n_ctx: {best} (or fewer slots, or a smaller KV type)"
+    else:
+        fix = "a smaller quantization or model, or fewer slots"
     if plan.total_bytes > available and e.rpc:  # part of it goes to the workers' memory
         return MemoryFit(
             "warn",

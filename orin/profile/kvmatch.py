@@ -74,7 +74,9 @@ def auto_kv_type(
 
     Full-precision weights keep an f16 cache; 8- and 6-bit weights take q8_0
     (half the memory, error well below the weights'); weights of 5 bits and fewer
-    take q8_0 too, or q4_0 when the planned context does not fit with q8_0.
+    take q8_0 too, or q4_0 when the planned context does not fit with q8_0 and the
+    headroom memory-fit asks for (``orin.profile.fit.HEADROOM``): q8_0 there would be
+    a fit that warns, where q4_0 passes.
     """
     bits = weight_bits(quantization) if quantization else None
     if bits is None:
@@ -84,7 +86,11 @@ def auto_kv_type(
     if bits >= 6:
         return "q8_0", f"{quantization} weights are {bits}-bit: q8_0 cache"
     if q8_fits is not None and not q8_fits():
-        return "q4_0", f"{quantization} weights and the planned context does not fit with q8_0"
+        return (
+            "q4_0",
+            f"{quantization} weights and the planned context does not fit with q8_0 and "
+            "10% of the memory left free",
+        )
     return "q8_0", f"{quantization} weights are {bits}-bit: q8_0 cache"
 
 
@@ -123,6 +129,7 @@ def _q8_fits(
 
     def fits() -> bool:
         from orin.model.memplan import total_bytes
+        from orin.profile.fit import HEADROOM
 
         need = total_bytes(
             info,
@@ -135,7 +142,7 @@ def _q8_fits(
             engine.n_batch,
             engine.swa_full,
         )
-        return need <= available
+        return need <= available * (1 - HEADROOM)
 
     return fits
 

@@ -437,6 +437,15 @@ class SystemSection(_Section):
     drop_caches: bool = Field(False, description="Drop the page cache before loading the model.")
     disable_zram: bool = Field(False, description="Disable the nvzramconfig zram swap service.")
 
+    @field_validator("mmap", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, value: object) -> object:
+        """YAML 1.1 reads a bare on/off as a boolean; take it as meant (doctor's mmap fix
+        says ``system.mmap: off``)."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
 
 RoutingStyle = Literal["auto", "vllm", "sglang", "llamacpp", "none"]
 # The Prometheus text format's metric names (no UTF-8 quoting: routers parse the classic set).

@@ -76,7 +76,7 @@ class FakeJetson:
     modes: dict[int, str]
     mode: int = 2
     locked: bool = False
-    zram_service: str = "enabled"
+    zram_service: str = "enabled"  # "not-found": the unit is not installed
     jtop: str | None = "inactive"  # None: jetson-stats not installed
     zram: dict[str, tuple[int, int]] = field(default_factory=dict)  # path -> (KiB, priority)
     other_swaps: list[str] = field(default_factory=list)
@@ -195,8 +195,20 @@ class FakeJetson:
             state = self.jtop or "inactive"
             return CommandResult(args, 0 if state == "active" else 3, state + "\n")
         if verb == "is-enabled":
+            if self.zram_service == "not-found":  # systemd 249 (JetPack 6): stderr only
+                return CommandResult(
+                    args,
+                    1,
+                    "",
+                    f"Failed to get unit file state for {unit}"
+                    ".service: No such file or directory\n",
+                )
             code = 0 if self.zram_service == "enabled" else 1
             return CommandResult(args, code, self.zram_service + "\n")
+        if self.zram_service == "not-found":
+            return CommandResult(
+                args, 1, "", f"Failed to {verb} unit: Unit file {unit}.service does not exist.\n"
+            )
         if verb == "start" or (verb == "enable" and "--now" in args):
             self._start_nvzramconfig()
         if verb in ("enable", "disable"):

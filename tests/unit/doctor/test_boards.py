@@ -14,6 +14,7 @@ from orin.profile.loader import load_profile
 from tests.fakes.boards_system import (
     CPU_BUILD,
     R35_LINE,
+    FakeJetson,
     agx_orin_32gb_devkit_tree_jp6,
     agx_orin_32gb_jp5_tuned,
     agx_orin_64gb_jp6,
@@ -216,6 +217,24 @@ def test_jetpack_release_other_than_6(
         assert f.fix.startswith("flash JetPack 6 (L4T R36) with NVIDIA SDK Manager")
 
 
+@pytest.mark.parametrize("line", ["", "# R36 (release)\n", "\x00\x00garbage"])
+def test_a_release_file_without_a_release_is_not_called_missing(
+    tmp_path: Path, make_ctx: MakeCtx, line: str
+) -> None:
+    """An empty or damaged /etc/nv_tegra_release is there: doctor says what it holds and
+    how to write it again, not that there is no such file."""
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    fake.board.write("/etc/nv_tegra_release", line)
+    f = board_checks.check_board(make_ctx(fake.board.root, fake.runner))
+    assert f.severity == "warn"
+    first = line.strip().splitlines()[0] if line.strip() else ""
+    assert f.found.endswith(f"; /etc/nv_tegra_release names no L4T release ({first!r})")
+    assert f.fix == "sudo apt install --reinstall nvidia-l4t-core (the package that writes it)"
+    fake.board.root.path("/etc/nv_tegra_release").unlink()
+    f = board_checks.check_board(make_ctx(fake.board.root, fake.runner))
+    assert (f.severity, f.found.rpartition("; ")[2]) == ("info", "no /etc/nv_tegra_release")
+
+
 def test_gpu_lock_alone_is_not_called_locked(tmp_path: Path, make_ctx: MakeCtx) -> None:
     """Without root only the GPU's devfreq is readable: CPU and EMC stay unknown."""
     fake = agx_orin_64gb_jp6(tmp_path / "board")
@@ -308,6 +327,37 @@ def test_zram_that_returns_at_the_next_boot_is_found(tmp_path: Path, make_ctx: M
     fake.zram_service = "disabled"
     f = board_checks.check_zram(make_ctx(fake.board.root, fake.runner))
     assert (f.severity, f.found) == ("ok", "no zram swap; no swap")
+
+
+def run_at_once(fake: FakeJetson, fix: str) -> None:
+    """The fix's "at once" commands on the fake board, as a shell runs `a && b`: each
+    only when the one before succeeded."""
+    command = fix.split("(or at once: ", 1)[1].split(")", 1)[0]
+    for step in command.split(" && "):
+        argv = step.split()
+        assert argv[0] == "sudo"
+        program, *args = argv[1:]
+        answers = [(program, a) for a in args] if program == "swapoff" else [(program, *args)]
+        for a in answers:
+            result = fake.runner.run(a)
+            assert result.returncode == 0, f"{step}: {result.stderr}"
+
+
+@pytest.mark.parametrize("service", ["enabled", "disabled", "not-found"])
+def test_following_the_zram_fix_at_once_swaps_zram_off(
+    tmp_path: Path, make_ctx: MakeCtx, service: str
+) -> None:
+    """zram set up by other means than nvzramconfig (or with it disabled since): the fix
+    does not start with a systemctl disable that fails on a unit not installed and stops
+    the swapoff after its `&&`."""
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    fake.zram_service = service
+    f = board_checks.check_zram(make_ctx(fake.board.root, fake.runner))
+    assert f.severity == "warn"
+    assert ("systemctl disable" in f.fix) == (service == "enabled")
+    run_at_once(fake, f.fix)
+    after = board_checks.check_zram(make_ctx(fake.board.root, fake.runner))
+    assert after.severity == "ok", after.found
 
 
 def test_a_profile_whose_power_mode_would_lower_the_board_is_found(

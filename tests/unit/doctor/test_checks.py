@@ -82,17 +82,67 @@ def test_memory_fit_fails_with_the_largest_context_that_fits(
     assert f.severity == "fail"
     assert "available 54.00 GiB" in f.found
     best = int(f.found.rsplit(": ", 1)[1])
-    assert f.fix.startswith(f"engine.n_ctx: {best} ")
     assert 0 < best < 65536 and best % 256 == 0
+    fixed = int(f.fix.removeprefix("engine.n_ctx: ").split(",")[0])
+    assert 0 < fixed < best and fixed % 256 == 0  # the fix leaves the headroom too
+    assert f.fix.endswith("the largest that leaves 10% free (or fewer slots, or a smaller KV type)")
+
+
+@pytest.mark.parametrize("available_gib", [4.3, 4.5])  # under the plan: fail; 4.5: warn
+def test_following_the_memory_fit_fix_passes(
+    tmp_path: Path, make_ctx: MakeCtx, available_gib: float
+) -> None:
+    """The context the fix names passes the check: not the largest that only fits, which
+    warns again (and is larger than the context of a fit that warns)."""
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    fake.board.meminfo(total=8 * GiB, available=int(available_gib * GiB))
+
+    def fit(n_ctx: int) -> Finding:
+        ctx = make_ctx(
+            fake.board.root,
+            fake.runner,
+            model=model,
+            n_ctx=n_ctx,
+            slots=4,
+            type_k="q8_0",
+            type_v="q8_0",
+        )
+        return checks.check_memory_fit(ctx)
+
+    before = fit(4096)
+    assert before.severity == ("fail" if available_gib < 4.33 else "warn")
+    fixed = int(before.fix.removeprefix("engine.n_ctx: ").split(",")[0])
+    assert fixed < 4096
+    after = fit(fixed)
+    assert after.severity == "ok", after.found
 
 
 def test_memory_fit_warns_without_headroom(tmp_path: Path, make_ctx: MakeCtx) -> None:
     fake = agx_orin_64gb_jp6(tmp_path / "board")
     model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
     fake.board.meminfo(total=8 * GiB, available=int(4.5 * GiB))
-    f = checks.check_memory_fit(make_ctx(fake.board.root, fake.runner, model=model))
+    ctx = make_ctx(fake.board.root, fake.runner, model=model, type_k="q8_0", type_v="q8_0")
+    f = checks.check_memory_fit(ctx)
     assert f.severity == "warn" and "= 4.33 GiB at n_ctx=4096 x 4 slots" in f.found
     assert "CUDA runtime" in f.why
+
+
+@pytest.mark.parametrize("meminfo", [None, "", "MemFree: lots\n"])
+def test_unreadable_meminfo_says_why_the_fit_is_unchecked(
+    tmp_path: Path, make_ctx: MakeCtx, meminfo: str | None
+) -> None:
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    path = fake.board.root.path("/proc/meminfo")
+    if meminfo is None:
+        path.unlink()
+    else:
+        path.write_text(meminfo)
+    f = checks.check_memory_fit(make_ctx(fake.board.root, fake.runner, model=model))
+    reason = f"cannot read {path}" if meminfo is None else "meminfo has no MemTotal line"
+    assert (f.severity, f.found) == ("warn", f"unchecked: {reason}")
+    assert "MemAvailable" in f.why and f.fix.startswith("run doctor where the board's")
 
 
 def test_profile_validate_reports_doctors_memory_fit(tmp_path: Path, make_ctx: MakeCtx) -> None:

@@ -197,6 +197,38 @@ def test_doctor_json_on_the_stock_board(
     assert data["platform"]["jetpack"] == "6.1"
 
 
+def test_following_doctors_fixes_clears_the_board_until_a_reboot(
+    fake: FakeJetson, profile_file: Path
+) -> None:
+    """The board's findings, fixed by the tune system --apply they name, pass; after a
+    reboot the clock lock is gone (jetson_clocks does not persist), and the clocks fix
+    says what keeps it: the boot-time tuning unit orin-llm install adds."""
+    board_ids = ["swappiness", "zram", "power-mode", "clocks"]
+
+    def doctor() -> dict[str, dict[str, str]]:
+        code, out, err = invoke(fake, "doctor", "--profile", str(profile_file), "--json")
+        assert code in (0, 1), err
+        return {f["id"]: f for f in json.loads(out)["findings"] if f["id"] in board_ids}
+
+    before = doctor()
+    assert {i: f["severity"] for i, f in before.items()} == dict.fromkeys(board_ids, "warn")
+    command = f"sudo orin-llm tune system --profile {profile_file} --apply"
+    assert all(f["fix"].startswith(command) for f in before.values())
+    code, _, err = invoke(fake, "tune", "system", "--profile", str(profile_file), "--apply")
+    assert code == 0, err
+    assert {i: f["severity"] for i, f in doctor().items()} == dict.fromkeys(board_ids, "ok")
+
+    fake.reboot()
+    clocks = doctor()["clocks"]
+    assert clocks["severity"] == "warn"
+    assert clocks["fix"].endswith(
+        "; the lock does not survive a reboot: sudo orin-llm install adds "
+        "orin-llm-tune.service, which applies the profile's system settings at every boot"
+    )
+    fake.board.write("/etc/systemd/system/orin-llm-tune.service", "[Service]\n")
+    assert "orin-llm install" not in doctor()["clocks"]["fix"]
+
+
 def test_doctor_table_and_exit_1_on_a_cpu_build(fake: FakeJetson) -> None:
     cpu = dataclasses.replace(board_deps(fake), build_info=lambda: CPU_BUILD)
     code, out, _ = invoke(fake, "doctor", "--model", "/nonexistent/m.gguf", deps=cpu)

@@ -49,8 +49,17 @@ def test_a_service_file_others_can_write_is_not_read(tmp_path: Path, make_ctx: M
     service_env(board.root.base, "OMP_WAIT_POLICY=PASSIVE\n")
     (board.root.base / "etc/orin-llm/orin-llm.env").chmod(0o666)
     f = checks.check_openmp_wait(make_ctx(board.root, runner, build=cpu_build(OPENMP)))
-    assert f.severity == "ok"
-    (board.root.base / "etc/orin-llm/orin-llm.env").chmod(0o640)
+    # not an ok: systemd gives the service what the file says, whoever wrote it
+    assert (f.severity, f.found) == (
+        "warn",
+        "/etc/orin-llm/orin-llm.env, the service's environment, not read: "
+        "/etc/orin-llm/orin-llm.env is writable by group or others (mode 0666)",
+    )
+    assert f.fix.startswith(
+        "sudo chown root:orin-llm /etc/orin-llm/orin-llm.env && "
+        "sudo chmod 0640 /etc/orin-llm/orin-llm.env "
+    )
+    (board.root.base / "etc/orin-llm/orin-llm.env").chmod(0o640)  # the fix's mode
     f = checks.check_openmp_wait(make_ctx(board.root, runner, build=cpu_build(OPENMP)))
     assert f.severity == "warn"
 

@@ -7,6 +7,8 @@ import pytest
 
 from orin.llamacpp import BuildInfo, parse_fa_quants, parse_system_info
 from orin.model.gguf import read_model_info
+from orin.model.memplan import total_bytes
+from orin.profile.fit import HEADROOM, memory_fit
 from orin.profile.kvmatch import auto_kv_type, resolve_kv
 from orin.profile.schema import EngineSection
 from tests.ggufutil import LLAMA2_7B, write_gguf
@@ -56,6 +58,22 @@ def test_auto_fit_uses_the_planner(tmp_path: Path) -> None:
     assert (roomy.type_k, roomy.type_v) == ("q8_0", "q8_0")
     assert (tight.type_k, tight.type_v) == ("q4_0", "q4_0")
     assert tight.flash_attn == "on"
+
+
+def test_auto_takes_q8_0_only_where_memory_fit_passes_it(tmp_path: Path) -> None:
+    """Where q8_0 fits with under 10% left over (memory-fit warns) and q4_0 leaves more,
+    auto takes q4_0: a q8_0 there made doctor's memory-fit warn on a context its own fix
+    had named, and serve run with less than the headroom the check asks for."""
+    info = read_model_info(write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15))
+    engine = EngineSection(n_ctx=4096, slots=4)
+    need = total_bytes(info, 4096, 4, "q8_0", "q8_0", engine.n_ubatch, True, engine.n_batch)
+    available = int(need / (1 - HEADROOM / 2))  # q8_0 fits, 5% left
+    d = resolve_kv(engine, "Q4_K_M", info, None, available=available)
+    assert (d.type_k, d.type_v) == ("q4_0", "q4_0")
+    fit = memory_fit(info, engine, d.type_k, d.type_v, True, available)
+    assert fit.severity == "ok"
+    roomy = resolve_kv(engine, "Q4_K_M", info, None, available=int(need / (1 - 2 * HEADROOM)))
+    assert (roomy.type_k, roomy.type_v) == ("q8_0", "q8_0")
 
 
 def test_auto_with_flash_attention_off_stays_f16() -> None:

@@ -97,6 +97,13 @@ def test_bare_on_off_mean_flash_attention_modes() -> None:
     assert parse_profile("name: x\nengine: {flash_attn: off}\n").engine.flash_attn == "off"
 
 
+def test_bare_on_off_mean_mmap_policies() -> None:
+    """`system.mmap: off`, as doctor's mmap fix writes it, is the policy, not a boolean
+    refused with "Input should be 'auto', 'on' or 'off'"."""
+    assert parse_profile("name: x\nsystem: {mmap: on}\n").system.mmap == "on"
+    assert parse_profile("name: x\nsystem:\n  mmap: off\n").system.mmap == "off"
+
+
 def test_missing_name() -> None:
     with pytest.raises(ProfileError, match=r"p.yaml:1: name: required field is missing"):
         parse_profile("engine:\n  slots: 2\n", "p.yaml")
