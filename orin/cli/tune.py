@@ -27,6 +27,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orin.cli.deps import Deps, deps
 from orin.cli.errors import (
+    EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_TERMINATED,
     fail,
@@ -409,14 +410,14 @@ def _run_measured(
             written = tuned.write(result, out_path)
         except OSError as exc:
             message = f"cannot write the tuned profile {out_path}: {exc.strerror or exc}"
-            raise fail(message, 1) from None
+            raise fail(message, EXIT_FAILED) from None
         try:
             folder = tune_report.write(result, report_dir)
         except OSError as exc:
             raise fail(
                 f"cannot write the report into {report_dir}: {exc.strerror or exc} "
                 f"(the tuned profile is written: {written})",
-                1,
+                EXIT_FAILED,
             ) from None
     changes = [{"field": k, "profile": a, "tuned": b} for k, a, b in tuned.profile_changes(result)]
     if as_json:

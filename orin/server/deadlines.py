@@ -19,8 +19,11 @@ client_body_timeout do:
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 HEADERS_S = 10.0
 BODY_S = 60.0
@@ -68,13 +71,45 @@ class HeadersDeadline:
             self.transport.close()
 
 
+# what HeadersDeadline takes from uvicorn's protocol classes: the methods it wraps, and
+# the attributes their __init__ sets (a connection's loop, transport and request cycle)
+_WRAPPED = ("connection_made", "connection_lost", "on_response_complete")
+_SET_IN_INIT = ("loop", "transport", "cycle")
+
+
+def missing(base: type) -> list[str]:
+    """What ``base`` lacks of what the deadline relies on (uvicorn's internals, which a
+    uvicorn release could rename): empty when the mixin fits."""
+    init = getattr(getattr(base, "__init__", None), "__code__", None)
+    names = init.co_names if init is not None else ()
+    lacking = [name for name in _WRAPPED if not callable(getattr(base, name, None))]
+    return lacking + [f"self.{name}" for name in _SET_IN_INIT if name not in names]
+
+
 def protocol(http: str, headers_s: float = HEADERS_S) -> type:
-    """uvicorn's protocol class for ``http`` ('httptools' or 'h11') with the deadline."""
+    """uvicorn's protocol class for ``http`` ('httptools' or 'h11') with the deadline;
+    uvicorn's own class, with a warning, when it no longer has what the deadline wraps
+    (serving without the deadline rather than failing every connection)."""
     base: type
     if http == "httptools":
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     else:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return with_deadline(base, headers_s)
+
+
+def with_deadline(base: type, headers_s: float = HEADERS_S) -> type:
+    """``base`` with HeadersDeadline mixed in, or ``base`` itself when it lacks what the
+    mixin relies on."""
+    lacking = missing(base)
+    if lacking:
+        log.warning(
+            "request header deadline off: this uvicorn's %s has no %s; connections that "
+            "never send a whole request are kept until the client closes them",
+            base.__name__,
+            ", ".join(lacking),
+        )
+        return base
     return type(f"Deadline{base.__name__}", (HeadersDeadline, base), {"headers_s": headers_s})
 
 

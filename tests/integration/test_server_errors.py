@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from orin.model import demo
+from orin.server import auth
 from orin.server.state import ServerState
 from tests.serverutil import live_server
 
@@ -217,6 +218,26 @@ def test_auth(server: tuple[str, ServerState]) -> None:
     assert wrong.status_code == 401 and error_of(wrong)["type"] == "authentication_error"
     assert httpx.get(f"{base}/v1/models", headers=KEY).status_code == 200
     assert httpx.get(f"{base}/health").status_code == 200  # probes need no key
+
+
+def test_wrong_dashboard_keys_through_a_local_proxy_count_per_forwarded_address(
+    server: tuple[str, ServerState],
+) -> None:
+    """A reverse proxy on 127.0.0.1 (nginx on the board) passes each browser's address
+    in X-Forwarded-For, which the server takes as the client's (uvicorn's trusted
+    proxies, FORWARDED_ALLOW_IPS): one guesser behind it does not lock the others out
+    of the dashboard's login."""
+    base, state = server
+    state.login_limiter = auth.LoginLimiter(burst=2, per_s=1e-6)  # no refill in this test
+
+    def login(address: str, key: str) -> int:
+        r = httpx.post(f"{base}/login", data={"key": key}, headers={"X-Forwarded-For": address})
+        return r.status_code
+
+    guesser, other = "198.51.100.7", "198.51.100.8"
+    assert [login(guesser, f"guess{i}") for i in range(3)] == [401, 401, 429]
+    assert login(other, "nope") == 401  # held back only if the proxy's address counted
+    assert login(guesser, "s3cret") == 429
 
 
 def test_strict_model_match_answers_404_for_another_model(server: tuple[str, ServerState]) -> None:

@@ -118,3 +118,39 @@ def test_a_body_not_sent_whole_in_time_is_a_408() -> None:
     error = asyncio.run(context._read_body({"method": "POST"}, receive))
     assert isinstance(error, BodyTimeout) and error.status == 408
     assert "1 bytes came" in str(error)
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_this_uvicorn_has_what_the_deadline_wraps(http: str) -> None:
+    """The installed uvicorn's protocol classes keep the names the mixin relies on (a
+    release that renamed one would turn the deadline off, with a warning)."""
+    served = deadlines.protocol(http, HEADERS_S)
+    assert issubclass(served, deadlines.HeadersDeadline)
+    assert deadlines.missing(served.__mro__[2]) == []
+
+
+class _Renamed:
+    """A protocol class from a uvicorn that renamed the response hook and the cycle."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.transport = None
+        self.current_cycle = None
+
+    def connection_made(self, transport: Any) -> None: ...
+
+    def connection_lost(self, exc: Exception | None) -> None: ...
+
+    def on_response_done(self) -> None: ...
+
+
+def test_a_uvicorn_without_what_the_deadline_wraps_serves_without_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Serving without the deadline, and saying so, rather than failing every
+    connection with an AttributeError."""
+    assert deadlines.missing(_Renamed) == ["on_response_complete", "self.cycle"]
+    with caplog.at_level("WARNING", logger="orin.server.deadlines"):
+        assert deadlines.with_deadline(_Renamed, HEADERS_S) is _Renamed
+    assert "header deadline off" in caplog.text
+    assert "on_response_complete, self.cycle" in caplog.text
