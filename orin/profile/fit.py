@@ -176,7 +176,9 @@ def memory_fit(
     elif best is not None:
         fix = f"engine.n_ctx: {best} (or fewer slots, or a smaller KV type)"
     else:
-        fix = "a smaller quantization or model, or fewer slots"
+        fix = _nothing_fits_fix(
+            info, e, type_k, type_v, flash_attn, available - mmproj_bytes, draft
+        )
     if plan.total_bytes > available and e.rpc:  # part of it goes to the workers' memory
         return MemoryFit(
             "warn",
@@ -193,6 +195,40 @@ def memory_fit(
     if plan.total_bytes > available * (1 - HEADROOM):
         return MemoryFit("warn", found, WHY_WARN, fix, plan, best)
     return MemoryFit("ok", found, plan=plan, best_ctx=best)
+
+
+def _nothing_fits_fix(
+    info: ModelInfo,
+    e: EngineSection,
+    type_k: str,
+    type_v: str,
+    flash_attn: bool,
+    available: int,
+    draft: ModelInfo | None,
+) -> str:
+    """The fix when no per-slot context fits at ``e.slots``: each way out that makes
+    room for some context (one slot; no draft model), else smaller weights only (the
+    weights and the compute leave no room for any cache)."""
+
+    def largest(slots: int, draft: ModelInfo | None) -> int | None:
+        return max_context(
+            info, slots, type_k, type_v, available, e.n_ubatch, flash_attn, e.n_batch,
+            e.swa_full, draft,
+        )  # fmt: skip
+
+    ways = []
+    one = largest(1, draft) if e.slots > 1 else None
+    if one is not None:
+        ways.append(f"fewer slots (one slot fits engine.n_ctx up to {one})")
+    bare = largest(e.slots, None) if draft is not None else None
+    if bare is not None:
+        ways.append(f"no draft model (speculative.mode: ngram fits engine.n_ctx up to {bare})")
+    if ways:
+        return ", or ".join([*ways, "a smaller quantization or model"])
+    return (
+        "a smaller quantization or model: the weights leave no room for even one slot of "
+        "the smallest context"
+    )
 
 
 def rpc_fit(

@@ -351,3 +351,36 @@ def test_a_draft_model_adds_its_weights_cache_and_compute(tmp_path: Path) -> Non
     fit = memory_fit(target, engine, "q8_0", "q8_0", True, 2 * need, draft=draft)
     assert fit.plan is not None and fit.plan.total_bytes == need
     assert "+ draft model ~" in fit.found
+
+
+def test_memory_fit_offers_fewer_slots_only_where_one_slot_fits(tmp_path: Path) -> None:
+    """Nothing fits at 8 slots: the fix names one slot where one fits some context, and
+    only smaller weights where not even one slot does (fewer slots cannot help then)."""
+    info = read_model_info(write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15))
+    engine = EngineSection(n_ctx=4096, slots=8)
+    one = total_bytes(info, 1024, 1, "q8_0", "q8_0", engine.n_ubatch, True)
+    assert max_context(info, 8, "q8_0", "q8_0", one, engine.n_ubatch, True) is None
+    crowded = memory_fit(info, engine, "q8_0", "q8_0", True, one)
+    assert crowded.severity == "fail" and crowded.best_ctx is None
+    largest = max_context(info, 1, "q8_0", "q8_0", one, engine.n_ubatch, True)
+    assert largest is not None and largest >= 1024
+    assert crowded.fix.startswith(f"fewer slots (one slot fits engine.n_ctx up to {largest})")
+    weights_only = total_bytes(info, 256, 1, "q8_0", "q8_0", engine.n_ubatch, True) - 1
+    tight = memory_fit(info, engine, "q8_0", "q8_0", True, weights_only)
+    assert tight.severity == "fail" and "fewer slots" not in tight.fix
+    assert tight.fix.startswith("a smaller quantization or model: the weights leave no room")
+
+
+def test_memory_fit_offers_no_draft_model_where_that_makes_room(tmp_path: Path) -> None:
+    info = read_model_info(write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15))
+    engine = EngineSection(n_ctx=4096, slots=1)
+    draft = info  # a draft model as large as the model: no context fits beside both
+    n_ubatch = engine.n_ubatch
+    available = total_bytes(info, 256, 1, "q8_0", "q8_0", n_ubatch, True, None, False, draft) - 1
+    fit = memory_fit(info, engine, "q8_0", "q8_0", True, available, draft=draft)
+    bare = max_context(info, 1, "q8_0", "q8_0", available, n_ubatch, True)
+    assert fit.severity == "fail" and bare is not None and bare > 256
+    assert fit.fix == (
+        f"no draft model (speculative.mode: ngram fits engine.n_ctx up to {bare}), or a "
+        "smaller quantization or model"
+    )
