@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -23,6 +24,18 @@ from orin.endpoints import endpoint_problem
 
 KVType = Literal["auto", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
 FlashAttn = Literal["auto", "on", "off"]
+
+
+def _on_off(value: object) -> object:
+    """YAML 1.1 reads a bare on/off as a boolean; take it as meant (doctor's fixes say
+    ``system.mmap: off``, ``engine.flash_attn: on``)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
+# an auto/on/off setting that a bare YAML on/off also sets
+AutoOnOff = Annotated[FlashAttn, BeforeValidator(_on_off)]
 LoadMode = Literal["auto", "none", "mmap", "mlock", "mmap+mlock", "direct_io"]
 NumaStrategy = Literal["disabled", "distribute", "isolate", "numactl", "mirror"]
 OverflowPolicy = Literal["reject", "truncate"]
@@ -177,7 +190,7 @@ class EngineSection(_Section):
     gpu_layers: int = Field(
         -1, ge=-1, le=1000, description="Layers offloaded to the GPU; -1 = all."
     )
-    flash_attn: FlashAttn = Field(
+    flash_attn: AutoOnOff = Field(
         "auto", description="Flash attention: auto (on when the KV cache is quantized), on, off."
     )
     swa_full: bool = Field(
@@ -251,14 +264,6 @@ class EngineSection(_Section):
         if len(set(workers)) != len(workers):
             raise ValueError("engine.rpc: a worker is listed twice")
         return workers
-
-    @field_validator("flash_attn", mode="before")
-    @classmethod
-    def _yaml_booleans(cls, value: object) -> object:
-        """YAML 1.1 reads a bare on/off as a boolean; take it as meant."""
-        if isinstance(value, bool):
-            return "on" if value else "off"
-        return value
 
     @model_validator(mode="after")
     def _batch_sizes(self) -> EngineSection:
@@ -422,7 +427,7 @@ class SystemSection(_Section):
     swappiness: int | None = Field(
         10, ge=0, le=200, description="vm.swappiness to set; none = leave unchanged."
     )
-    mmap: Literal["auto", "on", "off"] = Field(
+    mmap: AutoOnOff = Field(
         "auto",
         description="mmap policy: auto = off when every layer is on the GPU (unified memory).",
     )
@@ -436,15 +441,6 @@ class SystemSection(_Section):
     lock_clocks: bool = Field(False, description="Run jetson_clocks to pin clocks at maximum.")
     drop_caches: bool = Field(False, description="Drop the page cache before loading the model.")
     disable_zram: bool = Field(False, description="Disable the nvzramconfig zram swap service.")
-
-    @field_validator("mmap", mode="before")
-    @classmethod
-    def _yaml_booleans(cls, value: object) -> object:
-        """YAML 1.1 reads a bare on/off as a boolean; take it as meant (doctor's mmap fix
-        says ``system.mmap: off``)."""
-        if isinstance(value, bool):
-            return "on" if value else "off"
-        return value
 
 
 RoutingStyle = Literal["auto", "vllm", "sglang", "llamacpp", "none"]
