@@ -1,7 +1,9 @@
-"""docs/profiles-reference.md is generated from the schema and stays true to it."""
+"""docs/profiles-reference.md is generated from the schema and stays true to it, and
+docs/profiles.md's table of sections names every field."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,28 @@ def test_profiles_reference_lists_every_field() -> None:
             field = f"`{section}.{name}`" if sub else f"`{section}`"
             assert field in text, field
     assert "| `engine.n_ctx` | integer | `4096` | ≥ 256, ≤ 1048576 |" in text
+
+
+def sections_table() -> dict[str, str]:
+    """docs/profiles.md's "Sections" table: each section's row, the top level's too."""
+    text = (DOCS / "profiles.md").read_text(encoding="utf-8")
+    table = text.split("## Sections", 1)[1].split("\n\n", 2)[1]
+    rows = re.findall(r"^\| (`\w+`|top level) \| (.+) \|$", table, flags=re.MULTILINE)
+    return {name.strip("`"): what for name, what in rows}
+
+
+def test_the_sections_table_names_every_field() -> None:
+    """A reader of profiles.md learns of every field, not only of most of them."""
+    rows = sections_table()
+    missing = []
+    for section, info in Profile.model_fields.items():
+        sub = getattr(info.annotation, "model_fields", None)
+        row, names = (rows.get(section, ""), sub) if sub else (rows.get("top level", ""), [section])
+        missing += [f"{section}.{n}" if sub else n for n in names if not re.search(rf"`{n}\b", row)]
+    assert not missing, f"docs/profiles.md's sections table does not name {missing}"
+    assert set(rows) == {"top level"} | {
+        s for s, info in Profile.model_fields.items() if hasattr(info.annotation, "model_fields")
+    }
 
 
 @pytest.mark.parametrize(
