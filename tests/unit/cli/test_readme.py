@@ -1,8 +1,11 @@
 """README.md says what the code does: one default port, the exit-code table, completion,
-the commands and options of its command table."""
+the commands and options of its command table; its Python examples and those of the
+guides it sends a new user to import every name they use."""
 
 from __future__ import annotations
 
+import ast
+import builtins
 import re
 from pathlib import Path
 
@@ -21,6 +24,8 @@ from orin.errors import BindError, HubError, ModelFileError, OrinError, ProfileE
 from orin.profile.schema import ServerSection
 
 README = Path(__file__).resolve().parents[3] / "README.md"
+DOCS = README.parent / "docs"
+GUIDES = ("quickstart", "install", "profiles", "models", "bench", "tune", "cli")
 
 
 def readme() -> str:
@@ -78,3 +83,38 @@ def test_every_command_and_option_in_the_command_table_exists() -> None:
         taken = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
         named = set(re.findall(r"--[a-z][a-z0-9-]*", usage))
         assert named <= taken, f"orin-llm {usage}: no option {sorted(named - taken)}"
+
+
+def python_examples() -> list[tuple[str, str]]:
+    pages = [README, *(DOCS / f"{name}.md" for name in GUIDES)]
+    return [
+        (page.name, block)
+        for page in pages
+        for block in re.findall(r"^```python\n(.*?)^```", page.read_text(), re.M | re.S)
+    ]
+
+
+def unbound_names(source: str) -> set[str]:
+    """Names the example reads that it neither imports, assigns nor gets from builtins."""
+    tree = ast.parse(source)
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return read - bound
+
+
+def test_python_examples_run_as_pasted() -> None:
+    """A user pastes an example into a file: no name in it is left undefined."""
+    examples = python_examples()
+    assert {page for page, _ in examples} >= {"README.md", "bench.md", "tune.md"}
+    for page, source in examples:
+        unbound = unbound_names(source)
+        assert not unbound, f"{page}: {sorted(unbound)} undefined in {source.splitlines()[0]!r}..."
