@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -53,6 +54,21 @@ def _check_slo(text: str | None) -> str | None:
     return text
 
 
+def _check_rate(value: float | None) -> float | None:
+    """Option callback: a rate that is not positive (nan included) is a usage error
+    naming --request-rate; inf sends every request at once."""
+    if value is not None and not value > 0:
+        raise typer.BadParameter("the request rate must be positive (inf: all at once)")
+    return value
+
+
+def _check_burstiness(value: float) -> float:
+    """Option callback: the gamma shape is a positive finite number."""
+    if not 0 < value < math.inf:
+        raise typer.BadParameter("burstiness must be positive and finite")
+    return value
+
+
 def _kv_type(value: str | None) -> str | None:
     from orin.model.memplan import KV_TYPES
 
@@ -86,10 +102,17 @@ def bench(
         int | None, typer.Option(min=1, help="Closed loop: requests in flight (a cap with a rate).")
     ] = None,
     request_rate: Annotated[
-        float | None, typer.Option(help="Open loop: requests/s, Poisson arrivals (inf: at once).")
+        float | None,
+        typer.Option(
+            callback=_check_rate, help="Open loop: requests/s, Poisson arrivals (inf: at once)."
+        ),
     ] = None,
     burstiness: Annotated[
-        float, typer.Option(help="Gamma shape of the arrival gaps: 1 Poisson, <1 burstier.")
+        float,
+        typer.Option(
+            callback=_check_burstiness,
+            help="Gamma shape of the arrival gaps: 1 Poisson, <1 burstier.",
+        ),
     ] = 1.0,
     warmup: Annotated[int, typer.Option(min=0, help="Unmeasured requests first.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of prompts, order and arrivals.")] = 0,
