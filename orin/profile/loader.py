@@ -228,8 +228,12 @@ def _is_field(loc: Loc) -> bool:
 
 
 def _with_field(loc: Loc, msg: str) -> str:
-    """'field: message', or the message alone when it starts with the field's name."""
-    field = ".".join(str(p) for p in loc) or "profile"
+    """'field: message', or the message alone when it starts with the field's name; an
+    item of a list is named by its index (`slo.concurrency[1]`)."""
+    field = ""
+    for part in loc:
+        field += f"[{part}]" if isinstance(part, int) else f".{part}" if field else str(part)
+    field = field or "profile"
     if msg.startswith((f"{field} ", f"{field}:")):
         return msg
     return f"{field}: {msg}"

@@ -324,13 +324,16 @@ class SLOSection(_Section):
     tpot_p90_ms: float | None = Field(
         None, gt=0, le=60_000, description="Target 90th-percentile time per output token (ms)."
     )
-    prompt_tokens: list[int] = Field(
+    prompt_tokens: list[Annotated[int, Field(ge=1, le=1_048_576)]] = Field(
         default_factory=lambda: [128, 512],
+        min_length=1,
         description="Prompt lengths (tokens) at which the targets apply.",
     )
-    concurrency: list[int] = Field(
+    concurrency: list[Annotated[int, Field(ge=1, le=64)]] = Field(
         default_factory=lambda: [1],
-        description="Concurrent streams at which the targets apply.",
+        min_length=1,
+        description="Concurrent streams at which the targets apply; at most 64, the most "
+        "engine.slots takes (tune serves the largest with as many slots).",
     )
 
 

@@ -75,6 +75,26 @@ def test_a_word_yaml_reads_as_a_boolean_says_to_quote_it(word: str) -> None:
     assert parse_profile(f"name: '{word}'\n", "p.yaml").name == word
 
 
+@pytest.mark.parametrize(
+    ("slo", "line", "message"),
+    [
+        ("  prompt_tokens: [128, 0]\n", 5, "slo.prompt_tokens[1]: Input should be greater than"),
+        ("  concurrency:\n    - 4\n    - 100\n", 7, "slo.concurrency[1]: Input should be less"),
+        ("  concurrency: []\n", 5, "slo.concurrency: List should have at least 1 item"),
+    ],
+)
+def test_slo_points_tune_cannot_measure_are_refused_at_load(
+    slo: str, line: int, message: str
+) -> None:
+    """A prompt of no tokens, more streams than a profile may have slots, or no point at
+    all: `profile validate` says so with the line, instead of passing a profile that
+    `tune run` then refuses without one (or fails on as a configuration error)."""
+    text = f"name: x\nmodel:\n  demo: {{size: tiny, quant: f16}}\nslo:\n{slo}"
+    with pytest.raises(ProfileError) as exc:
+        parse_profile(text, "p.yaml")
+    assert str(exc.value).startswith(f"p.yaml:{line}: {message}"), str(exc.value)
+
+
 def test_bad_enum_value() -> None:
     text = "name: x\nengine:\n  type_k: q3_k\n"
     with pytest.raises(ProfileError, match=r"p.yaml:3: engine.type_k: Input should be 'auto'"):

@@ -31,6 +31,7 @@ def test_profiles_reference_lists_every_field() -> None:
             field = f"`{section}.{name}`" if sub else f"`{section}`"
             assert field in text, field
     assert "| `engine.n_ctx` | integer | `4096` | ≥ 256, ≤ 1048576 |" in text
+    assert "| `slo.concurrency` | list of integers | `[1]` | length ≥ 1, each ≥ 1, ≤ 64 |" in text
 
 
 def sections_table() -> dict[str, str]:
