@@ -92,7 +92,14 @@ def parse_profile(text: str, filename: str = "<profile>") -> Profile:
     try:
         return Profile.model_validate(data)
     except ValidationError as exc:
-        messages = [_describe(e, filename, lines) for e in exc.errors()]
+        found: dict[tuple[int, Loc], list[str]] = {}
+        for error in exc.errors():  # a union's members complain about one field: one line
+            loc, msg = _describe(error)
+            found.setdefault((_line_for(loc, lines), loc), []).append(msg)
+        messages = [
+            f"{filename}:{line}: {_with_field(loc, '; or '.join(dict.fromkeys(msgs)))}"
+            for (line, loc), msgs in found.items()
+        ]
         raise ProfileError("\n".join(messages)) from exc
 
 
@@ -171,15 +178,14 @@ def _line_index(node: yaml.Node | None, prefix: Loc = ()) -> dict[Loc, int]:
     return index
 
 
-def _describe(error: Any, filename: str, lines: dict[Loc, int]) -> str:
+def _describe(error: Any) -> tuple[Loc, str]:
+    """The field one of pydantic's errors is about, and what is wrong with it."""
     if error["type"] == "extra_forbidden":
         loc: Loc = tuple(error["loc"])
-        msg = "unknown field" + _suggest(loc)
-    elif error["type"] == "missing":
-        loc, msg = tuple(error["loc"]), "required field is missing"
-    else:
-        loc, msg = error_field(error), error_message(error)
-    return f"{filename}:{_line_for(loc, lines)}: {_with_field(loc, msg)}"
+        return loc, "unknown field" + _suggest(loc)
+    if error["type"] == "missing":
+        return tuple(error["loc"]), "required field is missing"
+    return error_field(error), error_message(error)
 
 
 def describe_error(error: Any) -> str:
@@ -207,7 +213,7 @@ def error_field(error: Any) -> Loc:
     """The field an error is about: its location, or, for a rule between fields (a
     model validator's error sits on the section, or on the profile itself), the field its
     message starts with ('context.window (9999) exceeds engine.n_ctx (512)')."""
-    loc: Loc = tuple(error["loc"])
+    loc = _without_union_members(tuple(error["loc"]))
     found = _LEADING_NAME.match(error_message(error))
     if found is not None:
         named = tuple(found.group().split("."))
@@ -215,6 +221,24 @@ def error_field(error: Any) -> Loc:
             if _is_field(candidate):
                 return candidate
     return loc
+
+
+def _without_union_members(loc: Loc) -> Loc:
+    """The location as the profile names it: pydantic puts the member of a union that a
+    value failed after the field (``system.power_mode.constrained-int``,
+    ``system.power_mode.literal['fastest']``), a name no profile has."""
+    model: type[BaseModel] | None = Profile
+    kept: list[str | int] = []
+    for part in loc:
+        field = (
+            model.model_fields.get(part) if model is not None and isinstance(part, str) else None
+        )
+        if field is not None:
+            model = _model_of(field.annotation)
+        elif not isinstance(part, int):
+            continue  # a union member's name
+        kept.append(part)
+    return tuple(kept)
 
 
 def _is_field(loc: Loc) -> bool:

@@ -95,6 +95,20 @@ def test_slo_points_tune_cannot_measure_are_refused_at_load(
     assert str(exc.value).startswith(f"p.yaml:{line}: {message}"), str(exc.value)
 
 
+@pytest.mark.parametrize("value", ["16", "-1", "fast"])
+def test_a_value_no_member_of_a_union_takes_is_one_line_naming_the_field(value: str) -> None:
+    """`power_mode` is a mode id or 'fastest': a value that is neither is one line for
+    the field as the profile names it, not one per member under pydantic's names for
+    them (`system.power_mode.constrained-int`, `system.power_mode.literal['fastest']`)."""
+    text = f"name: x\nsystem:\n  power_mode: {value}\n"
+    with pytest.raises(ProfileError) as exc:
+        parse_profile(text, "p.yaml")
+    assert str(exc.value).startswith("p.yaml:3: system.power_mode: "), str(exc.value)
+    assert len(str(exc.value).splitlines()) == 1
+    assert "; or Input should be 'fastest'" in str(exc.value)
+    assert "literal" not in str(exc.value) and "int" not in str(exc.value).split(": ", 2)[1]
+
+
 def test_bad_enum_value() -> None:
     text = "name: x\nengine:\n  type_k: q3_k\n"
     with pytest.raises(ProfileError, match=r"p.yaml:3: engine.type_k: Input should be 'auto'"):
