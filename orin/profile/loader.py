@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -203,6 +204,9 @@ def error_message(error: Any) -> str:
             f"{error['msg']}, and YAML reads yes, no, on, off, true and false as "
             "true or false: put the word in quotes ('off')"
         )
+    if error["type"] == "model_type":  # not "a valid dictionary or instance of EngineSection"
+        given = json.dumps(error.get("input"), default=str)  # YAML also gives dates
+        return f"Input should be a section (its fields indented under it), not {given}"
     return str(error["msg"])
 
 

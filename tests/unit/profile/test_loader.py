@@ -109,6 +109,19 @@ def test_a_value_no_member_of_a_union_takes_is_one_line_naming_the_field(value: 
     assert "literal" not in str(exc.value) and "int" not in str(exc.value).split(": ", 2)[1]
 
 
+@pytest.mark.parametrize(
+    ("value", "given"),
+    [(" 5", "5"), ("\n  - 1", "[1]"), (" 2024-01-01", '"2024-01-01"')],
+)
+def test_a_value_where_a_section_belongs_says_a_section_is_wanted(value: str, given: str) -> None:
+    """Not pydantic's 'a valid dictionary or instance of EngineSection' (a date, which
+    YAML reads as one, is named as written)."""
+    with pytest.raises(ProfileError) as exc:
+        parse_profile(f"name: x\nengine:{value}\n", "p.yaml")
+    wanted = "Input should be a section (its fields indented under it)"
+    assert str(exc.value) == f"p.yaml:2: engine: {wanted}, not {given}"
+
+
 def test_bad_enum_value() -> None:
     text = "name: x\nengine:\n  type_k: q3_k\n"
     with pytest.raises(ProfileError, match=r"p.yaml:3: engine.type_k: Input should be 'auto'"):
