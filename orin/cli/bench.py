@@ -263,7 +263,7 @@ def show(out: Output, r: BenchRun) -> None:
     s = r.summary()
     for note in r.server.notes:
         out.note(note)
-    rate = "inf" if r.spec.request_rate is None else f"{r.spec.request_rate:g}/s"
+    rate = "inf" if r.spec.all_at_once else f"{r.spec.request_rate:g}/s"
     out.pairs(
         f"bench: {r.server.kind} {r.server.model or ''} at {r.spec.base_url}",
         [
