@@ -28,10 +28,11 @@ HEADER = """\
 
 Generated from `orin/profile/schema.py` by `python -m orin.profile.reference
 docs/profiles-reference.md`; do not edit by hand. Every field of a profile
-YAML file, section by section, with its type, default, bounds and meaning.
-Unknown fields are an error (the loader names the file, the line and the
-closest known field). See [profiles.md](profiles.md) for how the built-in
-profiles were chosen.
+YAML file, section by section, with its type, default, bounds and meaning; a
+bound set by another field (`engine.n_ubatch` at most `n_batch`) is in the
+description. Unknown fields are an error (the loader names the file, the line
+and the closest known field). See [profiles.md](profiles.md) for how the
+built-in profiles were chosen.
 """
 
 _TYPE_NAMES = {int: "integer", float: "number", bool: "boolean", str: "string", Path: "path"}

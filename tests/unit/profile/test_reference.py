@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from orin.errors import ProfileError
+from orin.profile.loader import parse_profile
 from orin.profile.reference import describe_type, profiles_reference
 from orin.profile.schema import Profile
 
@@ -54,6 +56,27 @@ def test_the_sections_table_names_every_field() -> None:
     assert set(rows) == {"top level"} | {
         s for s, info in Profile.model_fields.items() if hasattr(info.annotation, "model_fields")
     }
+
+
+@pytest.mark.parametrize(
+    ("yaml", "field", "bound"),
+    [
+        ("engine: {n_batch: 512, n_ubatch: 1024}", "engine.n_ubatch", "at most n_batch"),
+        ("engine: {slots: 64, n_batch: 32, n_ubatch: 32}", "engine.n_batch", "least engine.slots"),
+        ("engine: {n_ctx: 512}\ncontext: {window: 1024}", "context.window", "at most engine.n_ctx"),
+        ("context: {window: 256, keep: 256}", "context.keep", "below the window"),
+        ("speculative: {ngram_min: 5, ngram_max: 4}", "speculative.ngram_min", "at most ngram_max"),
+    ],
+)  # fmt: skip
+def test_a_rule_between_fields_is_in_the_reference(yaml: str, field: str, bound: str) -> None:
+    """The loader refuses a value another field bounds; the reference says so in that
+    field's row, where its own bounds cannot."""
+    with pytest.raises(ProfileError, match=field.split(".")[1]):
+        parse_profile(f"name: x\n{yaml}\n", "p.yaml")
+    row = next(
+        line for line in profiles_reference().splitlines() if line.startswith(f"| `{field}`")
+    )
+    assert bound in row, row
 
 
 @pytest.mark.parametrize(
