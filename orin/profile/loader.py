@@ -91,7 +91,7 @@ def parse_profile(text: str, filename: str = "<profile>") -> Profile:
         raise ProfileError("\n".join(f"{filename}:{msg}" for msg in twice))
     lines = _line_index(node)
     try:
-        return Profile.model_validate(data)
+        return Profile.model_validate(_without_empty_sections(data, Profile))
     except ValidationError as exc:
         found: dict[tuple[int, Loc], list[str]] = {}
         for error in exc.errors():  # a union's members complain about one field: one line
@@ -102,6 +102,24 @@ def parse_profile(text: str, filename: str = "<profile>") -> Profile:
             for (line, loc), msgs in found.items()
         ]
         raise ProfileError("\n".join(messages)) from exc
+
+
+def _without_empty_sections(data: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    """A section whose fields are all commented out (``system:`` and nothing under it) is
+    null in YAML: the same as the section left out, its defaults. A section that may be
+    null itself (``model.demo``) keeps the null, which means none."""
+    out = {}
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        annotation = field.annotation if field is not None else None
+        section = _model_of(annotation)
+        if section is None:
+            out[key] = value
+        elif isinstance(value, dict):
+            out[key] = _without_empty_sections(value, section)
+        elif value is not None or annotation is not section:  # null where none is allowed
+            out[key] = value
+    return out
 
 
 MAX_NODES = 100_000  # values in a profile with its aliases expanded; real ones have hundreds

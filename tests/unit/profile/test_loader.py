@@ -13,6 +13,7 @@ from orin.profile.loader import (
     parse_profile,
     resolve_model_path,
 )
+from orin.profile.schema import RoutingMetricsSection, SystemSection
 
 EXPECTED_BUILTINS = {
     "demo",
@@ -120,6 +121,18 @@ def test_a_value_where_a_section_belongs_says_a_section_is_wanted(value: str, gi
         parse_profile(f"name: x\nengine:{value}\n", "p.yaml")
     wanted = "Input should be a section (its fields indented under it)"
     assert str(exc.value) == f"p.yaml:2: engine: {wanted}, not {given}"
+
+
+def test_a_section_with_every_field_commented_out_is_its_defaults() -> None:
+    """`system:` with nothing under it is YAML's null: the section left out, not an
+    error; a section that may be none (`model.demo`) stays none."""
+    text = (
+        "name: x\nmodel:\n  path: m.gguf\n  demo:\nsystem:\n  # swappiness: 10\n"
+        "server:\n  port: 9000\n  routing_metrics:\n"
+    )
+    p = parse_profile(text, "p.yaml")
+    assert p.system == SystemSection() and p.model.demo is None
+    assert p.server.port == 9000 and p.server.routing_metrics == RoutingMetricsSection()
 
 
 def test_bad_enum_value() -> None:
