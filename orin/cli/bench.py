@@ -37,6 +37,12 @@ def _lens(text: str) -> tuple[int, ...]:
         raise typer.BadParameter("comma-separated token counts, e.g. 10,200,512") from None
     if not lens or min(lens) < 1:
         raise typer.BadParameter("token counts must be >= 1")
+    from orin.bench.loadgen import MAX_INPUT_LEN
+
+    if max(lens) > MAX_INPUT_LEN:
+        raise typer.BadParameter(
+            f"token counts must be at most {MAX_INPUT_LEN} (orin-llm's largest context)"
+        )
     return lens
 
 
