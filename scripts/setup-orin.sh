@@ -37,7 +37,7 @@ while [ $# -gt 0 ]; do
     --user|--port) INSTALL_ARGS+=("$1" "$2"); shift 2 ;;
     --force) FORCE=1; INSTALL_ARGS+=(--force); shift ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;
     *) echo "setup-orin: unknown argument: $1" >&2; exit 2 ;;
   esac
 done

@@ -84,6 +84,11 @@ class LoadSpec:
             raise ValueError("the memory bandwidth must be positive and finite")
 
     @property
+    def all_at_once(self) -> bool:
+        """No arrival schedule: a closed loop, or --request-rate inf."""
+        return self.request_rate is None or math.isinf(self.request_rate)
+
+    @property
     def base_url(self) -> str:
         base = self.url.rstrip("/")
         return base[: -len("/v1")] if base.endswith("/v1") else base
@@ -127,7 +132,7 @@ class BenchRun:
             "input_lens_requested": list(s.input_lens),
             "output_len": s.output_len,
             "max_concurrency": s.concurrency,
-            "request_rate": s.request_rate if s.request_rate is not None else "inf",
+            "request_rate": "inf" if s.all_at_once else s.request_rate,  # vLLM's "inf"
             "burstiness": s.burstiness,
             "warmup": s.warmup,
             "seed": s.seed,

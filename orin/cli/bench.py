@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -36,6 +37,12 @@ def _lens(text: str) -> tuple[int, ...]:
         raise typer.BadParameter("comma-separated token counts, e.g. 10,200,512") from None
     if not lens or min(lens) < 1:
         raise typer.BadParameter("token counts must be >= 1")
+    from orin.bench.loadgen import MAX_INPUT_LEN
+
+    if max(lens) > MAX_INPUT_LEN:
+        raise typer.BadParameter(
+            f"token counts must be at most {MAX_INPUT_LEN} (orin-llm's largest context)"
+        )
     return lens
 
 
@@ -51,6 +58,21 @@ def _check_slo(text: str | None) -> str | None:
     request is sent."""
     _slo(text)
     return text
+
+
+def _check_rate(value: float | None) -> float | None:
+    """Option callback: a rate that is not positive (nan included) is a usage error
+    naming --request-rate; inf sends every request at once."""
+    if value is not None and not value > 0:
+        raise typer.BadParameter("the request rate must be positive (inf: all at once)")
+    return value
+
+
+def _check_burstiness(value: float) -> float:
+    """Option callback: the gamma shape is a positive finite number."""
+    if not 0 < value < math.inf:
+        raise typer.BadParameter("burstiness must be positive and finite")
+    return value
 
 
 def _kv_type(value: str | None) -> str | None:
@@ -86,10 +108,17 @@ def bench(
         int | None, typer.Option(min=1, help="Closed loop: requests in flight (a cap with a rate).")
     ] = None,
     request_rate: Annotated[
-        float | None, typer.Option(help="Open loop: requests/s, Poisson arrivals (inf: at once).")
+        float | None,
+        typer.Option(
+            callback=_check_rate, help="Open loop: requests/s, Poisson arrivals (inf: at once)."
+        ),
     ] = None,
     burstiness: Annotated[
-        float, typer.Option(help="Gamma shape of the arrival gaps: 1 Poisson, <1 burstier.")
+        float,
+        typer.Option(
+            callback=_check_burstiness,
+            help="Gamma shape of the arrival gaps: 1 Poisson, <1 burstier.",
+        ),
     ] = 1.0,
     warmup: Annotated[int, typer.Option(min=0, help="Unmeasured requests first.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of prompts, order and arrivals.")] = 0,
@@ -240,7 +269,7 @@ def show(out: Output, r: BenchRun) -> None:
     s = r.summary()
     for note in r.server.notes:
         out.note(note)
-    rate = "inf" if r.spec.request_rate is None else f"{r.spec.request_rate:g}/s"
+    rate = "inf" if r.spec.all_at_once else f"{r.spec.request_rate:g}/s"
     out.pairs(
         f"bench: {r.server.kind} {r.server.model or ''} at {r.spec.base_url}",
         [

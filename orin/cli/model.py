@@ -773,6 +773,8 @@ def _find(folder: Path, name: str) -> Path:
     same = [p for p in store.gguf_files(folder) if p.name == candidate.name]
     if len(same) == 1:
         return same[0]
+    if not folder.is_dir():
+        raise ModelFileError(f"no model {name}: the models directory {folder} does not exist")
     known = ", ".join(p.relative_to(folder).as_posix() for p in store.gguf_files(folder))
     raise ModelFileError(f"no model {name} in {folder} (there: {known or 'none'})")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -90,10 +91,35 @@ def parse_profile(text: str, filename: str = "<profile>") -> Profile:
         raise ProfileError("\n".join(f"{filename}:{msg}" for msg in twice))
     lines = _line_index(node)
     try:
-        return Profile.model_validate(data)
+        return Profile.model_validate(_without_empty_sections(data, Profile))
     except ValidationError as exc:
-        messages = [_describe(e, filename, lines) for e in exc.errors()]
+        found: dict[tuple[int, Loc], list[str]] = {}
+        for error in exc.errors():  # a union's members complain about one field: one line
+            loc, msg = _describe(error)
+            found.setdefault((_line_for(loc, lines), loc), []).append(msg)
+        messages = [
+            f"{filename}:{line}: {_with_field(loc, '; or '.join(dict.fromkeys(msgs)))}"
+            for (line, loc), msgs in found.items()
+        ]
         raise ProfileError("\n".join(messages)) from exc
+
+
+def _without_empty_sections(data: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    """A section whose fields are all commented out (``system:`` and nothing under it) is
+    null in YAML: the same as the section left out, its defaults. A section that may be
+    null itself (``model.demo``) keeps the null, which means none."""
+    out = {}
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        annotation = field.annotation if field is not None else None
+        section = _model_of(annotation)
+        if section is None:
+            out[key] = value
+        elif isinstance(value, dict):
+            out[key] = _without_empty_sections(value, section)
+        elif value is not None or annotation is not section:  # null where none is allowed
+            out[key] = value
+    return out
 
 
 MAX_NODES = 100_000  # values in a profile with its aliases expanded; real ones have hundreds
@@ -171,15 +197,14 @@ def _line_index(node: yaml.Node | None, prefix: Loc = ()) -> dict[Loc, int]:
     return index
 
 
-def _describe(error: Any, filename: str, lines: dict[Loc, int]) -> str:
+def _describe(error: Any) -> tuple[Loc, str]:
+    """The field one of pydantic's errors is about, and what is wrong with it."""
     if error["type"] == "extra_forbidden":
         loc: Loc = tuple(error["loc"])
-        msg = "unknown field" + _suggest(loc)
-    elif error["type"] == "missing":
-        loc, msg = tuple(error["loc"]), "required field is missing"
-    else:
-        loc, msg = error_field(error), error_message(error)
-    return f"{filename}:{_line_for(loc, lines)}: {_with_field(loc, msg)}"
+        return loc, "unknown field" + _suggest(loc)
+    if error["type"] == "missing":
+        return tuple(error["loc"]), "required field is missing"
+    return error_field(error), error_message(error)
 
 
 def describe_error(error: Any) -> str:
@@ -197,6 +222,9 @@ def error_message(error: Any) -> str:
             f"{error['msg']}, and YAML reads yes, no, on, off, true and false as "
             "true or false: put the word in quotes ('off')"
         )
+    if error["type"] == "model_type":  # not "a valid dictionary or instance of EngineSection"
+        given = json.dumps(error.get("input"), default=str)  # YAML also gives dates
+        return f"Input should be a section (its fields indented under it), not {given}"
     return str(error["msg"])
 
 
@@ -207,7 +235,7 @@ def error_field(error: Any) -> Loc:
     """The field an error is about: its location, or, for a rule between fields (a
     model validator's error sits on the section, or on the profile itself), the field its
     message starts with ('context.window (9999) exceeds engine.n_ctx (512)')."""
-    loc: Loc = tuple(error["loc"])
+    loc = _without_union_members(tuple(error["loc"]))
     found = _LEADING_NAME.match(error_message(error))
     if found is not None:
         named = tuple(found.group().split("."))
@@ -215,6 +243,24 @@ def error_field(error: Any) -> Loc:
             if _is_field(candidate):
                 return candidate
     return loc
+
+
+def _without_union_members(loc: Loc) -> Loc:
+    """The location as the profile names it: pydantic puts the member of a union that a
+    value failed after the field (``system.power_mode.constrained-int``,
+    ``system.power_mode.literal['fastest']``), a name no profile has."""
+    model: type[BaseModel] | None = Profile
+    kept: list[str | int] = []
+    for part in loc:
+        field = (
+            model.model_fields.get(part) if model is not None and isinstance(part, str) else None
+        )
+        if field is not None:
+            model = _model_of(field.annotation)
+        elif not isinstance(part, int):
+            continue  # a union member's name
+        kept.append(part)
+    return tuple(kept)
 
 
 def _is_field(loc: Loc) -> bool:
@@ -228,8 +274,12 @@ def _is_field(loc: Loc) -> bool:
 
 
 def _with_field(loc: Loc, msg: str) -> str:
-    """'field: message', or the message alone when it starts with the field's name."""
-    field = ".".join(str(p) for p in loc) or "profile"
+    """'field: message', or the message alone when it starts with the field's name; an
+    item of a list is named by its index (`slo.concurrency[1]`)."""
+    field = ""
+    for part in loc:
+        field += f"[{part}]" if isinstance(part, int) else f".{part}" if field else str(part)
+    field = field or "profile"
     if msg.startswith((f"{field} ", f"{field}:")):
         return msg
     return f"{field}: {msg}"

@@ -28,10 +28,11 @@ HEADER = """\
 
 Generated from `orin/profile/schema.py` by `python -m orin.profile.reference
 docs/profiles-reference.md`; do not edit by hand. Every field of a profile
-YAML file, section by section, with its type, default, bounds and meaning.
-Unknown fields are an error (the loader names the file, the line and the
-closest known field). See [profiles.md](profiles.md) for how the built-in
-profiles were chosen.
+YAML file, section by section, with its type, default, bounds and meaning; a
+bound set by another field (`engine.n_ubatch` at most `n_batch`) is in the
+description. Unknown fields are an error (the loader names the file, the line
+and the closest known field). See [profiles.md](profiles.md) for how the
+built-in profiles were chosen.
 """
 
 _TYPE_NAMES = {int: "integer", float: "number", bool: "boolean", str: "string", Path: "path"}
@@ -114,16 +115,27 @@ def _default(info: FieldInfo) -> str:
 
 def _bounds(info: FieldInfo) -> str:
     """The field's bounds, and those of a union member (``Annotated[int, Field(ge=0)] |
-    Literal["fastest"]``)."""
-    found = []
+    Literal["fastest"]``) or, after 'each', of a list's items (``list[Annotated[int,
+    Field(ge=1)]]``)."""
     members = [a for a in get_args(info.annotation) if get_origin(a) is Annotated]
-    for meta in [*info.metadata, *(m for a in members for m in get_args(a)[1:])]:
+    inner = [m for a in members for m in get_args(a)[1:]]
+    if get_origin(info.annotation) is list:  # the member is the item type
+        texts, each = _bound_texts(info.metadata), _bound_texts(inner)
+        if each:
+            texts.append(f"each {', '.join(each)}")
+        return ", ".join(texts)
+    return ", ".join(_bound_texts([*info.metadata, *inner]))
+
+
+def _bound_texts(metadata: list[Any]) -> list[str]:
+    found = []
+    for meta in metadata:
         for inner in getattr(meta, "metadata", None) or [meta]:  # a Field() holds its own
             for attr, fmt in _BOUNDS:
                 value = getattr(inner, attr, None)
                 if value is not None:
                     found.append(fmt.format(value))
-    return ", ".join(found)
+    return found
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:

@@ -160,10 +160,17 @@ class EngineSection(_Section):
         4, ge=1, le=64, description="Concurrent sequences (llama.cpp n_seq_max / server -np)."
     )
     n_batch: int = Field(
-        512, ge=32, le=16384, description="Tokens per llama_decode call (decode + prompt chunk)."
+        512,
+        ge=32,
+        le=16384,
+        description="Tokens per llama_decode call (decode + prompt chunk); at least "
+        "engine.slots, one token of each slot.",
     )
     n_ubatch: int = Field(
-        512, ge=32, le=16384, description="Physical micro-batch size inside one decode call."
+        512,
+        ge=32,
+        le=16384,
+        description="Physical micro-batch size inside one decode call; at most n_batch.",
     )
     prefill_chunk: int = Field(
         0,
@@ -285,10 +292,14 @@ class ContextSection(_Section):
         None,
         ge=64,
         le=1_048_576,
-        description="Sliding-window KV limit per slot in tokens; default = engine.n_ctx.",
+        description="Sliding-window KV limit per slot in tokens, at most engine.n_ctx; "
+        "default = engine.n_ctx.",
     )
     keep: int = Field(
-        0, ge=0, le=1_048_576, description="Tokens at the start of a sequence never discarded."
+        0,
+        ge=0,
+        le=1_048_576,
+        description="Tokens at the start of a sequence never discarded; below the window.",
     )
     discard: int = Field(
         0,
@@ -329,13 +340,16 @@ class SLOSection(_Section):
     tpot_p90_ms: float | None = Field(
         None, gt=0, le=60_000, description="Target 90th-percentile time per output token (ms)."
     )
-    prompt_tokens: list[int] = Field(
+    prompt_tokens: list[Annotated[int, Field(ge=1, le=1_048_576)]] = Field(
         default_factory=lambda: [128, 512],
+        min_length=1,
         description="Prompt lengths (tokens) at which the targets apply.",
     )
-    concurrency: list[int] = Field(
+    concurrency: list[Annotated[int, Field(ge=1, le=64)]] = Field(
         default_factory=lambda: [1],
-        description="Concurrent streams at which the targets apply.",
+        min_length=1,
+        description="Concurrent streams at which the targets apply; at most 64, the most "
+        "engine.slots takes (tune serves the largest with as many slots).",
     )
 
 
@@ -350,7 +364,10 @@ class SpeculativeSection(_Section):
         8, ge=1, le=64, description="Tokens drafted per step for one request, at most."
     )
     ngram_min: int = Field(
-        2, ge=1, le=16, description="ngram: the shortest suffix looked up in the context."
+        2,
+        ge=1,
+        le=16,
+        description="ngram: the shortest suffix looked up in the context; at most ngram_max.",
     )
     ngram_max: int = Field(
         4, ge=1, le=16, description="ngram: the longest suffix looked up (tried first)."

@@ -431,6 +431,18 @@ def test_a_stalled_stream_times_out() -> None:
     assert s["errors"] == {"timeout": 6}
 
 
+@pytest.mark.parametrize(("rate", "written"), [(None, "inf"), (float("inf"), "inf"), (2.5, 2.5)])
+def test_the_request_rate_is_valid_json_written_as_vllm_writes_it(
+    rate: float | None, written: float | str
+) -> None:
+    """--request-rate inf is written "inf", as a closed loop's and as vLLM's benchmark
+    writes it: json would write the float as Infinity, which JSON parsers refuse."""
+    r = bench(FakeServer(usage=True), concurrency=1, request_rate=rate, num_requests=1)
+    data = r.to_json()
+    assert data["request_rate"] == written
+    json.dumps(data, allow_nan=False)  # strict JSON
+
+
 def test_the_open_loop_sends_every_request() -> None:
     r = bench(FakeServer(usage=True), concurrency=None, request_rate=200.0, num_requests=5)
     assert [x.index for x in r.results] == [0, 1, 2, 3, 4]

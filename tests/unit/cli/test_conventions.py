@@ -107,11 +107,14 @@ def test_bench_output_that_cannot_be_written_at_the_end_is_said(
     [
         (("--slo", "ttft=5"), "ttft_p95_ms"),
         (("--input-len", "ten"), "comma-separated"),
+        (("--input-len", "8,1048577"), "'--input-len': token counts must be at most 1048576"),
         ((), "--concurrency"),  # neither --concurrency nor --request-rate
-        (("--request-rate", "nan"), "the request rate must be positive"),
-        (("--request-rate", "0"), "the request rate must be positive"),
-        (("--concurrency", "1", "--burstiness", "nan"), "burstiness must be positive and finite"),
-        (("--concurrency", "1", "--burstiness", "inf"), "burstiness must be positive and finite"),
+        (("--request-rate", "nan"), "'--request-rate': the request rate must be positive"),
+        (("--request-rate", "0"), "'--request-rate': the request rate must be positive"),
+        (("--request-rate", "-2"), "'--request-rate': the request rate must be positive"),
+        (("--concurrency", "1", "--burstiness", "nan"), "'--burstiness': burstiness must be"),
+        (("--concurrency", "1", "--burstiness", "inf"), "'--burstiness': burstiness must be"),
+        (("--concurrency", "1", "--burstiness", "0"), "'--burstiness': burstiness must be"),
         (("--concurrency", "1", "--timeout", "inf"), "inf is not a finite number"),
         (("--concurrency", "1", "--mem-bandwidth", "inf"), "inf is not a finite number"),
         (("--concurrency", "1", "--slo", "tpot_p90_ms=nan"), "positive and finite"),

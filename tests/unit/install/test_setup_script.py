@@ -135,3 +135,14 @@ def test_needs_root_without_dry_run_and_rejects_unknown_arguments(tmp_path: Path
     assert "run it with sudo" in r.stderr
     bad = run(root, bindir, "--dry-run", "--frobnicate")
     assert bad.returncode == 2 and "unknown argument: --frobnicate" in bad.stderr
+
+
+def test_help_prints_the_header_comment_and_nothing_of_the_code(tmp_path: Path) -> None:
+    root, bindir = jetson(tmp_path)
+    r = run(root, bindir, "--help")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "# From a fresh JetPack 6 board to orin-llm serving as a systemd service."
+    assert "# Usage: sudo scripts/setup-orin.sh [--profile P] [--prefix DIR] [--user NAME]" in lines
+    assert lines[-1].startswith("# CUDA_PACKAGE")
+    assert all(line.startswith("#") for line in lines), r.stdout  # not `set -euo pipefail`

@@ -349,6 +349,14 @@ def test_cli_pull_list_rm(fake_hub: FakeHub, models: Path, tmp_path: Path) -> No
     assert files_under(models) == ["other.gguf"]
 
 
+def test_cli_rm_in_a_models_directory_that_does_not_exist_says_so(tmp_path: Path) -> None:
+    """A mistyped --dir: the folder is named as missing, not listed as holding no model."""
+    missing = tmp_path / "modles"
+    code, _, err = cli("model", "rm", "x.gguf", "--dir", str(missing), "--yes")
+    assert code == 3
+    assert f"no model x.gguf: the models directory {missing} does not exist" in err
+
+
 def test_cli_rm_a_linked_model_removes_the_link_only(tmp_path: Path, models: Path) -> None:
     card = tmp_path / "card"
     card.mkdir()

@@ -13,6 +13,7 @@ from orin.profile.loader import (
     parse_profile,
     resolve_model_path,
 )
+from orin.profile.schema import RoutingMetricsSection, SystemSection
 
 EXPECTED_BUILTINS = {
     "demo",
@@ -73,6 +74,65 @@ def test_a_word_yaml_reads_as_a_boolean_says_to_quote_it(word: str) -> None:
     with pytest.raises(ProfileError, match=r"^p.yaml:1: name: .*put the word in quotes"):
         parse_profile(f"name: {word}\n", "p.yaml")
     assert parse_profile(f"name: '{word}'\n", "p.yaml").name == word
+
+
+@pytest.mark.parametrize(
+    ("slo", "line", "message"),
+    [
+        ("  prompt_tokens: [128, 0]\n", 5, "slo.prompt_tokens[1]: Input should be greater than"),
+        ("  concurrency:\n    - 4\n    - 100\n", 7, "slo.concurrency[1]: Input should be less"),
+        ("  concurrency: []\n", 5, "slo.concurrency: List should have at least 1 item"),
+    ],
+)
+def test_slo_points_tune_cannot_measure_are_refused_at_load(
+    slo: str, line: int, message: str
+) -> None:
+    """A prompt of no tokens, more streams than a profile may have slots, or no point at
+    all: `profile validate` says so with the line, instead of passing a profile that
+    `tune run` then refuses without one (or fails on as a configuration error)."""
+    text = f"name: x\nmodel:\n  demo: {{size: tiny, quant: f16}}\nslo:\n{slo}"
+    with pytest.raises(ProfileError) as exc:
+        parse_profile(text, "p.yaml")
+    assert str(exc.value).startswith(f"p.yaml:{line}: {message}"), str(exc.value)
+
+
+@pytest.mark.parametrize("value", ["16", "-1", "fast"])
+def test_a_value_no_member_of_a_union_takes_is_one_line_naming_the_field(value: str) -> None:
+    """`power_mode` is a mode id or 'fastest': a value that is neither is one line for
+    the field as the profile names it, not one per member under pydantic's names for
+    them (`system.power_mode.constrained-int`, `system.power_mode.literal['fastest']`)."""
+    text = f"name: x\nsystem:\n  power_mode: {value}\n"
+    with pytest.raises(ProfileError) as exc:
+        parse_profile(text, "p.yaml")
+    assert str(exc.value).startswith("p.yaml:3: system.power_mode: "), str(exc.value)
+    assert len(str(exc.value).splitlines()) == 1
+    assert "; or Input should be 'fastest'" in str(exc.value)
+    assert "literal" not in str(exc.value) and "int" not in str(exc.value).split(": ", 2)[1]
+
+
+@pytest.mark.parametrize(
+    ("value", "given"),
+    [(" 5", "5"), ("\n  - 1", "[1]"), (" 2024-01-01", '"2024-01-01"')],
+)
+def test_a_value_where_a_section_belongs_says_a_section_is_wanted(value: str, given: str) -> None:
+    """Not pydantic's 'a valid dictionary or instance of EngineSection' (a date, which
+    YAML reads as one, is named as written)."""
+    with pytest.raises(ProfileError) as exc:
+        parse_profile(f"name: x\nengine:{value}\n", "p.yaml")
+    wanted = "Input should be a section (its fields indented under it)"
+    assert str(exc.value) == f"p.yaml:2: engine: {wanted}, not {given}"
+
+
+def test_a_section_with_every_field_commented_out_is_its_defaults() -> None:
+    """`system:` with nothing under it is YAML's null: the section left out, not an
+    error; a section that may be none (`model.demo`) stays none."""
+    text = (
+        "name: x\nmodel:\n  path: m.gguf\n  demo:\nsystem:\n  # swappiness: 10\n"
+        "server:\n  port: 9000\n  routing_metrics:\n"
+    )
+    p = parse_profile(text, "p.yaml")
+    assert p.system == SystemSection() and p.model.demo is None
+    assert p.server.port == 9000 and p.server.routing_metrics == RoutingMetricsSection()
 
 
 def test_bad_enum_value() -> None:
