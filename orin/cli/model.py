@@ -532,6 +532,7 @@ def pull(
         str,
         typer.Argument(
             callback=_hub_ref,
+            metavar="OWNER/REPO[:FILE|:QUANT]",  # as the docs write it
             help="owner/repo, owner/repo:FILE.gguf or owner/repo:QUANT (e.g. Q4_K_M).",
             show_default=False,
         ),

@@ -453,6 +453,8 @@ def test_cli_pull_asks_the_disk_it_writes_to(fake_hub: FakeHub, models: Path) ->
 def test_cli_bad_reference_is_a_usage_error(fake_hub: FakeHub) -> None:
     code, _, err = cli("model", "pull", "not-a-repo")
     assert code == 2 and "owner/repo" in err
+    code, _, err = cli("model", "pull")  # named as the docs write it, not 'spec'
+    assert code == 2 and "Missing argument 'OWNER/REPO[:FILE|:QUANT]'" in err
 
 
 def test_cli_root_pulls_into_the_service_directory_for_its_user(
