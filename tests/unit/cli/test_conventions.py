@@ -503,7 +503,7 @@ def test_help_has_no_placeholder_on_switches_and_names_arguments_plainly() -> No
         assert "{" not in usage and "}" not in usage, usage
         seen_usage.add(usage.split("Usage: ", 1)[1].strip())
     assert "orin-llm model inspect [OPTIONS] PATH" in seen_usage
-    assert "orin-llm model pull [OPTIONS] SPEC" in seen_usage
+    assert "orin-llm model pull [OPTIONS] OWNER/REPO[:FILE|:QUANT]" in seen_usage
     assert "orin-llm profile validate [OPTIONS] FILE" in seen_usage
     code, out, _ = invoke("--help", columns=100)
     assert any(
