@@ -1004,7 +1004,8 @@ class Engine:
             request = self._requests.get(rid)
             if request is None:
                 continue
-            slot = self.scheduler.cancel(rid)  # frees the slot and removes its KV cells
+            # frees the slot; the cells its finished steps computed stay as a prefix
+            slot = self.scheduler.cancel(rid, keep_cache=self.cfg.prefix_cache)
             self._emit_final(request, "cancelled", slot=slot)
         self._cancels.clear()
 

@@ -533,15 +533,22 @@ class Scheduler:
 
     # -- cancellation and completion ------------------------------------------
 
-    def cancel(self, request_id: str) -> Slot | None:
-        """Drop a queued request, or free its slot and all of its KV cells now."""
+    def cancel(self, request_id: str, keep_cache: bool = False) -> Slot | None:
+        """Drop a queued request, or free its slot now. ``keep_cache`` keeps the cells
+        its finished steps computed as a prefix for the next prompt, as a finished
+        request's are kept (a client that stops an answer and asks again, or the
+        requests that waited for its prompt, find it computed), and removes any
+        others: those of a step that ran while it was cancelled, or of the finished
+        micro-batches of an aborted one. Otherwise every cell is removed."""
         for r in self.queue:
             if r.id == request_id:
                 self.queue.remove(r)
                 return None
         slot = self.slot_of(request_id)
         if slot is not None:
-            self.release(slot, keep_cache=False)
+            self.release(slot, keep_cache=keep_cache)
+            if keep_cache:
+                self._ops.append(Remove(slot.id, len(slot.cache), -1))
         return slot
 
     def release(self, slot: Slot, keep_cache: bool) -> None:
