@@ -308,9 +308,14 @@ def test_over_long_prompt_rejected_or_truncated() -> None:
     with pytest.raises(ContextLengthExceeded) as exc:
         strict.check_prompt(list(range(20)))
     assert (exc.value.prompt_tokens, exc.value.limit) == (20, 16)
+    # cut as a shift of a full window would leave it: the first 4 and the most recent
+    # 6 (half of the 12 after keep), so the answer has 6 cells before the next shift
     lenient = make(window=16, keep=4, truncate_prompt=True)
-    assert lenient.check_prompt(list(range(20))) == [0, 1, 2, 3, *range(8, 20)]
+    assert lenient.check_prompt(list(range(20))) == [0, 1, 2, 3, *range(14, 20)]
+    assert lenient.check_prompt(list(range(16))) == list(range(16))  # it fits: not cut
     assert lenient.check_prompt([1, 2]) == [1, 2]
+    fixed = make(window=16, keep=4, discard=10, truncate_prompt=True)
+    assert fixed.check_prompt(list(range(20))) == [0, 1, 2, 3, 18, 19]
     with pytest.raises(InvalidRequest):
         lenient.check_prompt([])
 
