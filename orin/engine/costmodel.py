@@ -50,6 +50,14 @@ MIN_CHUNK = 16
 SETTLED_STEPS = 16
 """Steps the model must have seen, a prompt step among them, before its predictions
 are taken as the machine's (a fresh model's prior is deliberately pessimistic)."""
+OUTLIER = 4.0
+"""Once settled, a step is learned as taking at most this many times its prediction:
+a step the kernel held off the CPU, a garbage collection or a page fault storm
+does not set the machine's cost (on the shared 2-core development VM one such step
+of the tiny demo model put a pass at 30 ms where whole steps took under 1 ms, and
+the prompt budget went to its floor). A lasting slowdown (a power mode,
+throttling) is still followed, by up to this factor per step. Before the model
+has settled nothing is clipped: there is no prediction to hold a step to yet."""
 
 
 def _clip(v: float) -> float:
@@ -79,6 +87,8 @@ class StepCostModel:
         """One finished step: its shape and its duration in milliseconds."""
         if passes <= 0 or ms <= 0:
             return
+        if self.settled:
+            ms = min(ms, OUTLIER * max(self.predict(passes, rows, prompt), 1e-3))
         self.steps += 1
         if prompt == 0:
             x0, x1, lam = float(passes), float(rows), self.forget

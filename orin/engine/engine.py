@@ -1004,7 +1004,8 @@ class Engine:
             request = self._requests.get(rid)
             if request is None:
                 continue
-            slot = self.scheduler.cancel(rid)  # frees the slot and removes its KV cells
+            # frees the slot; the cells its finished steps computed stay as a prefix
+            slot = self.scheduler.cancel(rid, keep_cache=self.cfg.prefix_cache)
             self._emit_final(request, "cancelled", slot=slot)
         self._cancels.clear()
 
@@ -1023,6 +1024,11 @@ class Engine:
             return  # the batch assumed the cells: schedule again
         if not batch.items:  # only cells to remove (a cancellation): nothing to decode
             return
+        # the step-cost model learns the decode, not the KV operations before it: a
+        # saved prompt read from disk, a stream copy or a shift costs what it costs
+        # whatever the step's tokens (a 2-5 ms restore before an 11-token prompt tail
+        # of the tiny demo model put a prompt token at 0.45 ms, 40 times its cost)
+        ops_ns = now_ns() - start if batch.ops else 0
         by_slot: dict[int, ActiveRequest] = {}
         for item, request in zip(batch.items, requests, strict=True):
             by_slot[item.slot] = request
@@ -1051,7 +1057,7 @@ class Engine:
             log.error("decode failed: %s", exc)
             self._fail_batch(batch, str(exc))
             return
-        self._record(batch, by_slot, emitted, accepted, aborted, start, (encode_ns, images))
+        self._record(batch, by_slot, emitted, accepted, aborted, start, (encode_ns, images), ops_ns)
 
     def _encode(
         self, batch: Batch, requests: list[ActiveRequest]
@@ -1186,12 +1192,14 @@ class Engine:
         aborted: bool,
         start: int,
         encoded: tuple[int, int] = (0, 0),
+        ops_ns: int = 0,
     ) -> None:
+        """``ops_ns``: of the step, the time its KV operations took."""
         assert self.runner is not None and self.backend is not None
         t = now_ns()
         encode_ns, images = encoded
         if not aborted and batch.items:  # the cost model learns decodes, not image encoding
-            ms = (t - start - encode_ns) * 1e-6
+            ms = (t - start - encode_ns - ops_ns) * 1e-6
             self.chunks.observe(batch.passes, batch.n_decode, batch.n_prefill, ms)
         with self._lock, batched_delivery():
             if aborted:

@@ -219,6 +219,22 @@ class ContextPolicy:
     sliding: bool = True  # False: stop with finish reason "length" at the window
     truncate_prompt: bool = False  # over-long prompt: keep head + tail instead of rejecting
 
+    @property
+    def discarded(self) -> int:
+        """Cells a context shift of a full window discards."""
+        n_left = self.window - self.keep
+        return max(min(self.discard or n_left // 2, n_left), 1)
+
+    @property
+    def cut_length(self) -> int:
+        """The tokens an over-long prompt is cut to (``truncate_prompt``): what a context
+        shift of a full window leaves, its first ``keep`` and the most recent ones,
+        as llama-server cuts one. The answer then has room (``discarded`` tokens)
+        before the next shift or, with sliding off, before the window ends; a prompt
+        cut to the whole window would be shifted at its first generated token, its
+        middle computed only to be discarded, and without sliding have no room."""
+        return max(self.window - self.discarded, self.keep + 1)
+
 
 class Scheduler:
     def __init__(
@@ -305,7 +321,7 @@ class Scheduler:
             return list(prompt)
         if not ctx.truncate_prompt:
             raise ContextLengthExceeded(len(prompt), ctx.window)
-        tail = ctx.window - ctx.keep
+        tail = ctx.cut_length - ctx.keep
         return list(prompt[: ctx.keep]) + list(prompt[len(prompt) - tail :])
 
     def check_room(self, others_waiting: int = 0) -> None:
@@ -533,15 +549,22 @@ class Scheduler:
 
     # -- cancellation and completion ------------------------------------------
 
-    def cancel(self, request_id: str) -> Slot | None:
-        """Drop a queued request, or free its slot and all of its KV cells now."""
+    def cancel(self, request_id: str, keep_cache: bool = False) -> Slot | None:
+        """Drop a queued request, or free its slot now. ``keep_cache`` keeps the cells
+        its finished steps computed as a prefix for the next prompt, as a finished
+        request's are kept (a client that stops an answer and asks again, or the
+        requests that waited for its prompt, find it computed), and removes any
+        others: those of a step that ran while it was cancelled, or of the finished
+        micro-batches of an aborted one. Otherwise every cell is removed."""
         for r in self.queue:
             if r.id == request_id:
                 self.queue.remove(r)
                 return None
         slot = self.slot_of(request_id)
         if slot is not None:
-            self.release(slot, keep_cache=False)
+            self.release(slot, keep_cache=keep_cache)
+            if keep_cache:
+                self._ops.append(Remove(slot.id, len(slot.cache), -1))
         return slot
 
     def release(self, slot: Slot, keep_cache: bool) -> None:

@@ -310,7 +310,8 @@ class ContextSection(_Section):
     overflow: OverflowPolicy = Field(
         "reject",
         description="A prompt longer than the window: reject (context-length error) or "
-        "truncate (keep the first `keep` and the most recent tokens).",
+        "truncate (keep the first `keep` and the most recent tokens, as many as a context "
+        "shift leaves, so that the answer has the discarded tokens' room).",
     )
 
 

@@ -726,18 +726,23 @@ def answer_length(
       engine's ``ContextLengthExceeded`` (the prompt's fault, whatever the length);
     - above ``limit`` (server.max_tokens_limit): a 400 naming ``field``;
     - with the sliding window off (``context.sliding`` false), prompt + answer
-      must fit the slot's window: a 400 naming ``field`` that says how many fit;
+      must fit the slot's window: a 400 naming ``field`` that says how many fit
+      (a prompt the engine truncates counts as cut, ``ContextPolicy.cut_length``);
     - with it on, any length up to the limit: past the window the oldest tokens
       slide out (the response's ``timings.context_shifts`` counts the shifts).
 
     A request that sets no length gets the profile's ``sampling.max_tokens``,
     within the limit and, with sliding off, within the room the prompt leaves.
     """
-    room = None
+    room, prompt = None, f"prompt's {prompt_tokens} tokens"
     if prompt_tokens is not None and context is not None and not context.sliding:
-        if prompt_tokens > context.window and not context.truncate_prompt:
-            raise ContextLengthExceeded(prompt_tokens, context.window)
-        room = context.window - min(prompt_tokens, context.window)
+        used = prompt_tokens
+        if prompt_tokens > context.window:
+            if not context.truncate_prompt:
+                raise ContextLengthExceeded(prompt_tokens, context.window)
+            used = context.cut_length  # the engine cuts it so that the answer has room
+            prompt = f"prompt's {prompt_tokens} tokens, cut to {used} (context.overflow),"
+        room = context.window - used
     if requested is None:
         length = min(default, limit)
         return max(min(length, room), 1) if room is not None else length
@@ -752,7 +757,7 @@ def answer_length(
         fit = f"ask for {room} at most" if room > 0 else "shorten the prompt"
         raise InvalidRequest(
             field,
-            f"the prompt's {prompt_tokens} tokens and {requested} more do not fit the "
+            f"the {prompt} and {requested} more do not fit the "
             f"context of {context.window} tokens per slot (the sliding window is off); {fit}",
         )
     return requested

@@ -547,14 +547,20 @@ class TokenChunks:
         head, tail = template.split(_json_string(_TEXT_MARK).encode())
         self._head, self._tail = head, tail
         self._plain = not fmt.token_ids
-        self.offset = fmt.text_start(index)  # characters of the choice's text sent so far
+        # where the next token with a logprob starts in the choice's text: its tokens'
+        # text counted, as a whole answer's text_offset counts it. Not the text sent so
+        # far: while a possible stop string holds text back, a token's event carries
+        # the held text of the tokens before it, and a held token's logprob comes in
+        # an event of its own, after its text began
+        self.at = fmt.text_start(index)
 
     def token(self, e: TokenEvent) -> bytes:
         if self._plain and e.logprob is None and e.prompt_logprobs is None:
-            out = b"".join((self._head, _json_string(e.text).encode(), self._tail))
-        else:
-            out = encode(self.fmt.chunk(e, self.index, self.offset))
-        self.offset += len(e.text)
+            return b"".join((self._head, _json_string(e.text).encode(), self._tail))
+        out = encode(self.fmt.chunk(e, self.index, self.at))
+        if e.logprob is not None:
+            piece = self.fmt.served.engine_piece(e.logprob.token_id)
+            self.at += len(piece.decode("utf-8", "replace"))
         return out
 
     def flush(self) -> bytes:

@@ -161,7 +161,10 @@ def test_without_sliding_stops_at_the_window(small: Path) -> None:
     assert len(prompt) + len(c.token_ids) == 256 + 1  # the last token never enters the cache
 
 
-def test_cancellation_frees_every_cell(small: Path) -> None:
+def test_cancellation_frees_every_slot_and_keeps_only_computed_cells(small: Path) -> None:
+    """Cancelled in the queue, in prefill or decoding: every slot is free, and the
+    cells llama.cpp holds are the ones the scheduler keeps as prefixes (those of the
+    steps that finished, none of a step cut short)."""
     cfg = config(small, "{n_ctx: 512, slots: 4, n_batch: 64, n_ubatch: 64}")
     rng = random.Random(3)
     with Engine(cfg) as e:
@@ -183,9 +186,38 @@ def test_cancellation_frees_every_cell(small: Path) -> None:
         assert e.slots_busy == 0 and e.kv_cells_used == 0
         runner = e.runner
         with e.idle():  # llama.cpp's memory, once the cancellations' removals have run
-            assert [runner.seq_pos_max(s) for s in range(4)] == [-1, -1, -1, -1]
+            held = [runner.seq_pos_max(s.id) + 1 for s in e.scheduler.slots]
+            assert held == [len(s.cache) for s in e.scheduler.slots]
+            assert any(held)
         ok = e.generate("after the storm", SamplingParams(max_tokens=8, **GREEDY))
         assert ok.finish_reason == "length" and len(ok.token_ids) == 8
+
+
+def test_a_stopped_answer_asked_again_reuses_its_prompt(small: Path) -> None:
+    """A chat's stop, then regenerate: the client cancels a stream and sends the same
+    prompt again. The cancelled request's cells stay in its slot as a finished one's
+    do, so the second request computes only its last prompt token, and answers as a
+    fresh engine does."""
+    cfg = config(small, "{n_ctx: 512, slots: 2, n_batch: 64, n_ubatch: 64}")
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    with Engine(cfg) as fresh:
+        prompt = fresh.tokenize("x " * 150 + "the question")
+        want = fresh.submit(prompt, params).result()
+    with Engine(cfg) as e:
+        stream = e.submit(prompt, SamplingParams(max_tokens=400, **GREEDY))
+        seen, final = [], None
+        for event in stream:
+            final = event.finish_reason
+            if event.token_id is not None:
+                seen.append(event.token_id)
+                if len(seen) == 3:
+                    stream.cancel()
+        assert final == "cancelled"
+        assert seen[:3] == list(want.token_ids[:3])
+        again = e.submit(prompt, params).result()
+        assert e.slots_busy == 0 and e.kv_cells_used == 0
+    assert again.token_ids == want.token_ids
+    assert again.timings is not None and again.timings.cached_tokens == len(prompt) - 1
 
 
 def test_abort_callback_interrupts_a_prompt_chunk(
@@ -283,7 +315,8 @@ class AbortIgnoringRunner(Runner):
 
 def test_a_cancel_the_backend_ignores_stops_the_prompt_after_its_chunk(small: Path) -> None:
     """On a GPU a cancel cannot interrupt llama_decode: the chunk being decoded finishes,
-    no further chunk of the prompt is fed, and the chunk's cells are removed."""
+    no further chunk of the prompt is fed, and the chunks' cells stay as the slot's
+    prefix, as the scheduler records them."""
     # share_min set: no copy is timed at load, so the runner sees this prompt's chunks only
     engine = "{n_ctx: 512, slots: 2, n_batch: 128, n_ubatch: 128, prefill_chunk: 32, share_min: 16}"
     cfg = config(small, engine)
@@ -308,7 +341,7 @@ def test_a_cancel_the_backend_ignores_stops_the_prompt_after_its_chunk(small: Pa
         assert stream.result().finish_reason == "cancelled"
         runner = runners[0]
         with e.idle():
-            assert runner.seq_pos_max(0) == -1  # the finished chunks' cells are gone
+            assert runner.seq_pos_max(0) + 1 == len(e.scheduler.slots[0].cache) == 96
             assert runner.fed == [(0, 32), (0, 32), (0, 32)]  # nothing after the cancel
         assert not any(s.aborted for s in steps)  # nothing was interrupted
         ok = e.generate("after the cancel", SamplingParams(max_tokens=3, **GREEDY))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,44 @@ def test_tpot_target_shrinks_prompt_chunks_while_streams_decode(
     messages = [r.getMessage() for r in caplog.records]
     said = [m for m in messages if "slo.tpot_p90_ms is 0.001 ms" in m]
     assert len(said) == 1 and f"smallest prompt chunk ({MIN_CHUNK} tokens)" in said[0]
+
+
+class SlowOpsRunner(Runner):
+    """A runner whose KV operations take 0.2 s more (a saved prompt read from a slow
+    card, a copy of a long stream)."""
+
+    def apply(self, ops: Any) -> None:
+        ops = list(ops)
+        if ops:
+            threading.Event().wait(0.2)
+        super().apply(ops)
+
+
+def test_the_step_cost_model_learns_decodes_not_kv_operations(small: Path) -> None:
+    """A step's KV operations (a restore from disk, a copy, a removal) cost what they
+    cost whatever its tokens: the cost model is fed the step's time without them, as
+    it is fed a step's time without an image's encoding. Fed the whole step, a 2-5 ms
+    restore before an 11-token prompt tail put a prompt token of the tiny demo model
+    at 40 times its cost, and the prompt budget stayed at its floor."""
+    cfg = config(
+        small, "{n_ctx: 512, slots: 1, n_batch: 128, n_ubatch: 128}", "slo: {tpot_p90_ms: 50}\n"
+    )
+    fed: list[float] = []
+    with Engine(cfg, runner_factory=SlowOpsRunner) as e:
+        steps = collect(e)
+        learn = e.chunks.observe
+
+        def observe(passes: int, rows: int, prompt: int, ms: float) -> None:
+            fed.append(ms)
+            learn(passes, rows, prompt, ms)
+
+        e.chunks.observe = observe  # type: ignore[method-assign]
+        for p in prompts(e, 3, seed=8):  # each overwrites the last one's cells: a removal
+            e.submit(p, SamplingParams(temperature=0.0, max_tokens=4)).result()
+    assert len(fed) == len(steps)
+    left_out = [(s.end_ns - s.start_ns) * 1e-6 - ms for s, ms in zip(steps, fed, strict=True)]
+    assert sum(1 for d in left_out if d >= 200) >= 2  # the removals before prompts 2 and 3
+    assert all(abs(d) < 1e-3 or d >= 200 for d in left_out)
 
 
 def test_no_target_keeps_the_whole_chunk(plain: Engine) -> None:

@@ -332,6 +332,40 @@ def test_a_streamed_echo_carries_the_prompts_logprobs(server: tuple[TestClient, 
     )
 
 
+def test_streamed_offsets_equal_the_whole_answers_where_a_stop_string_holds_text(
+    server: tuple[TestClient, Engine],
+) -> None:
+    """A stop string that the text could still become holds its first characters back:
+    the next token's event carries them, and a token whose whole text is held has its
+    logprob sent in an event of its own. Each token's text_offset is still where its
+    own text starts, as in the answer sent whole."""
+    client, engine = server
+    body: dict[str, Any] = {
+        "prompt": words(engine, 3),
+        "logprobs": 1,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    free = post(client, body)["choices"][0]["logprobs"]
+    # a stop string that starts with the end of the third token's text (and then never
+    # matches): the end of that text is held until the fourth token's event
+    body["stop"] = [free["tokens"][2][-1:] + "\u0001", "".join(free["tokens"][3:5]) + "\u0002"]
+    whole = post(client, body)["choices"][0]
+    assert whole["logprobs"]["text_offset"] == free["text_offset"]
+    joined: dict[str, list[Any]] = {k: [] for k in whole["logprobs"]}
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for k, v in (
+                    json.loads(line[len("data: ") :])["choices"][0]["logprobs"] or {}
+                ).items():
+                    joined[k] += v
+    assert joined["tokens"] == whole["logprobs"]["tokens"]
+    assert joined["text_offset"] == whole["logprobs"]["text_offset"]
+
+
 def test_a_token_outside_the_vocabulary_is_a_400_not_an_abort(
     server: tuple[TestClient, Engine],
 ) -> None:

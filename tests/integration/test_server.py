@@ -431,3 +431,34 @@ def test_a_large_prompt_is_rendered_and_tokenized_off_the_event_loop(
         threads = where["tokenize"] + where["render"]
         assert where["tokenize"] and (path == "completions" or where["render"]), path
         assert all((name == loop) == on_loop for name in threads), (path, on_loop, threads)
+
+
+@pytest.mark.parametrize("sliding", [True, False])
+def test_an_over_long_prompt_is_cut_so_that_the_answer_has_room(sliding: bool) -> None:
+    """context.overflow: truncate cuts a prompt over the window as a context shift
+    would: its first `keep` tokens and the most recent ones, half the rest of the
+    window. Cut to the whole window, the answer had no room: with sliding off a request
+    without max_tokens got one token and one with max_tokens a 400 asking to shorten
+    the prompt; with sliding on its first token shifted the context, the prompt's
+    middle computed only to be discarded."""
+    profile = (
+        "engine: {n_ctx: 256, slots: 2, n_batch: 128, n_ubatch: 128}\n"
+        f"context: {{keep: 8, overflow: truncate, sliding: {str(sliding).lower()}}}\n"
+        "sampling: {max_tokens: 40, temperature: 0}\n"
+    )
+    with live_server(demo.ensure("small", "f16"), profile) as (base, _):
+        prompt = " ".join(f"line {i} of the log" for i in range(120))
+        for max_tokens in (None, 100):
+            body = {"prompt": prompt, "ignore_eos": True, "max_tokens": max_tokens}
+            r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            out = r.json()
+            assert out["usage"]["prompt_tokens"] == 8 + (256 - 8) // 2
+            assert out["usage"]["completion_tokens"] == (max_tokens or 40)
+            assert out["timings"]["context_shifts"] == 0
+        r = httpx.post(base + "/v1/completions", json={**body, "max_tokens": 130}, timeout=120)
+        if sliding:  # past the room, the window slides
+            assert r.status_code == 200 and r.json()["timings"]["context_shifts"] == 1
+        else:
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+            assert "ask for 124 at most" in r.json()["error"]["message"]

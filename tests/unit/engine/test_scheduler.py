@@ -178,6 +178,27 @@ def test_a_cancelled_prompt_is_fed_no_further_chunk() -> None:
     assert r.kv[0] == []
 
 
+def test_a_cancel_that_keeps_the_cache_leaves_the_computed_prompt_as_a_prefix() -> None:
+    """A prompt cancelled after two of its chunks keeps those 16 cells, the cells of a
+    step that ran while it was cancelled are removed, and the same prompt asked
+    again (stop, then regenerate) takes the 16 instead of computing them."""
+    s, r = Scheduler(2, 64, ContextPolicy(window=512), prefill_chunk=8), FakeRunner()
+    prompt = list(range(1, 41))
+    s.add(Req("long", prompt))
+    step(s, r)
+    step(s, r)
+    running = s.schedule()  # its third chunk is being decoded when the cancel comes
+    assert s.cancel("long", keep_cache=True) is s.slots[0]
+    s.update(running, r.run(running))
+    assert r.kv[0] == prompt[:24] and s.slots[0].cache == prompt[:16]
+    assert s.busy_slots == 0 and s.kv_cells_used == 0
+    s.add(Req("again", prompt))
+    b = step(s, r)
+    assert b.ops == (Remove(0, 16, -1),)
+    assert [(i.slot, i.pos, i.tokens) for i in b.items] == [(0, 16, tuple(prompt[16:24]))]
+    assert s.slots[0].cached_prompt == 16
+
+
 def test_prefill_chunk_must_fit_the_batch() -> None:
     with pytest.raises(ValueError, match="prefill_chunk"):
         Scheduler(2, 32, ContextPolicy(window=64), prefill_chunk=33)
@@ -287,9 +308,14 @@ def test_over_long_prompt_rejected_or_truncated() -> None:
     with pytest.raises(ContextLengthExceeded) as exc:
         strict.check_prompt(list(range(20)))
     assert (exc.value.prompt_tokens, exc.value.limit) == (20, 16)
+    # cut as a shift of a full window would leave it: the first 4 and the most recent
+    # 6 (half of the 12 after keep), so the answer has 6 cells before the next shift
     lenient = make(window=16, keep=4, truncate_prompt=True)
-    assert lenient.check_prompt(list(range(20))) == [0, 1, 2, 3, *range(8, 20)]
+    assert lenient.check_prompt(list(range(20))) == [0, 1, 2, 3, *range(14, 20)]
+    assert lenient.check_prompt(list(range(16))) == list(range(16))  # it fits: not cut
     assert lenient.check_prompt([1, 2]) == [1, 2]
+    fixed = make(window=16, keep=4, discard=10, truncate_prompt=True)
+    assert fixed.check_prompt(list(range(20))) == [0, 1, 2, 3, 18, 19]
     with pytest.raises(InvalidRequest):
         lenient.check_prompt([])
 

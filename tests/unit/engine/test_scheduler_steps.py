@@ -98,6 +98,28 @@ def test_cost_model_learns_the_coefficients() -> None:
     assert model.predict(1, 4, 100) == pytest.approx(a + 4 * b + 100 * c, rel=0.05)
 
 
+def test_one_slow_step_does_not_set_the_cost_but_a_lasting_slowdown_does() -> None:
+    """A step held off the CPU for 2 s among 20 ms ones is learned as at most four
+    times its prediction; a board that becomes twice as slow is followed."""
+
+    def train(model: StepCostModel, scale: float, rounds: int) -> None:
+        for _ in range(rounds):
+            for rows in (1, 2, 4, 8):
+                model.observe(1, rows, 0, scale * (8.0 + rows))
+            model.observe(2, 4, 64, scale * (2 * 8.0 + 4 + 64 * 0.5))
+
+    model = StepCostModel()
+    train(model, 1.0, 20)
+    assert model.settled
+    before = model.predict(1, 4, 0)
+    model.observe(1, 4, 0, 2000.0)
+    assert model.predict(1, 4, 0) < 2 * before  # unclipped: 62 ms instead of 12
+    model.observe(2, 4, 64, 5000.0)
+    assert model.coefficients()[2] < 1.0  # a prompt token stays near its 0.5 ms
+    train(model, 2.0, 20)
+    assert model.coefficients() == pytest.approx((16.0, 2.0, 1.0), rel=0.1)
+
+
 def test_budget_keeps_steps_within_the_target() -> None:
     model = StepCostModel()
     for _ in range(50):

@@ -37,9 +37,16 @@ def test_with_sliding_off_prompt_and_answer_must_fit_the_window() -> None:
         answer_length(413, "max_completion_tokens", 512, 4096, 100, FIXED)
     assert caught.value.param == "max_completion_tokens"
     assert "ask for 412 at most" in str(caught.value) and "512 tokens per slot" in str(caught.value)
-    truncating = ContextPolicy(window=512, sliding=False, truncate_prompt=True)
-    with pytest.raises(InvalidRequest, match="shorten the prompt"):
-        answer_length(1, "max_tokens", 512, 4096, 600, truncating)  # cut to fill the window
+    # an over-long prompt the engine cuts leaves the answer half the window after keep
+    truncating = ContextPolicy(window=512, keep=12, sliding=False, truncate_prompt=True)
+    assert truncating.cut_length == 262
+    assert answer_length(250, "max_tokens", 512, 4096, 600, truncating) == 250
+    assert answer_length(None, "max_tokens", 512, 4096, 600, truncating) == 250
+    with pytest.raises(InvalidRequest, match="ask for 250 at most") as caught:
+        answer_length(251, "max_tokens", 512, 4096, 600, truncating)
+    assert "600 tokens, cut to 262 (context.overflow)," in str(caught.value)
+    with pytest.raises(InvalidRequest, match="ask for 12 at most"):  # fits: not cut
+        answer_length(13, "max_tokens", 512, 4096, 500, truncating)
 
 
 @pytest.mark.parametrize("requested", [None, 1, 300])

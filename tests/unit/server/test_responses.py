@@ -109,15 +109,44 @@ def test_logprobs_in_chunks_for_each_endpoint() -> None:
     }
 
 
-def test_text_offsets_count_the_text_sent_before_each_token() -> None:
+def test_text_offsets_count_the_text_of_the_tokens_before_each_token() -> None:
     """text_offset is where each token's text starts in the text the client gets: the
-    echoed prompt's characters first, then every earlier chunk's."""
-    events = [TokenEvent("req-1", 7, t, LOGPROB) for t in ("ab", "", "cde", "f")]
+    echoed prompt's characters first, then every earlier token's, also where a
+    possible stop string held text back. The engine's events for " banana", ",",
+    " gr", "ape", "," with the stop string "ape!": the "a" of " banana" comes with
+    the comma's event, and "ape" comes with the next comma, its logprob in an event
+    of its own just before."""
+    pieces = {1: " banana", 2: ",", 3: " gr", 4: "ape", 5: "é"}
+    fmt = formatter("text")
+    fmt.served.engine_piece = lambda t: pieces[t].encode()
+    chunks = TokenChunks(fmt)
+
+    def lp(token: int) -> TokenLogprob:
+        return TokenLogprob(token, -0.5, ())
+
+    events = [
+        TokenEvent("req-1", 1, " banan", lp(1)),
+        TokenEvent("req-1", 2, "a,", lp(2)),
+        TokenEvent("req-1", 3, " gr", lp(3)),
+        TokenEvent("req-1", 4, "", None),
+        TokenEvent("req-1", None, "", lp(4)),
+        TokenEvent("req-1", 2, "ape,", lp(2)),
+        TokenEvent("req-1", 5, "é", lp(5)),
+    ]
+    offsets = [
+        (parsed(chunks.token(e))["choices"][0]["logprobs"] or {}).get("text_offset") for e in events
+    ]
+    assert offsets == [[0], [7], [8], None, [11], [14], [15]]
+    assert "".join(e.text for e in events) == " banana, grape,é"
     for echo, start in ((False, 0), (True, len("<prompt>"))):
-        fmt = formatter("text", echo=echo)
-        chunks = TokenChunks(fmt)
-        offsets = [parsed(chunks.token(e))["choices"][0]["logprobs"]["text_offset"] for e in events]
-        assert offsets == [[start], [start + 2], [start + 2], [start + 5]]
+        chunks = TokenChunks(formatter("text", echo=echo))
+        offsets = [
+            parsed(chunks.token(TokenEvent("req-1", 9, "é", LOGPROB)))["choices"][0]["logprobs"][
+                "text_offset"
+            ]
+            for _ in range(3)
+        ]
+        assert offsets == [[start], [start + 1], [start + 2]]
     # a whole answer: one offset per token, after the echoed prompt
     whole = Completion("req-1", "aa", (7, 7), (LOGPROB, LOGPROB), "length", TIMINGS)
     for echo, start in ((False, 0), (True, len("<prompt>"))):
