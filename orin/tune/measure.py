@@ -110,15 +110,18 @@ class EngineMeasurer:
         self._per_rep: list[float] = []  # seconds per repetition of completed measurements
 
     def evaluate(self, candidate: Candidate, reps: int) -> Evaluation:
-        """Bring ``candidate`` to ``reps`` repetitions; the cost is this call's wall time."""
+        """Bring ``candidate`` to ``reps`` repetitions; the cost is this call's wall time,
+        its fixed part the engine's load and warm-up."""
         start = time.perf_counter()
         have = self.results.get(candidate)
         need = reps - (have.reps if have else 0)
+        fixed = 0.0
         if need > 0:
             m = self.measure(candidate, need)
             self.results[candidate] = have.merge(m) if have else m
+            fixed = m.setup_s
         cost = time.perf_counter() - start
-        return Evaluation(score(self.results[candidate], self.profile.slo), cost)
+        return Evaluation(score(self.results[candidate], self.profile.slo), cost, fixed)
 
     def allowance(self, reps: int) -> float | None:
         """Seconds a measurement of ``reps`` repetitions may take (None: unbounded)."""
@@ -146,7 +149,8 @@ class EngineMeasurer:
             engine.add_step_observer(steps.append)
             engine.start().wait_ready(LOAD_TIMEOUT_S)
         except (OrinError, TimeoutError, ValueError) as exc:
-            return Measurement(candidate, reps, cost_s=time.perf_counter() - start, error=str(exc))
+            cost = time.perf_counter() - start
+            return Measurement(candidate, reps, cost_s=cost, error=str(exc), setup_s=cost)
         cutoff = Cutoff(limit)
         try:
             m = self._run(engine, candidate, reps, steps, start, cutoff)
@@ -174,6 +178,7 @@ class EngineMeasurer:
                 engine.tokenize(text), engine.tokenize("zebra " + text)
             )
         self._request(engine, [self.pool.prompt(self.rng, min(self.grid.prompt_tokens))], 2, cutoff)
+        setup = time.perf_counter() - start  # loaded and warmed up: the rest is repetitions
         steps.clear()
         t0 = time.perf_counter_ns()
         points: dict[tuple[int, int], Point] = {}
@@ -181,11 +186,12 @@ class EngineMeasurer:
             for key in self.grid.points:
                 if cutoff.fired.is_set():
                     error = f"cut off after {cutoff.seconds:.1f} s (its allowance)"
-                    return Measurement(c, reps, cost_s=time.perf_counter() - start, error=error)
+                    cost = time.perf_counter() - start
+                    return Measurement(c, reps, cost_s=cost, error=error, setup_s=setup)
                 p = self._point(engine, *key, cutoff)
                 points[key] = points[key].merge(p) if key in points else p
         phases = self._phases(steps, t0, time.perf_counter_ns())
-        return Measurement(c, reps, points, phases, time.perf_counter() - start)
+        return Measurement(c, reps, points, phases, time.perf_counter() - start, setup_s=setup)
 
     def _request(
         self, engine: Engine, prompts: list[list[int]], n: int, cutoff: Cutoff
