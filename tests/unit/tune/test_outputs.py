@@ -98,6 +98,17 @@ def test_explain_names_the_phase_and_its_figures() -> None:
     assert explain(measurement(c, 10.0, 5.0), SLOSection(ttft_p95_ms=100)) == []
 
 
+def test_explain_states_the_targets_as_the_profile_gives_them() -> None:
+    """A target below a millisecond, or with more digits than the figures, is written
+    as given: rounding said "20 ms against 0 ms" for a TTFT target of 0.5 ms."""
+    c = Candidate(128, 128, "on", "f16", "f16", 1, 2)
+    slo = SLOSection(ttft_p95_ms=0.5, tpot_p90_ms=0.25)
+    lines = explain(measurement(c, 10.0, 5.0), slo)
+    assert "is 20 ms against 0.5 ms: prefill-bound" in lines[0]
+    assert "is 5.0 ms against 0.25 ms: decode-bound" in lines[1]
+    assert "against 12.5 ms" in explain(measurement(c, 10.0, 5.0), SLOSection(ttft_p95_ms=12.5))[0]
+
+
 def test_the_tuned_profile_records_figures_and_validates(tiny_f16: Path, tmp_path: Path) -> None:
     r = result(tiny_f16)
     text = tuned.render(r)
