@@ -429,14 +429,44 @@ def _run_measured(
                 "report": folder,
             }
         )
-        return
-    _show_tuned(out, result)
-    out.line("changed from the profile:" if changes else "nothing changed from the profile")
-    for line in tuned.change_lines(tuned.profile_changes(result)):
-        out.line(f"  {line}")
-    out.line(f"tuned profile: {written}")
-    plots = "plots skipped: matplotlib is not installed" if folder["plots"] is None else "plots"
-    out.line(f"report: {folder['folder']}/report.md ({plots})")
+    else:
+        _show_tuned(out, result)
+        out.line("changed from the profile:" if changes else "nothing changed from the profile")
+        for line in tuned.change_lines(tuned.profile_changes(result)):
+            out.line(f"  {line}")
+        out.line(f"tuned profile: {written}")
+        plots = "plots skipped: matplotlib is not installed" if folder["plots"] is None else "plots"
+        out.line(f"report: {folder['folder']}/report.md ({plots})")
+    missed = _slo_missed(result)
+    if missed:  # written and printed all the same; a script must not serve it unawares
+        raise fail(f"{missed}; the closest configuration is in {written}", EXIT_FAILED)
+
+
+def _slo_missed(r: TuneResult) -> str | None:
+    """``SLO not met: ttft_p95_ms 20 ms > 0.5 ms at 256 prompt tokens x 2 streams``, or
+    None when the chosen configuration meets every target (or there are none)."""
+    from orin.tune.explain import streams
+
+    if not r.has_targets or r.meets_slo:
+        return None
+    slo, parts = r.profile.slo, []
+    for key, goal, metric in (
+        ("ttft_p95_ms", slo.ttft_p95_ms, "ttft_p95"),
+        ("tpot_p90_ms", slo.tpot_p90_ms, "tpot_p90"),
+    ):
+        values = [(getattr(p, metric), p) for p in r.chosen_m.points.values()]
+        measured = [(v, p) for v, p in values if v is not None]
+        if goal is None or not measured:
+            continue
+        worst, p = max(measured, key=lambda vp: vp[0])
+        if worst > goal:
+            where = f"{p.prompt_tokens} prompt tokens x {streams(p.concurrency)}"
+            parts.append(f"{key} {worst:.{1 if metric == 'tpot_p90' else 0}f} ms > {goal:g} ms "
+                         f"at {where}")  # fmt: skip
+    errors = sum(p.errors for p in r.chosen_m.points.values())
+    if errors:
+        parts.append(f"{errors} request{'s' * (errors != 1)} failed")
+    return "SLO not met: " + ", ".join(parts)
 
 
 def _write_interrupted(out: Output, r: TuneResult, out_path: Path, report_dir: Path) -> None:

@@ -476,3 +476,39 @@ def test_a_folder_that_went_away_during_the_run_is_said_not_an_internal_error(
     r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r"), "-q"])
     assert r.exit_code == 1, r.output
     assert r.stderr.startswith(f"orin-llm: cannot write the tuned profile {folder / 't.yaml'}: ")
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_targets_out_of_reach_exit_1_after_writing_the_closest(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_json: bool
+) -> None:
+    """No configuration meets the profile's targets: the closest is written and shown
+    as always, and the exit code says the targets were missed (1, as bench --slo), so
+    `tune run && serve --profile tuned.yaml` does not serve it unawares."""
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: result(tiny_f16, slow=True))
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    out, folder = tmp_path / "t.yaml", tmp_path / "r"
+    args = ["run", "--profile", str(tmp_path / "p.yaml"), "--out", str(out), "-q"]
+    r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(folder), *["--json"] * as_json])
+    assert r.exit_code == 1, r.output
+    assert out.is_file() and (folder / "report.json").is_file()
+    assert r.stderr.startswith("orin-llm: SLO not met: ttft_p95_ms ")
+    assert "ms > 100 ms at 64 prompt tokens x 2 streams" in r.stderr
+    assert f"the closest configuration is in {out}" in r.stderr
+    if as_json:
+        assert json.loads(r.stdout)["meets_slo"] is False
+    else:
+        assert "SLO NOT met: the closest configuration" in r.stdout
+
+
+def test_targets_met_exit_0(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: result(tiny_f16))
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    args = ["run", "--profile", str(tmp_path / "p.yaml"), "--out", str(tmp_path / "t.yaml")]
+    r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r"), "-q"])
+    assert r.exit_code == 0, r.output
+    assert "SLO met" in r.stdout and r.stderr == ""
