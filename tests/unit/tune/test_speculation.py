@@ -25,6 +25,7 @@ from orin.tune.speculation import (
     fidelity_for,
     median_tpot,
     refine,
+    why_not,
 )
 from tests.unit.tune.test_outputs import result
 
@@ -53,10 +54,14 @@ def measured(
     tokens_per_s: float = 100.0,
     ttft: float = 50.0,
     reps: int = 3,
-    drafted: int = 0,
-    accepted: int = 0,
+    drafted: int | None = None,
+    accepted: int | None = None,
 ) -> Measurement:
-    """Every request of every point at ``tpot``; throughput ``tokens_per_s`` per point."""
+    """Every request of every point at ``tpot``; throughput ``tokens_per_s`` per point;
+    a speculating candidate drafts 30 tokens per point and 24 are accepted unless told."""
+    speculates = c.speculative != "off"
+    drafted = (30 if speculates else 0) if drafted is None else drafted
+    accepted = (24 if speculates else 0) if accepted is None else accepted
     points = {}
     for length, streams in ((16, 1), (16, 2), (64, 1), (64, 2)):
         n = reps * streams
@@ -119,6 +124,27 @@ def test_ngram_is_chosen_only_for_a_clear_tpot_gain() -> None:
     assert beats(fast, off, SLO) and not beats(marginal, off, SLO)
     assert decide(off, [marginal, fast], SLO) is fast
     assert decide(off, [marginal], SLO) is off
+
+
+def test_speculation_whose_drafts_were_never_accepted_is_not_chosen() -> None:
+    """Without an accepted draft every token took a decode step as with off: a lower
+    TPOT (or an SLO met) is the noise between two measurements, not speculation's.
+    tune chose ngram/4 for "median TPOT 11% lower" with 0% of its drafts accepted."""
+    off = measured(WINNER, 20.0)
+    rejected = measured(WINNER.with_speculation(NGRAM4), 17.8, 104.0, drafted=90, accepted=0)
+    silent = measured(WINNER.with_speculation(NGRAM8), 17.8, 104.0, drafted=0, accepted=0)
+    assert not beats(rejected, off, SLO) and not beats(silent, off, SLO)
+    assert decide(off, [rejected, silent], SLO) is off
+    slow = measured(WINNER, 60.0)  # misses the TPOT target; the idle setting "meets" it
+    assert decide(slow, [measured(WINNER.with_speculation(NGRAM8), 40.0, accepted=0)], SLO) is slow
+    assert why_not(rejected, off, SLO) == (
+        "none of its drafted tokens was accepted, so it decoded as off does "
+        "(its TPOT -11.0% is noise)"
+    )
+    assert why_not(silent, off, SLO).startswith("it drafted nothing, so it decoded as off")
+    # off replacing a profile's speculation that never drafted follows the usual rule
+    assert decide(silent, [off], SLO) is silent  # off is 12 % slower here
+    assert decide(silent, [measured(WINNER, 15.0, 104.0)], SLO).candidate == WINNER
 
 
 def test_speculation_that_costs_throughput_at_full_concurrency_is_not_chosen() -> None:
