@@ -47,6 +47,7 @@ from orin.cli.options import (
     finite,
     folder_to_write,
     named,
+    path_named,
 )
 from orin.cli.output import Output, progress_wanted
 from orin.doctor.context import model_path_for
@@ -113,6 +114,7 @@ def run(
         Path | None,
         typer.Option(
             "--out",
+            parser=path_named,
             callback=file_to_write,
             help="Tuned profile YAML (default: NAME-tuned.yaml).",
         ),
@@ -121,6 +123,7 @@ def run(
         Path | None,
         typer.Option(
             "--report",
+            parser=path_named,
             callback=folder_to_write,
             help="Report folder (default: NAME-tune-report/).",
         ),
@@ -388,7 +391,7 @@ def _run_measured(
             raise usage_error(f"{', '.join(given)}: {exc}") from None
         raise
 
-    out_path, report_dir = _outputs(profile, out_path, report_dir)
+    out_path, report_dir = _outputs(profile, out_path, report_dir, model)
     out = Output(as_json)
     if chosen_for_you is not None and not quiet:  # which profile a bare `tune run` tunes
         out.note(f"no --profile given: tuning {profile.name}, the profile serve runs without one")
@@ -502,15 +505,25 @@ def _write_interrupted(out: Output, r: TuneResult, out_path: Path, report_dir: P
     out.note(f"no tuned profile written: {why}{kept}")
 
 
-def _outputs(profile: Profile, out: Path | None, report: Path | None) -> tuple[Path, Path]:
+def _outputs(
+    profile: Profile, out: Path | None, report: Path | None, model: Path | None = None
+) -> tuple[Path, Path]:
     """The tuned profile's file and the report's folder, defaults included, checked as
     --out and --report are: a search that takes the whole budget never ends on a path
     it cannot write (a folder named like the profile file, a file named like the
-    report's folder, a working directory this user cannot write in, one path for both)."""
+    report's folder, a working directory this user cannot write in, one path for both),
+    nor on the file of the profile it tunes or the --model it measures, which writing
+    the tuned profile would replace."""
     if out is None:
         out = _check(file_to_write, Path(f"{profile.name}-tuned.yaml"), "--out")
     if report is None:
         report = _check(folder_to_write, Path(f"{profile.name}-tune-report"), "--report")
+    for what, path in (("the profile it tunes", profile.source), ("the model", model)):
+        if path is not None and out.resolve() == path.resolve():
+            raise usage_error(
+                f"--out {out} is {what}: the tuned profile would replace it; give another "
+                "file (the tuned profile names the one it came from)"
+            )
     if out.resolve() == report.resolve() or out.resolve() in report.resolve().parents:
         raise usage_error(
             f"--out {out}, --report {report}: the tuned profile is a file and the report a "

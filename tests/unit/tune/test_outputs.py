@@ -361,6 +361,42 @@ def test_one_path_for_the_tuned_profile_and_the_report_is_refused_at_the_start(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]
 
 
+@pytest.mark.parametrize("option", ["--out", "--report"])
+def test_an_empty_output_path_is_a_usage_error_not_the_current_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, option: str
+) -> None:
+    """``--report "$DIR"`` with DIR unset wrote report.md, report.json and the plots
+    into the working directory; ``--out ""`` said ". is a folder"."""
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    r = CliRunner().invoke(tune_cli.app, ["run", "--profile", "p.yaml", option, ""])
+    assert r.exit_code == 2, r.output
+    assert f"Invalid value for '{option}': an empty name" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]
+
+
+def test_an_out_that_is_the_profile_or_the_model_tuned_is_refused_at_the_start(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--out naming the profile being tuned replaced it (its comments and settings) with
+    the tuned one after the whole budget; naming the --model, the model file."""
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    r = CliRunner().invoke(tune_cli.app, ["run", "--profile", "p.yaml", "--out", "./p.yaml"])
+    assert r.exit_code == 2, r.output
+    assert "--out p.yaml is the profile it tunes: the tuned profile would replace it" in r.stderr
+    assert (tmp_path / "p.yaml").read_text() == PROFILE
+    model = tmp_path / "m.gguf"
+    model.write_bytes(tiny_f16.read_bytes())
+    args = ["run", "--profile", "p.yaml", "--model", str(model), "--out", "m.gguf"]
+    r = CliRunner().invoke(tune_cli.app, args)
+    assert r.exit_code == 2, r.output
+    assert "--out m.gguf is the model: the tuned profile would replace it" in r.stderr
+    assert model.read_bytes() == tiny_f16.read_bytes()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write in any folder")
 def test_an_out_in_a_folder_this_user_cannot_write_is_refused_at_the_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
