@@ -548,3 +548,32 @@ def test_targets_met_exit_0(
     r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r"), "-q"])
     assert r.exit_code == 0, r.output
     assert "SLO met" in r.stdout and r.stderr == ""
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_the_report_and_profile_say_what_was_tried_and_why_the_choice_won(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow: bool
+) -> None:
+    """The report listed the measured configurations but neither the values searched per
+    setting nor the rule and the runner-up that decided the choice."""
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    r = result(tiny_f16, slow=slow)
+    finalists = [c for c in r.search.finalists if c != r.chosen]
+    runner_up = r.measurements[finalists[0]]
+    report.write(r, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    head = [line for line in tuned.render(r).splitlines() if line.startswith("#")]
+    if slow:
+        why = "no configuration measured meets the SLO targets; it is the closest to them: "
+        assert f"{runner_up.candidate.label}, worst point +" in md
+    else:
+        why = "it meets the SLO targets at every point, with the highest throughput at 2 streams: "
+        assert f"{runner_up.candidate.label}, {runner_up.throughput():.1f} tokens/s" in md
+    assert f"- **chosen because** {why}" in md
+    assert f"runner-up in the last round ({len(finalists) + 1} configurations, 9 repetitions)" in md
+    assert any(line.startswith(f"# Chosen {r.chosen.label}: {why}") for line in head)
+    assert "| setting | values tried | the profile's |" in md
+    assert "| n_batch/n_ubatch | 128/128, 256/256, 512/512 | 128/128 |" in md
+    assert "| threads | 1, 2 | 2 |" in md
+    own = r.space.baseline not in r.space.candidates  # auto flash attention: not searched
+    assert own and f"- search: {len(r.space)} configurations and the profile's own," in md
