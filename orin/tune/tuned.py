@@ -115,9 +115,14 @@ def why_chosen(r: TuneResult) -> str:
         rule = "no configuration measured meets the SLO targets; it is the closest to them"
     rivals = [c for c in r.search.finalists if c != winner and c in r.measurements]
     reps = _count(r.search.best_fidelity, "repetition")
-    last = f"the last round ({_count(len(rivals) + 1, 'configuration')}, {reps})"
     text = f"{rule}: {_standing(m, r)}"
-    if rivals:
+    if len({t.candidate for t in r.search.trials}) == 1:
+        text = (
+            f"the only configuration the budget let the search measure ({_standing(m, r)}; "
+            "a larger --budget compares others)"
+        )
+    elif rivals:
+        last = f"the last round ({_count(len(rivals) + 1, 'configuration')}, {reps})"
         text += (
             f"; runner-up in {last}: {rivals[0].label}, {_standing(r.measurements[rivals[0]], r)}"
         )

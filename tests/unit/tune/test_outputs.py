@@ -577,3 +577,19 @@ def test_the_report_and_profile_say_what_was_tried_and_why_the_choice_won(
     assert "| threads | 1, 2 | 2 |" in md
     own = r.space.baseline not in r.space.candidates  # auto flash attention: not searched
     assert own and f"- search: {len(r.space)} configurations and the profile's own," in md
+
+
+def test_a_choice_the_budget_left_alone_is_not_said_to_have_won_a_ranking(
+    tiny_f16: Path,
+) -> None:
+    r = result(tiny_f16)
+    base = r.space.baseline
+    only = successive_halving(
+        [base], lambda c, f: Evaluation(score(r.measurements[c], r.profile.slo), 1.0), 1e9
+    )
+    lone = dataclasses.replace(r, search=only, chosen=base)
+    head = [line for line in tuned.render(lone).splitlines() if line.startswith("# Chosen")]
+    assert head == [
+        f"# Chosen {base.label}: the only configuration the budget let the search measure "
+        f"({r.measurements[base].throughput():.1f} tokens/s; a larger --budget compares others)."
+    ]
