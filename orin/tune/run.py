@@ -209,6 +209,8 @@ def tune(
     space = build_space(profile, info, build, available, allow_fewer_slots=s.allow_fewer_slots)
     say = progress or (lambda _: None)
     say(f"{len(space)} configurations; grid {grid.points}; budget {s.budget_s:.0f} s")
+    for note in space.notes:  # slots kept, configurations that do not fit: before the wait
+        say(f"note: {note}")
     sampler, source = _sampler(s.telemetry, s.budget_s)
     measurer = EngineMeasurer(profile, path, info, grid, build, available, sampler, s.seed)
     try:
