@@ -580,7 +580,8 @@ class TuneProgress:
             self.out.note(line)
             return
         self.bar.console.print(escape(line))
-        self.stage(re.split(r"[:;]", line, maxsplit=1)[0])  # "round 1 x3", "48 configurations"
+        if not line.startswith("note: "):  # a note is no step: the bar keeps the one running
+            self.stage(re.split(r"[:;]", line, maxsplit=1)[0])  # "round 1 x3", "48 configurations"
 
 
 def _show_tuned(out: Output, r: TuneResult) -> None:

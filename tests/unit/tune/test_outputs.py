@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import io
 import json
 import os
 from pathlib import Path
@@ -593,3 +594,19 @@ def test_a_choice_the_budget_left_alone_is_not_said_to_have_won_a_ranking(
         f"# Chosen {base.label}: the only configuration the budget let the search measure "
         f"({r.measurements[base].throughput():.1f} tokens/s; a larger --budget compares others)."
     ]
+
+
+def test_a_note_leaves_the_progress_bar_on_the_step_running() -> None:
+    """The space's notes come as progress lines; the bar named its step "note"."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from orin.cli.output import Output
+
+    bar = Progress(console=Console(file=io.StringIO(), force_terminal=True))
+    progress = tune_cli.TuneProgress(Output(), 60.0, bar, quiet=False)
+    progress.say("13 configurations; grid [(16, 1)]; budget 60 s")
+    progress.say("note: slots kept at the profile's 4 although ...")
+    assert bar.tasks[0].description == "13 configurations"
+    progress.say("round 0 x1: b128/u128 ...: 10.0 tok/s (1.0 s)")
+    assert bar.tasks[0].description == "round 0 x1"
