@@ -33,7 +33,13 @@ from orin.telemetry.sources import select_source
 from orin.tune.explain import explain
 from orin.tune.figures import Grid, Measurement, has_targets, score
 from orin.tune.measure import EngineMeasurer, workload
-from orin.tune.search import SearchInterrupted, SearchResult, Trial, successive_halving
+from orin.tune.search import (
+    SearchInterrupted,
+    SearchResult,
+    Trial,
+    cost_model,
+    successive_halving,
+)
 from orin.tune.space import Candidate, Space, build_space, fits
 from orin.tune.speculation import SPEC_SHARE, SpecChoice, refine
 
@@ -314,11 +320,15 @@ def _top_up_baseline(
     budget: float,
 ) -> None:
     """Measure the profile's own settings as often as the chosen ones (``reps``) when
-    time allows, so the before/after figures compare like with like."""
+    time allows, so the before/after figures compare like with like. The cost is the
+    search's model (a load plus the added repetitions): the profile's own settings were
+    measured first, and their whole cost per repetition, the first load's reading of
+    the model from disk in it, would say no time is left when there is."""
     have = measurer.results.get(baseline)
-    if have is None or have.error or have.reps >= reps or have.reps == 0:
+    if have is None or have.error or have.reps >= reps or have.reps == 0 or not result.trials:
         return
-    predicted = have.cost_s / have.reps * (reps - have.reps)
+    fixed, unit = cost_model(result.trials, result.fidelities)
+    predicted = fixed + unit * (reps - have.reps)
     if result.spent_s + predicted <= budget:
         ev = measurer.evaluate(baseline, reps)
         result.spent_s += ev.cost_s

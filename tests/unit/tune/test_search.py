@@ -129,3 +129,34 @@ def test_schedule_arithmetic() -> None:
     assert first_round_size(24, 1.0, (1, 3, 9), 3, 58.0) == 24
     assert first_round_size(24, 1.0, (1, 3, 9), 3, 30.0) < 24
     assert first_round_size(24, 100.0, (1, 3, 9), 3, 1.0) == 1
+
+
+def test_the_profiles_own_settings_are_topped_up_when_the_cost_model_says_it_fits() -> None:
+    """The profile's own settings are measured first, with the cold load (2.3 s); its
+    whole cost per repetition predicted 18 s for 8 more, so the before/after compared
+    1 repetition with 9 while the 0.3 s it takes was left in the budget."""
+    from orin.tune.figures import Measurement
+    from orin.tune.run import _top_up_baseline
+    from orin.tune.search import SearchResult, Trial
+
+    base, best = (0, 0, 0), OPTIMUM
+    trials = [Trial(base, 1, 0, Score(True, 1.0, -1.0), 2.32, 2.3)] + [
+        Trial(c, 1, 0, Score(True, 1.0, -1.0), 0.07, 0.05) for c in GRID[:8]
+    ]
+    result = SearchResult(best, None, 9, trials, 5.0, 6.0, (1, 3, 9), 9)
+
+    class Measurer:
+        def __init__(self) -> None:
+            self.results = {base: Measurement(base, 1, cost_s=2.32, setup_s=2.3)}  # type: ignore[arg-type]
+            self.calls: list[tuple[Cand, int]] = []
+
+        def evaluate(self, c: Cand, reps: int) -> Evaluation:
+            self.calls.append((c, reps))
+            return Evaluation(Score(True, 1.0, -1.0), 0.2, 0.05)
+
+    m = Measurer()
+    _top_up_baseline(m, base, 9, result, budget=6.0)  # type: ignore[arg-type]
+    assert m.calls == [(base, 9)] and result.spent_s == pytest.approx(5.2)
+    m.calls.clear()
+    _top_up_baseline(m, base, 9, result, budget=5.3)  # type: ignore[arg-type]
+    assert m.calls == []  # 0.05 + 8 x 0.02 does not fit in 0.1
