@@ -63,8 +63,8 @@ class Cutoff:
     configuration several times slower than the median would never be chosen, and
     measuring it to the end would spend the budget the others need."""
 
-    def __init__(self, seconds: float | None) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float | None, why: str = "its allowance") -> None:
+        self.seconds, self.why = seconds, why
         self.fired = threading.Event()
         self.live: list[RequestStream] = []
         self._timer = threading.Timer(seconds, self._fire) if seconds is not None else None
@@ -123,20 +123,22 @@ class EngineMeasurer:
         cost = time.perf_counter() - start
         return Evaluation(score(self.results[candidate], self.profile.slo), cost, fixed)
 
-    def allowance(self, reps: int) -> float | None:
-        """Seconds a measurement of ``reps`` repetitions may take (None: unbounded)."""
-        limits = []
+    def allowance(self, reps: int) -> tuple[float | None, str]:
+        """Seconds a measurement of ``reps`` repetitions may take (None: unbounded), and
+        what sets them, in words: its allowance or the end of the budget."""
+        limits: list[tuple[float, str]] = []
         if len(self._per_rep) >= 3:
             per_rep = statistics.median(self._per_rep)
-            limits.append(max(ALLOWANCE * per_rep * reps, MIN_ALLOWANCE_S))
+            seconds = max(ALLOWANCE * per_rep * reps, MIN_ALLOWANCE_S)
+            limits.append((seconds, f"its allowance, {ALLOWANCE:g} times the median run"))
         if self.deadline is not None:
-            limits.append(self.deadline - time.perf_counter())
-        return min(limits) if limits else None
+            limits.append((self.deadline - time.perf_counter(), "the end of the budget"))
+        return min(limits) if limits else (None, "")
 
     def measure(self, candidate: Candidate, reps: int) -> Measurement:
         """Load the engine with the candidate's settings and run ``reps`` repetitions."""
         start = time.perf_counter()
-        limit = self.allowance(reps)
+        limit, why = self.allowance(reps)
         if limit is not None and limit <= 0:
             return Measurement(candidate, reps, error="the budget ran out before this run")
         steps: list[StepStats] = []
@@ -151,7 +153,7 @@ class EngineMeasurer:
         except (OrinError, TimeoutError, ValueError) as exc:
             cost = time.perf_counter() - start
             return Measurement(candidate, reps, cost_s=cost, error=str(exc), setup_s=cost)
-        cutoff = Cutoff(limit)
+        cutoff = Cutoff(limit, why)
         try:
             m = self._run(engine, candidate, reps, steps, start, cutoff)
         except EngineError as exc:
@@ -185,7 +187,7 @@ class EngineMeasurer:
         for _ in range(reps):
             for key in self.grid.points:
                 if cutoff.fired.is_set():
-                    error = f"cut off after {cutoff.seconds:.1f} s (its allowance)"
+                    error = f"cut off after {cutoff.seconds:.1f} s ({cutoff.why})"
                     cost = time.perf_counter() - start
                     return Measurement(c, reps, cost_s=cost, error=error, setup_s=setup)
                 p = self._point(engine, *key, cutoff)

@@ -610,3 +610,22 @@ def test_a_note_leaves_the_progress_bar_on_the_step_running() -> None:
     assert bar.tasks[0].description == "13 configurations"
     progress.say("round 0 x1: b128/u128 ...: 10.0 tok/s (1.0 s)")
     assert bar.tasks[0].description == "round 0 x1"
+
+
+def test_a_cut_off_says_whether_its_allowance_or_the_budget_ended_it(tiny_f16: Path) -> None:
+    """Every cut-off said "(its allowance)", also when the end of the budget cut it,
+    beside "the budget ran out ...; give a larger --budget"."""
+    import time
+
+    from orin.tune.measure import EngineMeasurer
+
+    profile = parse_profile(PROFILE)
+    m = EngineMeasurer(profile, tiny_f16, read_model_info(tiny_f16), GRID)
+    assert m.allowance(3) == (None, "")
+    m._per_rep = [1.0, 1.0, 1.0]
+    assert m.allowance(3) == (15.0, "its allowance, 5 times the median run")
+    m.deadline = time.perf_counter() + 1000.0
+    assert m.allowance(3) == (15.0, "its allowance, 5 times the median run")
+    m.deadline = time.perf_counter() + 10.0
+    seconds, why = m.allowance(3)
+    assert seconds is not None and seconds <= 10.0 and why == "the end of the budget"
