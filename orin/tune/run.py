@@ -280,7 +280,7 @@ def _search(
             _chosen(result, measurer), space.speculation, measurer.evaluate, measurer.results,
             profile.slo, result.fidelities, budget - result.spent_s, workload(measurer.grid),
             on_trial=lambda t: say(_describe(t, "speculation", targets=targets)),
-            fits=fit,
+            fits=fit, cost=cost_model(result.trials, result.fidelities) if result.trials else None,
         )  # fmt: skip
         result.spent_s += spec.spent_s
         reps = measurer.results[spec.chosen].reps

@@ -196,11 +196,14 @@ def decide(
     return min(better, key=rank)
 
 
-def fidelity_for(levels: Sequence[int], top: int, unit_s: float, left_s: float) -> int | None:
+def fidelity_for(
+    levels: Sequence[int], top: int, unit_s: float, left_s: float, fixed_s: float = 0.0
+) -> int | None:
     """The most repetitions up to ``top``, among the search's levels, that ``left_s``
-    seconds hold at ``unit_s`` per repetition; None when not even the fewest fit."""
+    seconds hold at ``fixed_s`` (a load) plus ``unit_s`` per repetition; None when not
+    even the fewest fit."""
     for f in sorted({lv for lv in levels if lv <= top} | {top}, reverse=True):
-        if unit_s * f <= left_s:
+        if fixed_s + unit_s * f <= left_s:
             return f
     return None
 
@@ -216,15 +219,17 @@ def refine(
     workload: str,
     on_trial: Callable[[Trial[Candidate]], None] | None = None,
     fits: Callable[[Candidate], bool] | None = None,
+    cost: tuple[float, float] | None = None,
 ) -> SpecChoice:
     """Measure ``winner`` with each other setting of ``options`` within ``budget_s``
     and decide. ``results`` holds the measurements ``evaluate`` makes (the winner's
-    among them); a repetition is predicted to cost what the winner's did on
-    average, model loads included. A setting with which the winner would not ``fit``
-    in memory (a draft model beside it) is not measured."""
+    among them); a measurement is predicted to cost ``cost``'s load plus its
+    repetitions (the search's ``cost_model``), else the winner's cost per repetition,
+    loads included. A setting with which the winner would not ``fit`` in memory (a
+    draft model beside it) is not measured."""
     out = SpecChoice(winner, winner, workload)
     have = results[winner]
-    unit = have.cost_s / max(have.reps, 1)
+    fixed, unit = cost if cost is not None else (0.0, have.cost_s / max(have.reps, 1))
     for s in options:
         c = winner.with_speculation(s)
         if c == winner:
@@ -232,7 +237,7 @@ def refine(
         if fits is not None and not fits(c):
             out.unfit.append(s)
             continue
-        fid = fidelity_for(levels, have.reps, unit, budget_s - out.spent_s)
+        fid = fidelity_for(levels, have.reps, unit, budget_s - out.spent_s, fixed)
         if fid is None:
             out.skipped.append(s)
             continue

@@ -3,6 +3,7 @@ refinement of the winner within its budget, and the decision with its wording.""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,22 @@ def test_a_short_budget_lowers_the_repetitions_then_skips() -> None:
     out = refine(WINNER, (OFF, NGRAM8), Fake({}), Fake({}).results, SLO, (1, 3, 9), 1.0, "w")
     assert not out.trials and out.skipped == [NGRAM8] and out.chosen == WINNER
     assert fidelity_for((1, 3, 9), 9, 2.0, 5.9) == 1 and fidelity_for((1, 3, 9), 3, 1.0, 9) == 3
+
+
+def test_the_search_cost_model_predicts_the_speculation_measurements() -> None:
+    """The winner is often the profile's own settings, measured first with the cold
+    model load in its cost: 29 s over 9 repetitions predicted 29 s for each setting
+    where a load and 9 repetitions take 2.8, so the settings were measured once each
+    (or skipped) by a budget that held 9 repetitions of both."""
+    ev = Fake({NGRAM8: 15.0, NGRAM4: 16.0}, cost_per_rep=0.3)
+    ev.results[WINNER] = dataclasses.replace(ev.results[WINNER], cost_s=29.0)
+    args = (WINNER, (OFF, NGRAM8, NGRAM4), ev, ev.results, SLO, (1, 3, 9), 8.0, "words")
+    out = refine(*args, cost=(0.1, 0.3))
+    assert [r for _, r in ev.calls] == [9, 9] and not out.skipped
+    ev.calls.clear()
+    refine(*args)  # 29/9 s a repetition, loads included: only 1 fits each
+    assert [r for _, r in ev.calls] == [1, 1]
+    assert fidelity_for((1, 3, 9), 9, 0.3, 2.7, fixed_s=0.1) == 3
 
 
 def test_a_draft_model_that_would_not_fit_beside_the_winner_is_not_measured() -> None:
