@@ -469,7 +469,7 @@ def _slo_missed(r: TuneResult) -> str | None:
     errors = sum(p.errors for p in r.chosen_m.points.values())
     if errors:
         parts.append(f"{errors} request{'s' * (errors != 1)} failed")
-    return "SLO not met: " + ", ".join(parts)
+    return "SLO not met: " + ", ".join(parts) if parts else "SLO not met"
 
 
 def _write_interrupted(out: Output, r: TuneResult, out_path: Path, report_dir: Path) -> None:
@@ -609,6 +609,8 @@ def _show_tuned(out: Output, r: TuneResult) -> None:
 
     verdict = slo_verdict(r.meets_slo, r.has_targets)
     out.line(f"{verdict}; measured {r.search.spent_s:.0f} s of {r.settings.budget_s:.0f} s")
+    if before is not None and before.error:  # "before: -" alone did not say why
+        out.line(f"  the profile's own settings failed: {before.error}")
     for line in r.explanation:
         out.line(f"  {line}")
     if r.speculation is not None:

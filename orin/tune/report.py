@@ -154,6 +154,11 @@ def markdown(r: TuneResult, images: list[str] | None) -> str:
         f"`{r.chosen.label}` — {verdict(r.meets_slo, r.has_targets)}",
         "",
         f"- **chosen because** {why_chosen(r)}",
+        *(
+            [f"- **the profile's own settings failed**: {r.baseline_m.error}"]
+            if r.baseline_m is not None and r.baseline_m.error
+            else []
+        ),
         *(f"- {line}" for line in point_lines(r.chosen_m, r.baseline_m)),
         *(f"- **why**: {e}" for e in r.explanation),
         "",

@@ -155,6 +155,11 @@ def header(r: TuneResult) -> list[str]:
         f"Measured ({_count(chosen.reps, 'repetition')} per point; before = the profile's own "
         f"settings, {_count(before.reps if before else 0, 'repetition')}):",
         *(f"  {line}" for line in point_lines(chosen, before)),
+        *(
+            [f"The profile's own settings failed: {before.error}"]
+            if before and before.error
+            else []
+        ),
     ]
     slo = r.profile.slo
     goals = (("ttft_p95_ms", slo.ttft_p95_ms), ("tpot_p90_ms", slo.tpot_p90_ms))

@@ -629,3 +629,26 @@ def test_a_cut_off_says_whether_its_allowance_or_the_budget_ended_it(tiny_f16: P
     m.deadline = time.perf_counter() + 10.0
     seconds, why = m.allowance(3)
     assert seconds is not None and seconds <= 10.0 and why == "the end of the budget"
+
+
+def test_the_profiles_own_settings_that_failed_are_said_to_with_the_reason(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile llama.cpp refuses (a quantized V cache with flash attention off) is
+    tuned into one that works; the output showed "before: -" and said nothing of why."""
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    r = result(tiny_f16)
+    why = "kv-quant-v-needs-fa: a quantized V cache (q4_0) needs flash attention"
+    base = r.space.baseline
+    r.measurements[base] = Measurement(base, 1, cost_s=0.1, error=why)
+    r = dataclasses.replace(r, chosen=next(c for c in r.search.finalists if c != base))
+    line = f"the profile's own settings failed: {why}"
+    assert f"# The profile's own settings failed: {why}" in tuned.render(r).splitlines()
+    report.write(r, tmp_path)
+    assert f"- **the profile's own settings failed**: {why}" in (tmp_path / "report.md").read_text()
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: r)
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    args = ["run", "--profile", str(tmp_path / "p.yaml"), "--out", str(tmp_path / "t.yaml")]
+    out = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r"), "-q"])
+    assert out.exit_code == 0, out.output
+    assert f"  {line}" in out.stdout.splitlines()
