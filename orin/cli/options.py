@@ -171,6 +171,14 @@ def file_to_write(value: Path | None) -> Path | None:
     return value
 
 
+def path_named(value: str) -> Path:
+    """Option parser for a path a command writes: an empty one (``''``, a variable that
+    expanded to nothing) is a usage error, not the current folder (which ``Path('')``
+    is, and the ``*_to_write`` callbacks could not tell from ``.``)."""
+    named(value)
+    return Path(value)
+
+
 def folder_to_write(value: Path | None) -> Path | None:
     """Option callback: a folder a command writes files into (made when missing, with
     the folders above it); not a file that is there already, nor a folder under a file

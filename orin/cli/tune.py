@@ -47,6 +47,7 @@ from orin.cli.options import (
     finite,
     folder_to_write,
     named,
+    path_named,
 )
 from orin.cli.output import Output, progress_wanted
 from orin.doctor.context import model_path_for
@@ -113,6 +114,7 @@ def run(
         Path | None,
         typer.Option(
             "--out",
+            parser=path_named,
             callback=file_to_write,
             help="Tuned profile YAML (default: NAME-tuned.yaml).",
         ),
@@ -121,6 +123,7 @@ def run(
         Path | None,
         typer.Option(
             "--report",
+            parser=path_named,
             callback=folder_to_write,
             help="Report folder (default: NAME-tune-report/).",
         ),
@@ -388,7 +391,7 @@ def _run_measured(
             raise usage_error(f"{', '.join(given)}: {exc}") from None
         raise
 
-    out_path, report_dir = _outputs(profile, out_path, report_dir)
+    out_path, report_dir = _outputs(profile, out_path, report_dir, model)
     out = Output(as_json)
     if chosen_for_you is not None and not quiet:  # which profile a bare `tune run` tunes
         out.note(f"no --profile given: tuning {profile.name}, the profile serve runs without one")
@@ -429,14 +432,44 @@ def _run_measured(
                 "report": folder,
             }
         )
-        return
-    _show_tuned(out, result)
-    out.line("changed from the profile:" if changes else "nothing changed from the profile")
-    for line in tuned.change_lines(tuned.profile_changes(result)):
-        out.line(f"  {line}")
-    out.line(f"tuned profile: {written}")
-    plots = "plots skipped: matplotlib is not installed" if folder["plots"] is None else "plots"
-    out.line(f"report: {folder['folder']}/report.md ({plots})")
+    else:
+        _show_tuned(out, result)
+        out.line("changed from the profile:" if changes else "nothing changed from the profile")
+        for line in tuned.change_lines(tuned.profile_changes(result)):
+            out.line(f"  {line}")
+        out.line(f"tuned profile: {written}")
+        plots = "plots skipped: matplotlib is not installed" if folder["plots"] is None else "plots"
+        out.line(f"report: {folder['folder']}/report.md ({plots})")
+    missed = _slo_missed(result)
+    if missed:  # written and printed all the same; a script must not serve it unawares
+        raise fail(f"{missed}; the closest configuration is in {written}", EXIT_FAILED)
+
+
+def _slo_missed(r: TuneResult) -> str | None:
+    """``SLO not met: ttft_p95_ms 20 ms > 0.5 ms at 256 prompt tokens x 2 streams``, or
+    None when the chosen configuration meets every target (or there are none)."""
+    from orin.tune.explain import streams
+
+    if not r.has_targets or r.meets_slo:
+        return None
+    slo, parts = r.profile.slo, []
+    for key, goal, metric in (
+        ("ttft_p95_ms", slo.ttft_p95_ms, "ttft_p95"),
+        ("tpot_p90_ms", slo.tpot_p90_ms, "tpot_p90"),
+    ):
+        values = [(getattr(p, metric), p) for p in r.chosen_m.points.values()]
+        measured = [(v, p) for v, p in values if v is not None]
+        if goal is None or not measured:
+            continue
+        worst, p = max(measured, key=lambda vp: vp[0])
+        if worst > goal:
+            where = f"{p.prompt_tokens} prompt tokens x {streams(p.concurrency)}"
+            parts.append(f"{key} {worst:.{1 if metric == 'tpot_p90' else 0}f} ms > {goal:g} ms "
+                         f"at {where}")  # fmt: skip
+    errors = sum(p.errors for p in r.chosen_m.points.values())
+    if errors:
+        parts.append(f"{errors} request{'s' * (errors != 1)} failed")
+    return "SLO not met: " + ", ".join(parts) if parts else "SLO not met"
 
 
 def _write_interrupted(out: Output, r: TuneResult, out_path: Path, report_dir: Path) -> None:
@@ -472,15 +505,25 @@ def _write_interrupted(out: Output, r: TuneResult, out_path: Path, report_dir: P
     out.note(f"no tuned profile written: {why}{kept}")
 
 
-def _outputs(profile: Profile, out: Path | None, report: Path | None) -> tuple[Path, Path]:
+def _outputs(
+    profile: Profile, out: Path | None, report: Path | None, model: Path | None = None
+) -> tuple[Path, Path]:
     """The tuned profile's file and the report's folder, defaults included, checked as
     --out and --report are: a search that takes the whole budget never ends on a path
     it cannot write (a folder named like the profile file, a file named like the
-    report's folder, a working directory this user cannot write in, one path for both)."""
+    report's folder, a working directory this user cannot write in, one path for both),
+    nor on the file of the profile it tunes or the --model it measures, which writing
+    the tuned profile would replace."""
     if out is None:
         out = _check(file_to_write, Path(f"{profile.name}-tuned.yaml"), "--out")
     if report is None:
         report = _check(folder_to_write, Path(f"{profile.name}-tune-report"), "--report")
+    for what, path in (("the profile it tunes", profile.source), ("the model", model)):
+        if path is not None and out.resolve() == path.resolve():
+            raise usage_error(
+                f"--out {out} is {what}: the tuned profile would replace it; give another "
+                "file (the tuned profile names the one it came from)"
+            )
     if out.resolve() == report.resolve() or out.resolve() in report.resolve().parents:
         raise usage_error(
             f"--out {out}, --report {report}: the tuned profile is a file and the report a "
@@ -537,7 +580,8 @@ class TuneProgress:
             self.out.note(line)
             return
         self.bar.console.print(escape(line))
-        self.stage(re.split(r"[:;]", line, maxsplit=1)[0])  # "round 1 x3", "48 configurations"
+        if not line.startswith("note: "):  # a note is no step: the bar keeps the one running
+            self.stage(re.split(r"[:;]", line, maxsplit=1)[0])  # "round 1 x3", "48 configurations"
 
 
 def _show_tuned(out: Output, r: TuneResult) -> None:
@@ -565,6 +609,8 @@ def _show_tuned(out: Output, r: TuneResult) -> None:
 
     verdict = slo_verdict(r.meets_slo, r.has_targets)
     out.line(f"{verdict}; measured {r.search.spent_s:.0f} s of {r.settings.budget_s:.0f} s")
+    if before is not None and before.error:  # "before: -" alone did not say why
+        out.line(f"  the profile's own settings failed: {before.error}")
     for line in r.explanation:
         out.line(f"  {line}")
     if r.speculation is not None:

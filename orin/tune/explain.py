@@ -65,7 +65,7 @@ def _ttft(m: Measurement, p: Point, goal: float) -> str:
     need = p.concurrency * p.prompt_tokens / (goal / 1e3)
     text = (
         f"TTFT_p95 at {p.prompt_tokens} prompt tokens x {streams(p.concurrency)} is "
-        f"{p.ttft_p95:.0f} ms against {goal:.0f} ms: prefill-bound (mean {queue:.0f} ms "
+        f"{p.ttft_p95:.0f} ms against {goal:g} ms: prefill-bound (mean {queue:.0f} ms "
         f"waiting for other prompts, {own:.0f} ms of its own prefill)"
     )
     if rate is not None:
@@ -78,7 +78,7 @@ def _tpot(m: Measurement, p: Point, goal: float) -> str:
     util, saturated = utilization(f, m.candidate.threads)
     text = (
         f"TPOT_p90 at {p.prompt_tokens} prompt tokens x {streams(p.concurrency)} is "
-        f"{p.tpot_p90:.1f} ms against {goal:.1f} ms: decode-bound"
+        f"{p.tpot_p90:.1f} ms against {goal:g} ms: decode-bound"
     )
     rate = _rate(f)
     if rate is not None:

@@ -135,6 +135,7 @@ class Measurement:
     phases: dict[str, PhaseFigures] = field(default_factory=dict)
     cost_s: float = 0.0  # wall time of all its measuring, model loads included
     error: str | None = None
+    setup_s: float = 0.0  # of cost_s: loading and warming up, whatever the repetitions
 
     def merge(self, o: Measurement) -> Measurement:
         points = dict(self.points)
@@ -145,7 +146,7 @@ class Measurement:
             phases[name] = phases[name].merge(f) if name in phases else f
         return Measurement(
             self.candidate, self.reps + o.reps, points, phases,
-            self.cost_s + o.cost_s, o.error or self.error,
+            self.cost_s + o.cost_s, o.error or self.error, self.setup_s + o.setup_s,
         )  # fmt: skip
 
     def throughput(self) -> float:

@@ -63,8 +63,8 @@ class Cutoff:
     configuration several times slower than the median would never be chosen, and
     measuring it to the end would spend the budget the others need."""
 
-    def __init__(self, seconds: float | None) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float | None, why: str = "its allowance") -> None:
+        self.seconds, self.why = seconds, why
         self.fired = threading.Event()
         self.live: list[RequestStream] = []
         self._timer = threading.Timer(seconds, self._fire) if seconds is not None else None
@@ -110,30 +110,35 @@ class EngineMeasurer:
         self._per_rep: list[float] = []  # seconds per repetition of completed measurements
 
     def evaluate(self, candidate: Candidate, reps: int) -> Evaluation:
-        """Bring ``candidate`` to ``reps`` repetitions; the cost is this call's wall time."""
+        """Bring ``candidate`` to ``reps`` repetitions; the cost is this call's wall time,
+        its fixed part the engine's load and warm-up."""
         start = time.perf_counter()
         have = self.results.get(candidate)
         need = reps - (have.reps if have else 0)
+        fixed = 0.0
         if need > 0:
             m = self.measure(candidate, need)
             self.results[candidate] = have.merge(m) if have else m
+            fixed = m.setup_s
         cost = time.perf_counter() - start
-        return Evaluation(score(self.results[candidate], self.profile.slo), cost)
+        return Evaluation(score(self.results[candidate], self.profile.slo), cost, fixed)
 
-    def allowance(self, reps: int) -> float | None:
-        """Seconds a measurement of ``reps`` repetitions may take (None: unbounded)."""
-        limits = []
+    def allowance(self, reps: int) -> tuple[float | None, str]:
+        """Seconds a measurement of ``reps`` repetitions may take (None: unbounded), and
+        what sets them, in words: its allowance or the end of the budget."""
+        limits: list[tuple[float, str]] = []
         if len(self._per_rep) >= 3:
             per_rep = statistics.median(self._per_rep)
-            limits.append(max(ALLOWANCE * per_rep * reps, MIN_ALLOWANCE_S))
+            seconds = max(ALLOWANCE * per_rep * reps, MIN_ALLOWANCE_S)
+            limits.append((seconds, f"its allowance, {ALLOWANCE:g} times the median run"))
         if self.deadline is not None:
-            limits.append(self.deadline - time.perf_counter())
-        return min(limits) if limits else None
+            limits.append((self.deadline - time.perf_counter(), "the end of the budget"))
+        return min(limits) if limits else (None, "")
 
     def measure(self, candidate: Candidate, reps: int) -> Measurement:
         """Load the engine with the candidate's settings and run ``reps`` repetitions."""
         start = time.perf_counter()
-        limit = self.allowance(reps)
+        limit, why = self.allowance(reps)
         if limit is not None and limit <= 0:
             return Measurement(candidate, reps, error="the budget ran out before this run")
         steps: list[StepStats] = []
@@ -146,8 +151,9 @@ class EngineMeasurer:
             engine.add_step_observer(steps.append)
             engine.start().wait_ready(LOAD_TIMEOUT_S)
         except (OrinError, TimeoutError, ValueError) as exc:
-            return Measurement(candidate, reps, cost_s=time.perf_counter() - start, error=str(exc))
-        cutoff = Cutoff(limit)
+            cost = time.perf_counter() - start
+            return Measurement(candidate, reps, cost_s=cost, error=str(exc), setup_s=cost)
+        cutoff = Cutoff(limit, why)
         try:
             m = self._run(engine, candidate, reps, steps, start, cutoff)
         except EngineError as exc:
@@ -174,18 +180,20 @@ class EngineMeasurer:
                 engine.tokenize(text), engine.tokenize("zebra " + text)
             )
         self._request(engine, [self.pool.prompt(self.rng, min(self.grid.prompt_tokens))], 2, cutoff)
+        setup = time.perf_counter() - start  # loaded and warmed up: the rest is repetitions
         steps.clear()
         t0 = time.perf_counter_ns()
         points: dict[tuple[int, int], Point] = {}
         for _ in range(reps):
             for key in self.grid.points:
                 if cutoff.fired.is_set():
-                    error = f"cut off after {cutoff.seconds:.1f} s (its allowance)"
-                    return Measurement(c, reps, cost_s=time.perf_counter() - start, error=error)
+                    error = f"cut off after {cutoff.seconds:.1f} s ({cutoff.why})"
+                    cost = time.perf_counter() - start
+                    return Measurement(c, reps, cost_s=cost, error=error, setup_s=setup)
                 p = self._point(engine, *key, cutoff)
                 points[key] = points[key].merge(p) if key in points else p
         phases = self._phases(steps, t0, time.perf_counter_ns())
-        return Measurement(c, reps, points, phases, time.perf_counter() - start)
+        return Measurement(c, reps, points, phases, time.perf_counter() - start, setup_s=setup)
 
     def _request(
         self, engine: Engine, prompts: list[list[int]], n: int, cutoff: Cutoff

@@ -17,7 +17,7 @@ from orin.tune.explain import speculation
 from orin.tune.figures import Measurement, score, verdict
 from orin.tune.plots import draw_all
 from orin.tune.run import TuneResult
-from orin.tune.tuned import change_lines, point_lines, profile_changes
+from orin.tune.tuned import change_lines, configurations, point_lines, profile_changes, why_chosen
 
 SKIPPED = (
     "Plots were skipped: matplotlib is not installed "
@@ -78,6 +78,42 @@ def measurement_rows(r: TuneResult) -> list[str]:
     return rows
 
 
+def _axis(values: tuple[Any, ...]) -> str:
+    return ", ".join("/".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in values)
+
+
+AXES = {  # space.axes keys, as the settings they stand for
+    "batch": "n_batch/n_ubatch",
+    "flash_attn": "flash_attn",
+    "kv": "type_k/type_v",
+    "threads": "threads",
+    "slots": "slots",
+    "gpu_layers": "gpu_layers",
+    "speculative": "speculative (tried on the search's winner)",
+}
+
+
+def space_section(r: TuneResult) -> list[str]:
+    """The values searched per setting, and the profile's own: what was tried."""
+    base = r.space.baseline
+    own = {
+        "batch": f"{base.n_batch}/{base.n_ubatch}", "flash_attn": base.flash_attn,
+        "kv": f"{base.type_k}/{base.type_v}", "threads": base.threads, "slots": base.slots,
+        "gpu_layers": base.gpu_layers, "speculative": base.speculation.label,
+    }  # fmt: skip
+    rows = [
+        f"| {AXES.get(k, k)} | {_axis(v)} | {own.get(k, '-')} |" for k, v in r.space.axes.items()
+    ]
+    return [
+        "## Settings searched",
+        "",
+        "| setting | values tried | the profile's |",
+        "|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
 def spec_section(r: TuneResult) -> list[str]:
     """Speculative decoding: the verdict, each setting tried on the winner, the workload."""
     if r.speculation is None:
@@ -108,7 +144,7 @@ def markdown(r: TuneResult, images: list[str] | None) -> str:
         f"telemetry: {r.telemetry_source or 'off'}",
         f"- grid: prompt tokens {list(r.grid.prompt_tokens)} x concurrency "
         f"{list(r.grid.concurrency)}, {r.grid.output_tokens} generated tokens per request",
-        f"- search: {len(r.space)} configurations, successive halving over repetitions "
+        f"- search: {configurations(r)}, successive halving over repetitions "
         f"{list(s.fidelities)}; first round {s.first_round}; {_count(len(s.trials), 'measurement')}"
         + (f"; {s.stopped}" if s.stopped else ""),
         *(f"- note: {n}" for n in [*r.notes, *r.space.notes]),
@@ -117,9 +153,16 @@ def markdown(r: TuneResult, images: list[str] | None) -> str:
         "",
         f"`{r.chosen.label}` — {verdict(r.meets_slo, r.has_targets)}",
         "",
+        f"- **chosen because** {why_chosen(r)}",
+        *(
+            [f"- **the profile's own settings failed**: {r.baseline_m.error}"]
+            if r.baseline_m is not None and r.baseline_m.error
+            else []
+        ),
         *(f"- {line}" for line in point_lines(r.chosen_m, r.baseline_m)),
         *(f"- **why**: {e}" for e in r.explanation),
         "",
+        *space_section(r),
         *changes_section(r),
         *spec_section(r),
         f"## Every measured configuration (utilization: {util})",

@@ -33,7 +33,13 @@ from orin.telemetry.sources import select_source
 from orin.tune.explain import explain
 from orin.tune.figures import Grid, Measurement, has_targets, score
 from orin.tune.measure import EngineMeasurer, workload
-from orin.tune.search import SearchInterrupted, SearchResult, Trial, successive_halving
+from orin.tune.search import (
+    SearchInterrupted,
+    SearchResult,
+    Trial,
+    cost_model,
+    successive_halving,
+)
 from orin.tune.space import Candidate, Space, build_space, fits
 from orin.tune.speculation import SPEC_SHARE, SpecChoice, refine
 
@@ -209,6 +215,8 @@ def tune(
     space = build_space(profile, info, build, available, allow_fewer_slots=s.allow_fewer_slots)
     say = progress or (lambda _: None)
     say(f"{len(space)} configurations; grid {grid.points}; budget {s.budget_s:.0f} s")
+    for note in space.notes:  # slots kept, configurations that do not fit: before the wait
+        say(f"note: {note}")
     sampler, source = _sampler(s.telemetry, s.budget_s)
     measurer = EngineMeasurer(profile, path, info, grid, build, available, sampler, s.seed)
     try:
@@ -272,7 +280,7 @@ def _search(
             _chosen(result, measurer), space.speculation, measurer.evaluate, measurer.results,
             profile.slo, result.fidelities, budget - result.spent_s, workload(measurer.grid),
             on_trial=lambda t: say(_describe(t, "speculation", targets=targets)),
-            fits=fit,
+            fits=fit, cost=cost_model(result.trials, result.fidelities) if result.trials else None,
         )  # fmt: skip
         result.spent_s += spec.spent_s
         reps = measurer.results[spec.chosen].reps
@@ -312,11 +320,15 @@ def _top_up_baseline(
     budget: float,
 ) -> None:
     """Measure the profile's own settings as often as the chosen ones (``reps``) when
-    time allows, so the before/after figures compare like with like."""
+    time allows, so the before/after figures compare like with like. The cost is the
+    search's model (a load plus the added repetitions): the profile's own settings were
+    measured first, and their whole cost per repetition, the first load's reading of
+    the model from disk in it, would say no time is left when there is."""
     have = measurer.results.get(baseline)
-    if have is None or have.error or have.reps >= reps or have.reps == 0:
+    if have is None or have.error or have.reps >= reps or have.reps == 0 or not result.trials:
         return
-    predicted = have.cost_s / have.reps * (reps - have.reps)
+    fixed, unit = cost_model(result.trials, result.fidelities)
+    predicted = fixed + unit * (reps - have.reps)
     if result.spent_s + predicted <= budget:
         ev = measurer.evaluate(baseline, reps)
         result.spent_s += ev.cost_s

@@ -7,18 +7,23 @@ evaluation says what it cost. Costs are summed against the budget, so a
 synthetic cost model tests the search exactly, without a clock.
 
 Rounds use fidelities min, min*eta, min*eta^2, ... up to max; after each
-round the best 1/eta go on. Before the first round the plan is sized to the
-budget: from the cost of the first evaluation it predicts every round's cost
-(assuming cost grows with the added repetitions, which overestimates when
-part of the cost is fixed) and drops candidates from the first round, in
-seeded random order, until the plan fits. No evaluation starts that the
-prediction says would overrun the budget.
+round the best 1/eta go on. The first round is sized to the budget as it
+goes: before each of its evaluations the costs so far predict the whole
+schedule's, and the round ends (the candidates left out in seeded random
+order) when one more candidate would not fit. An evaluation costs a fixed
+part (``Evaluation.fixed_s``: loading the configuration) plus a part per
+added repetition; the prediction takes the median of each over the
+evaluations so far, so neither the fixed part counted once per repetition
+nor one slow evaluation (the first load reads the model from disk) shrinks
+the plan to a fraction of what the budget holds. No evaluation starts that
+the prediction says would overrun the budget.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -57,6 +62,7 @@ class Score:
 class Evaluation:
     score: Score
     cost_s: float  # what this call cost (seconds of measuring, or synthetic units)
+    fixed_s: float = 0.0  # the part of cost_s that does not grow with repetitions (a load)
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class Trial(Generic[C]):
     round: int
     score: Score
     cost_s: float
+    fixed_s: float = 0.0
 
 
 @dataclass
@@ -100,21 +107,33 @@ def fidelity_levels(lo: int, hi: int, eta: int) -> tuple[int, ...]:
     return tuple(levels)
 
 
-def plan_cost(n0: int, unit: float, levels: Sequence[int], eta: int) -> float:
-    """Predicted cost of the whole schedule with ``n0`` first-round candidates, when one
-    repetition of one candidate costs ``unit``."""
+def plan_cost(n0: int, unit: float, levels: Sequence[int], eta: int, fixed: float = 0.0) -> float:
+    """Predicted cost of the whole schedule with ``n0`` first-round candidates, when an
+    evaluation costs ``fixed`` plus ``unit`` per added repetition."""
     total, n, done = 0.0, n0, 0
     for f in levels:
-        total += n * unit * (f - done)
+        total += n * (fixed + unit * (f - done))
         n, done = max(1, math.ceil(n / eta)), f
     return total
 
 
-def first_round_size(n: int, unit: float, levels: Sequence[int], eta: int, budget: float) -> int:
+def first_round_size(
+    n: int, unit: float, levels: Sequence[int], eta: int, budget: float, fixed: float = 0.0
+) -> int:
     for n0 in range(n, 0, -1):
-        if plan_cost(n0, unit, levels, eta) <= budget:
+        if plan_cost(n0, unit, levels, eta, fixed) <= budget:
             return n0
     return 1
+
+
+def cost_model(trials: Sequence[Trial[Any]], levels: Sequence[int]) -> tuple[float, float]:
+    """(fixed, per repetition) cost of an evaluation: the medians over ``trials``."""
+    fixed = statistics.median(t.fixed_s for t in trials)
+    unit = statistics.median(
+        (t.cost_s - t.fixed_s) / max(t.fidelity - (levels[t.round - 1] if t.round else 0), 1)
+        for t in trials
+    )
+    return fixed, unit
 
 
 def successive_halving(
@@ -180,38 +199,42 @@ def _round(
     eta: int,
     on_trial: Callable[[Trial[C]], None] | None,
 ) -> list[tuple[C, Score]]:
-    """Evaluate one round's candidates at ``fid`` while the predicted cost fits."""
+    """Evaluate one round's candidates at ``fid`` while the predicted cost fits; the
+    first round while the whole schedule, one more candidate in it, fits."""
     scored: list[tuple[C, Score]] = []
-    costs: list[float] = []
     step = fid - done
     for i, c in enumerate(alive):
-        predicted = _predict(res, costs, step)
+        if rnd == 0 and i > 0 and _first_round_full(res, len(alive), i, eta):
+            del alive[i:]
+            break
+        predicted = _predict(res, step)
         if predicted is not None and res.spent_s + predicted > res.budget_s:
             break
         ev = evaluate(c, fid)
         res.spent_s += ev.cost_s
-        costs.append(ev.cost_s)
-        trial = Trial(c, fid, rnd, ev.score, ev.cost_s)
+        trial = Trial(c, fid, rnd, ev.score, ev.cost_s, min(ev.fixed_s, ev.cost_s))
         res.trials.append(trial)
         if on_trial is not None:
             on_trial(trial)
         scored.append((c, ev.score))
-        if rnd == 0 and i == 0:
-            remaining = res.budget_s - res.spent_s + ev.cost_s
-            n0 = first_round_size(len(alive), ev.cost_s / step, res.fidelities, eta, remaining)
-            del alive[n0:]
-            res.first_round = len(alive)
+    if rnd == 0:
+        res.first_round = len(alive)
     return scored
 
 
-def _predict(res: SearchResult[C], costs: list[float], step: int) -> float | None:
-    """Expected cost of the next evaluation: this round's mean so far, else the last
-    round's mean per repetition scaled to this round's added repetitions."""
-    if costs:
-        return sum(costs) / len(costs)
+def _first_round_full(res: SearchResult[C], offered: int, measured: int, eta: int) -> bool:
+    """Whether the first round should end at ``measured`` candidates: the schedule
+    with one more, its measured ones at their predicted cost, would overrun."""
+    fixed, unit = cost_model(res.trials, res.fidelities)
+    levels = res.fidelities
+    reached = res.budget_s - res.spent_s + measured * (fixed + unit * levels[0])
+    return first_round_size(offered, unit, levels, eta, reached, fixed) <= measured
+
+
+def _predict(res: SearchResult[C], step: int) -> float | None:
+    """Expected cost of the next evaluation, ``step`` repetitions more than the
+    candidate has: the cost model of the evaluations so far."""
     if not res.trials:
         return None
-    last = res.trials[-1]
-    prev = [t for t in res.trials if t.round == last.round]
-    added = last.fidelity - (res.fidelities[last.round - 1] if last.round else 0)
-    return sum(t.cost_s for t in prev) / len(prev) / max(added, 1) * step
+    fixed, unit = cost_model(res.trials, res.fidelities)
+    return fixed + unit * step

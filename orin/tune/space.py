@@ -189,10 +189,15 @@ def _layer_options(
 
 def slot_options(profile: Profile, allow_fewer: bool = False) -> tuple[tuple[int, ...], str | None]:
     """The slot counts to search, and a note when the profile's count held tune back
-    from trying fewer (the SLO's largest concurrency is below it)."""
+    from trying fewer (the SLO's largest concurrency is below it), or when
+    ``allow_fewer`` has nothing fewer to try."""
     own, streams = profile.engine.slots, max(profile.slo.concurrency)
     if streams >= own:
-        return (streams,), None
+        unused = (
+            f"--allow-fewer-slots: nothing fewer to try, the SLO's largest concurrency "
+            f"({streams}) is not below the profile's {own} slots"
+        )
+        return (streams,), unused if allow_fewer else None
     if allow_fewer:
         return (streams, own), None
     return (own,), (

@@ -20,8 +20,12 @@ remaining budget holds (the report gives the counts); what does not fit is
 skipped and named. ``decide`` keeps the profile's setting unless another one
 ``beats`` it:
 
-- a failed measurement never wins, and one that meets the SLO beats one that
-  does not;
+- a failed measurement never wins;
+- a speculating setting none of whose drafts was accepted (or that drafted
+  nothing) never wins: every token it produced took a decode step as with
+  ``off``, drafting added work, so a lower TPOT or an SLO met is noise (on a
+  shared machine, several % between two measurements of one configuration);
+- one that meets the SLO beats one that does not;
 - otherwise the median TPOT over every measured request must be at least
   ``MIN_GAIN`` (5 %) lower, without costing the search's own ranking more than
   ``NOISE`` (2 %): throughput at the highest SLO concurrency when both meet
@@ -121,11 +125,24 @@ def tpot_gain(m: Measurement, ref: Measurement) -> float | None:
     return None if a is None or b is None or b <= 0 else 1.0 - a / b
 
 
+def _idle(m: Measurement) -> bool:
+    """Whether ``m`` speculates and not one drafted token was accepted: it decoded as
+    ``off`` would, so nothing it measured differently is speculation's doing."""
+    return m.candidate.speculative != "off" and not sum(p.accepted for p in m.points.values())
+
+
+def _diff(m: Measurement, ref: Measurement) -> str:
+    gain = tpot_gain(m, ref)
+    return "difference" if gain is None else f"{-gain:+.1%}"
+
+
 def beats(m: Measurement, ref: Measurement, slo: SLOSection, min_gain: float = MIN_GAIN) -> bool:
     """Whether ``m``'s setting should replace ``ref``'s (the rules in the module text)."""
     a, b = score(m, slo), score(ref, slo)
     if a.failed or b.failed:
         return not a.failed
+    if _idle(m):
+        return False
     if a.meets_slo != b.meets_slo:
         return a.meets_slo
     gain = tpot_gain(m, ref)
@@ -143,6 +160,13 @@ def why_not(m: Measurement, ref: Measurement, slo: SLOSection) -> str:
     a, b = score(m, slo), score(ref, slo)
     if a.failed:
         return f"it failed ({m.error})" if m.error else "it failed"
+    if _idle(m):
+        drafted = (
+            "none of its drafted tokens was accepted"
+            if acceptance(m) is not None
+            else "it drafted nothing"
+        )
+        return f"{drafted}, so it decoded as off does (its TPOT {_diff(m, ref)} is noise)"
     if a.meets_slo != b.meets_slo:
         return "it misses the SLO"
     gain = tpot_gain(m, ref)
@@ -172,11 +196,14 @@ def decide(
     return min(better, key=rank)
 
 
-def fidelity_for(levels: Sequence[int], top: int, unit_s: float, left_s: float) -> int | None:
+def fidelity_for(
+    levels: Sequence[int], top: int, unit_s: float, left_s: float, fixed_s: float = 0.0
+) -> int | None:
     """The most repetitions up to ``top``, among the search's levels, that ``left_s``
-    seconds hold at ``unit_s`` per repetition; None when not even the fewest fit."""
+    seconds hold at ``fixed_s`` (a load) plus ``unit_s`` per repetition; None when not
+    even the fewest fit."""
     for f in sorted({lv for lv in levels if lv <= top} | {top}, reverse=True):
-        if unit_s * f <= left_s:
+        if fixed_s + unit_s * f <= left_s:
             return f
     return None
 
@@ -192,15 +219,17 @@ def refine(
     workload: str,
     on_trial: Callable[[Trial[Candidate]], None] | None = None,
     fits: Callable[[Candidate], bool] | None = None,
+    cost: tuple[float, float] | None = None,
 ) -> SpecChoice:
     """Measure ``winner`` with each other setting of ``options`` within ``budget_s``
     and decide. ``results`` holds the measurements ``evaluate`` makes (the winner's
-    among them); a repetition is predicted to cost what the winner's did on
-    average, model loads included. A setting with which the winner would not ``fit``
-    in memory (a draft model beside it) is not measured."""
+    among them); a measurement is predicted to cost ``cost``'s load plus its
+    repetitions (the search's ``cost_model``), else the winner's cost per repetition,
+    loads included. A setting with which the winner would not ``fit`` in memory (a
+    draft model beside it) is not measured."""
     out = SpecChoice(winner, winner, workload)
     have = results[winner]
-    unit = have.cost_s / max(have.reps, 1)
+    fixed, unit = cost if cost is not None else (0.0, have.cost_s / max(have.reps, 1))
     for s in options:
         c = winner.with_speculation(s)
         if c == winner:
@@ -208,7 +237,7 @@ def refine(
         if fits is not None and not fits(c):
             out.unfit.append(s)
             continue
-        fid = fidelity_for(levels, have.reps, unit, budget_s - out.spent_s)
+        fid = fidelity_for(levels, have.reps, unit, budget_s - out.spent_s, fixed)
         if fid is None:
             out.skipped.append(s)
             continue

@@ -17,7 +17,7 @@ import yaml
 from orin.profile.loader import parse_profile
 from orin.tune.explain import speculation
 from orin.tune.explain import streams as _streams
-from orin.tune.figures import Measurement, Point
+from orin.tune.figures import Measurement, Point, score
 from orin.tune.run import TuneResult
 
 
@@ -84,6 +84,55 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def configurations(r: TuneResult) -> str:
+    """'12 configurations', or with the profile's own settings when they are not
+    among them ('12 configurations and the profile's own': 13 measured)."""
+    n = _count(len(r.space), "configuration")
+    return n if r.space.baseline in r.space.candidates else f"{n} and the profile's own"
+
+
+def _standing(m: Measurement, r: TuneResult) -> str:
+    """A configuration's figure in the ranking: its throughput, or how far it misses."""
+    sc = score(m, r.profile.slo)
+    if sc.failed:
+        return "failed"
+    if sc.meets_slo or not r.has_targets:
+        return f"{m.throughput():.1f} tokens/s"
+    return f"worst point {sc.excess:+.0%} over its target"
+
+
+def why_chosen(r: TuneResult) -> str:
+    """Why the search's winner won: the ranking rule it came first by, its figure and
+    the runner-up's in the last round measured; then speculation, when that changed."""
+    winner = r.speculation.incumbent if r.speculation is not None else r.chosen
+    m = r.measurements[winner]
+    top = _streams(max(r.grid.concurrency))
+    if not r.has_targets:
+        rule = f"the highest throughput at {top} (no SLO targets to meet)"
+    elif score(m, r.profile.slo).meets_slo:
+        rule = f"it meets the SLO targets at every point, with the highest throughput at {top}"
+    else:
+        rule = "no configuration measured meets the SLO targets; it is the closest to them"
+    rivals = [c for c in r.search.finalists if c != winner and c in r.measurements]
+    reps = _count(r.search.best_fidelity, "repetition")
+    text = f"{rule}: {_standing(m, r)}"
+    if len({t.candidate for t in r.search.trials}) == 1:
+        text = (
+            f"the only configuration the budget let the search measure ({_standing(m, r)}; "
+            "a larger --budget compares others)"
+        )
+    elif rivals:
+        last = f"the last round ({_count(len(rivals) + 1, 'configuration')}, {reps})"
+        text += (
+            f"; runner-up in {last}: {rivals[0].label}, {_standing(r.measurements[rivals[0]], r)}"
+        )
+    else:
+        text += f"; the only one left in the last round ({reps})"
+    if r.speculation is not None and r.speculation.changed:
+        text += f"; then speculation {r.chosen.speculation.label} on it (see speculative decoding)"
+    return text
+
+
 def header(r: TuneResult) -> list[str]:
     chosen, before = r.chosen_m, r.baseline_m
     lines = [
@@ -99,12 +148,18 @@ def header(r: TuneResult) -> list[str]:
         f"Model {r.model_path.name} ({r.info.quantization}); engine in-process, greedy, "
         f"{r.grid.output_tokens} generated tokens per request, telemetry "
         f"{r.telemetry_source or 'off'}.",
-        f"Search: {_count(len(r.search.trials), 'measurement')} of {len(r.space)} "
-        f"configurations (successive halving, repetitions {list(r.search.fidelities)}), "
+        f"Search: {_count(len(r.search.trials), 'measurement')} of {configurations(r)} "
+        f"(successive halving, repetitions {list(r.search.fidelities)}), "
         f"{r.search.spent_s:.0f} s of a {r.settings.budget_s:.0f} s budget.",
+        f"Chosen {r.chosen.label}: {why_chosen(r)}.",
         f"Measured ({_count(chosen.reps, 'repetition')} per point; before = the profile's own "
         f"settings, {_count(before.reps if before else 0, 'repetition')}):",
         *(f"  {line}" for line in point_lines(chosen, before)),
+        *(
+            [f"The profile's own settings failed: {before.error}"]
+            if before and before.error
+            else []
+        ),
     ]
     slo = r.profile.slo
     goals = (("ttft_p95_ms", slo.ttft_p95_ms), ("tpot_p90_ms", slo.tpot_p90_ms))

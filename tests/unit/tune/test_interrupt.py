@@ -150,3 +150,19 @@ def test_the_search_keeps_the_best_of_the_round_it_reached() -> None:
     assert [t.fidelity for t in partial.trials] == [1] * 9 + [3, 3]
     assert (partial.best, partial.best_fidelity) == ("i", 3)
     assert partial.stopped == "interrupted (Ctrl-C) in round 1, after 11 measurements"
+
+
+def test_the_space_notes_are_said_before_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why the slots stay the profile's (or --allow-fewer-slots has nothing to try) was
+    only in the report, read after the whole budget."""
+    from orin.profile.loader import parse_profile
+
+    monkeypatch.setattr(Interrupting, "at", 10**6)
+    monkeypatch.setattr(run_mod, "EngineMeasurer", Interrupting)
+    monkeypatch.setattr(run_mod, "_system", lambda: (None, None))
+    said: list[str] = []
+    settings = run_mod.TuneSettings(budget_s=60, output_tokens=8, telemetry="off")
+    run_mod.tune(parse_profile(PROFILE), settings=settings, progress=said.append)
+    note = next(i for i, line in enumerate(said) if line.startswith("note: slots kept"))
+    assert note == 1 and "--allow-fewer-slots also tries 2" in said[note]
+    assert not any(line.startswith("round") for line in said[:note])

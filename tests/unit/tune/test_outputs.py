@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import io
 import json
 import os
 from pathlib import Path
@@ -96,6 +97,17 @@ def test_explain_names_the_phase_and_its_figures() -> None:
     gpu = explain(measurement(c, 400.0, 5.0, gpu=0.95), SLOSection(ttft_p95_ms=100))
     assert "GPU busy 95%" in gpu[0] and "saturated in prefill" in gpu[0]
     assert explain(measurement(c, 10.0, 5.0), SLOSection(ttft_p95_ms=100)) == []
+
+
+def test_explain_states_the_targets_as_the_profile_gives_them() -> None:
+    """A target below a millisecond, or with more digits than the figures, is written
+    as given: rounding said "20 ms against 0 ms" for a TTFT target of 0.5 ms."""
+    c = Candidate(128, 128, "on", "f16", "f16", 1, 2)
+    slo = SLOSection(ttft_p95_ms=0.5, tpot_p90_ms=0.25)
+    lines = explain(measurement(c, 10.0, 5.0), slo)
+    assert "is 20 ms against 0.5 ms: prefill-bound" in lines[0]
+    assert "is 5.0 ms against 0.25 ms: decode-bound" in lines[1]
+    assert "against 12.5 ms" in explain(measurement(c, 10.0, 5.0), SLOSection(ttft_p95_ms=12.5))[0]
 
 
 def test_the_tuned_profile_records_figures_and_validates(tiny_f16: Path, tmp_path: Path) -> None:
@@ -350,6 +362,42 @@ def test_one_path_for_the_tuned_profile_and_the_report_is_refused_at_the_start(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]
 
 
+@pytest.mark.parametrize("option", ["--out", "--report"])
+def test_an_empty_output_path_is_a_usage_error_not_the_current_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, option: str
+) -> None:
+    """``--report "$DIR"`` with DIR unset wrote report.md, report.json and the plots
+    into the working directory; ``--out ""`` said ". is a folder"."""
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    r = CliRunner().invoke(tune_cli.app, ["run", "--profile", "p.yaml", option, ""])
+    assert r.exit_code == 2, r.output
+    assert f"Invalid value for '{option}': an empty name" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]
+
+
+def test_an_out_that_is_the_profile_or_the_model_tuned_is_refused_at_the_start(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--out naming the profile being tuned replaced it (its comments and settings) with
+    the tuned one after the whole budget; naming the --model, the model file."""
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    r = CliRunner().invoke(tune_cli.app, ["run", "--profile", "p.yaml", "--out", "./p.yaml"])
+    assert r.exit_code == 2, r.output
+    assert "--out p.yaml is the profile it tunes: the tuned profile would replace it" in r.stderr
+    assert (tmp_path / "p.yaml").read_text() == PROFILE
+    model = tmp_path / "m.gguf"
+    model.write_bytes(tiny_f16.read_bytes())
+    args = ["run", "--profile", "p.yaml", "--model", str(model), "--out", "m.gguf"]
+    r = CliRunner().invoke(tune_cli.app, args)
+    assert r.exit_code == 2, r.output
+    assert "--out m.gguf is the model: the tuned profile would replace it" in r.stderr
+    assert model.read_bytes() == tiny_f16.read_bytes()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write in any folder")
 def test_an_out_in_a_folder_this_user_cannot_write_is_refused_at_the_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -465,3 +513,142 @@ def test_a_folder_that_went_away_during_the_run_is_said_not_an_internal_error(
     r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r"), "-q"])
     assert r.exit_code == 1, r.output
     assert r.stderr.startswith(f"orin-llm: cannot write the tuned profile {folder / 't.yaml'}: ")
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_targets_out_of_reach_exit_1_after_writing_the_closest(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_json: bool
+) -> None:
+    """No configuration meets the profile's targets: the closest is written and shown
+    as always, and the exit code says the targets were missed (1, as bench --slo), so
+    `tune run && serve --profile tuned.yaml` does not serve it unawares."""
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: result(tiny_f16, slow=True))
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    out, folder = tmp_path / "t.yaml", tmp_path / "r"
+    args = ["run", "--profile", str(tmp_path / "p.yaml"), "--out", str(out), "-q"]
+    r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(folder), *["--json"] * as_json])
+    assert r.exit_code == 1, r.output
+    assert out.is_file() and (folder / "report.json").is_file()
+    assert r.stderr.startswith("orin-llm: SLO not met: ttft_p95_ms ")
+    assert "ms > 100 ms at 64 prompt tokens x 2 streams" in r.stderr
+    assert f"the closest configuration is in {out}" in r.stderr
+    if as_json:
+        assert json.loads(r.stdout)["meets_slo"] is False
+    else:
+        assert "SLO NOT met: the closest configuration" in r.stdout
+
+
+def test_targets_met_exit_0(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: result(tiny_f16))
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    args = ["run", "--profile", str(tmp_path / "p.yaml"), "--out", str(tmp_path / "t.yaml")]
+    r = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r"), "-q"])
+    assert r.exit_code == 0, r.output
+    assert "SLO met" in r.stdout and r.stderr == ""
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_the_report_and_profile_say_what_was_tried_and_why_the_choice_won(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow: bool
+) -> None:
+    """The report listed the measured configurations but neither the values searched per
+    setting nor the rule and the runner-up that decided the choice."""
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    r = result(tiny_f16, slow=slow)
+    finalists = [c for c in r.search.finalists if c != r.chosen]
+    runner_up = r.measurements[finalists[0]]
+    report.write(r, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    head = [line for line in tuned.render(r).splitlines() if line.startswith("#")]
+    if slow:
+        why = "no configuration measured meets the SLO targets; it is the closest to them: "
+        assert f"{runner_up.candidate.label}, worst point +" in md
+    else:
+        why = "it meets the SLO targets at every point, with the highest throughput at 2 streams: "
+        assert f"{runner_up.candidate.label}, {runner_up.throughput():.1f} tokens/s" in md
+    assert f"- **chosen because** {why}" in md
+    assert f"runner-up in the last round ({len(finalists) + 1} configurations, 9 repetitions)" in md
+    assert any(line.startswith(f"# Chosen {r.chosen.label}: {why}") for line in head)
+    assert "| setting | values tried | the profile's |" in md
+    assert "| n_batch/n_ubatch | 128/128, 256/256, 512/512 | 128/128 |" in md
+    assert "| threads | 1, 2 | 2 |" in md
+    own = r.space.baseline not in r.space.candidates  # auto flash attention: not searched
+    assert own and f"- search: {len(r.space)} configurations and the profile's own," in md
+
+
+def test_a_choice_the_budget_left_alone_is_not_said_to_have_won_a_ranking(
+    tiny_f16: Path,
+) -> None:
+    r = result(tiny_f16)
+    base = r.space.baseline
+    only = successive_halving(
+        [base], lambda c, f: Evaluation(score(r.measurements[c], r.profile.slo), 1.0), 1e9
+    )
+    lone = dataclasses.replace(r, search=only, chosen=base)
+    head = [line for line in tuned.render(lone).splitlines() if line.startswith("# Chosen")]
+    assert head == [
+        f"# Chosen {base.label}: the only configuration the budget let the search measure "
+        f"({r.measurements[base].throughput():.1f} tokens/s; a larger --budget compares others)."
+    ]
+
+
+def test_a_note_leaves_the_progress_bar_on_the_step_running() -> None:
+    """The space's notes come as progress lines; the bar named its step "note"."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from orin.cli.output import Output
+
+    bar = Progress(console=Console(file=io.StringIO(), force_terminal=True))
+    progress = tune_cli.TuneProgress(Output(), 60.0, bar, quiet=False)
+    progress.say("13 configurations; grid [(16, 1)]; budget 60 s")
+    progress.say("note: slots kept at the profile's 4 although ...")
+    assert bar.tasks[0].description == "13 configurations"
+    progress.say("round 0 x1: b128/u128 ...: 10.0 tok/s (1.0 s)")
+    assert bar.tasks[0].description == "round 0 x1"
+
+
+def test_a_cut_off_says_whether_its_allowance_or_the_budget_ended_it(tiny_f16: Path) -> None:
+    """Every cut-off said "(its allowance)", also when the end of the budget cut it,
+    beside "the budget ran out ...; give a larger --budget"."""
+    import time
+
+    from orin.tune.measure import EngineMeasurer
+
+    profile = parse_profile(PROFILE)
+    m = EngineMeasurer(profile, tiny_f16, read_model_info(tiny_f16), GRID)
+    assert m.allowance(3) == (None, "")
+    m._per_rep = [1.0, 1.0, 1.0]
+    assert m.allowance(3) == (15.0, "its allowance, 5 times the median run")
+    m.deadline = time.perf_counter() + 1000.0
+    assert m.allowance(3) == (15.0, "its allowance, 5 times the median run")
+    m.deadline = time.perf_counter() + 10.0
+    seconds, why = m.allowance(3)
+    assert seconds is not None and seconds <= 10.0 and why == "the end of the budget"
+
+
+def test_the_profiles_own_settings_that_failed_are_said_to_with_the_reason(
+    tiny_f16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile llama.cpp refuses (a quantized V cache with flash attention off) is
+    tuned into one that works; the output showed "before: -" and said nothing of why."""
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    r = result(tiny_f16)
+    why = "kv-quant-v-needs-fa: a quantized V cache (q4_0) needs flash attention"
+    base = r.space.baseline
+    r.measurements[base] = Measurement(base, 1, cost_s=0.1, error=why)
+    r = dataclasses.replace(r, chosen=next(c for c in r.search.finalists if c != base))
+    line = f"the profile's own settings failed: {why}"
+    assert f"# The profile's own settings failed: {why}" in tuned.render(r).splitlines()
+    report.write(r, tmp_path)
+    assert f"- **the profile's own settings failed**: {why}" in (tmp_path / "report.md").read_text()
+    monkeypatch.setattr(run_mod, "tune", lambda *a, **k: r)
+    (tmp_path / "p.yaml").write_text(PROFILE)
+    args = ["run", "--profile", str(tmp_path / "p.yaml"), "--out", str(tmp_path / "t.yaml")]
+    out = CliRunner().invoke(tune_cli.app, [*args, "--report", str(tmp_path / "r"), "-q"])
+    assert out.exit_code == 0, out.output
+    assert f"  {line}" in out.stdout.splitlines()

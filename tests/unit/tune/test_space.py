@@ -55,6 +55,12 @@ def test_slots_rise_to_the_slo_concurrency(info: ModelInfo) -> None:
     for allow in (False, True):
         space = build_space(p, info, cores=4, allow_fewer_slots=allow)
         assert space.axes["slots"] == (4,) and not any("slots kept" in n for n in space.notes)
+    # --allow-fewer-slots with nothing fewer to try says so instead of nothing
+    assert build_space(p, info, cores=4, allow_fewer_slots=True).notes == (
+        "--allow-fewer-slots: nothing fewer to try, the SLO's largest concurrency (4) is not "
+        "below the profile's 2 slots",
+    )
+    assert build_space(p, info, cores=4).notes == ()
 
 
 def test_the_demo_profile_keeps_its_four_slots(info: ModelInfo) -> None:

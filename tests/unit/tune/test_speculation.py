@@ -3,6 +3,7 @@ refinement of the winner within its budget, and the decision with its wording.""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from orin.tune.speculation import (
     fidelity_for,
     median_tpot,
     refine,
+    why_not,
 )
 from tests.unit.tune.test_outputs import result
 
@@ -53,10 +55,14 @@ def measured(
     tokens_per_s: float = 100.0,
     ttft: float = 50.0,
     reps: int = 3,
-    drafted: int = 0,
-    accepted: int = 0,
+    drafted: int | None = None,
+    accepted: int | None = None,
 ) -> Measurement:
-    """Every request of every point at ``tpot``; throughput ``tokens_per_s`` per point."""
+    """Every request of every point at ``tpot``; throughput ``tokens_per_s`` per point;
+    a speculating candidate drafts 30 tokens per point and 24 are accepted unless told."""
+    speculates = c.speculative != "off"
+    drafted = (30 if speculates else 0) if drafted is None else drafted
+    accepted = (24 if speculates else 0) if accepted is None else accepted
     points = {}
     for length, streams in ((16, 1), (16, 2), (64, 1), (64, 2)):
         n = reps * streams
@@ -119,6 +125,27 @@ def test_ngram_is_chosen_only_for_a_clear_tpot_gain() -> None:
     assert beats(fast, off, SLO) and not beats(marginal, off, SLO)
     assert decide(off, [marginal, fast], SLO) is fast
     assert decide(off, [marginal], SLO) is off
+
+
+def test_speculation_whose_drafts_were_never_accepted_is_not_chosen() -> None:
+    """Without an accepted draft every token took a decode step as with off: a lower
+    TPOT (or an SLO met) is the noise between two measurements, not speculation's.
+    tune chose ngram/4 for "median TPOT 11% lower" with 0% of its drafts accepted."""
+    off = measured(WINNER, 20.0)
+    rejected = measured(WINNER.with_speculation(NGRAM4), 17.8, 104.0, drafted=90, accepted=0)
+    silent = measured(WINNER.with_speculation(NGRAM8), 17.8, 104.0, drafted=0, accepted=0)
+    assert not beats(rejected, off, SLO) and not beats(silent, off, SLO)
+    assert decide(off, [rejected, silent], SLO) is off
+    slow = measured(WINNER, 60.0)  # misses the TPOT target; the idle setting "meets" it
+    assert decide(slow, [measured(WINNER.with_speculation(NGRAM8), 40.0, accepted=0)], SLO) is slow
+    assert why_not(rejected, off, SLO) == (
+        "none of its drafted tokens was accepted, so it decoded as off does "
+        "(its TPOT -11.0% is noise)"
+    )
+    assert why_not(silent, off, SLO).startswith("it drafted nothing, so it decoded as off")
+    # off replacing a profile's speculation that never drafted follows the usual rule
+    assert decide(silent, [off], SLO) is silent  # off is 12 % slower here
+    assert decide(silent, [measured(WINNER, 15.0, 104.0)], SLO).candidate == WINNER
 
 
 def test_speculation_that_costs_throughput_at_full_concurrency_is_not_chosen() -> None:
@@ -187,6 +214,22 @@ def test_a_short_budget_lowers_the_repetitions_then_skips() -> None:
     out = refine(WINNER, (OFF, NGRAM8), Fake({}), Fake({}).results, SLO, (1, 3, 9), 1.0, "w")
     assert not out.trials and out.skipped == [NGRAM8] and out.chosen == WINNER
     assert fidelity_for((1, 3, 9), 9, 2.0, 5.9) == 1 and fidelity_for((1, 3, 9), 3, 1.0, 9) == 3
+
+
+def test_the_search_cost_model_predicts_the_speculation_measurements() -> None:
+    """The winner is often the profile's own settings, measured first with the cold
+    model load in its cost: 29 s over 9 repetitions predicted 29 s for each setting
+    where a load and 9 repetitions take 2.8, so the settings were measured once each
+    (or skipped) by a budget that held 9 repetitions of both."""
+    ev = Fake({NGRAM8: 15.0, NGRAM4: 16.0}, cost_per_rep=0.3)
+    ev.results[WINNER] = dataclasses.replace(ev.results[WINNER], cost_s=29.0)
+    args = (WINNER, (OFF, NGRAM8, NGRAM4), ev, ev.results, SLO, (1, 3, 9), 8.0, "words")
+    out = refine(*args, cost=(0.1, 0.3))
+    assert [r for _, r in ev.calls] == [9, 9] and not out.skipped
+    ev.calls.clear()
+    refine(*args)  # 29/9 s a repetition, loads included: only 1 fits each
+    assert [r for _, r in ev.calls] == [1, 1]
+    assert fidelity_for((1, 3, 9), 9, 0.3, 2.7, fixed_s=0.1) == 3
 
 
 def test_a_draft_model_that_would_not_fit_beside_the_winner_is_not_measured() -> None:
