@@ -14,7 +14,7 @@ from orin.bench.bandwidth import BandwidthRequest
 from orin.bench.stats import SLO, RequestResult, by_bucket
 from orin.cli.errors import fail, handle_errors, usage_error
 from orin.cli.help import Typer
-from orin.cli.options import ApiKeyOpt, JsonOpt, OutputOpt, check_url, finite
+from orin.cli.options import ApiKeyOpt, JsonOpt, OutputOpt, check_url, finite, path_named
 from orin.cli.output import Output, human_bytes, progress_wanted
 
 if TYPE_CHECKING:  # the HTTP client stack loads only when a benchmark runs
@@ -137,9 +137,10 @@ def bench(
     model_file: Annotated[
         Path | None,
         typer.Option(
+            parser=path_named,
             help="The served GGUF file, for decode bytes per step and bandwidth utilization "
             "(default: the file an orin-llm server names, when it is on this machine; "
-            "other servers report utilization only with this option)."
+            "other servers report utilization only with this option).",
         ),
     ] = None,
     cache_type_k: Annotated[

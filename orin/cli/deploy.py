@@ -18,7 +18,7 @@ import typer
 
 from orin.cli.errors import fail, handle_errors, usage_error
 from orin.cli.help import Typer
-from orin.cli.options import ProfileOpt, folder_to_write
+from orin.cli.options import ProfileOpt, folder_to_write, path_named
 from orin.cli.output import human_bytes
 from orin.deploy import k8s
 from orin.profile.loader import load_profile
@@ -102,6 +102,7 @@ def kubernetes(
         typer.Option(
             "--output",
             "-o",
+            parser=path_named,
             callback=folder_to_write,
             help="Write one YAML file per object into this folder.",
         ),
@@ -127,6 +128,7 @@ def kubernetes(
         Path | None,
         typer.Option(
             "--model",
+            parser=path_named,
             help="A copy of the profile's GGUF file (only its header is read) for the memory "
             "limits, when the file the profile names is not on this machine.",
         ),
@@ -135,6 +137,7 @@ def kubernetes(
         Path | None,
         typer.Option(
             "--mmproj",
+            parser=path_named,
             help="A copy of the profile's vision projector (model.mmproj) for the memory "
             "limits, when the file the profile names is not on this machine.",
         ),
@@ -143,6 +146,7 @@ def kubernetes(
         Path | None,
         typer.Option(
             "--draft-model",
+            parser=path_named,
             help="A copy of the profile's speculative draft model (speculative.draft_model) "
             "for the memory limits, when the file the profile names is not on this machine.",
         ),

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from orin.cli.deps import deps
 from orin.cli.errors import EXIT_INTERNAL, ClickException, exit_code_for, fail
-from orin.cli.options import BoardRootOpt, CtxOpt, JsonOpt, ProfileOpt, apply_ctx
+from orin.cli.options import BoardRootOpt, CtxOpt, JsonOpt, ProfileOpt, apply_ctx, path_named
 from orin.cli.output import Output
 from orin.doctor.report import Report
 from orin.errors import OrinError
@@ -41,7 +41,10 @@ def doctor(
     model: Annotated[
         Path | None,
         typer.Option(
-            "--model", envvar="ORIN_LLM_MODEL", help="GGUF file (overrides the profile's)."
+            "--model",
+            parser=path_named,
+            envvar="ORIN_LLM_MODEL",
+            help="GGUF file (overrides the profile's).",
         ),
     ] = None,
     n_ctx: CtxOpt = None,

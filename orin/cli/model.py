@@ -21,7 +21,16 @@ from rich.progress import (
 from orin.cli.deps import deps
 from orin.cli.errors import EXIT_FAILED, handle_errors, usage_error
 from orin.cli.help import Typer
-from orin.cli.options import CtxOpt, JsonOpt, RootOpt, file_to_write, folder_to_write, named
+from orin.cli.options import (
+    CtxOpt,
+    JsonOpt,
+    RootOpt,
+    file_to_write,
+    folder_named,
+    folder_to_write,
+    named,
+    path_named,
+)
 from orin.cli.output import DownloadBar, Output, human_bytes, progress_wanted
 from orin.errors import ModelFileError, OrinError, ProfileError
 from orin.model import store
@@ -41,7 +50,9 @@ app = Typer(
 )
 DEFAULT_CTX = 4096
 
-PathArg = Annotated[Path, typer.Argument(help="GGUF model file.", show_default=False)]
+PathArg = Annotated[
+    Path, typer.Argument(parser=path_named, help="GGUF model file.", show_default=False)
+]
 
 
 @app.command()
@@ -213,6 +224,7 @@ def plan(
         Path | None,
         typer.Option(
             "--draft-model",
+            parser=path_named,
             help="A speculative draft model loaded beside it (speculative.draft_model): its "
             "weights, f16 KV cache and compute buffers are counted.",
         ),
@@ -417,7 +429,10 @@ def demo(
     out_path: Annotated[
         Path | None,
         typer.Option(
-            "--out", callback=file_to_write, help="Write this file instead of the cache's."
+            "--out",
+            parser=path_named,
+            callback=file_to_write,
+            help="Write this file instead of the cache's.",
         ),
     ] = None,
 ) -> None:
@@ -457,6 +472,7 @@ DirOpt = Annotated[
     Path | None,
     typer.Option(
         "--dir",
+        parser=path_named,
         callback=folder_to_write,  # a file there, or a folder not writable: exit 2 at once
         help="Models directory (default: /var/lib/orin-llm/models as root, the service's; "
         "else ~/.cache/orin-llm/models).",
@@ -466,7 +482,7 @@ SeenDirOpt = Annotated[
     Path | None,
     typer.Option(
         "--dir",
-        file_okay=False,  # a file is a usage error; a folder only read needs no writing
+        parser=folder_named,  # '', or a file, is a usage error; a folder only read needs no writing
         help="Models directory (default: both that serve looks in: ~/.cache/orin-llm/models, "
         "then /var/lib/orin-llm/models, the installed service's).",
     ),

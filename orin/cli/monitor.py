@@ -28,7 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from orin.cli.errors import handle_errors, usage_error
-from orin.cli.options import ApiKeyOpt, JsonOpt, bearer, check_url, finite
+from orin.cli.options import ApiKeyOpt, JsonOpt, bearer, check_url, finite, path_named
 from orin.cli.output import Output, guard_stdout
 from orin.errors import OrinError, os_error_text, unreachable
 from orin.telemetry.power import board_power_mw
@@ -304,7 +304,8 @@ def monitor(
         typer.Option(callback=check_url, help=f"Server to watch (default: {DEFAULT_URL})."),
     ] = None,
     recording: Annotated[
-        Path | None, typer.Option(help="Summarize a `serve --record` file instead.")
+        Path | None,
+        typer.Option(parser=path_named, help="Summarize a `serve --record` file instead."),
     ] = None,
     interval: Annotated[
         float, typer.Option(min=0.1, callback=finite, help="Seconds between refreshes.")

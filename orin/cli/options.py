@@ -18,12 +18,50 @@ from orin.profile.schema import EngineSection, Profile
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
 _ROOT_HELP = "Filesystem root for /proc and /sys (a fake board tree in tests)."
+
+
+def named(value: str | None) -> str | None:
+    """An argument or option callback for a name or file: an empty one (``''``, a
+    variable that expanded to nothing) is a usage error, not the current folder."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("an empty name")
+    return value
+
+
+def path_named(value: str | Path) -> Path:
+    """Parser of every path option and argument (``parser=path_named``): an empty one
+    (``''``, a variable that expanded to nothing) is a usage error, not the current
+    folder (which ``Path('')`` is, and no callback could tell from ``.``). A default
+    (a ``Path`` already) passes as it is."""
+    if isinstance(value, Path):
+        return value
+    named(value)
+    return Path(value)
+
+
+def folder_named(value: str | Path) -> Path:
+    """``path_named`` for a folder: one that is there must be a folder (a file is a
+    usage error; one that is missing may be made, or is said so by the command)."""
+    path = path_named(value)
+    if path.exists() and not path.is_dir():
+        raise typer.BadParameter(f"{path} is a file; give a folder")
+    return path
+
+
+def existing_folder_named(value: str | Path) -> Path:
+    """``folder_named`` for a folder that must be there."""
+    path = folder_named(value)
+    if not path.exists():
+        raise typer.BadParameter(f"{path}: no such folder")
+    return path
+
+
 # a root that is a file is a usage error (exit 2); commands that only write under it
 # (model pull, install) create what they need there
 RootOpt = Annotated[
     Path,
     typer.Option(
-        "--root", envvar="ORIN_LLM_SYSROOT", help=_ROOT_HELP, hidden=True, file_okay=False
+        "--root", envvar="ORIN_LLM_SYSROOT", help=_ROOT_HELP, hidden=True, parser=folder_named
     ),
 ]
 # commands that read the board under it (doctor, profile validate, tune): a missing
@@ -35,18 +73,9 @@ BoardRootOpt = Annotated[
         envvar="ORIN_LLM_SYSROOT",
         help=_ROOT_HELP,
         hidden=True,
-        exists=True,
-        file_okay=False,
+        parser=existing_folder_named,
     ),
 ]
-
-
-def named(value: str | None) -> str | None:
-    """An argument or option callback for a name or file: an empty one (``''``, a
-    variable that expanded to nothing) is a usage error, not the current folder."""
-    if value is not None and not value.strip():
-        raise typer.BadParameter("an empty name")
-    return value
 
 
 ProfileOpt = Annotated[
@@ -171,14 +200,6 @@ def file_to_write(value: Path | None) -> Path | None:
     return value
 
 
-def path_named(value: str) -> Path:
-    """Option parser for a path a command writes: an empty one (``''``, a variable that
-    expanded to nothing) is a usage error, not the current folder (which ``Path('')``
-    is, and the ``*_to_write`` callbacks could not tell from ``.``)."""
-    named(value)
-    return Path(value)
-
-
 def folder_to_write(value: Path | None) -> Path | None:
     """Option callback: a folder a command writes files into (made when missing, with
     the folders above it); not a file that is there already, nor a folder under a file
@@ -200,6 +221,7 @@ OutputOpt = Annotated[
     typer.Option(
         "--output",
         "-o",
+        parser=path_named,
         callback=file_to_write,
         help="Also write the result as JSON to this file.",
     ),

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from orin.cli.deps import Deps, deps
 from orin.cli.errors import EXIT_FAILED, handle_errors
 from orin.cli.help import Typer
-from orin.cli.options import BoardRootOpt, CtxOpt, JsonOpt, apply_ctx, named
+from orin.cli.options import BoardRootOpt, CtxOpt, JsonOpt, apply_ctx, named, path_named
 from orin.cli.output import Output
 from orin.doctor.context import model_path_for
 from orin.engine.config import draft_model_problem, mmproj_problem, prompt_file_problems
@@ -94,7 +94,10 @@ def validate(
         str, typer.Argument(callback=named, help="Profile YAML file or built-in name.")
     ],
     model: Annotated[
-        Path | None, typer.Option("--model", help="Check the profile against this GGUF file.")
+        Path | None,
+        typer.Option(
+            "--model", parser=path_named, help="Check the profile against this GGUF file."
+        ),
     ] = None,
     n_ctx: CtxOpt = None,
     as_json: JsonOpt = False,

@@ -22,7 +22,7 @@ import typer
 
 from orin.cli.errors import handle_errors
 from orin.cli.logs import setup_logging
-from orin.cli.options import service_user
+from orin.cli.options import path_named, service_user
 from orin.cli.options import unit_dir as unit_dir_option
 from orin.errors import LlamaCppError
 from orin.install.steps import InstallError
@@ -57,8 +57,9 @@ def rpc_worker(
     cache: Annotated[
         Path | None,
         typer.Option(
+            parser=path_named,
             help="llama.cpp's tensor cache: large tensors are kept here by hash, so a "
-            "restarted server does not send them again."
+            "restarted server does not send them again.",
         ),
     ] = None,
 ) -> None:
@@ -203,7 +204,7 @@ def install_rpc_worker(
     no_start: Annotated[
         bool, typer.Option("--no-start", help="Install and enable, but do not start.")
     ] = False,
-    root: Annotated[Path, typer.Option(hidden=True)] = Path("/"),
+    root: Annotated[Path, typer.Option(parser=path_named, hidden=True)] = Path("/"),
 ) -> None:
     """Install `orin-llm rpc-worker` as a hardened systemd service on this board."""
     from orin.cli.deps import deps

@@ -19,6 +19,7 @@ from orin.cli.options import (
     field_range,
     file_to_write,
     in_range,
+    path_named,
     revalidated,
 )
 from orin.profile.schema import ContextSection, EngineSection, Profile, ServerSection
@@ -55,7 +56,9 @@ def serve(
     profile_name: ProfileOpt = None,
     model: Annotated[
         Path | None,
-        typer.Option(envvar="ORIN_LLM_MODEL", help="GGUF file (overrides the profile's)."),
+        typer.Option(
+            parser=path_named, envvar="ORIN_LLM_MODEL", help="GGUF file (overrides the profile's)."
+        ),
     ] = None,
     host: Annotated[str | None, typer.Option(envvar="ORIN_LLM_HOST", help="Bind address.")] = None,
     port: Annotated[
@@ -104,6 +107,7 @@ def serve(
     record: Annotated[
         Path | None,
         typer.Option(
+            parser=path_named,
             callback=file_to_write,
             help="Write samples, steps and requests as JSON lines to this file.",
         ),

@@ -103,7 +103,8 @@ def run(
         ),
     ] = None,
     model: Annotated[
-        Path | None, typer.Option("--model", help="GGUF file (overrides the profile's).")
+        Path | None,
+        typer.Option("--model", parser=path_named, help="GGUF file (overrides the profile's)."),
     ] = None,
     n_ctx: CtxOpt = None,
     budget: Annotated[

@@ -5,11 +5,13 @@ stdout ends a command quietly, tables keep names whole at 80 columns, and a bare
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import os
 import subprocess
 import sys
+import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -360,6 +362,37 @@ def test_an_empty_name_is_a_usage_error(args: tuple[str, ...]) -> None:
     assert code == 2 and "an empty name" in said, said
 
 
+def path_options() -> Iterator[tuple[tuple[str, ...], str]]:
+    """Every option whose value is a path (``Path`` or ``Path | None`` in the command's
+    signature), as (the command's path, its longest flag)."""
+    for path in commands():
+        command: Any = typer.main.get_command(app)
+        for name in path:
+            command = command.commands[name]
+        callback = getattr(command, "callback", None)
+        if callback is None:
+            continue
+        hints = typing.get_type_hints(inspect.unwrap(callback))
+        paths = {k for k, v in hints.items() if v in (Path, Path | None)}
+        for param in command.params:
+            if param.name in paths and getattr(param, "opts", None) and param.opts[0][:1] == "-":
+                yield path, max(param.opts, key=len)
+
+
+def test_an_empty_path_is_a_usage_error_for_every_path_option() -> None:
+    """``--output ''`` (a variable that expanded to nothing) was the current folder:
+    `deploy k8s` wrote its manifests there, `rpc-worker --cache ''` cached in it,
+    `serve --model ''` ended in an internal error (exit 70), `doctor --root ''` read
+    the board under it."""
+    checked = list(path_options())
+    assert (("deploy", "k8s"), "--output") in checked and (("doctor",), "--root") in checked
+    assert len(checked) >= 30
+    for path, flag in checked:
+        code, _, err = invoke(*path, flag, "")
+        said = " ".join(err.replace("│", " ").split())
+        assert code == 2 and "an empty name" in said, (path, flag, code, said)
+
+
 def test_tune_options_before_a_subcommand_are_named_as_typed() -> None:
     """The message names the options the user gave, not their parameters' names."""
     code, _, err = invoke("tune", "--profile", "demo", "-q", "system")
@@ -594,7 +627,8 @@ def test_a_models_folder_that_is_a_file_is_a_usage_error(
     """(`model list` said "no such folder" and exited 0; `model rm` found no model.)"""
     (tmp_path / "f").write_text("")
     code, out, err = invoke(*command, "--dir", str(tmp_path / "f"))
-    assert code == 2 and f"'{tmp_path / 'f'}' is a file" in err and out == ""
+    said = " ".join(err.replace("│", " ").split())
+    assert code == 2 and f"{tmp_path / 'f'} is a file; give a folder" in said and out == ""
 
 
 @pytest.mark.parametrize(
