@@ -976,11 +976,8 @@ class Scheduler:
         ctx = self.context
         if not ctx.sliding:
             return False
-        n_past = len(slot.cache)
-        n_left = n_past - ctx.keep
-        n_discard = min(ctx.discard or n_left // 2, n_left)
-        n_discard = max(n_discard, 1)
-        self._ops.append(Shift(slot.id, ctx.keep, n_discard, n_past))
+        n_discard = ctx.discarded  # the slot's cells fill the window
+        self._ops.append(Shift(slot.id, ctx.keep, n_discard, len(slot.cache)))
         del slot.cache[ctx.keep : ctx.keep + n_discard]
         slot.reusable = min(slot.reusable, ctx.keep)
         slot.shifts += 1
