@@ -8,7 +8,7 @@ on the shared severity scale, with the largest per-slot context that fits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,32 +134,18 @@ def memory_fit(
         )
     except KVConfigError as exc:
         return MemoryFit("fail", str(exc), fix="engine.type_k/type_v: f16 or q8_0")
-    best = max_context(
-        info,
-        e.slots,
-        type_k,
-        type_v,
-        available - mmproj_bytes,
-        e.n_ubatch,
-        flash_attn,
-        e.n_batch,
-        e.swa_full,
-        draft,
-    )
+
+    def largest(room: int, slots: int = e.slots, draft: ModelInfo | None = draft) -> int | None:
+        """The largest per-slot context that ``room`` bytes hold, beside the projector."""
+        return max_context(
+            info, slots, type_k, type_v, room - mmproj_bytes, e.n_ubatch, flash_attn,
+            e.n_batch, e.swa_full, draft,
+        )  # fmt: skip
+
+    best = largest(available)
     # the context the fix names leaves the headroom too: the largest that only fits would
     # be a warning again (and, for a fit that warns, no smaller than the context it has)
-    roomy = max_context(
-        info,
-        e.slots,
-        type_k,
-        type_v,
-        int(available * (1 - HEADROOM)) - mmproj_bytes,
-        e.n_ubatch,
-        flash_attn,
-        e.n_batch,
-        e.swa_full,
-        draft,
-    )
+    roomy = largest(int(available * (1 - HEADROOM)))
     beside = f" + vision projector {gib(plan.mmproj_bytes)}" if plan.mmproj_bytes else ""
     beside += f" + draft model ~{gib(plan.draft_bytes)}" if plan.draft_bytes else ""
     found = (
@@ -176,9 +162,7 @@ def memory_fit(
     elif best is not None:
         fix = f"engine.n_ctx: {best} (or fewer slots, or a smaller KV type)"
     else:
-        fix = _nothing_fits_fix(
-            info, e, type_k, type_v, flash_attn, available - mmproj_bytes, draft
-        )
+        fix = _nothing_fits_fix(e.slots, draft, lambda slots, d: largest(available, slots, d))
     if plan.total_bytes > available and e.rpc:  # part of it goes to the workers' memory
         return MemoryFit(
             "warn",
@@ -198,29 +182,19 @@ def memory_fit(
 
 
 def _nothing_fits_fix(
-    info: ModelInfo,
-    e: EngineSection,
-    type_k: str,
-    type_v: str,
-    flash_attn: bool,
-    available: int,
+    slots: int,
     draft: ModelInfo | None,
+    largest: Callable[[int, ModelInfo | None], int | None],
 ) -> str:
-    """The fix when no per-slot context fits at ``e.slots``: each way out that makes
-    room for some context (one slot; no draft model), else smaller weights only (the
-    weights and the compute leave no room for any cache)."""
-
-    def largest(slots: int, draft: ModelInfo | None) -> int | None:
-        return max_context(
-            info, slots, type_k, type_v, available, e.n_ubatch, flash_attn, e.n_batch,
-            e.swa_full, draft,
-        )  # fmt: skip
-
+    """The fix when no per-slot context fits at ``slots``: each way out that makes room
+    for some context (one slot; no draft model), else smaller weights only (the weights
+    and the compute leave no room for any cache). ``largest(slots, draft)``: the
+    largest per-slot context that fits with them, None for none."""
     ways = []
-    one = largest(1, draft) if e.slots > 1 else None
+    one = largest(1, draft) if slots > 1 else None
     if one is not None:
         ways.append(f"fewer slots (one slot fits engine.n_ctx up to {one})")
-    bare = largest(e.slots, None) if draft is not None else None
+    bare = largest(slots, None) if draft is not None else None
     if bare is not None:
         ways.append(f"no draft model (speculative.mode: ngram fits engine.n_ctx up to {bare})")
     if ways:
