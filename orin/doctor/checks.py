@@ -16,7 +16,7 @@ from orin.doctor import board
 from orin.doctor.context import DoctorContext
 from orin.doctor.findings import Finding
 from orin.errors import ProfileError
-from orin.install.layout import DEFAULT_USER, ENV_FILE, ENV_MODE, env_values
+from orin.install.layout import CONF_DIR, ENV_FILE, env_values
 from orin.profile.board import load_settings
 from orin.profile.fit import draft_info, gib, memory_fit, projector_bytes, projector_path
 from orin.severity import worst
@@ -212,8 +212,11 @@ def check_openmp_wait(ctx: DoctorContext) -> Finding:
             why="systemd reads it into the service whatever its mode, so its OMP_WAIT_POLICY "
             "is unknown here; and whoever can write it sets the service's environment "
             "(LD_PRELOAD among it)",
-            fix=f"sudo chown root:{DEFAULT_USER} {ENV_FILE} && sudo chmod {ENV_MODE} {ENV_FILE} "
-            "(the owner and mode orin-llm install gives it), then run doctor again",
+            # the file keeps its group (the service's, whatever user install was given,
+            # which reads it); the folder above it may be what others can write
+            fix=f"sudo chown root {CONF_DIR} {ENV_FILE} && sudo chmod go-w {CONF_DIR} && "
+            f"sudo chmod g-w,o-rwx {ENV_FILE} (only root writes them; the service's group "
+            "still reads the file), then run doctor again",
         )
     return Finding(
         "openmp-wait", "ok", "OpenMP threads spin at barriers (OMP_WAIT_POLICY not PASSIVE)"

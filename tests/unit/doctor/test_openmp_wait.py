@@ -56,12 +56,29 @@ def test_a_service_file_others_can_write_is_not_read(tmp_path: Path, make_ctx: M
         "/etc/orin-llm/orin-llm.env is writable by group or others (mode 0666)",
     )
     assert f.fix.startswith(
-        "sudo chown root:orin-llm /etc/orin-llm/orin-llm.env && "
-        "sudo chmod 0640 /etc/orin-llm/orin-llm.env "
+        "sudo chown root /etc/orin-llm /etc/orin-llm/orin-llm.env && "
+        "sudo chmod go-w /etc/orin-llm && sudo chmod g-w,o-rwx /etc/orin-llm/orin-llm.env "
     )
-    (board.root.base / "etc/orin-llm/orin-llm.env").chmod(0o640)  # the fix's mode
+    (board.root.base / "etc/orin-llm/orin-llm.env").chmod(0o640)  # what the fix leaves
     f = checks.check_openmp_wait(make_ctx(board.root, runner, build=cpu_build(OPENMP)))
-    assert f.severity == "warn"
+    passive = "OMP_WAIT_POLICY=PASSIVE in /etc/orin-llm/orin-llm.env"
+    assert (f.severity, f.found) == ("warn", passive)
+
+
+def test_a_service_folder_others_can_write_is_named_in_the_same_fix(
+    tmp_path: Path, make_ctx: MakeCtx
+) -> None:
+    """The file's own owner and mode do not help when the folder above it is what
+    others can write (they could replace the file): the fix covers the folder too."""
+    board, runner = x86_machine(tmp_path / "pc")
+    service_env(board.root.base, "OMP_WAIT_POLICY=ACTIVE\n")
+    (board.root.base / "etc/orin-llm").chmod(0o777)
+    f = checks.check_openmp_wait(make_ctx(board.root, runner, build=cpu_build(OPENMP)))
+    assert f.severity == "warn" and "/etc/orin-llm is writable by group or others" in f.found
+    assert "sudo chmod go-w /etc/orin-llm " in f.fix
+    (board.root.base / "etc/orin-llm").chmod(0o755)  # what the fix leaves
+    f = checks.check_openmp_wait(make_ctx(board.root, runner, build=cpu_build(OPENMP)))
+    assert f.severity == "ok"
 
 
 def test_the_file_s_last_assignment_counts(tmp_path: Path, make_ctx: MakeCtx) -> None:
