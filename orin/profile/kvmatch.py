@@ -23,6 +23,7 @@ from typing import Literal
 from orin.llamacpp import BuildInfo
 from orin.model.gguf import ModelInfo, weight_bits
 from orin.model.memplan import kv_cache_bytes, kv_cells_per_seq
+from orin.profile.fit import HEADROOM
 from orin.profile.schema import EngineSection
 from orin.severity import Severity
 
@@ -89,7 +90,7 @@ def auto_kv_type(
         return (
             "q4_0",
             f"{quantization} weights and the planned context does not fit with q8_0 and "
-            "10% of the memory left free",
+            f"{HEADROOM:.0%} of the memory left free",
         )
     return "q8_0", f"{quantization} weights are {bits}-bit: q8_0 cache"
 
@@ -129,7 +130,6 @@ def _q8_fits(
 
     def fits() -> bool:
         from orin.model.memplan import total_bytes
-        from orin.profile.fit import HEADROOM
 
         need = total_bytes(
             info,
