@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import TypeVar
 
 from orin.errors import OrinError
 from orin.llamacpp import BuildInfo, build_info
@@ -96,12 +97,10 @@ class DoctorContext:
 
     @cached_property
     def _model(self) -> tuple[ModelInfo | None, str | None]:
-        if self.model_path is None:
+        path = self.model_path
+        if path is None:
             return None, self.model_source
-        try:
-            return read_model_info(self.model_path), None
-        except OrinError as exc:
-            return None, str(exc)
+        return _attempt(lambda: read_model_info(path), OrinError)
 
     @property
     def model(self) -> ModelInfo | None:
@@ -113,10 +112,7 @@ class DoctorContext:
 
     @cached_property
     def _build(self) -> tuple[BuildInfo | None, str | None]:
-        try:
-            return self.build_info(), None
-        except (OrinError, OSError) as exc:
-            return None, str(exc)
+        return _attempt(self.build_info, OrinError, OSError)
 
     @property
     def build(self) -> BuildInfo | None:
@@ -128,10 +124,7 @@ class DoctorContext:
 
     @cached_property
     def _available(self) -> tuple[int | None, str | None]:
-        try:
-            return read_meminfo(self.root).available, None
-        except OrinError as exc:
-            return None, str(exc)
+        return _attempt(lambda: read_meminfo(self.root).available, OrinError)
 
     @property
     def available(self) -> int | None:
@@ -156,3 +149,15 @@ class DoctorContext:
         return resolve_kv(
             self.profile.engine, self.quantization, self.model, self.build, self.available
         )
+
+
+T = TypeVar("T")
+
+
+def _attempt(read: Callable[[], T], *errors: type[Exception]) -> tuple[T | None, str | None]:
+    """What ``read`` gives, or why it could not (one of ``errors``): a context fact and
+    the problem a check names when it is missing."""
+    try:
+        return read(), None
+    except errors as exc:
+        return None, str(exc)
