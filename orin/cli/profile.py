@@ -159,6 +159,12 @@ def _with_own_model(profile: Profile, build: BuildInfo | None, root: Path) -> Va
         except ModelFileError as exc:
             problem = f"{exc}: serve would stop (exit 3)"
     report = validate_profile(profile, None, build, root)
+    if problem is None and path is None and source != "hf":  # no model named at all
+        # a base profile for `serve --model FILE` is valid; used alone it stops serve
+        none = f"{source} (serve and tune run stop with exit 4 without it)"
+        return dataclasses.replace(
+            report, findings=(*report.findings, KVFinding("model-file", "warn", none))
+        )
     if problem is None:
         return report
     finding = KVFinding("model-file", "fail", problem)

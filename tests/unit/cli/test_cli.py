@@ -166,7 +166,7 @@ def validate_kv(tmp_path: Path, name: str, flash_attn: str) -> tuple[int, str, s
     """`profile validate` of a Q4_K_M profile with a q8_0 cache and ``flash_attn``."""
     f = tmp_path / "p.yaml"
     f.write_text(
-        f"name: {name}\nmodel: {{quantization: Q4_K_M}}\n"
+        f"name: {name}\nmodel: {{demo: {{size: tiny, quant: q4_k_m}}, quantization: Q4_K_M}}\n"
         f"engine: {{type_k: q8_0, type_v: q8_0, flash_attn: {flash_attn}}}\n"
     )
     return invoke("profile", "validate", str(f))
@@ -190,6 +190,21 @@ def test_validate_without_findings_prints_no_empty_table(tmp_path: Path) -> None
     code, out, _ = validate_kv(tmp_path, "tuned", "'on'")
     assert code == 0
     assert out.splitlines() == ["tuned: K=q8_0 V=q8_0 flash_attn=on: no findings", "valid"]
+
+
+def test_validate_warns_of_a_profile_that_names_no_model(tmp_path: Path) -> None:
+    """Valid as a base for `serve --model FILE`, but alone it stops serve with exit 4:
+    it said "valid" and nothing else."""
+    f = tmp_path / "base.yaml"
+    f.write_text("name: base\n")
+    code, out, _ = invoke("profile", "validate", str(f), "--json")
+    data = json.loads(out)
+    assert code == 0 and data["valid"] is True
+    found = [x for x in data["findings"] if x["rule"] == "model-file"]
+    assert [x["severity"] for x in found] == ["warn"]
+    assert "names no model" in found[0]["message"] and "exit 4" in found[0]["message"]
+    code, out, _ = invoke("profile", "validate", str(f), "--model", str(tmp_path / "m.gguf"))
+    assert "names no model" not in out  # given with --model: nothing missing
 
 
 def test_validate_typo_names_line(tmp_path: Path) -> None:
