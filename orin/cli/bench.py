@@ -37,6 +37,9 @@ def _lens(text: str) -> tuple[int, ...]:
         raise typer.BadParameter("comma-separated token counts, e.g. 10,200,512") from None
     if not lens or min(lens) < 1:
         raise typer.BadParameter("token counts must be >= 1")
+    twice = sorted({n for n in lens if lens.count(n) > 1})
+    if twice:  # one bucket each: the report would list a bucket it never measured apart
+        raise typer.BadParameter(f"{', '.join(map(str, twice))} given twice; list each once")
     from orin.bench.loadgen import MAX_INPUT_LEN
 
     if max(lens) > MAX_INPUT_LEN:

@@ -110,6 +110,7 @@ def test_bench_output_that_cannot_be_written_at_the_end_is_said(
         (("--slo", "ttft=5"), "ttft_p95_ms"),
         (("--input-len", "ten"), "comma-separated"),
         (("--input-len", "8,1048577"), "'--input-len': token counts must be at most 1048576"),
+        (("--input-len", "8,16,8"), "'--input-len': 8 given twice; list each once"),
         ((), "--concurrency"),  # neither --concurrency nor --request-rate
         (("--request-rate", "nan"), "'--request-rate': the request rate must be positive"),
         (("--request-rate", "0"), "'--request-rate': the request rate must be positive"),
