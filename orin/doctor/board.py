@@ -50,11 +50,20 @@ def tune_fix(ctx: DoctorContext, setting: str, asked: bool, direct: str | None) 
         step = ""
     elif builtin and p.source is not None:
         ref = f"my-{p.name}.yaml"
-        step = f"{setting} in a copy of the built-in profile (cp {p.source} {ref}), then "
+        step = f"{setting} in {builtin_copy(ctx)}, then "
     else:
         step = f"{setting} in the profile, then "
     at_once = f" (or at once: {direct})" if direct is not None else ""
     return f"{step}sudo orin-llm tune system --profile {ref} --apply{at_once}"
+
+
+def builtin_copy(ctx: DoctorContext) -> str | None:
+    """Where a setting of a built-in profile goes: a copy of it (an installed one is
+    inside the package, replaced at the next upgrade); None for the user's own file."""
+    p = ctx.profile
+    if p.source is None or builtin_profiles().get(p.name) != p.source:
+        return None
+    return f"a copy of the built-in profile (cp {p.source} my-{p.name}.yaml)"
 
 
 def not_jetson(check_id: str, what: str) -> Finding:

@@ -271,7 +271,11 @@ def check_memory_fit(ctx: DoctorContext) -> Finding:
     fit = memory_fit(
         info, ctx.profile.engine, d.type_k, d.type_v, d.flash_attn != "off", avail, proj, draft
     )
-    return Finding("memory-fit", fit.severity, fit.found, why=fit.why, fix=fit.fix)
+    fix = fit.fix
+    copy = board.builtin_copy(ctx)
+    if fix and copy is not None:  # the settings a fix names go into the user's own file
+        fix += f"; set it in {copy}, or give serve and doctor --ctx for the context"
+    return Finding("memory-fit", fit.severity, fit.found, why=fit.why, fix=fix)
 
 
 def check_context(ctx: DoctorContext) -> Finding:

@@ -13,6 +13,7 @@ from orin.doctor.context import DoctorContext, model_path_for, probe_port
 from orin.doctor.findings import Finding
 from orin.doctor.report import run_checks
 from orin.errors import LlamaCppError
+from orin.profile.loader import builtin_profiles, load_profile
 from orin.profile.schema import Profile
 from orin.profile.validate import validate_profile
 from tests.fakes.board import GiB
@@ -86,6 +87,28 @@ def test_memory_fit_fails_with_the_largest_context_that_fits(
     fixed = int(f.fix.removeprefix("engine.n_ctx: ").split(",")[0])
     assert 0 < fixed < best and fixed % 256 == 0  # the fix leaves the headroom too
     assert f.fix.endswith("the largest that leaves 10% free (or fewer slots, or a smaller KV type)")
+
+
+def test_memory_fit_of_a_builtin_profile_says_where_the_fix_goes(
+    tmp_path: Path, make_ctx: MakeCtx
+) -> None:
+    """A built-in profile is inside the package: the fields the fix names go into a
+    copy (or --ctx), as the board checks' fixes say; the user's own file is edited."""
+    fake = agx_orin_64gb_jp6(tmp_path / "board")
+    model = write_gguf(tmp_path / "m.gguf", params=LLAMA2_7B, file_type=15)
+    fake.board.meminfo(total=8 * GiB, available=GiB // 2)
+    builtin = load_profile("llama2-7b-q4_k_m")
+    f = checks.check_memory_fit(make_ctx(fake.board.root, fake.runner, builtin, model))
+    source = builtin_profiles()["llama2-7b-q4_k_m"]
+    assert f.severity == "fail"
+    assert f.fix.endswith(
+        f"; set it in a copy of the built-in profile (cp {source} my-llama2-7b-q4_k_m.yaml), "
+        "or give serve and doctor --ctx for the context"
+    )
+    own = tmp_path / "mine.yaml"
+    own.write_text(source.read_text())
+    f = checks.check_memory_fit(make_ctx(fake.board.root, fake.runner, load_profile(own), model))
+    assert f.severity == "fail" and "cp " not in f.fix
 
 
 @pytest.mark.parametrize("available_gib", [4.3, 4.5])  # under the plan: fail; 4.5: warn
