@@ -223,6 +223,12 @@ def _download(
     url = hf_hub_url(ref.repo, remote.path, revision=commit, endpoint=endpoint)
     with _hub_errors(ref, endpoint, path=remote.path):
         meta = get_hf_file_metadata(url, endpoint=endpoint)
+    if None not in (meta.size, remote.size) and meta.size != remote.size:
+        raise HubError(
+            f"{endpoint} announces {meta.size:,} bytes for {ref.repo}/{remote.path}, but the "
+            f"hub's file list gives {remote.size:,} with its SHA-256: the server (a mirror or a "
+            "proxy) has another file; not downloading it (check HF_ENDPOINT)"
+        )
     expected = meta.size if meta.size is not None else remote.size
     with _hub_errors(ref, endpoint):
         part.parent.mkdir(parents=True, exist_ok=True)
@@ -251,15 +257,30 @@ def _download(
     ):
         f.seek(have)
         watched = _Restarts(f)
-        http_get(
-            meta.location,
-            watched,  # type: ignore[arg-type]
-            resume_size=have,
-            headers=headers,
-            expected_size=expected,
-            displayed_filename=local_name(remote.path),
-            tqdm_class=_bar_class(progress),
-        )
+        try:
+            http_get(
+                meta.location,
+                watched,  # type: ignore[arg-type]
+                resume_size=have,
+                headers=headers,
+                expected_size=expected,
+                displayed_filename=local_name(remote.path),
+                tqdm_class=_bar_class(progress),
+            )
+        except OSError as exc:
+            if type(exc) is not OSError or exc.errno is not None:
+                raise  # the disk, a permission: _hub_errors says which
+            # http_get's size check: the body ended, without an error, at another length
+            # than announced. Resuming would ask for the same wrong bytes again.
+            got = f.seek(0, os.SEEK_END)
+            f.close()
+            part.unlink(missing_ok=True)
+            _prune(part.parent)
+            raise HubError(
+                f"{endpoint} sent {got:,} bytes of {ref.repo}/{remote.path}, which has "
+                f"{expected:,}: the server or a proxy in between cut or changed it; the "
+                "partial download is deleted: pull again, or from another HF_ENDPOINT"
+            ) from exc
     return 0 if watched.restarted else have
 
 

@@ -11,7 +11,9 @@ response and close the connection; from then on every GET answers 503 until the 
 sets ``down`` back to False (the next pull then resumes). ``sha_override`` makes the
 metadata announce another SHA-256 than the bytes have. ``refuse`` answers a repository's
 file requests with a status (401 without a valid token, 403 for an account without
-access). Every request is recorded.
+access). ``size_override`` makes a file's metadata request (HEAD) announce another
+size than the file list's; ``short_body`` makes each GET send only that many bytes, with
+a Content-Length that says so (a proxy that cuts files). Every request is recorded.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class FakeHub:
     gone: set[str] = field(default_factory=set)  # "repo/path" listed, but 404 on download
     no_range: bool = False  # answer a Range request with the whole file (200), as some servers do
     refuse: dict[str, int] = field(default_factory=dict)  # repo -> status of its file requests
+    size_override: dict[str, int] = field(default_factory=dict)  # "repo/path" -> HEAD's size
+    short_body: int | None = None
     down: bool = False
     requests: list[Request] = field(default_factory=list)
     on_request: Callable[[Request], None] | None = None  # e.g. what else has happened by now
@@ -151,7 +155,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             headers = {
                 "ETag": f'"{sha}"',
                 "X-Linked-Etag": f'"{sha}"',
-                "X-Linked-Size": str(len(data)),
+                "X-Linked-Size": str(hub.size_override.get(f"{repo}/{file}", len(data))),
                 "X-Repo-Commit": COMMIT,
                 "Accept-Ranges": "bytes",
                 "Content-Type": "application/octet-stream",
@@ -172,6 +176,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if wanted:
                 headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
             rest = data[start:]
+            if hub.short_body is not None:
+                rest = rest[: hub.short_body]
             headers["Content-Length"] = str(len(rest))
             if hub.cut_after is not None:
                 cut, hub.cut_after, hub.down = hub.cut_after, None, True

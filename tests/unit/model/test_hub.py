@@ -137,6 +137,39 @@ def test_a_listed_file_the_hub_will_not_send_is_named(fake_hub: FakeHub, models:
     assert f"HTTP 404 for {REPO}/{Q4}" in str(caught.value)
 
 
+def test_a_server_announcing_another_size_is_refused_before_downloading(
+    fake_hub: FakeHub, models: Path
+) -> None:
+    """It was downloaded, failed huggingface_hub's size check ("retry with
+    force_download=True"), and every pull again 'resumed' into the same failure."""
+    size = len(fake_hub.repos[REPO][Q4])
+    fake_hub.size_override[f"{REPO}/{Q4}"] = size + 1000
+    with pytest.raises(HubError) as caught:
+        hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models)
+    assert str(caught.value) == (
+        f"{fake_hub.url} announces {size + 1000:,} bytes for {REPO}/{Q4}, but the hub's file "
+        f"list gives {size:,} with its SHA-256: the server (a mirror or a proxy) has another "
+        "file; not downloading it (check HF_ENDPOINT)"
+    )
+    assert fake_hub.gets() == [] and files_under(models) == []
+
+
+def test_a_body_cut_short_by_a_proxy_is_deleted_not_resumed(
+    fake_hub: FakeHub, models: Path
+) -> None:
+    size = len(fake_hub.repos[REPO][Q4])
+    fake_hub.short_body = 1000
+    with pytest.raises(HubError) as caught:
+        hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models)
+    message = str(caught.value)
+    assert message.startswith(f"{fake_hub.url} sent 1,000 bytes of {REPO}/{Q4}, which has {size:,}")
+    assert "partial download is deleted" in message and "force_download" not in message
+    assert files_under(models) == []
+    fake_hub.short_body = None
+    again = hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models)
+    assert again.resumed_from == 0 and again.path.read_bytes() == fake_hub.repos[REPO][Q4]
+
+
 def test_quant_selection_errors(fake_hub: FakeHub, models: Path) -> None:
     with pytest.raises(HubError, match=f"no GGUF file with Q5_K_M in its name; .*{Q4}, {Q8}"):
         hub.pull(store.parse_ref(f"{REPO}:Q5_K_M"), models)
