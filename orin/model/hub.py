@@ -107,7 +107,7 @@ def list_files(
     from huggingface_hub import HfApi
 
     ep = hub_endpoint(endpoint)
-    with _hub_errors(ref, ep):
+    with _hub_errors(ref, ep, revision=revision):
         info = HfApi(endpoint=ep).model_info(ref.repo, revision=revision, files_metadata=True)
     files = [
         RemoteFile(
@@ -354,10 +354,17 @@ class _hub_errors:
     """huggingface_hub's and the network's exceptions -> one-line HubErrors."""
 
     def __init__(
-        self, ref: HubRef, endpoint: str, resumable: bool = False, path: str | None = None
+        self,
+        ref: HubRef,
+        endpoint: str,
+        resumable: bool = False,
+        path: str | None = None,
+        revision: str | None = None,
     ) -> None:
-        """``path``: the file being fetched, named in an HTTP error (else the repo)."""
+        """``path``: the file being fetched, named in an HTTP error (else the repo);
+        ``revision``: the one asked for, named when the hub does not know it."""
         self.ref, self.endpoint, self.resumable, self.path = ref, endpoint, resumable, path
+        self.revision = revision
 
     def __enter__(self) -> None:
         return None
@@ -387,7 +394,10 @@ class _hub_errors:
                 "check the owner/repo spelling"
             )
         if isinstance(exc, hf.RevisionNotFoundError):
-            return f"{repo} on {ep} has no such revision"
+            return (
+                f"{repo} on {ep} has no revision {self.revision or 'main'!r} (a branch, tag "
+                "or commit of the repository); leave --revision out for main"
+            )
         if isinstance(exc, hf.RemoteEntryNotFoundError):
             return f"{what} on {ep}: the file is not there"
         if isinstance(exc, hf.OfflineModeIsEnabled):

@@ -2,7 +2,7 @@
 get_hf_file_metadata and http_get call, with switches for the failures pulls must handle.
 
 - ``GET /api/models/{repo}[/revision/{rev}]`` (``?blobs=True``): id, sha and siblings with
-  size and LFS size/sha256;
+  size and LFS size/sha256; a revision other than main or COMMIT is RevisionNotFound;
 - ``HEAD|GET /{repo}/resolve/{rev}/{path}``: ETag, X-Linked-Etag (the LFS sha256),
   X-Linked-Size, X-Repo-Commit; GET honours ``Range: bytes=N-`` with 206.
 
@@ -125,6 +125,12 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                     self._send(
                         404,
                         {"X-Error-Code": "RepoNotFound", "Content-Length": "0"},
+                    )
+                    return
+                if api.group(2) not in (None, "main", COMMIT):
+                    self._send(
+                        404,
+                        {"X-Error-Code": "RevisionNotFound", "Content-Length": "0"},
                     )
                     return
                 self._json(200, hub.info(repo))

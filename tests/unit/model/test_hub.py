@@ -170,6 +170,19 @@ def test_a_body_cut_short_by_a_proxy_is_deleted_not_resumed(
     assert again.resumed_from == 0 and again.path.read_bytes() == fake_hub.repos[REPO][Q4]
 
 
+def test_cli_a_revision_the_hub_does_not_know_is_named(fake_hub: FakeHub, models: Path) -> None:
+    code, out, err = cli(
+        "model", "pull", f"{REPO}:Q4_K_M", "--dir", str(models), "--revision", "v9"
+    )
+    assert (code, out) == (9, "")
+    assert err == (
+        f"orin-llm: {REPO} on {fake_hub.url} has no revision 'v9' (a branch, tag or commit of "
+        "the repository); leave --revision out for main\n"
+    )
+    assert not models.exists()
+    assert hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models, revision=COMMIT).downloaded
+
+
 def test_quant_selection_errors(fake_hub: FakeHub, models: Path) -> None:
     with pytest.raises(HubError, match=f"no GGUF file with Q5_K_M in its name; .*{Q4}, {Q8}"):
         hub.pull(store.parse_ref(f"{REPO}:Q5_K_M"), models)
