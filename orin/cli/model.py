@@ -19,7 +19,7 @@ from rich.progress import (
 )
 
 from orin.cli.deps import deps
-from orin.cli.errors import EXIT_FAILED, handle_errors, usage_error
+from orin.cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, fail, handle_errors, usage_error
 from orin.cli.help import Typer
 from orin.cli.options import (
     CtxOpt,
@@ -574,15 +574,23 @@ def pull(
     if uid == 0 and folder == sysroot.path(store.SYSTEM_MODELS_DIR):
         chown = _service_chown(d.runner, sysroot)
     progress = DownloadBar if progress_wanted(quiet or as_json) else None
-    result = hub.pull(
-        store.parse_ref(spec),
-        folder,
-        revision=revision,
-        progress=progress,
-        chown=chown,
-        force=force,
-        disk_free=d.disk_free,
-    )
+    try:
+        result = hub.pull(
+            store.parse_ref(spec),
+            folder,
+            revision=revision,
+            progress=progress,
+            chown=chown,
+            force=force,
+            disk_free=d.disk_free,
+        )
+    except hub.PullInterrupted as exc:
+        of = f" of {human_bytes(exc.size)}" if exc.size else ""
+        raise fail(
+            f"interrupted: {human_bytes(exc.have)}{of} of {exc.what} kept in {exc.part}; "
+            "run the same pull again to resume",
+            EXIT_INTERRUPTED,
+        ) from None
     out = Output(as_json)
     if as_json:
         out.json(result.to_dict())

@@ -95,6 +95,15 @@ class PullResult:
         }
 
 
+class PullInterrupted(KeyboardInterrupt):
+    """Ctrl-C while a file was fetched or checked: where its bytes wait for the next pull."""
+
+    def __init__(self, what: str, part: Path, size: int | None) -> None:
+        super().__init__(what)
+        self.what, self.part, self.size = what, part, size
+        self.have = part.stat().st_size if part.is_file() else 0
+
+
 def hub_endpoint(endpoint: str | None = None) -> str:
     """The hub to ask: the argument, else HF_ENDPOINT at call time, else huggingface.co."""
     return (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
@@ -161,8 +170,11 @@ def pull(
         return PullResult(ref, remote, target, commit, downloaded=False)
     part = models_dir / PARTIAL_DIR / f"{name}.{remote.sha256[:16]}.part"
     _log_once()
-    resumed = _download(ref, remote, commit, part, ep, progress, disk_free)
-    digest = sha256_file(part)
+    try:
+        resumed = _download(ref, remote, commit, part, ep, progress, disk_free)
+        digest = sha256_file(part)
+    except KeyboardInterrupt as exc:
+        raise PullInterrupted(f"{ref.repo}/{remote.path}", part, remote.size) from exc
     if digest != remote.sha256:
         part.unlink(missing_ok=True)
         _prune(part.parent)

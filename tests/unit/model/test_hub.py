@@ -472,6 +472,54 @@ def test_cli_corrupted_pull_exits_9(fake_hub: FakeHub, models: Path) -> None:
     assert files_under(models) == []
 
 
+def test_cli_ctrl_c_says_what_is_kept_and_the_next_pull_resumes_there(
+    fake_hub: FakeHub, models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C ended the pull with exit 130 and not a word about the part file."""
+    size = len(fake_hub.repos[REPO][Q8])
+    check = hub.sha256_file
+
+    def ctrl_c(path: Path) -> str:
+        monkeypatch.setattr(hub, "sha256_file", check)
+        raise KeyboardInterrupt  # while the downloaded file is checked
+
+    monkeypatch.setattr(hub, "sha256_file", ctrl_c)
+    code, out, err = cli("model", "pull", f"{REPO}:Q8_0", "--dir", str(models))
+    part = models / store.PARTIAL_DIR / f"{Q8}.{fake_hub.sha256(REPO, Q8)[:16]}.part"
+    assert (code, out) == (130, "")
+    kib = f"{size / 1024:.2f} KiB"
+    assert err == (
+        f"orin-llm: interrupted: {kib} of {kib} of {REPO}/{Q8} kept in {part}; "
+        "run the same pull again to resume\n"
+    )
+    assert files_under(models) == [str(part.relative_to(models))]
+    gets = len(fake_hub.gets())
+    again = hub.pull(store.parse_ref(f"{REPO}:Q8_0"), models)
+    assert again.resumed_from == size and len(fake_hub.gets()) == gets
+    assert again.path.read_bytes() == fake_hub.repos[REPO][Q8]
+
+
+def test_ctrl_c_during_the_download_names_the_bytes_it_keeps(
+    fake_hub: FakeHub, models: Path
+) -> None:
+    data = fake_hub.repos[REPO][Q4]
+    part = models / store.PARTIAL_DIR / f"{Q4}.{fake_hub.sha256(REPO, Q4)[:16]}.part"
+    part.parent.mkdir(parents=True)
+    part.write_bytes(data[:1000])  # an earlier pull's
+
+    class CtrlC:
+        def update(self, n: int) -> None:
+            raise KeyboardInterrupt
+
+        def close(self) -> None:
+            pass
+
+    with pytest.raises(hub.PullInterrupted) as caught:
+        hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models, progress=lambda *_: CtrlC())
+    assert (caught.value.have, caught.value.size, caught.value.part) == (1000, len(data), part)
+    assert part.read_bytes() == data[:1000]
+
+
 def test_a_file_the_disk_cannot_hold_is_refused_before_a_byte_is_fetched(
     fake_hub: FakeHub, models: Path
 ) -> None:
