@@ -84,6 +84,8 @@ def _projector_info(path: Path) -> ProjectorInfo | None:
 
     try:
         return mmproj.read_projector_info(path)
+    except mmproj.BrokenProjector as exc:
+        raise ModelFileError(f"{path}: {exc}") from exc
     except (ValueError, OSError, KeyError, IndexError):
         return None
 
@@ -699,16 +701,6 @@ def _naming(
     return _used_by(profiles, folder, root).get(path.resolve(), [])
 
 
-def _projector(path: Path) -> str | None:
-    """'vision projector (mlp)' for a projector GGUF (model.mmproj), else None."""
-    from orin.model import mmproj
-
-    try:
-        return f"vision projector ({mmproj.read_projector_info(path).projector_type})"
-    except (ValueError, OSError, KeyError, IndexError):
-        return None
-
-
 def _listing(folder: Path, profiles: list[tuple[str, Profile]], root: SysRoot) -> list[_Listed]:
     users = _used_by(profiles, folder, root)
     rows = []
@@ -717,8 +709,13 @@ def _listing(folder: Path, profiles: list[tuple[str, Profile]], root: SysRoot) -
         try:
             quant, problem = read_model_info(path).quantization, None
         except ModelFileError as exc:
-            quant, problem = _projector(path) or None, str(exc)
-            problem = None if quant else problem
+            quant, problem = None, str(exc)
+            try:
+                proj = _projector_info(path)  # model.mmproj
+            except ModelFileError as broken:
+                proj, problem = None, str(broken)
+            if proj is not None:
+                quant, problem = f"vision projector ({proj.projector_type})", None
         prov = store.read_provenance(folder, path.name)
         source = f"hf:{prov.repo}:{prov.path}" if prov is not None else None
         used = tuple(users.get(path.resolve(), ()))
