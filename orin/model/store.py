@@ -80,8 +80,16 @@ def quant_matches(name: str, quant: str) -> bool:
     return re.search(pattern, name, flags=re.IGNORECASE) is not None
 
 
+def is_projector_name(name: str) -> bool:
+    """Whether a file name says vision projector (``mmproj-model-f16.gguf``): the files a
+    repository publishes beside its model for model.mmproj."""
+    return quant_matches(PurePosixPath(name).name, "mmproj")
+
+
 def pick_gguf(ref: HubRef, names: list[str], where: str) -> str:
-    """The one GGUF among ``names`` that ``ref`` selects; HubError lists the candidates."""
+    """The one GGUF among ``names`` that ``ref`` selects; HubError lists the candidates.
+    A quantization or a bare repository that selects a model and its vision projectors
+    selects the model; a projector is pulled by its file name (or ``:mmproj``)."""
     ggufs = sorted(n for n in names if n.lower().endswith(".gguf"))
     if ref.file is not None:
         if ref.file in names:
@@ -92,6 +100,9 @@ def pick_gguf(ref: HubRef, names: list[str], where: str) -> str:
         what = f"GGUF file with {ref.quant} in its name"
     else:
         chosen, what = ggufs, "GGUF file"
+    models = [n for n in chosen if not is_projector_name(n)]
+    if models and len(models) < len(chosen):
+        chosen = models  # Q8_0 means the model, not also its mmproj-...-Q8_0.gguf
     if len(chosen) == 1:
         return chosen[0]
     if not ggufs:

@@ -101,6 +101,19 @@ def test_pick_gguf_errors_list_the_candidates() -> None:
         store.pick_gguf(store.parse_ref("o/r:b.gguf"), names, "o/r")
 
 
+def test_a_quant_or_a_bare_repo_picks_the_model_beside_its_projector() -> None:
+    """Q8_0 picked the model and mmproj-...-Q8_0.gguf alike: 'has 2 GGUF files'."""
+    names = ["Vlm-Q8_0.gguf", "Vlm-f16.gguf", "mmproj-Vlm-Q8_0.gguf", "mmproj-Vlm-f16.gguf"]
+    assert store.pick_gguf(store.parse_ref("o/r:Q8_0"), names, "o/r") == "Vlm-Q8_0.gguf"
+    assert store.pick_gguf(store.parse_ref("o/r:F16"), names, "o/r") == "Vlm-f16.gguf"
+    assert store.pick_gguf(store.parse_ref("o/r"), ["m.gguf", "sub/mmproj.gguf"], "o/r") == "m.gguf"
+    only = ["mmproj-Vlm-f16.gguf", "Vlm-Q8_0.gguf"]
+    assert store.pick_gguf(store.parse_ref("o/r:f16"), only, "o/r") == "mmproj-Vlm-f16.gguf"
+    assert store.pick_gguf(store.parse_ref("o/r:mmproj"), only, "o/r") == "mmproj-Vlm-f16.gguf"
+    with pytest.raises(HubError, match="has 2 GGUF files with mmproj in their names"):
+        store.pick_gguf(store.parse_ref("o/r:mmproj"), names, "o/r")
+
+
 # -- pull --
 
 
