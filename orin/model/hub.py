@@ -22,6 +22,7 @@ error that says which ``orin-llm model pull`` to run.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import logging
 import os
@@ -246,6 +247,9 @@ def _download(
         part.parent.mkdir(parents=True, exist_ok=True)
     if part.is_symlink():  # in a folder another user may own: never written through
         part.unlink()
+    for stale in part.parent.glob(f"{glob.escape(local_name(remote.path))}.*.part"):
+        if stale != part and len(stale.name) == len(part.name):
+            stale.unlink()  # an earlier version's, which would never resume: its space back
     have = part.stat().st_size if part.is_file() else 0
     if expected is not None and have > expected:
         part.unlink()  # not a prefix of this file

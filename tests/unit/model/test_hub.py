@@ -533,6 +533,29 @@ def test_ctrl_c_during_the_download_names_the_bytes_it_keeps(
     assert part.read_bytes() == data[:1000]
 
 
+def test_a_part_of_an_earlier_version_is_deleted_before_the_disk_is_asked(
+    fake_hub: FakeHub, models: Path
+) -> None:
+    """A part of a file since changed on the hub stayed in .partial for good, its
+    space counted against the new download."""
+    partial = models / store.PARTIAL_DIR
+    partial.mkdir(parents=True)
+    old = partial / f"{Q8}.{'a' * 16}.part"
+    old.write_bytes(b"x" * 5000)
+    other = partial / f"{Q4}.{'a' * 16}.part"  # another file's: kept
+    other.write_bytes(b"y")
+    size = len(fake_hub.repos[REPO][Q8])
+    seen: list[list[str]] = []
+
+    def free(folder: Path) -> int:
+        seen.append(sorted(p.name for p in folder.iterdir()))
+        return size
+
+    hub.pull(store.parse_ref(f"{REPO}:Q8_0"), models, disk_free=free)
+    assert seen == [[other.name]]
+    assert not old.exists() and other.read_bytes() == b"y"
+
+
 def test_a_file_the_disk_cannot_hold_is_refused_before_a_byte_is_fetched(
     fake_hub: FakeHub, models: Path
 ) -> None:
