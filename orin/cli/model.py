@@ -654,25 +654,40 @@ def _load(name: str | Path) -> Profile:
     return load_profile(name)
 
 
-def _names(profile: Profile, folder: Path, root: SysRoot, follow: bool = True) -> Path | None:
-    """The file in ``folder`` a profile would serve, found without fetching anything;
-    with ``follow`` off, the path it names, symbolic links not followed."""
+MODEL_ROLE = "model"  # what a profile's model file is to it (else model.mmproj, ...)
+
+
+def _names(
+    profile: Profile, folder: Path, root: SysRoot, follow: bool = True
+) -> list[tuple[Path, str]]:
+    """The files in ``folder`` a profile would serve, found without fetching anything,
+    each with what it is to the profile: its model, vision projector and draft model.
+    With ``follow`` off, the paths it names, symbolic links not followed."""
     from orin.profile.loader import named_model_path
 
     try:
-        path = named_model_path(profile, [folder])
+        model = named_model_path(profile, [folder])
     except OrinError:
-        return None
-    if path is None:
-        return None
-    if path.is_absolute() and not (path.exists() or path.is_symlink()):
-        path = root.path(str(path))
-    if not follow:
-        return _unfollowed(path)
-    try:
-        return path.resolve()
-    except RuntimeError:  # a loop of symbolic links: it names no file
-        return None
+        model = None
+    named = [(model, MODEL_ROLE)] if model is not None else []
+    for given, role in (
+        (profile.model.mmproj, "model.mmproj"),
+        (profile.speculative.draft_model, "speculative.draft_model"),
+    ):
+        if given is not None:
+            named.append((profile.path_from(given), role))
+    found = []
+    for path, role in named:
+        if path.is_absolute() and not (path.exists() or path.is_symlink()):
+            path = root.path(str(path))
+        if not follow:
+            found.append((_unfollowed(path), role))
+            continue
+        try:
+            found.append((path.resolve(), role))
+        except RuntimeError:  # a loop of symbolic links: it names no file
+            continue
+    return found
 
 
 def _unfollowed(path: Path) -> Path:
@@ -682,18 +697,23 @@ def _unfollowed(path: Path) -> Path:
 
 def _used_by(
     profiles: list[tuple[str, Profile]], folder: Path, root: SysRoot, follow: bool = True
-) -> dict[Path, list[str]]:
-    users: dict[Path, list[str]] = {}
+) -> dict[Path, list[tuple[str, str]]]:
+    """File -> (profile label, what the file is to it) for every profile naming it."""
+    users: dict[Path, list[tuple[str, str]]] = {}
     for label, profile in profiles:
-        path = _names(profile, folder, root, follow)
-        if path is not None:
-            users.setdefault(path, []).append(label)
+        for path, role in _names(profile, folder, root, follow):
+            users.setdefault(path, []).append((label, role))
     return users
+
+
+def _labels(users: list[tuple[str, str]]) -> tuple[str, ...]:
+    """'qwen', or 'vis (model.mmproj)' for a profile's projector or draft model."""
+    return tuple(label if role == MODEL_ROLE else f"{label} ({role})" for label, role in users)
 
 
 def _naming(
     profiles: list[tuple[str, Profile]], folder: Path, root: SysRoot, path: Path
-) -> list[str]:
+) -> list[tuple[str, str]]:
     """The profiles that lose their model when ``path`` goes: those that serve its
     file, or for a symbolic link (only the link goes) those that name the link."""
     if path.is_symlink():
@@ -718,13 +738,13 @@ def _listing(folder: Path, profiles: list[tuple[str, Profile]], root: SysRoot) -
                 quant, problem = f"vision projector ({proj.projector_type})", None
         prov = store.read_provenance(folder, path.name)
         source = f"hf:{prov.repo}:{prov.path}" if prov is not None else None
-        used = tuple(users.get(path.resolve(), ()))
+        used = _labels(users.get(path.resolve(), []))
         link = path.readlink() if path.is_symlink() else None
         rows.append(_Listed(path, path.stat().st_size, quant, problem, source, used, link))
     for path in store.broken_links(folder):
         link = path.readlink()
         problem = f"a link to {link}, which is not there (model rm removes the link)"
-        used = tuple(_naming(profiles, folder, root, path))
+        used = _labels(_naming(profiles, folder, root, path))
         rows.append(_Listed(path, None, None, problem, None, used, link))
     return sorted(rows, key=lambda r: r.path)
 
@@ -846,15 +866,19 @@ def rm(
         label for label, _ in every if label.startswith("installed") or label in (profiles or ())
     ]
     users = _naming(every, folder, sysroot, path)
-    blocking = [u for u in users if u in in_use]
+    blocking = [(label, role) for label, role in users if label in in_use]
     if blocking and not force:
+        what = "; ".join(
+            f"{'the model' if role == MODEL_ROLE else role} of profile {label}"
+            for label, role in blocking
+        )
         raise OrinError(
-            f"{path.name} is the model of profile {', '.join(blocking)}: the service would "
-            "not start without it; use --force to delete it anyway"
+            f"{path.name} is {what}: the service would not start without it; use --force "
+            "to delete it anyway"
         )
     out = Output()
     if users:
-        out.note(f"{path.name} is named by profile {', '.join(users)}")
+        out.note(f"{path.name} is named by profile {', '.join(_labels(users))}")
     target = path.readlink() if path.is_symlink() else None  # only the link goes
     if not yes:
         what = f"{path} ({human_bytes(path.stat().st_size)})"

@@ -452,6 +452,41 @@ def test_cli_rm_a_link_is_refused_only_for_a_profile_that_names_the_link(
     assert not link.is_symlink() and card.is_file()
 
 
+def test_cli_rm_refuses_the_projector_and_draft_model_a_profile_in_use_names(
+    tmp_path: Path, models: Path
+) -> None:
+    """Only model.path counted: the projector and the draft model of the service's
+    profile were deleted without a word, and list showed them used by nobody."""
+    models.mkdir()
+    for name in ("m.gguf", "mm.gguf", "d.gguf"):
+        write_gguf(models / name, params=LLAMA2_7B, file_type=MOSTLY_Q8_0)
+    profile = tmp_path / "vis.yaml"
+    profile.write_text(
+        f"name: vis\nmodel: {{path: {models / 'm.gguf'}, mmproj: mm.gguf}}\n"
+        f"speculative: {{mode: draft, draft_model: {models / 'd.gguf'}}}\n"
+    )
+    (tmp_path / "mm.gguf").symlink_to(models / "mm.gguf")  # relative to the profile's folder
+    code, out, err = cli("model", "list", "--dir", str(models), "--profile", str(profile), "--json")
+    used = {m["name"]: m["used_by"] for m in json.loads(out)["models"]}
+    assert used == {
+        "d.gguf": [f"{profile} (speculative.draft_model)"],
+        "m.gguf": [str(profile)],
+        "mm.gguf": [f"{profile} (model.mmproj)"],
+    }
+    rm = ("model", "rm", "--dir", str(models), "--yes", "--profile", str(profile))
+    code, _, err = cli(*rm[:2], "mm.gguf", *rm[2:])
+    assert code == 1 and (models / "mm.gguf").is_file()
+    assert err == (
+        f"orin-llm: mm.gguf is model.mmproj of profile {profile}: the service would not start "
+        "without it; use --force to delete it anyway\n"
+    )
+    code, _, err = cli(*rm[:2], "d.gguf", *rm[2:])
+    assert code == 1 and "d.gguf is speculative.draft_model of profile" in err
+    assert (models / "d.gguf").is_file()
+    code, _, err = cli(*rm[:2], "d.gguf", *rm[2:], "--force")
+    assert code == 0 and not (models / "d.gguf").exists()
+
+
 def test_cli_list_shows_a_link_whose_file_is_not_there(tmp_path: Path, models: Path) -> None:
     """A model linked in from a card that is not mounted was left out of model list,
     so the user could not see the name to give model rm."""
