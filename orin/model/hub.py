@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -433,6 +434,11 @@ class _hub_errors:
                     "has no access (a gated repository's terms are accepted on its page)"
                 )
             return f"{ep} answered HTTP {status} for {what}{again}"
+        if isinstance(exc, json.JSONDecodeError):
+            return (
+                f"{ep} did not answer for {repo} as a Hugging Face Hub does (not JSON: a "
+                "network's login page, or a proxy); check the network, or HF_ENDPOINT"
+            )
         if isinstance(exc, (httpx2.TransportError, ConnectionError)):
             return (
                 f"cannot reach the Hugging Face Hub at {ep} ({type(exc).__name__}: {exc}); "

@@ -13,7 +13,8 @@ metadata announce another SHA-256 than the bytes have. ``refuse`` answers a repo
 file requests with a status (401 without a valid token, 403 for an account without
 access). ``size_override`` makes a file's metadata request (HEAD) announce another
 size than the file list's; ``short_body`` makes each GET send only that many bytes, with
-a Content-Length that says so (a proxy that cuts files). Every request is recorded.
+a Content-Length that says so (a proxy that cuts files); ``portal`` answers the API with
+an HTML page. Every request is recorded.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class FakeHub:
     refuse: dict[str, int] = field(default_factory=dict)  # repo -> status of its file requests
     size_override: dict[str, int] = field(default_factory=dict)  # "repo/path" -> HEAD's size
     short_body: int | None = None
+    portal: bool = False  # every API request answered with an HTML page (a captive portal)
     down: bool = False
     requests: list[Request] = field(default_factory=list)
     on_request: Callable[[Request], None] | None = None  # e.g. what else has happened by now
@@ -119,6 +121,12 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if hub.on_request is not None:
                 hub.on_request(request)
             api = _API.match(path)
+            if api and body and hub.portal:
+                page = b"<html><body>Log in to use this network</body></html>"
+                self._send(
+                    200, {"Content-Type": "text/html", "Content-Length": str(len(page))}, page
+                )
+                return
             if api and body:
                 repo = api.group(1)
                 if repo not in hub.repos:

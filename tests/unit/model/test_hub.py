@@ -196,6 +196,18 @@ def test_cli_a_revision_the_hub_does_not_know_is_named(fake_hub: FakeHub, models
     assert hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models, revision=COMMIT).downloaded
 
 
+def test_cli_a_login_page_instead_of_the_hub_is_named(fake_hub: FakeHub, models: Path) -> None:
+    """It said 'JSONDecodeError: Expecting value: line 1 column 1 (char 0)'."""
+    fake_hub.portal = True
+    code, out, err = cli("model", "pull", f"{REPO}:Q4_K_M", "--dir", str(models))
+    assert (code, out) == (9, "")
+    assert err == (
+        f"orin-llm: {fake_hub.url} did not answer for {REPO} as a Hugging Face Hub does (not "
+        "JSON: a network's login page, or a proxy); check the network, or HF_ENDPOINT\n"
+    )
+    assert not models.exists()
+
+
 def test_quant_selection_errors(fake_hub: FakeHub, models: Path) -> None:
     with pytest.raises(HubError, match=f"no GGUF file with Q5_K_M in its name; .*{Q4}, {Q8}"):
         hub.pull(store.parse_ref(f"{REPO}:Q5_K_M"), models)
