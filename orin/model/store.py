@@ -13,13 +13,14 @@ for the next pull to resume them. Nothing here touches the network (hub.py does)
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
-from orin.errors import HubError, ModelFileError
+from orin.errors import HubError, ModelFileError, OrinError
 from orin.paths import models_cache_dir
 
 # The installed service's models directory (orin.install.layout.MODELS_DIR): profiles
@@ -267,9 +268,14 @@ def remove(models_dir: Path, path: Path) -> list[Path]:
     if not (path.is_symlink() or path.is_file()):
         raise ModelFileError(f"{path}: no such model file")
     removed = [path]
-    path.unlink()
     meta = meta_path(models_dir, path.name)
-    if meta.is_file():
-        meta.unlink()
-        removed.append(meta)
+    try:
+        path.unlink()
+        if meta.is_file():
+            meta.unlink()
+            removed.append(meta)
+    except OSError as exc:
+        sudo = " (a folder root owns, as the service's, needs sudo)"
+        why = f"{exc.strerror or exc}{sudo if exc.errno == errno.EACCES else ''}"
+        raise OrinError(f"cannot delete {exc.filename}: {why}") from exc
     return removed

@@ -499,6 +499,29 @@ def test_cli_rm_refuses_the_projector_and_draft_model_a_profile_in_use_names(
     assert code == 0 and not (models / "d.gguf").exists()
 
 
+def test_cli_rm_a_file_the_user_may_not_delete_is_one_line(
+    models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's rm in the service's folder was 'internal error: PermissionError', exit 70."""
+    models.mkdir()
+    model = write_gguf(models / "m.gguf", params=LLAMA2_7B)
+    unlink = Path.unlink
+
+    def denied(self: Path, missing_ok: bool = False) -> None:
+        if self == model:  # a folder of root's, for a user
+            raise PermissionError(13, "Permission denied", str(self))
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", denied)
+    code, out, err = cli("model", "rm", "m.gguf", "--dir", str(models), "--yes")
+    assert (code, out) == (1, "")
+    assert err == (
+        f"orin-llm: cannot delete {model}: Permission denied (a folder root owns, as the "
+        "service's, needs sudo)\n"
+    )
+    assert model.is_file()
+
+
 def test_cli_list_shows_a_link_whose_file_is_not_there(tmp_path: Path, models: Path) -> None:
     """A model linked in from a card that is not mounted was left out of model list,
     so the user could not see the name to give model rm."""
