@@ -434,6 +434,11 @@ class _hub_errors:
                     "has no access (a gated repository's terms are accepted on its page)"
                 )
             return f"{ep} answered HTTP {status} for {what}{again}"
+        if isinstance(exc, httpx2.TooManyRedirects):
+            return (
+                f"{ep} redirected the request for {what} in a loop ({exc}): a mirror or "
+                f"proxy set up wrong; check HF_ENDPOINT{again}"
+            )
         if isinstance(exc, json.JSONDecodeError):
             return (
                 f"{ep} did not answer for {repo} as a Hugging Face Hub does (not JSON: a "

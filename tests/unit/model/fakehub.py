@@ -14,7 +14,7 @@ file requests with a status (401 without a valid token, 403 for an account witho
 access). ``size_override`` makes a file's metadata request (HEAD) announce another
 size than the file list's; ``short_body`` makes each GET send only that many bytes, with
 a Content-Length that says so (a proxy that cuts files); ``portal`` answers the API with
-an HTML page. Every request is recorded.
+an HTML page; ``loop`` redirects each file request to itself. Every request is recorded.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class FakeHub:
     size_override: dict[str, int] = field(default_factory=dict)  # "repo/path" -> HEAD's size
     short_body: int | None = None
     portal: bool = False  # every API request answered with an HTML page (a captive portal)
+    loop: bool = False  # every file request redirected to itself
     down: bool = False
     requests: list[Request] = field(default_factory=list)
     on_request: Callable[[Request], None] | None = None  # e.g. what else has happened by now
@@ -148,6 +149,9 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self._send(404, {"Content-Length": "0"})
                 return
             repo, _, file = resolve.groups()
+            if hub.loop:
+                self._send(302, {"Location": self.path, "Content-Length": "0"})
+                return
             if repo in hub.refuse:
                 self._send(hub.refuse[repo], {"Content-Length": "0"})
                 return

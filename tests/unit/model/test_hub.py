@@ -208,6 +208,16 @@ def test_cli_a_login_page_instead_of_the_hub_is_named(fake_hub: FakeHub, models:
     assert not models.exists()
 
 
+def test_cli_a_redirect_loop_is_named(fake_hub: FakeHub, models: Path) -> None:
+    """It said '{repo} on {hub}: TooManyRedirects: ...', as for an unknown failure."""
+    fake_hub.loop = True
+    code, out, err = cli("model", "pull", f"{REPO}:Q4_K_M", "--dir", str(models))
+    assert (code, out) == (9, "")
+    assert err.startswith(f"orin-llm: {fake_hub.url} redirected the request for {REPO}/{Q4} ")
+    assert err.endswith("a mirror or proxy set up wrong; check HF_ENDPOINT\n")
+    assert not (models / Q4).exists()
+
+
 def test_quant_selection_errors(fake_hub: FakeHub, models: Path) -> None:
     with pytest.raises(HubError, match=f"no GGUF file with Q5_K_M in its name; .*{Q4}, {Q8}"):
         hub.pull(store.parse_ref(f"{REPO}:Q5_K_M"), models)
