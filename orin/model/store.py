@@ -29,6 +29,7 @@ SYSTEM_MODELS_DIR = "/var/lib/orin-llm/models"
 META_DIR = ".hub"  # provenance of pulled files, one JSON per file
 PARTIAL_DIR = ".partial"  # downloads that have not finished
 
+_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)  # llama-gguf-split's parts
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -111,6 +112,16 @@ def pick_gguf(ref: HubRef, names: list[str], where: str) -> str:
     if not chosen:
         raise HubError(f"{where} has no {what}; its GGUF files: {_listing(ggufs)}")
     many = f"GGUF files with {ref.quant} in their names" if ref.quant else "GGUF files"
+    splits = {_SPLIT.sub("", n) for n in chosen}
+    if len(splits) == 1 and all(_SPLIT.search(n) for n in chosen):
+        first = chosen[0]
+        raise HubError(
+            f"{where} has {ref.quant or 'the model'} split into {len(chosen)} parts: "
+            f"{_listing(chosen)}; orin-llm serves single-file models: pull each part by "
+            f"name ({ref.repo}:{first}, ...), merge them with `llama-gguf-split --merge "
+            f"{PurePosixPath(first).name} {PurePosixPath(splits.pop()).name}.gguf`, and serve "
+            "that file; or pick another quantization"
+        )
     raise HubError(
         f"{where} has {len(chosen)} {many}: {_listing(chosen)}; name one: {ref.repo}:FILE"
     )

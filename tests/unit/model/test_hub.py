@@ -114,6 +114,17 @@ def test_a_quant_or_a_bare_repo_picks_the_model_beside_its_projector() -> None:
         store.pick_gguf(store.parse_ref("o/r:mmproj"), names, "o/r")
 
 
+def test_a_quant_split_into_parts_says_how_to_make_one_file() -> None:
+    """It said 'has 3 GGUF files ...; name one', and a part named alone is no model."""
+    parts = [f"Big-Q4_K_M-0000{n}-of-00003.gguf" for n in (1, 2, 3)]
+    with pytest.raises(HubError) as caught:
+        store.pick_gguf(store.parse_ref("o/r:Q4_K_M"), [*parts, "Big-Q8_0.gguf"], "o/r")
+    message = str(caught.value)
+    assert message.startswith(f"o/r has Q4_K_M split into 3 parts: {', '.join(parts)}; ")
+    assert f"`llama-gguf-split --merge {parts[0]} Big-Q4_K_M.gguf`" in message
+    assert "name one" not in message
+
+
 # -- pull --
 
 
