@@ -19,7 +19,7 @@ from rich.progress import (
 )
 
 from orin.cli.deps import deps
-from orin.cli.errors import EXIT_FAILED, handle_errors, usage_error
+from orin.cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, fail, handle_errors, usage_error
 from orin.cli.help import Typer
 from orin.cli.options import (
     CtxOpt,
@@ -84,6 +84,8 @@ def _projector_info(path: Path) -> ProjectorInfo | None:
 
     try:
         return mmproj.read_projector_info(path)
+    except mmproj.BrokenProjector as exc:
+        raise ModelFileError(f"{path}: {exc}") from exc
     except (ValueError, OSError, KeyError, IndexError):
         return None
 
@@ -574,15 +576,23 @@ def pull(
     if uid == 0 and folder == sysroot.path(store.SYSTEM_MODELS_DIR):
         chown = _service_chown(d.runner, sysroot)
     progress = DownloadBar if progress_wanted(quiet or as_json) else None
-    result = hub.pull(
-        store.parse_ref(spec),
-        folder,
-        revision=revision,
-        progress=progress,
-        chown=chown,
-        force=force,
-        disk_free=d.disk_free,
-    )
+    try:
+        result = hub.pull(
+            store.parse_ref(spec),
+            folder,
+            revision=revision,
+            progress=progress,
+            chown=chown,
+            force=force,
+            disk_free=d.disk_free,
+        )
+    except hub.PullInterrupted as exc:
+        of = f" of {human_bytes(exc.size)}" if exc.size else ""
+        raise fail(
+            f"interrupted: {human_bytes(exc.have)}{of} of {exc.what} kept in {exc.part}; "
+            "run the same pull again to resume",
+            EXIT_INTERRUPTED,
+        ) from None
     out = Output(as_json)
     if as_json:
         out.json(result.to_dict())
@@ -644,25 +654,40 @@ def _load(name: str | Path) -> Profile:
     return load_profile(name)
 
 
-def _names(profile: Profile, folder: Path, root: SysRoot, follow: bool = True) -> Path | None:
-    """The file in ``folder`` a profile would serve, found without fetching anything;
-    with ``follow`` off, the path it names, symbolic links not followed."""
+MODEL_ROLE = "model"  # what a profile's model file is to it (else model.mmproj, ...)
+
+
+def _names(
+    profile: Profile, folder: Path, root: SysRoot, follow: bool = True
+) -> list[tuple[Path, str]]:
+    """The files in ``folder`` a profile would serve, found without fetching anything,
+    each with what it is to the profile: its model, vision projector and draft model.
+    With ``follow`` off, the paths it names, symbolic links not followed."""
     from orin.profile.loader import named_model_path
 
     try:
-        path = named_model_path(profile, [folder])
+        model = named_model_path(profile, [folder])
     except OrinError:
-        return None
-    if path is None:
-        return None
-    if path.is_absolute() and not (path.exists() or path.is_symlink()):
-        path = root.path(str(path))
-    if not follow:
-        return _unfollowed(path)
-    try:
-        return path.resolve()
-    except RuntimeError:  # a loop of symbolic links: it names no file
-        return None
+        model = None
+    named = [(model, MODEL_ROLE)] if model is not None else []
+    for given, role in (
+        (profile.model.mmproj, "model.mmproj"),
+        (profile.speculative.draft_model, "speculative.draft_model"),
+    ):
+        if given is not None:
+            named.append((profile.path_from(given), role))
+    found = []
+    for path, role in named:
+        if path.is_absolute() and not (path.exists() or path.is_symlink()):
+            path = root.path(str(path))
+        if not follow:
+            found.append((_unfollowed(path), role))
+            continue
+        try:
+            found.append((path.resolve(), role))
+        except RuntimeError:  # a loop of symbolic links: it names no file
+            continue
+    return found
 
 
 def _unfollowed(path: Path) -> Path:
@@ -672,33 +697,28 @@ def _unfollowed(path: Path) -> Path:
 
 def _used_by(
     profiles: list[tuple[str, Profile]], folder: Path, root: SysRoot, follow: bool = True
-) -> dict[Path, list[str]]:
-    users: dict[Path, list[str]] = {}
+) -> dict[Path, list[tuple[str, str]]]:
+    """File -> (profile label, what the file is to it) for every profile naming it."""
+    users: dict[Path, list[tuple[str, str]]] = {}
     for label, profile in profiles:
-        path = _names(profile, folder, root, follow)
-        if path is not None:
-            users.setdefault(path, []).append(label)
+        for path, role in _names(profile, folder, root, follow):
+            users.setdefault(path, []).append((label, role))
     return users
+
+
+def _labels(users: list[tuple[str, str]]) -> tuple[str, ...]:
+    """'qwen', or 'vis (model.mmproj)' for a profile's projector or draft model."""
+    return tuple(label if role == MODEL_ROLE else f"{label} ({role})" for label, role in users)
 
 
 def _naming(
     profiles: list[tuple[str, Profile]], folder: Path, root: SysRoot, path: Path
-) -> list[str]:
+) -> list[tuple[str, str]]:
     """The profiles that lose their model when ``path`` goes: those that serve its
     file, or for a symbolic link (only the link goes) those that name the link."""
     if path.is_symlink():
         return _used_by(profiles, folder, root, follow=False).get(_unfollowed(path), [])
     return _used_by(profiles, folder, root).get(path.resolve(), [])
-
-
-def _projector(path: Path) -> str | None:
-    """'vision projector (mlp)' for a projector GGUF (model.mmproj), else None."""
-    from orin.model import mmproj
-
-    try:
-        return f"vision projector ({mmproj.read_projector_info(path).projector_type})"
-    except (ValueError, OSError, KeyError, IndexError):
-        return None
 
 
 def _listing(folder: Path, profiles: list[tuple[str, Profile]], root: SysRoot) -> list[_Listed]:
@@ -709,17 +729,22 @@ def _listing(folder: Path, profiles: list[tuple[str, Profile]], root: SysRoot) -
         try:
             quant, problem = read_model_info(path).quantization, None
         except ModelFileError as exc:
-            quant, problem = _projector(path) or None, str(exc)
-            problem = None if quant else problem
+            quant, problem = None, str(exc)
+            try:
+                proj = _projector_info(path)  # model.mmproj
+            except ModelFileError as broken:
+                proj, problem = None, str(broken)
+            if proj is not None:
+                quant, problem = f"vision projector ({proj.projector_type})", None
         prov = store.read_provenance(folder, path.name)
         source = f"hf:{prov.repo}:{prov.path}" if prov is not None else None
-        used = tuple(users.get(path.resolve(), ()))
+        used = _labels(users.get(path.resolve(), []))
         link = path.readlink() if path.is_symlink() else None
         rows.append(_Listed(path, path.stat().st_size, quant, problem, source, used, link))
     for path in store.broken_links(folder):
         link = path.readlink()
         problem = f"a link to {link}, which is not there (model rm removes the link)"
-        used = tuple(_naming(profiles, folder, root, path))
+        used = _labels(_naming(profiles, folder, root, path))
         rows.append(_Listed(path, None, None, problem, None, used, link))
     return sorted(rows, key=lambda r: r.path)
 
@@ -841,15 +866,19 @@ def rm(
         label for label, _ in every if label.startswith("installed") or label in (profiles or ())
     ]
     users = _naming(every, folder, sysroot, path)
-    blocking = [u for u in users if u in in_use]
+    blocking = [(label, role) for label, role in users if label in in_use]
     if blocking and not force:
+        what = "; ".join(
+            f"{'the model' if role == MODEL_ROLE else role} of profile {label}"
+            for label, role in blocking
+        )
         raise OrinError(
-            f"{path.name} is the model of profile {', '.join(blocking)}: the service would "
-            "not start without it; use --force to delete it anyway"
+            f"{path.name} is {what}: the service would not start without it; use --force "
+            "to delete it anyway"
         )
     out = Output()
     if users:
-        out.note(f"{path.name} is named by profile {', '.join(users)}")
+        out.note(f"{path.name} is named by profile {', '.join(_labels(users))}")
     target = path.readlink() if path.is_symlink() else None  # only the link goes
     if not yes:
         what = f"{path} ({human_bytes(path.stat().st_size)})"

@@ -455,6 +455,25 @@ def _tensor_stats(p: Path, contents: GGUFContents) -> tuple[tuple[TensorTypeShar
     return shares, sum(elements.values()), sum(nbytes.values())
 
 
+def _refuse_split(p: Path, meta: _Meta) -> None:
+    """A part of a model split by llama-gguf-split (``split.count`` > 1) holds only some of
+    the tensors, and only the first part the metadata: read alone, its weights and memory
+    plan would be a fraction of the model's. orin-llm serves single-file models."""
+    count = meta.get("split.count")
+    if not isinstance(count, int) or isinstance(count, bool) or count <= 1:
+        return
+    number = meta.get("split.no")
+    part = f"part {number + 1} of {count}" if isinstance(number, int) else f"a part of {count}"
+    first = re.sub(r"-\d{5}-of-(\d{5})\.gguf$", r"-00001-of-\1.gguf", p.name, flags=re.I)
+    merged = re.sub(r"-\d{5}-of-\d{5}\.gguf$", ".gguf", p.name, flags=re.I)
+    if merged == p.name:
+        first, merged = "FIRST-PART.gguf", "MERGED.gguf"
+    raise ModelFileError(
+        f"{p}: {part} of a split model (split.count {count}); orin-llm reads single-file "
+        f"models: merge the parts into one with `llama-gguf-split --merge {first} {merged}`"
+    )
+
+
 def _guess_quantization(shares: Sequence[TensorTypeShare]) -> str:
     """Without general.file_type, name the type holding most of the weight bytes."""
     return shares[0].type if shares else "unknown"
@@ -462,6 +481,7 @@ def _guess_quantization(shares: Sequence[TensorTypeShare]) -> str:
 
 def _build_info(p: Path, contents: GGUFContents) -> ModelInfo:
     meta = _Meta(contents)
+    _refuse_split(p, meta)
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ModelFileError(f"{p}: GGUF file has no general.architecture")

@@ -22,7 +22,9 @@ error that says which ``orin-llm model pull`` to run.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -95,6 +97,15 @@ class PullResult:
         }
 
 
+class PullInterrupted(KeyboardInterrupt):
+    """Ctrl-C while a file was fetched or checked: where its bytes wait for the next pull."""
+
+    def __init__(self, what: str, part: Path, size: int | None) -> None:
+        super().__init__(what)
+        self.what, self.part, self.size = what, part, size
+        self.have = part.stat().st_size if part.is_file() else 0
+
+
 def hub_endpoint(endpoint: str | None = None) -> str:
     """The hub to ask: the argument, else HF_ENDPOINT at call time, else huggingface.co."""
     return (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
@@ -107,7 +118,7 @@ def list_files(
     from huggingface_hub import HfApi
 
     ep = hub_endpoint(endpoint)
-    with _hub_errors(ref, ep):
+    with _hub_errors(ref, ep, revision=revision):
         info = HfApi(endpoint=ep).model_info(ref.repo, revision=revision, files_metadata=True)
     files = [
         RemoteFile(
@@ -161,8 +172,11 @@ def pull(
         return PullResult(ref, remote, target, commit, downloaded=False)
     part = models_dir / PARTIAL_DIR / f"{name}.{remote.sha256[:16]}.part"
     _log_once()
-    resumed = _download(ref, remote, commit, part, ep, progress, disk_free)
-    digest = sha256_file(part)
+    try:
+        resumed = _download(ref, remote, commit, part, ep, progress, disk_free)
+        digest = sha256_file(part)
+    except KeyboardInterrupt as exc:
+        raise PullInterrupted(f"{ref.repo}/{remote.path}", part, remote.size) from exc
     if digest != remote.sha256:
         part.unlink(missing_ok=True)
         _prune(part.parent)
@@ -223,11 +237,20 @@ def _download(
     url = hf_hub_url(ref.repo, remote.path, revision=commit, endpoint=endpoint)
     with _hub_errors(ref, endpoint, path=remote.path):
         meta = get_hf_file_metadata(url, endpoint=endpoint)
+    if None not in (meta.size, remote.size) and meta.size != remote.size:
+        raise HubError(
+            f"{endpoint} announces {meta.size:,} bytes for {ref.repo}/{remote.path}, but the "
+            f"hub's file list gives {remote.size:,} with its SHA-256: the server (a mirror or a "
+            "proxy) has another file; not downloading it (check HF_ENDPOINT)"
+        )
     expected = meta.size if meta.size is not None else remote.size
     with _hub_errors(ref, endpoint):
         part.parent.mkdir(parents=True, exist_ok=True)
     if part.is_symlink():  # in a folder another user may own: never written through
         part.unlink()
+    for stale in part.parent.glob(f"{glob.escape(local_name(remote.path))}.*.part"):
+        if stale != part and len(stale.name) == len(part.name):
+            stale.unlink()  # an earlier version's, which would never resume: its space back
     have = part.stat().st_size if part.is_file() else 0
     if expected is not None and have > expected:
         part.unlink()  # not a prefix of this file
@@ -251,15 +274,30 @@ def _download(
     ):
         f.seek(have)
         watched = _Restarts(f)
-        http_get(
-            meta.location,
-            watched,  # type: ignore[arg-type]
-            resume_size=have,
-            headers=headers,
-            expected_size=expected,
-            displayed_filename=local_name(remote.path),
-            tqdm_class=_bar_class(progress),
-        )
+        try:
+            http_get(
+                meta.location,
+                watched,  # type: ignore[arg-type]
+                resume_size=have,
+                headers=headers,
+                expected_size=expected,
+                displayed_filename=local_name(remote.path),
+                tqdm_class=_bar_class(progress),
+            )
+        except OSError as exc:
+            if type(exc) is not OSError or exc.errno is not None:
+                raise  # the disk, a permission: _hub_errors says which
+            # http_get's size check: the body ended, without an error, at another length
+            # than announced. Resuming would ask for the same wrong bytes again.
+            got = f.seek(0, os.SEEK_END)
+            f.close()
+            part.unlink(missing_ok=True)
+            _prune(part.parent)
+            raise HubError(
+                f"{endpoint} sent {got:,} bytes of {ref.repo}/{remote.path}, which has "
+                f"{expected:,}: the server or a proxy in between cut or changed it; the "
+                "partial download is deleted: pull again, or from another HF_ENDPOINT"
+            ) from exc
     return 0 if watched.restarted else have
 
 
@@ -333,10 +371,17 @@ class _hub_errors:
     """huggingface_hub's and the network's exceptions -> one-line HubErrors."""
 
     def __init__(
-        self, ref: HubRef, endpoint: str, resumable: bool = False, path: str | None = None
+        self,
+        ref: HubRef,
+        endpoint: str,
+        resumable: bool = False,
+        path: str | None = None,
+        revision: str | None = None,
     ) -> None:
-        """``path``: the file being fetched, named in an HTTP error (else the repo)."""
+        """``path``: the file being fetched, named in an HTTP error (else the repo);
+        ``revision``: the one asked for, named when the hub does not know it."""
         self.ref, self.endpoint, self.resumable, self.path = ref, endpoint, resumable, path
+        self.revision = revision
 
     def __enter__(self) -> None:
         return None
@@ -366,7 +411,10 @@ class _hub_errors:
                 "check the owner/repo spelling"
             )
         if isinstance(exc, hf.RevisionNotFoundError):
-            return f"{repo} on {ep} has no such revision"
+            return (
+                f"{repo} on {ep} has no revision {self.revision or 'main'!r} (a branch, tag "
+                "or commit of the repository); leave --revision out for main"
+            )
         if isinstance(exc, hf.RemoteEntryNotFoundError):
             return f"{what} on {ep}: the file is not there"
         if isinstance(exc, hf.OfflineModeIsEnabled):
@@ -386,6 +434,16 @@ class _hub_errors:
                     "has no access (a gated repository's terms are accepted on its page)"
                 )
             return f"{ep} answered HTTP {status} for {what}{again}"
+        if isinstance(exc, httpx2.TooManyRedirects):
+            return (
+                f"{ep} redirected the request for {what} in a loop ({exc}): a mirror or "
+                f"proxy set up wrong; check HF_ENDPOINT{again}"
+            )
+        if isinstance(exc, json.JSONDecodeError):
+            return (
+                f"{ep} did not answer for {repo} as a Hugging Face Hub does (not JSON: a "
+                "network's login page, or a proxy); check the network, or HF_ENDPOINT"
+            )
         if isinstance(exc, (httpx2.TransportError, ConnectionError)):
             return (
                 f"cannot reach the Hugging Face Hub at {ep} ({type(exc).__name__}: {exc}); "

@@ -226,12 +226,17 @@ class ProjectorInfo:
         return self.weights_bytes + self.compute_bytes
 
 
+class BrokenProjector(ValueError):
+    """A projector GGUF (general.architecture clip) whose tensors the file cannot hold."""
+
+
 def read_projector_info(path: Path) -> ProjectorInfo:
     """The metadata of a projector GGUF; ValueError when it is not one (the callers
-    name the file). The output width comes from the last projector matrix where the
-    type's layout is known (LLaVA's mm.2). Read as the language models are
-    (orin.model.ggufread): a FIFO, an array of arrays or a broken tensor table is a
-    GGUFFormatError (a ValueError), not a wait or a RecursionError."""
+    name the file), BrokenProjector when it is one cut short. The output width comes
+    from the last projector matrix where the type's layout is known (LLaVA's mm.2).
+    Read as the language models are (orin.model.ggufread): a FIFO, an array of arrays
+    or a broken tensor table is a GGUFFormatError (a ValueError), not a wait or a
+    RecursionError."""
     from orin.model.ggufread import open_gguf
 
     with open_gguf(Path(path)) as contents:
@@ -239,6 +244,13 @@ def read_projector_info(path: Path) -> ProjectorInfo:
     arch = fields.get("general.architecture", "")
     if arch != ARCH:
         raise ValueError(f"general.architecture is {arch!r}, not 'clip': not a projector")
+    size = Path(path).stat().st_size
+    for t in tensors:  # llama.cpp maps the file: a short one is a crash, not an error
+        if t.data_offset + t.n_bytes > size:
+            raise BrokenProjector(
+                f"truncated GGUF file (a vision projector): tensor {t.name} ends at byte "
+                f"{t.data_offset + t.n_bytes}, file has {size}"
+            )
     proj = fields.get("clip.projector_type") or fields.get("clip.vision.projector_type") or ""
 
     def u(key: str) -> int:

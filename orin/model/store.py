@@ -13,13 +13,14 @@ for the next pull to resume them. Nothing here touches the network (hub.py does)
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
-from orin.errors import HubError, ModelFileError
+from orin.errors import HubError, ModelFileError, OrinError
 from orin.paths import models_cache_dir
 
 # The installed service's models directory (orin.install.layout.MODELS_DIR): profiles
@@ -28,6 +29,7 @@ SYSTEM_MODELS_DIR = "/var/lib/orin-llm/models"
 META_DIR = ".hub"  # provenance of pulled files, one JSON per file
 PARTIAL_DIR = ".partial"  # downloads that have not finished
 
+_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)  # llama-gguf-split's parts
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -80,8 +82,16 @@ def quant_matches(name: str, quant: str) -> bool:
     return re.search(pattern, name, flags=re.IGNORECASE) is not None
 
 
+def is_projector_name(name: str) -> bool:
+    """Whether a file name says vision projector (``mmproj-model-f16.gguf``): the files a
+    repository publishes beside its model for model.mmproj."""
+    return quant_matches(PurePosixPath(name).name, "mmproj")
+
+
 def pick_gguf(ref: HubRef, names: list[str], where: str) -> str:
-    """The one GGUF among ``names`` that ``ref`` selects; HubError lists the candidates."""
+    """The one GGUF among ``names`` that ``ref`` selects; HubError lists the candidates.
+    A quantization or a bare repository that selects a model and its vision projectors
+    selects the model; a projector is pulled by its file name (or ``:mmproj``)."""
     ggufs = sorted(n for n in names if n.lower().endswith(".gguf"))
     if ref.file is not None:
         if ref.file in names:
@@ -92,6 +102,9 @@ def pick_gguf(ref: HubRef, names: list[str], where: str) -> str:
         what = f"GGUF file with {ref.quant} in its name"
     else:
         chosen, what = ggufs, "GGUF file"
+    models = [n for n in chosen if not is_projector_name(n)]
+    if models and len(models) < len(chosen):
+        chosen = models  # Q8_0 means the model, not also its mmproj-...-Q8_0.gguf
     if len(chosen) == 1:
         return chosen[0]
     if not ggufs:
@@ -99,6 +112,16 @@ def pick_gguf(ref: HubRef, names: list[str], where: str) -> str:
     if not chosen:
         raise HubError(f"{where} has no {what}; its GGUF files: {_listing(ggufs)}")
     many = f"GGUF files with {ref.quant} in their names" if ref.quant else "GGUF files"
+    splits = {_SPLIT.sub("", n) for n in chosen}
+    if len(splits) == 1 and all(_SPLIT.search(n) for n in chosen):
+        first = chosen[0]
+        raise HubError(
+            f"{where} has {ref.quant or 'the model'} split into {len(chosen)} parts: "
+            f"{_listing(chosen)}; orin-llm serves single-file models: pull each part by "
+            f"name ({ref.repo}:{first}, ...), merge them with `llama-gguf-split --merge "
+            f"{PurePosixPath(first).name} {PurePosixPath(splits.pop()).name}.gguf`, and serve "
+            "that file; or pick another quantization"
+        )
     raise HubError(
         f"{where} has {len(chosen)} {many}: {_listing(chosen)}; name one: {ref.repo}:FILE"
     )
@@ -256,9 +279,14 @@ def remove(models_dir: Path, path: Path) -> list[Path]:
     if not (path.is_symlink() or path.is_file()):
         raise ModelFileError(f"{path}: no such model file")
     removed = [path]
-    path.unlink()
     meta = meta_path(models_dir, path.name)
-    if meta.is_file():
-        meta.unlink()
-        removed.append(meta)
+    try:
+        path.unlink()
+        if meta.is_file():
+            meta.unlink()
+            removed.append(meta)
+    except OSError as exc:
+        sudo = " (a folder root owns, as the service's, needs sudo)"
+        why = f"{exc.strerror or exc}{sudo if exc.errno == errno.EACCES else ''}"
+        raise OrinError(f"cannot delete {exc.filename}: {why}") from exc
     return removed

@@ -2,7 +2,7 @@
 get_hf_file_metadata and http_get call, with switches for the failures pulls must handle.
 
 - ``GET /api/models/{repo}[/revision/{rev}]`` (``?blobs=True``): id, sha and siblings with
-  size and LFS size/sha256;
+  size and LFS size/sha256; a revision other than main or COMMIT is RevisionNotFound;
 - ``HEAD|GET /{repo}/resolve/{rev}/{path}``: ETag, X-Linked-Etag (the LFS sha256),
   X-Linked-Size, X-Repo-Commit; GET honours ``Range: bytes=N-`` with 206.
 
@@ -11,7 +11,10 @@ response and close the connection; from then on every GET answers 503 until the 
 sets ``down`` back to False (the next pull then resumes). ``sha_override`` makes the
 metadata announce another SHA-256 than the bytes have. ``refuse`` answers a repository's
 file requests with a status (401 without a valid token, 403 for an account without
-access). Every request is recorded.
+access). ``size_override`` makes a file's metadata request (HEAD) announce another
+size than the file list's; ``short_body`` makes each GET send only that many bytes, with
+a Content-Length that says so (a proxy that cuts files); ``portal`` answers the API with
+an HTML page; ``loop`` redirects each file request to itself. Every request is recorded.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ class FakeHub:
     gone: set[str] = field(default_factory=set)  # "repo/path" listed, but 404 on download
     no_range: bool = False  # answer a Range request with the whole file (200), as some servers do
     refuse: dict[str, int] = field(default_factory=dict)  # repo -> status of its file requests
+    size_override: dict[str, int] = field(default_factory=dict)  # "repo/path" -> HEAD's size
+    short_body: int | None = None
+    portal: bool = False  # every API request answered with an HTML page (a captive portal)
+    loop: bool = False  # every file request redirected to itself
     down: bool = False
     requests: list[Request] = field(default_factory=list)
     on_request: Callable[[Request], None] | None = None  # e.g. what else has happened by now
@@ -115,12 +122,24 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if hub.on_request is not None:
                 hub.on_request(request)
             api = _API.match(path)
+            if api and body and hub.portal:
+                page = b"<html><body>Log in to use this network</body></html>"
+                self._send(
+                    200, {"Content-Type": "text/html", "Content-Length": str(len(page))}, page
+                )
+                return
             if api and body:
                 repo = api.group(1)
                 if repo not in hub.repos:
                     self._send(
                         404,
                         {"X-Error-Code": "RepoNotFound", "Content-Length": "0"},
+                    )
+                    return
+                if api.group(2) not in (None, "main", COMMIT):
+                    self._send(
+                        404,
+                        {"X-Error-Code": "RevisionNotFound", "Content-Length": "0"},
                     )
                     return
                 self._json(200, hub.info(repo))
@@ -130,6 +149,9 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self._send(404, {"Content-Length": "0"})
                 return
             repo, _, file = resolve.groups()
+            if hub.loop:
+                self._send(302, {"Location": self.path, "Content-Length": "0"})
+                return
             if repo in hub.refuse:
                 self._send(hub.refuse[repo], {"Content-Length": "0"})
                 return
@@ -151,7 +173,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             headers = {
                 "ETag": f'"{sha}"',
                 "X-Linked-Etag": f'"{sha}"',
-                "X-Linked-Size": str(len(data)),
+                "X-Linked-Size": str(hub.size_override.get(f"{repo}/{file}", len(data))),
                 "X-Repo-Commit": COMMIT,
                 "Accept-Ranges": "bytes",
                 "Content-Type": "application/octet-stream",
@@ -172,6 +194,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if wanted:
                 headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
             rest = data[start:]
+            if hub.short_body is not None:
+                rest = rest[: hub.short_body]
             headers["Content-Length"] = str(len(rest))
             if hub.cut_after is not None:
                 cut, hub.cut_after, hub.down = hub.cut_after, None, True

@@ -325,3 +325,26 @@ def test_generated_architectures(arch_models: dict[str, Path], arch: str) -> Non
 )
 def test_weight_bits(quant: str, bits: int | None) -> None:
     assert weight_bits(quant) == bits
+
+
+def test_a_part_of_a_split_model_is_refused_with_the_merge_to_run(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "llama", split_max_tensors=1)
+    for key, value in LLAMA2_7B.items():
+        if isinstance(value, float):
+            w.add_float32(f"llama.{key}", value)
+        else:
+            w.add_uint32(f"llama.{key}", value)
+    for i in range(3):
+        w.add_tensor(f"t{i}", np.zeros(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for n in (1, 2, 3):
+        part = tmp_path / f"m-0000{n}-of-00003.gguf"
+        with pytest.raises(ModelFileError) as exc:
+            read_model_info(part)  # part 1 alone read as a model a third of its size
+        assert f"part {n} of 3 of a split model" in str(exc.value)
+        assert "llama-gguf-split --merge m-00001-of-00003.gguf m.gguf" in str(exc.value)

@@ -101,6 +101,30 @@ def test_pick_gguf_errors_list_the_candidates() -> None:
         store.pick_gguf(store.parse_ref("o/r:b.gguf"), names, "o/r")
 
 
+def test_a_quant_or_a_bare_repo_picks_the_model_beside_its_projector() -> None:
+    """Q8_0 picked the model and mmproj-...-Q8_0.gguf alike: 'has 2 GGUF files'."""
+    names = ["Vlm-Q8_0.gguf", "Vlm-f16.gguf", "mmproj-Vlm-Q8_0.gguf", "mmproj-Vlm-f16.gguf"]
+    assert store.pick_gguf(store.parse_ref("o/r:Q8_0"), names, "o/r") == "Vlm-Q8_0.gguf"
+    assert store.pick_gguf(store.parse_ref("o/r:F16"), names, "o/r") == "Vlm-f16.gguf"
+    assert store.pick_gguf(store.parse_ref("o/r"), ["m.gguf", "sub/mmproj.gguf"], "o/r") == "m.gguf"
+    only = ["mmproj-Vlm-f16.gguf", "Vlm-Q8_0.gguf"]
+    assert store.pick_gguf(store.parse_ref("o/r:f16"), only, "o/r") == "mmproj-Vlm-f16.gguf"
+    assert store.pick_gguf(store.parse_ref("o/r:mmproj"), only, "o/r") == "mmproj-Vlm-f16.gguf"
+    with pytest.raises(HubError, match="has 2 GGUF files with mmproj in their names"):
+        store.pick_gguf(store.parse_ref("o/r:mmproj"), names, "o/r")
+
+
+def test_a_quant_split_into_parts_says_how_to_make_one_file() -> None:
+    """It said 'has 3 GGUF files ...; name one', and a part named alone is no model."""
+    parts = [f"Big-Q4_K_M-0000{n}-of-00003.gguf" for n in (1, 2, 3)]
+    with pytest.raises(HubError) as caught:
+        store.pick_gguf(store.parse_ref("o/r:Q4_K_M"), [*parts, "Big-Q8_0.gguf"], "o/r")
+    message = str(caught.value)
+    assert message.startswith(f"o/r has Q4_K_M split into 3 parts: {', '.join(parts)}; ")
+    assert f"`llama-gguf-split --merge {parts[0]} Big-Q4_K_M.gguf`" in message
+    assert "name one" not in message
+
+
 # -- pull --
 
 
@@ -135,6 +159,74 @@ def test_a_listed_file_the_hub_will_not_send_is_named(fake_hub: FakeHub, models:
     with pytest.raises(HubError) as caught:
         hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models)
     assert f"HTTP 404 for {REPO}/{Q4}" in str(caught.value)
+
+
+def test_a_server_announcing_another_size_is_refused_before_downloading(
+    fake_hub: FakeHub, models: Path
+) -> None:
+    """It was downloaded, failed huggingface_hub's size check ("retry with
+    force_download=True"), and every pull again 'resumed' into the same failure."""
+    size = len(fake_hub.repos[REPO][Q4])
+    fake_hub.size_override[f"{REPO}/{Q4}"] = size + 1000
+    with pytest.raises(HubError) as caught:
+        hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models)
+    assert str(caught.value) == (
+        f"{fake_hub.url} announces {size + 1000:,} bytes for {REPO}/{Q4}, but the hub's file "
+        f"list gives {size:,} with its SHA-256: the server (a mirror or a proxy) has another "
+        "file; not downloading it (check HF_ENDPOINT)"
+    )
+    assert fake_hub.gets() == [] and files_under(models) == []
+
+
+def test_a_body_cut_short_by_a_proxy_is_deleted_not_resumed(
+    fake_hub: FakeHub, models: Path
+) -> None:
+    size = len(fake_hub.repos[REPO][Q4])
+    fake_hub.short_body = 1000
+    with pytest.raises(HubError) as caught:
+        hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models)
+    message = str(caught.value)
+    assert message.startswith(f"{fake_hub.url} sent 1,000 bytes of {REPO}/{Q4}, which has {size:,}")
+    assert "partial download is deleted" in message and "force_download" not in message
+    assert files_under(models) == []
+    fake_hub.short_body = None
+    again = hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models)
+    assert again.resumed_from == 0 and again.path.read_bytes() == fake_hub.repos[REPO][Q4]
+
+
+def test_cli_a_revision_the_hub_does_not_know_is_named(fake_hub: FakeHub, models: Path) -> None:
+    code, out, err = cli(
+        "model", "pull", f"{REPO}:Q4_K_M", "--dir", str(models), "--revision", "v9"
+    )
+    assert (code, out) == (9, "")
+    assert err == (
+        f"orin-llm: {REPO} on {fake_hub.url} has no revision 'v9' (a branch, tag or commit of "
+        "the repository); leave --revision out for main\n"
+    )
+    assert not models.exists()
+    assert hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models, revision=COMMIT).downloaded
+
+
+def test_cli_a_login_page_instead_of_the_hub_is_named(fake_hub: FakeHub, models: Path) -> None:
+    """It said 'JSONDecodeError: Expecting value: line 1 column 1 (char 0)'."""
+    fake_hub.portal = True
+    code, out, err = cli("model", "pull", f"{REPO}:Q4_K_M", "--dir", str(models))
+    assert (code, out) == (9, "")
+    assert err == (
+        f"orin-llm: {fake_hub.url} did not answer for {REPO} as a Hugging Face Hub does (not "
+        "JSON: a network's login page, or a proxy); check the network, or HF_ENDPOINT\n"
+    )
+    assert not models.exists()
+
+
+def test_cli_a_redirect_loop_is_named(fake_hub: FakeHub, models: Path) -> None:
+    """It said '{repo} on {hub}: TooManyRedirects: ...', as for an unknown failure."""
+    fake_hub.loop = True
+    code, out, err = cli("model", "pull", f"{REPO}:Q4_K_M", "--dir", str(models))
+    assert (code, out) == (9, "")
+    assert err.startswith(f"orin-llm: {fake_hub.url} redirected the request for {REPO}/{Q4} ")
+    assert err.endswith("a mirror or proxy set up wrong; check HF_ENDPOINT\n")
+    assert not (models / Q4).exists()
 
 
 def test_quant_selection_errors(fake_hub: FakeHub, models: Path) -> None:
@@ -393,6 +485,64 @@ def test_cli_rm_a_link_is_refused_only_for_a_profile_that_names_the_link(
     assert not link.is_symlink() and card.is_file()
 
 
+def test_cli_rm_refuses_the_projector_and_draft_model_a_profile_in_use_names(
+    tmp_path: Path, models: Path
+) -> None:
+    """Only model.path counted: the projector and the draft model of the service's
+    profile were deleted without a word, and list showed them used by nobody."""
+    models.mkdir()
+    for name in ("m.gguf", "mm.gguf", "d.gguf"):
+        write_gguf(models / name, params=LLAMA2_7B, file_type=MOSTLY_Q8_0)
+    profile = tmp_path / "vis.yaml"
+    profile.write_text(
+        f"name: vis\nmodel: {{path: {models / 'm.gguf'}, mmproj: mm.gguf}}\n"
+        f"speculative: {{mode: draft, draft_model: {models / 'd.gguf'}}}\n"
+    )
+    (tmp_path / "mm.gguf").symlink_to(models / "mm.gguf")  # relative to the profile's folder
+    code, out, err = cli("model", "list", "--dir", str(models), "--profile", str(profile), "--json")
+    used = {m["name"]: m["used_by"] for m in json.loads(out)["models"]}
+    assert used == {
+        "d.gguf": [f"{profile} (speculative.draft_model)"],
+        "m.gguf": [str(profile)],
+        "mm.gguf": [f"{profile} (model.mmproj)"],
+    }
+    rm = ("model", "rm", "--dir", str(models), "--yes", "--profile", str(profile))
+    code, _, err = cli(*rm[:2], "mm.gguf", *rm[2:])
+    assert code == 1 and (models / "mm.gguf").is_file()
+    assert err == (
+        f"orin-llm: mm.gguf is model.mmproj of profile {profile}: the service would not start "
+        "without it; use --force to delete it anyway\n"
+    )
+    code, _, err = cli(*rm[:2], "d.gguf", *rm[2:])
+    assert code == 1 and "d.gguf is speculative.draft_model of profile" in err
+    assert (models / "d.gguf").is_file()
+    code, _, err = cli(*rm[:2], "d.gguf", *rm[2:], "--force")
+    assert code == 0 and not (models / "d.gguf").exists()
+
+
+def test_cli_rm_a_file_the_user_may_not_delete_is_one_line(
+    models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's rm in the service's folder was 'internal error: PermissionError', exit 70."""
+    models.mkdir()
+    model = write_gguf(models / "m.gguf", params=LLAMA2_7B)
+    unlink = Path.unlink
+
+    def denied(self: Path, missing_ok: bool = False) -> None:
+        if self == model:  # a folder of root's, for a user
+            raise PermissionError(13, "Permission denied", str(self))
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", denied)
+    code, out, err = cli("model", "rm", "m.gguf", "--dir", str(models), "--yes")
+    assert (code, out) == (1, "")
+    assert err == (
+        f"orin-llm: cannot delete {model}: Permission denied (a folder root owns, as the "
+        "service's, needs sudo)\n"
+    )
+    assert model.is_file()
+
+
 def test_cli_list_shows_a_link_whose_file_is_not_there(tmp_path: Path, models: Path) -> None:
     """A model linked in from a card that is not mounted was left out of model list,
     so the user could not see the name to give model rm."""
@@ -424,6 +574,77 @@ def test_cli_corrupted_pull_exits_9(fake_hub: FakeHub, models: Path) -> None:
     assert code == 9 and out == ""
     assert err.startswith("orin-llm: ") and "refused and deleted" in err
     assert files_under(models) == []
+
+
+def test_cli_ctrl_c_says_what_is_kept_and_the_next_pull_resumes_there(
+    fake_hub: FakeHub, models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C ended the pull with exit 130 and not a word about the part file."""
+    size = len(fake_hub.repos[REPO][Q8])
+    check = hub.sha256_file
+
+    def ctrl_c(path: Path) -> str:
+        monkeypatch.setattr(hub, "sha256_file", check)
+        raise KeyboardInterrupt  # while the downloaded file is checked
+
+    monkeypatch.setattr(hub, "sha256_file", ctrl_c)
+    code, out, err = cli("model", "pull", f"{REPO}:Q8_0", "--dir", str(models))
+    part = models / store.PARTIAL_DIR / f"{Q8}.{fake_hub.sha256(REPO, Q8)[:16]}.part"
+    assert (code, out) == (130, "")
+    kib = f"{size / 1024:.2f} KiB"
+    assert err == (
+        f"orin-llm: interrupted: {kib} of {kib} of {REPO}/{Q8} kept in {part}; "
+        "run the same pull again to resume\n"
+    )
+    assert files_under(models) == [str(part.relative_to(models))]
+    gets = len(fake_hub.gets())
+    again = hub.pull(store.parse_ref(f"{REPO}:Q8_0"), models)
+    assert again.resumed_from == size and len(fake_hub.gets()) == gets
+    assert again.path.read_bytes() == fake_hub.repos[REPO][Q8]
+
+
+def test_ctrl_c_during_the_download_names_the_bytes_it_keeps(
+    fake_hub: FakeHub, models: Path
+) -> None:
+    data = fake_hub.repos[REPO][Q4]
+    part = models / store.PARTIAL_DIR / f"{Q4}.{fake_hub.sha256(REPO, Q4)[:16]}.part"
+    part.parent.mkdir(parents=True)
+    part.write_bytes(data[:1000])  # an earlier pull's
+
+    class CtrlC:
+        def update(self, n: int) -> None:
+            raise KeyboardInterrupt
+
+        def close(self) -> None:
+            pass
+
+    with pytest.raises(hub.PullInterrupted) as caught:
+        hub.pull(store.parse_ref(f"{REPO}:Q4_K_M"), models, progress=lambda *_: CtrlC())
+    assert (caught.value.have, caught.value.size, caught.value.part) == (1000, len(data), part)
+    assert part.read_bytes() == data[:1000]
+
+
+def test_a_part_of_an_earlier_version_is_deleted_before_the_disk_is_asked(
+    fake_hub: FakeHub, models: Path
+) -> None:
+    """A part of a file since changed on the hub stayed in .partial for good, its
+    space counted against the new download."""
+    partial = models / store.PARTIAL_DIR
+    partial.mkdir(parents=True)
+    old = partial / f"{Q8}.{'a' * 16}.part"
+    old.write_bytes(b"x" * 5000)
+    other = partial / f"{Q4}.{'a' * 16}.part"  # another file's: kept
+    other.write_bytes(b"y")
+    size = len(fake_hub.repos[REPO][Q8])
+    seen: list[list[str]] = []
+
+    def free(folder: Path) -> int:
+        seen.append(sorted(p.name for p in folder.iterdir()))
+        return size
+
+    hub.pull(store.parse_ref(f"{REPO}:Q8_0"), models, disk_free=free)
+    assert seen == [[other.name]]
+    assert not old.exists() and other.read_bytes() == b"y"
 
 
 def test_a_file_the_disk_cannot_hold_is_refused_before_a_byte_is_fetched(

@@ -3,6 +3,7 @@ loader reads it, its output as wide as the demo text model's embeddings."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -102,3 +103,25 @@ def test_profile_validate_counts_the_projector(tmp_path: Path) -> None:
     (beside,) = fit_of(vision)  # it does not
     assert WHY_WARN in alone and "projector" not in alone
     assert WHY_FAIL in beside and "+ vision projector 0.00 GiB" in beside
+
+
+def test_a_truncated_projector_is_named_as_one_by_inspect_and_list(tmp_path: Path) -> None:
+    """It was shown by inspect as a good projector (exit 0), and by list as 'a vision
+    projector, not a language model'; llama.cpp maps the missing bytes."""
+    from typer.testing import CliRunner
+
+    from orin.cli.app import app
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    path = mmproj.generate("tiny", folder / "mmproj.gguf")
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(mmproj.BrokenProjector, match=r"truncated GGUF file \(a vision projector\)"):
+        mmproj.read_projector_info(path)
+    r = CliRunner().invoke(app, ["model", "inspect", str(path)])
+    assert r.exit_code == 3 and r.stdout == ""
+    assert r.stderr.startswith(f"orin-llm: {path}: truncated GGUF file (a vision projector): ")
+    r = CliRunner().invoke(app, ["model", "list", "--dir", str(folder), "--json"])
+    (listed,) = json.loads(r.stdout)["models"]
+    assert listed["quantization"] is None
+    assert listed["problem"].startswith(f"{path}: truncated GGUF file (a vision projector)")
