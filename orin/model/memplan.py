@@ -516,7 +516,7 @@ def plan_memory(
         cells=per_seq * slots,
         type_k=type_k,
         type_v=type_v,
-        n_ubatch=n_ubatch,
+        n_ubatch=effective_ubatch(ctx, slots, n_ubatch, n_batch),  # what llama.cpp runs
         flash_attn=flash_attn,
         weights_bytes=info.weights_bytes,
         kv_k_bytes=sum(c.k_bytes for c in caches),

@@ -122,6 +122,15 @@ def test_plan_totals_and_fit(llama2_7b: ModelInfo) -> None:
     assert unknown.fits is None and unknown.max_ctx_by_kv_type == {}
 
 
+def test_the_plan_reports_the_micro_batch_llama_cpp_runs(llama2_7b: ModelInfo) -> None:
+    """An --ubatch above the context or the batch is capped by llama.cpp; the plan (its
+    JSON) said the value asked for beside compute figures sized for the capped one."""
+    plan = plan_memory(llama2_7b, 256, 1, n_ubatch=100_000_000, n_batch=None)
+    assert plan.n_ubatch == 256 and plan.to_dict()["n_ubatch"] == 256
+    assert plan_memory(llama2_7b, 4096, 2, n_ubatch=1024, n_batch=512).n_ubatch == 512
+    assert plan_memory(llama2_7b, 4096, 2, n_ubatch=128).n_ubatch == 128
+
+
 def test_flash_attention_off_needs_more_compute(llama2_7b: ModelInfo) -> None:
     on = plan_memory(llama2_7b, 4096, 1, flash_attn=True)
     off = plan_memory(llama2_7b, 4096, 1, flash_attn=False)
