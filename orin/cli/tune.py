@@ -449,7 +449,7 @@ def _run_measured(
 def _slo_missed(r: TuneResult) -> str | None:
     """``SLO not met: ttft_p95_ms 20 ms > 0.5 ms at 256 prompt tokens x 2 streams``, or
     None when the chosen configuration meets every target (or there are none)."""
-    from orin.tune.explain import streams
+    from orin.tune.explain import streams, worst_point
 
     if not r.has_targets or r.meets_slo:
         return None
@@ -458,11 +458,10 @@ def _slo_missed(r: TuneResult) -> str | None:
         ("ttft_p95_ms", slo.ttft_p95_ms, "ttft_p95"),
         ("tpot_p90_ms", slo.tpot_p90_ms, "tpot_p90"),
     ):
-        values = [(getattr(p, metric), p) for p in r.chosen_m.points.values()]
-        measured = [(v, p) for v, p in values if v is not None]
-        if goal is None or not measured:
+        p = worst_point(r.chosen_m, metric)
+        if goal is None or p is None:
             continue
-        worst, p = max(measured, key=lambda vp: vp[0])
+        worst = getattr(p, metric)
         if worst > goal:
             where = f"{p.prompt_tokens} prompt tokens x {streams(p.concurrency)}"
             parts.append(f"{key} {worst:.{1 if metric == 'tpot_p90' else 0}f} ms > {goal:g} ms "

@@ -51,7 +51,9 @@ def utilization(f: PhaseFigures | None, threads: int) -> tuple[str, bool | None]
     return "no utilization figures", None
 
 
-def _worst(m: Measurement, metric: str) -> Point | None:
+def worst_point(m: Measurement, metric: str) -> Point | None:
+    """The point where ``metric`` (a Point attribute: ttft_p95, tpot_p90) is highest,
+    among those that measured it; None when none did."""
     pts = [p for p in m.points.values() if getattr(p, metric) is not None]
     return max(pts, key=lambda p: getattr(p, metric)) if pts else None
 
@@ -109,11 +111,11 @@ def explain(m: Measurement, slo: SLOSection) -> list[str]:
     """One sentence per target the measurement misses (empty when all are met)."""
     out = []
     if slo.ttft_p95_ms is not None:
-        p = _worst(m, "ttft_p95")
+        p = worst_point(m, "ttft_p95")
         if p is not None and (p.ttft_p95 or 0.0) > slo.ttft_p95_ms:
             out.append(_ttft(m, p, slo.ttft_p95_ms))
     if slo.tpot_p90_ms is not None:
-        p = _worst(m, "tpot_p90")
+        p = worst_point(m, "tpot_p90")
         if p is not None and (p.tpot_p90 or 0.0) > slo.tpot_p90_ms:
             out.append(_tpot(m, p, slo.tpot_p90_ms))
     return out
@@ -125,7 +127,7 @@ def _median_tpot(m: Measurement) -> str:
 
 
 def _spec_figures(m: Measurement) -> str:
-    worst, acc = _worst(m, "tpot_p90"), acceptance(m)
+    worst, acc = worst_point(m, "tpot_p90"), acceptance(m)
     text = f"median TPOT {_median_tpot(m)}"
     if worst is not None and worst.tpot_p90 is not None:
         text += f", worst TPOT_p90 {worst.tpot_p90:.1f} ms"

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from orin.tune.explain import speculation
+from orin.tune.explain import speculation, worst_point
 from orin.tune.figures import Measurement, score, verdict
 from orin.tune.plots import draw_all
 from orin.tune.run import TuneResult
@@ -52,8 +52,8 @@ def _count(n: int, noun: str) -> str:
 
 
 def _worst(m: Measurement, attr: str) -> float | None:
-    values = [v for p in m.points.values() for v in [getattr(p, attr)] if v is not None]
-    return max(values) if values else None
+    p = worst_point(m, attr)
+    return None if p is None else getattr(p, attr)
 
 
 def measurement_rows(r: TuneResult) -> list[str]:
