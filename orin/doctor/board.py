@@ -14,6 +14,7 @@ from orin.doctor.findings import Finding
 from orin.install.layout import TUNE_SERVICE, UNIT_DIR
 from orin.profile.loader import builtin_profiles
 from orin.severity import Severity, worst
+from orin.system.platform import RELEASE_FILE
 from orin.system.services import unit_active_state, unit_file_state
 from orin.system.settings import (
     FASTEST,
@@ -28,7 +29,6 @@ THERMAL_MARGIN_C = 10.0
 DISK_FAIL = 256 * 2**20
 DISK_WARN = 2 * 2**30
 LOG_DIR = "/var/log"
-RELEASE_FILE = "/etc/nv_tegra_release"
 JTOP_UNITS = (
     "/etc/systemd/system/jtop.service",
     "/lib/systemd/system/jtop.service",
@@ -44,13 +44,13 @@ def tune_fix(ctx: DoctorContext, setting: str, asked: bool, direct: str | None) 
     tune system is then given. ``direct``: the command that fixes the board at once,
     None where the board needs nothing now and only the profile does."""
     p = ctx.profile
-    builtin = p.source is None or builtin_profiles().get(p.name) == p.source
-    ref = p.name if builtin else str(p.source)
+    copy = builtin_copy(ctx)
+    ref = p.name if p.source is None or copy is not None else str(p.source)
     if asked:
         step = ""
-    elif builtin and p.source is not None:
+    elif copy is not None:
         ref = f"my-{p.name}.yaml"
-        step = f"{setting} in {builtin_copy(ctx)}, then "
+        step = f"{setting} in {copy}, then "
     else:
         step = f"{setting} in the profile, then "
     at_once = f" (or at once: {direct})" if direct is not None else ""

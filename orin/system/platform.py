@@ -43,6 +43,7 @@ from orin.system.jetson import (
 from orin.system.memory import MemInfo, read_meminfo
 from orin.system.root import SysRoot
 
+RELEASE_FILE = "/etc/nv_tegra_release"  # L4T's release line
 NODE_DIR = "/sys/devices/system/node"
 DEVFREQ_DIR = "/sys/class/devfreq"
 THERMAL_DIR = "/sys/class/thermal"
@@ -184,7 +185,7 @@ def usable_cpus() -> int:
 
 def is_jetson(root: SysRoot) -> bool:
     """Jetson or not, from files alone (no command runs): for callers that need only this."""
-    release = parse_tegra_release(root.read_text("/etc/nv_tegra_release") or "")
+    release = parse_tegra_release(root.read_text(RELEASE_FILE) or "")
     soc = parse_soc(device_tree_strings(_device_tree(root, "compatible") or ""))
     return _jetson(release, soc)
 
@@ -197,7 +198,7 @@ def detect(root: SysRoot, runner: CommandRunner) -> Platform:
     """Read every source; Jetson tools run only on a Jetson."""
     compatible = device_tree_strings(_device_tree(root, "compatible") or "")
     soc = parse_soc(compatible)
-    release = parse_tegra_release(root.read_text("/etc/nv_tegra_release") or "")
+    release = parse_tegra_release(root.read_text(RELEASE_FILE) or "")
     jetson = _jetson(release, soc)
     memory = _memory(root)
     module_id = identify_module(
