@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from orin.errors import ModelFileError, ProfileError
-from orin.profile.schema import Profile
+from orin.profile.schema import Profile, section_of
 
 Loc = tuple[str | int, ...]
 
@@ -112,7 +111,7 @@ def _without_empty_sections(data: dict[str, Any], model: type[BaseModel]) -> dic
     for key, value in data.items():
         field = model.model_fields.get(key)
         annotation = field.annotation if field is not None else None
-        section = _model_of(annotation)
+        section = section_of(annotation)
         if section is None:
             out[key] = value
         elif isinstance(value, dict):
@@ -256,7 +255,7 @@ def _without_union_members(loc: Loc) -> Loc:
             model.model_fields.get(part) if model is not None and isinstance(part, str) else None
         )
         if field is not None:
-            model = _model_of(field.annotation)
+            model = section_of(field.annotation)
         elif not isinstance(part, int):
             continue  # a union member's name
         kept.append(part)
@@ -269,7 +268,7 @@ def _is_field(loc: Loc) -> bool:
         field = model.model_fields.get(str(part)) if model is not None else None
         if field is None:
             return False
-        model = _model_of(field.annotation)
+        model = section_of(field.annotation)
     return bool(loc)
 
 
@@ -297,20 +296,12 @@ def _suggest(loc: Loc) -> str:
     model: type[BaseModel] = Profile
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
-        sub = _model_of(field.annotation) if field else None
+        sub = section_of(field.annotation) if field else None
         if sub is None:
             return ""
         model = sub
     close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
     return f"; did you mean '{close[0]}'?" if close else ""
-
-
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    candidates: Iterable[Any] = getattr(annotation, "__args__", None) or (annotation,)
-    for c in candidates:
-        if isinstance(c, type) and issubclass(c, BaseModel):
-            return c
-    return None
 
 
 def hf_model_path(profile: Profile, dirs: list[Path] | None = None) -> Path:

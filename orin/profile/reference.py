@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from orin.profile.schema import Profile
+from orin.profile.schema import Profile, section_of
 
 HEADER = """\
 # Profile reference
@@ -51,7 +51,7 @@ def profiles_reference() -> str:
     """The whole reference document."""
     parts = [HEADER, "## Top level\n", _table(_rows(Profile, ""))]
     for name, info in Profile.model_fields.items():
-        section = _model_of(info.annotation)
+        section = section_of(info.annotation)
         if section is None:
             continue
         parts.append(f"## `{name}`\n\n{info.description or ''}\n")
@@ -62,7 +62,7 @@ def profiles_reference() -> str:
 def _rows(model: type[BaseModel], prefix: str) -> Iterator[tuple[str, ...]]:
     """One row per field; a nested optional section gets a row and rows for its fields."""
     for name, info in model.model_fields.items():
-        sub = _model_of(info.annotation)
+        sub = section_of(info.annotation)
         if sub is not None and not prefix:
             continue  # a top-level section has a heading of its own
         yield (
@@ -136,13 +136,6 @@ def _bound_texts(metadata: list[Any]) -> list[str]:
                 if value is not None:
                     found.append(fmt.format(value))
     return found
-
-
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    for candidate in (annotation, *get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
 
 
 def _cell(text: str) -> str:

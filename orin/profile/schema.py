@@ -57,6 +57,15 @@ FILE = Names("file")
 FOLDER = Names("folder")
 
 
+def section_of(annotation: Any) -> type[BaseModel] | None:
+    """The section (a pydantic model) a field's annotation holds, alone or in a union
+    (``DemoModel | None``); None for a plain value."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
 def _numeric(annotation: Any) -> bool:
     """Whether a field takes a number (int or float, or either or None)."""
     kinds = set(get_args(annotation)) if get_args(annotation) else {annotation}
