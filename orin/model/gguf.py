@@ -455,6 +455,11 @@ def _tensor_stats(p: Path, contents: GGUFContents) -> tuple[tuple[TensorTypeShar
     return shares, sum(elements.values()), sum(nbytes.values())
 
 
+SPLIT_PART = re.compile(r"-\d{5}-of-(\d{5})\.gguf$", re.IGNORECASE)
+"""The end of a llama-gguf-split part's name (``-00002-of-00003.gguf``), the count in
+its group."""
+
+
 def _refuse_split(p: Path, meta: _Meta) -> None:
     """A part of a model split by llama-gguf-split (``split.count`` > 1) holds only some of
     the tensors, and only the first part the metadata: read alone, its weights and memory
@@ -464,8 +469,8 @@ def _refuse_split(p: Path, meta: _Meta) -> None:
         return
     number = meta.get("split.no")
     part = f"part {number + 1} of {count}" if isinstance(number, int) else f"a part of {count}"
-    first = re.sub(r"-\d{5}-of-(\d{5})\.gguf$", r"-00001-of-\1.gguf", p.name, flags=re.I)
-    merged = re.sub(r"-\d{5}-of-\d{5}\.gguf$", ".gguf", p.name, flags=re.I)
+    first = SPLIT_PART.sub(r"-00001-of-\1.gguf", p.name)
+    merged = SPLIT_PART.sub(".gguf", p.name)
     if merged == p.name:
         first, merged = "FIRST-PART.gguf", "MERGED.gguf"
     raise ModelFileError(

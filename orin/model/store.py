@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
 from orin.errors import HubError, ModelFileError, OrinError
+from orin.model.gguf import SPLIT_PART
 from orin.paths import models_cache_dir
 
 # The installed service's models directory (orin.install.layout.MODELS_DIR): profiles
@@ -29,7 +30,6 @@ SYSTEM_MODELS_DIR = "/var/lib/orin-llm/models"
 META_DIR = ".hub"  # provenance of pulled files, one JSON per file
 PARTIAL_DIR = ".partial"  # downloads that have not finished
 
-_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)  # llama-gguf-split's parts
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -112,8 +112,8 @@ def pick_gguf(ref: HubRef, names: list[str], where: str) -> str:
     if not chosen:
         raise HubError(f"{where} has no {what}; its GGUF files: {_listing(ggufs)}")
     many = f"GGUF files with {ref.quant} in their names" if ref.quant else "GGUF files"
-    splits = {_SPLIT.sub("", n) for n in chosen}
-    if len(splits) == 1 and all(_SPLIT.search(n) for n in chosen):
+    splits = {SPLIT_PART.sub("", n) for n in chosen}
+    if len(splits) == 1 and all(SPLIT_PART.search(n) for n in chosen):
         first = chosen[0]
         raise HubError(
             f"{where} has {ref.quant or 'the model'} split into {len(chosen)} parts: "
