@@ -17,7 +17,14 @@ from orin.tune.explain import speculation, worst_point
 from orin.tune.figures import Measurement, score, verdict
 from orin.tune.plots import draw_all
 from orin.tune.run import TuneResult
-from orin.tune.tuned import change_lines, configurations, point_lines, profile_changes, why_chosen
+from orin.tune.tuned import (
+    change_lines,
+    configurations,
+    count,
+    point_lines,
+    profile_changes,
+    why_chosen,
+)
 
 SKIPPED = (
     "Plots were skipped: matplotlib is not installed "
@@ -44,11 +51,6 @@ def _util(m: Measurement, phase: str) -> float | None:
     if f is None:
         return None
     return f.gpu_util if f.gpu_util is not None else f.cpu_util
-
-
-def _count(n: int, noun: str) -> str:
-    """'1 measurement', '3 measurements'."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _worst(m: Measurement, attr: str) -> float | None:
@@ -145,7 +147,7 @@ def markdown(r: TuneResult, images: list[str] | None) -> str:
         f"- grid: prompt tokens {list(r.grid.prompt_tokens)} x concurrency "
         f"{list(r.grid.concurrency)}, {r.grid.output_tokens} generated tokens per request",
         f"- search: {configurations(r)}, successive halving over repetitions "
-        f"{list(s.fidelities)}; first round {s.first_round}; {_count(len(s.trials), 'measurement')}"
+        f"{list(s.fidelities)}; first round {s.first_round}; {count(len(s.trials), 'measurement')}"
         + (f"; {s.stopped}" if s.stopped else ""),
         *(f"- note: {n}" for n in [*r.notes, *r.space.notes]),
         "",

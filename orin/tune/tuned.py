@@ -79,15 +79,15 @@ def _value(v: Any) -> str:
     return "(none)" if v is None else str(v)
 
 
-def _count(n: int, noun: str) -> str:
-    """'1 repetition', '3 repetitions'."""
+def count(n: int, noun: str) -> str:
+    """'1 repetition', '3 measurements'."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def configurations(r: TuneResult) -> str:
     """'12 configurations', or with the profile's own settings when they are not
     among them ('12 configurations and the profile's own': 13 measured)."""
-    n = _count(len(r.space), "configuration")
+    n = count(len(r.space), "configuration")
     return n if r.space.baseline in r.space.candidates else f"{n} and the profile's own"
 
 
@@ -114,7 +114,7 @@ def why_chosen(r: TuneResult) -> str:
     else:
         rule = "no configuration measured meets the SLO targets; it is the closest to them"
     rivals = [c for c in r.search.finalists if c != winner and c in r.measurements]
-    reps = _count(r.search.best_fidelity, "repetition")
+    reps = count(r.search.best_fidelity, "repetition")
     text = f"{rule}: {_standing(m, r)}"
     if len({t.candidate for t in r.search.trials}) == 1:
         text = (
@@ -122,7 +122,7 @@ def why_chosen(r: TuneResult) -> str:
             "a larger --budget compares others)"
         )
     elif rivals:
-        last = f"the last round ({_count(len(rivals) + 1, 'configuration')}, {reps})"
+        last = f"the last round ({count(len(rivals) + 1, 'configuration')}, {reps})"
         text += (
             f"; runner-up in {last}: {rivals[0].label}, {_standing(r.measurements[rivals[0]], r)}"
         )
@@ -148,12 +148,12 @@ def header(r: TuneResult) -> list[str]:
         f"Model {r.model_path.name} ({r.info.quantization}); engine in-process, greedy, "
         f"{r.grid.output_tokens} generated tokens per request, telemetry "
         f"{r.telemetry_source or 'off'}.",
-        f"Search: {_count(len(r.search.trials), 'measurement')} of {configurations(r)} "
+        f"Search: {count(len(r.search.trials), 'measurement')} of {configurations(r)} "
         f"(successive halving, repetitions {list(r.search.fidelities)}), "
         f"{r.search.spent_s:.0f} s of a {r.settings.budget_s:.0f} s budget.",
         f"Chosen {r.chosen.label}: {why_chosen(r)}.",
-        f"Measured ({_count(chosen.reps, 'repetition')} per point; before = the profile's own "
-        f"settings, {_count(before.reps if before else 0, 'repetition')}):",
+        f"Measured ({count(chosen.reps, 'repetition')} per point; before = the profile's own "
+        f"settings, {count(before.reps if before else 0, 'repetition')}):",
         *(f"  {line}" for line in point_lines(chosen, before)),
         *(
             [f"The profile's own settings failed: {before.error}"]
